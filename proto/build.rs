@@ -1,0 +1,23 @@
+//! Generates the contract's Rust code with the vendored protoc, so a fresh
+//! machine needs no system protoc.
+
+use std::{env, path::PathBuf};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protos = [
+        "contextengine/v1/types.proto",
+        "contextengine/v1/engine.proto",
+        "contextengine/v1/host.proto",
+    ];
+    for p in &protos {
+        println!("cargo:rerun-if-changed={p}");
+    }
+    let out = PathBuf::from(env::var("OUT_DIR")?);
+
+    let mut prost = prost_build::Config::new();
+    prost.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure()
+        .file_descriptor_set_path(out.join("contextengine_v1_descriptor.bin"))
+        .compile_with_config(prost, &protos, &["."])?;
+    Ok(())
+}

@@ -1,0 +1,90 @@
+//! The token estimate: one function for every place that counts tokens.
+//!
+//! chars/4, with CJK characters weighted as one token each (they tokenise
+//! far denser than Latin text), images at a flat 2000 tokens, and a
+//! provider-reported usage count winning where the message has one.
+
+use crate::pb::{AgentMessage, content_part::Part};
+
+/// Tokens charged for one image reference.
+pub const IMAGE_TOKENS: u64 = 2000;
+
+/// Estimated tokens of a text.
+pub fn text_tokens(text: &str) -> u64 {
+    let (mut other, mut cjk) = (0u64, 0u64);
+    for c in text.chars() {
+        if is_cjk(c) { cjk += 1 } else { other += 1 }
+    }
+    other.div_ceil(4) + cjk
+}
+
+/// Estimated tokens of one message: the provider's output count when it
+/// reported one, else the estimate of its parts.
+pub fn message_tokens(message: &AgentMessage) -> u64 {
+    if let Some(reported) = message.usage.as_ref().and_then(|u| u.output_tokens) {
+        return reported;
+    }
+    message
+        .content
+        .iter()
+        .filter_map(|p| p.part.as_ref())
+        .map(|part| match part {
+            Part::Text(t) => text_tokens(t),
+            Part::Thinking(t) => text_tokens(&t.text),
+            Part::Image(_) => IMAGE_TOKENS,
+            Part::ToolCall(c) => text_tokens(&c.name) + text_tokens(&c.arguments_json),
+            Part::ToolResult(r) => text_tokens(&r.text),
+        })
+        .sum()
+}
+
+/// Estimated tokens of a list of messages.
+pub fn messages_tokens<'a>(messages: impl IntoIterator<Item = &'a AgentMessage>) -> u64 {
+    messages.into_iter().map(message_tokens).sum()
+}
+
+fn is_cjk(c: char) -> bool {
+    matches!(c as u32,
+        0x3040..=0x30FF      // Hiragana, Katakana
+        | 0x3400..=0x4DBF    // CJK Extension A
+        | 0x4E00..=0x9FFF    // CJK Unified Ideographs
+        | 0xAC00..=0xD7AF    // Hangul syllables
+        | 0xF900..=0xFAFF    // CJK Compatibility Ideographs
+        | 0x20000..=0x2FA1F) // Extensions B..F, compatibility supplement
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::{ContentPart, ImageRef, Usage};
+
+    fn msg(parts: Vec<Part>) -> AgentMessage {
+        AgentMessage {
+            id: "m".into(),
+            role: 2,
+            content: parts.into_iter().map(|p| ContentPart { part: Some(p) }).collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn latin_text_is_chars_over_four_rounded_up() {
+        assert_eq!(text_tokens(""), 0);
+        assert_eq!(text_tokens("abcd"), 1);
+        assert_eq!(text_tokens("abcde"), 2);
+    }
+
+    #[test]
+    fn cjk_counts_one_token_per_character() {
+        assert_eq!(text_tokens("日本語"), 3);
+        assert_eq!(text_tokens("日本語abcd"), 4);
+    }
+
+    #[test]
+    fn images_are_flat_and_usage_wins() {
+        let mut m = msg(vec![Part::Image(ImageRef::default()), Part::Text("abcd".into())]);
+        assert_eq!(message_tokens(&m), IMAGE_TOKENS + 1);
+        m.usage = Some(Usage { output_tokens: Some(7), ..Default::default() });
+        assert_eq!(message_tokens(&m), 7);
+    }
+}

@@ -1,0 +1,47 @@
+//! The context-engine contract (`proto/contextengine/v1`): generated types and
+//! gRPC stubs in [`pb`], the contract's size [`limits`], request and response
+//! [`validate`]ion shared by the gateway, the SDK and the conformance kit, and
+//! the one token [`estimate`].
+
+pub mod estimate;
+pub mod limits;
+pub mod validate;
+
+/// Generated code for package `contextengine.v1`.
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("contextengine.v1");
+}
+
+/// Encoded `FileDescriptorSet` of the contract, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    tonic::include_file_descriptor_set!("contextengine_v1_descriptor");
+
+/// The contract version this crate speaks (`EngineInfo.contract_version`).
+pub const CONTRACT_VERSION: &str = "1.0";
+
+/// Fully qualified name of the engine service, also its health service name.
+pub const ENGINE_SERVICE: &str = "contextengine.v1.ContextEngine";
+
+/// Fully qualified name of the host callback service.
+pub const HOST_SERVICE: &str = "contextengine.v1.Host";
+
+/// The RPCs every engine must implement.
+pub const REQUIRED_METHODS: [&str; 4] = ["GetInfo", "Ingest", "Assemble", "Compact"];
+
+/// Every RPC of `ContextEngine`, in lifecycle order.
+pub const ALL_METHODS: [&str; 13] = [
+    "GetInfo",
+    "Bootstrap",
+    "Ingest",
+    "IngestBatch",
+    "Assemble",
+    "Compact",
+    "AfterTurn",
+    "CommitTurn",
+    "Maintain",
+    "PrepareSubagentSpawn",
+    "RollbackSubagentSpawn",
+    "OnSubagentEnded",
+    "Dispose",
+];

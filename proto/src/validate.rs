@@ -1,0 +1,378 @@
+//! Validation of contract messages, shared by every side: the SDK checks
+//! requests before an engine sees them, the gateway and the conformance kit
+//! check what engines answer. A [`Violation`] names the offending field path
+//! and maps to INVALID_ARGUMENT or RESOURCE_EXHAUSTED in one place.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use crate::limits::{MAX_ID_BYTES, MAX_MESSAGE_CONTENT_BYTES, MAX_MESSAGES};
+use crate::pb::{self, AgentMessage, Role, content_part::Part};
+
+/// Why a contract message is not acceptable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    /// Field path, e.g. `messages[3].content[0].tool_result.tool_call_id`.
+    pub field: String,
+    pub kind: ViolationKind,
+    /// What is wrong, in words, without the field path.
+    pub problem: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViolationKind {
+    /// Malformed: INVALID_ARGUMENT.
+    Invalid,
+    /// Over a size limit: RESOURCE_EXHAUSTED.
+    TooLarge,
+}
+
+impl Violation {
+    pub fn invalid(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self { field: field.into(), kind: ViolationKind::Invalid, problem: problem.into() }
+    }
+
+    pub fn too_large(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self { field: field.into(), kind: ViolationKind::TooLarge, problem: problem.into() }
+    }
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.problem)
+    }
+}
+
+impl std::error::Error for Violation {}
+
+impl From<Violation> for tonic::Status {
+    fn from(v: Violation) -> Self {
+        match v.kind {
+            ViolationKind::Invalid => tonic::Status::invalid_argument(v.to_string()),
+            ViolationKind::TooLarge => tonic::Status::resource_exhausted(v.to_string()),
+        }
+    }
+}
+
+pub type Result<T = ()> = std::result::Result<T, Violation>;
+
+/// A required id: non-blank and at most [`MAX_ID_BYTES`].
+pub fn id(value: &str, field: &str) -> Result {
+    if value.trim().is_empty() {
+        return Err(Violation::invalid(field, "is required"));
+    }
+    if value.len() > MAX_ID_BYTES {
+        return Err(Violation::too_large(
+            field,
+            format!("is {} bytes, the limit is {MAX_ID_BYTES}", value.len()),
+        ));
+    }
+    Ok(())
+}
+
+/// The summed size of a message's content parts, in bytes.
+pub fn content_bytes(message: &AgentMessage) -> usize {
+    message
+        .content
+        .iter()
+        .filter_map(|p| p.part.as_ref())
+        .map(|part| match part {
+            Part::Text(t) => t.len(),
+            Part::Thinking(t) => t.text.len() + t.signature.len(),
+            Part::Image(i) => i.uri.len() + i.mime_type.len(),
+            Part::ToolCall(c) => c.id.len() + c.name.len() + c.arguments_json.len(),
+            Part::ToolResult(r) => r.tool_call_id.len() + r.tool_name.len() + r.text.len(),
+        })
+        .sum()
+}
+
+/// One well-formed message: id, known role, parts set, tool ids present,
+/// content within [`MAX_MESSAGE_CONTENT_BYTES`].
+pub fn message(m: &AgentMessage, field: &str) -> Result {
+    id(&m.id, &format!("{field}.id"))?;
+    match Role::try_from(m.role) {
+        Ok(Role::Unspecified) => return Err(Violation::invalid(format!("{field}.role"), "is required")),
+        Err(_) => {
+            return Err(Violation::invalid(format!("{field}.role"), format!("unknown role {}", m.role)));
+        }
+        Ok(_) => {}
+    }
+    for (i, p) in m.content.iter().enumerate() {
+        let at = format!("{field}.content[{i}]");
+        match &p.part {
+            None => return Err(Violation::invalid(at, "has no part set")),
+            Some(Part::ToolCall(c)) => {
+                id(&c.id, &format!("{at}.tool_call.id"))?;
+                if c.name.trim().is_empty() {
+                    return Err(Violation::invalid(format!("{at}.tool_call.name"), "is required"));
+                }
+            }
+            Some(Part::ToolResult(r)) => id(&r.tool_call_id, &format!("{at}.tool_result.tool_call_id"))?,
+            Some(_) => {}
+        }
+    }
+    let size = content_bytes(m);
+    if size > MAX_MESSAGE_CONTENT_BYTES {
+        return Err(Violation::too_large(
+            format!("{field}.content"),
+            format!("is {size} bytes, the limit is {MAX_MESSAGE_CONTENT_BYTES}"),
+        ));
+    }
+    Ok(())
+}
+
+/// A list of well-formed messages with unique ids, at most [`MAX_MESSAGES`].
+pub fn messages(list: &[AgentMessage], field: &str) -> Result {
+    if list.len() > MAX_MESSAGES {
+        return Err(Violation::too_large(
+            field,
+            format!("has {} messages, the limit is {MAX_MESSAGES}", list.len()),
+        ));
+    }
+    let mut seen = HashSet::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let at = format!("{field}[{i}]");
+        message(m, &at)?;
+        if !seen.insert(m.id.as_str()) {
+            return Err(Violation::invalid(format!("{at}.id"), format!("duplicates message id {:?}", m.id)));
+        }
+    }
+    Ok(())
+}
+
+/// Every tool result is preceded, in `list`, by the tool call it answers:
+/// nothing split a call from its result.
+pub fn tool_pairs(list: &[AgentMessage], field: &str) -> Result {
+    let mut calls = HashSet::new();
+    for (i, m) in list.iter().enumerate() {
+        for (j, p) in m.content.iter().enumerate() {
+            match &p.part {
+                Some(Part::ToolCall(c)) => {
+                    calls.insert(c.id.as_str());
+                }
+                Some(Part::ToolResult(r)) if !calls.contains(r.tool_call_id.as_str()) => {
+                    return Err(Violation::invalid(
+                        format!("{field}[{i}].content[{j}].tool_result"),
+                        format!("answers tool call {:?}, which does not precede it", r.tool_call_id),
+                    ));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Request checks an engine server applies before its code runs.
+pub mod request {
+    use super::*;
+
+    pub fn bootstrap(r: &pb::BootstrapRequest) -> Result {
+        id(&r.session_id, "session_id")
+    }
+
+    pub fn ingest(r: &pb::IngestRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        let m = r.message.as_ref().ok_or_else(|| Violation::invalid("message", "is required"))?;
+        message(m, "message")
+    }
+
+    pub fn ingest_batch(r: &pb::IngestBatchRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        messages(&r.messages, "messages")
+    }
+
+    pub fn assemble(r: &pb::AssembleRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        messages(&r.messages, "messages")
+    }
+
+    pub fn compact(r: &pb::CompactRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        id(&r.session_key, "session_key")
+    }
+
+    pub fn after_turn(r: &pb::AfterTurnRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        messages(&r.messages, "messages")?;
+        if r.pre_prompt_message_count as usize > r.messages.len() {
+            return Err(Violation::invalid(
+                "pre_prompt_message_count",
+                format!("is {} but there are only {} messages", r.pre_prompt_message_count, r.messages.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn commit_turn(r: &pb::CommitTurnRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        id(&r.advancement_key, "advancement_key")?;
+        let admission = r.admission.as_ref().ok_or_else(|| Violation::invalid("admission", "is required"))?;
+        if admission.logical_turn_id != r.advancement_key {
+            return Err(Violation::invalid(
+                "admission.logical_turn_id",
+                "must equal advancement_key",
+            ));
+        }
+        if r.terminal.is_none() {
+            return Err(Violation::invalid("terminal", "is required"));
+        }
+        messages(&r.messages, "messages")
+    }
+
+    pub fn maintain(r: &pb::MaintainRequest) -> Result {
+        id(&r.session_id, "session_id")
+    }
+
+    pub fn prepare_subagent_spawn(r: &pb::PrepareSubagentSpawnRequest) -> Result {
+        id(&r.parent_session_key, "parent_session_key")?;
+        id(&r.child_session_key, "child_session_key")?;
+        if r.parent_session_key == r.child_session_key {
+            return Err(Violation::invalid("child_session_key", "must differ from parent_session_key"));
+        }
+        Ok(())
+    }
+
+    pub fn rollback_subagent_spawn(r: &pb::RollbackSubagentSpawnRequest) -> Result {
+        id(&r.rollback_token, "rollback_token")
+    }
+
+    pub fn on_subagent_ended(r: &pb::OnSubagentEndedRequest) -> Result {
+        id(&r.child_session_key, "child_session_key")
+    }
+}
+
+/// Result checks a caller applies to what an engine answered.
+pub mod result {
+    use super::*;
+
+    pub fn info(i: &pb::EngineInfo) -> Result {
+        if i.id.trim().is_empty() {
+            return Err(Violation::invalid("info.id", "is blank"));
+        }
+        if i.name.trim().is_empty() {
+            return Err(Violation::invalid("info.name", "is blank"));
+        }
+        let major = i.contract_version.split('.').next().unwrap_or_default();
+        if major != "1" {
+            return Err(Violation::invalid(
+                "info.contract_version",
+                format!("is {:?}, this side speaks 1.x", i.contract_version),
+            ));
+        }
+        for m in crate::REQUIRED_METHODS {
+            if !i.implemented_methods.iter().any(|x| x == m) {
+                return Err(Violation::invalid("info.implemented_methods", format!("lacks required method {m}")));
+            }
+        }
+        let mut seen = HashSet::new();
+        for m in &i.implemented_methods {
+            if !crate::ALL_METHODS.contains(&m.as_str()) {
+                return Err(Violation::invalid("info.implemented_methods", format!("names unknown method {m:?}")));
+            }
+            if !seen.insert(m) {
+                return Err(Violation::invalid("info.implemented_methods", format!("lists {m} twice")));
+            }
+        }
+        let sem = i.transcript_semantics.unwrap_or_default();
+        if sem.turn_advancement_idempotency != 0 && !seen.contains(&"CommitTurn".to_string()) {
+            return Err(Violation::invalid(
+                "info.transcript_semantics.turn_advancement_idempotency",
+                "is declared but CommitTurn is not implemented",
+            ));
+        }
+        Ok(())
+    }
+
+    /// An assemble result for `request_messages`: messages present when there
+    /// was history, well-formed, and no tool result split from its call.
+    pub fn assemble(r: &pb::AssembleResult, request_messages: &[AgentMessage]) -> Result {
+        if r.messages.is_empty() && !request_messages.is_empty() {
+            return Err(Violation::invalid("messages", "is empty although the request had history"));
+        }
+        messages(&r.messages, "messages")?;
+        tool_pairs(&r.messages, "messages")?;
+        if let Some(p) = &r.projection
+            && p.mode == pb::ProjectionMode::ThreadBootstrap as i32
+            && p.epoch.as_deref().is_none_or(|e| e.trim().is_empty())
+        {
+            return Err(Violation::invalid("projection.epoch", "is required for thread_bootstrap"));
+        }
+        Ok(())
+    }
+
+    pub fn commit_turn(r: &pb::CommitTurnResult) -> Result {
+        match pb::CommitStatus::try_from(r.status) {
+            Ok(pb::CommitStatus::Committed | pb::CommitStatus::Duplicate) => Ok(()),
+            _ => Err(Violation::invalid("status", format!("invalid commitTurn result status: {}", r.status))),
+        }
+    }
+
+    pub fn maintain(r: &pb::MaintainResult) -> Result {
+        for (i, rep) in r.replacements.iter().enumerate() {
+            let at = format!("replacements[{i}]");
+            let m = rep.message.as_ref().ok_or_else(|| Violation::invalid(format!("{at}.message"), "is required"))?;
+            message(m, &format!("{at}.message"))?;
+            if m.id != rep.entry_id {
+                return Err(Violation::invalid(format!("{at}.message.id"), "must equal entry_id"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::{ContentPart, ToolCall, ToolResult};
+
+    fn m(id: &str, role: Role, parts: Vec<Part>) -> AgentMessage {
+        AgentMessage {
+            id: id.into(),
+            role: role as i32,
+            content: parts.into_iter().map(|p| ContentPart { part: Some(p) }).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn call(id: &str) -> Part {
+        Part::ToolCall(ToolCall { id: id.into(), name: "read".into(), arguments_json: "{}".into() })
+    }
+
+    fn result(id: &str) -> Part {
+        Part::ToolResult(ToolResult { tool_call_id: id.into(), text: "ok".into(), ..Default::default() })
+    }
+
+    #[test]
+    fn unknown_and_missing_roles_name_the_field() {
+        let mut x = m("a", Role::User, vec![Part::Text("hi".into())]);
+        x.role = 42;
+        let v = messages(&[x], "messages").unwrap_err();
+        assert_eq!((v.field.as_str(), v.kind), ("messages[0].role", ViolationKind::Invalid));
+        x = m("a", Role::Unspecified, vec![]);
+        assert_eq!(message(&x, "m").unwrap_err().field, "m.role");
+    }
+
+    #[test]
+    fn tool_result_needs_a_call_id_and_oversize_is_resource_exhausted() {
+        let x = m("a", Role::Tool, vec![result("")]);
+        assert_eq!(message(&x, "m").unwrap_err().field, "m.content[0].tool_result.tool_call_id");
+        let big = m("b", Role::User, vec![Part::Text("x".repeat(MAX_MESSAGE_CONTENT_BYTES + 1))]);
+        let v = message(&big, "m").unwrap_err();
+        assert_eq!(v.kind, ViolationKind::TooLarge);
+        assert_eq!(tonic::Status::from(v).code(), tonic::Code::ResourceExhausted);
+    }
+
+    #[test]
+    fn tool_pairs_detects_a_result_without_its_call() {
+        let pair = [m("1", Role::Assistant, vec![call("c1")]), m("2", Role::Tool, vec![result("c1")])];
+        assert!(tool_pairs(&pair, "m").is_ok());
+        assert_eq!(tool_pairs(&pair[1..], "m").unwrap_err().field, "m[0].content[0].tool_result");
+    }
+
+    #[test]
+    fn duplicate_ids_are_rejected() {
+        let list = [m("1", Role::User, vec![]), m("1", Role::User, vec![])];
+        assert_eq!(messages(&list, "messages").unwrap_err().field, "messages[1].id");
+    }
+}
