@@ -1,0 +1,47 @@
+//! `ctxgate-conformance --endpoint URL [--json]`: run the conformance kit
+//! against a running engine. Exits 0 when no case failed.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use ctxgate_engine_sdk::conformance::{Options, run};
+
+#[derive(Parser, Debug)]
+#[command(version, about = "Check a context engine against the ctxgate contract")]
+struct Args {
+    /// The engine: http://HOST:PORT or unix:///PATH.
+    #[arg(long)]
+    endpoint: String,
+    /// Print the report as JSON instead of one line per case.
+    #[arg(long)]
+    json: bool,
+    /// A case taking longer than this fails as hung.
+    #[arg(long, default_value_t = 10_000)]
+    case_timeout_ms: u64,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let opts = Options { endpoint: args.endpoint, case_timeout: Duration::from_millis(args.case_timeout_ms) };
+    let report = match run(&opts).await {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ctxgate-conformance: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if args.json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(s) => println!("{s}"),
+            Err(e) => {
+                eprintln!("ctxgate-conformance: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    } else {
+        print!("{}", report.to_text());
+    }
+    if report.failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+}

@@ -1,0 +1,537 @@
+//! The conformance kit: a black-box suite any engine, in any language, can
+//! be run against (`ctxgate-conformance --endpoint URL`), in the spirit of
+//! csi-sanity. Each case talks to the engine over real gRPC and reports
+//! pass, fail or skip with a reason.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ctxgate_proto::{ENGINE_SERVICE, estimate, limits, validate};
+use serde::Serialize;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+use tonic_reflection::pb::v1 as reflection;
+
+use crate::pb::{self, context_engine_client::ContextEngineClient};
+use crate::testkit::msg;
+use crate::{connect, engine_client};
+
+/// How to run the suite.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub endpoint: String,
+    /// A case that takes longer fails as hung.
+    pub case_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[serde(tag = "outcome", content = "reason", rename_all = "lowercase")]
+pub enum Outcome {
+    Pass,
+    Fail(String),
+    Skip(String),
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CaseReport {
+    pub name: &'static str,
+    #[serde(flatten)]
+    pub outcome: Outcome,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub endpoint: String,
+    pub cases: Vec<CaseReport>,
+    pub passed: usize,
+    pub failed: usize,
+    pub skipped: usize,
+}
+
+impl Report {
+    /// One line per case, then `N passed, N failed, N skipped`.
+    pub fn to_text(&self) -> String {
+        let mut out = String::new();
+        for c in &self.cases {
+            let line = match &c.outcome {
+                Outcome::Pass => format!("pass  {}", c.name),
+                Outcome::Fail(r) => format!("FAIL  {}: {r}", c.name),
+                Outcome::Skip(r) => format!("skip  {}: {r}", c.name),
+            };
+            out.push_str(&line);
+            out.push('\n');
+        }
+        out.push_str(&format!("{} passed, {} failed, {} skipped\n", self.passed, self.failed, self.skipped));
+        out
+    }
+
+    pub fn outcome_of(&self, name: &str) -> Option<&Outcome> {
+        self.cases.iter().find(|c| c.name == name).map(|c| &c.outcome)
+    }
+}
+
+/// A case fails with a reason.
+type CaseResult = Result<Outcome, String>;
+type CaseFn = for<'a> fn(&'a Kit) -> Pin<Box<dyn Future<Output = CaseResult> + Send + 'a>>;
+
+macro_rules! case {
+    ($name:literal, $f:ident) => {
+        ($name, (|kit| Box::pin($f(kit))) as CaseFn)
+    };
+}
+
+/// Every case, in the order they run.
+pub const CASES: &[(&str, CaseFn)] = &[
+    case!("health.check", health_check),
+    case!("health.watch", health_watch),
+    case!("reflection.lists_services", reflection_lists_services),
+    case!("info.valid", info_valid),
+    case!("info.id_not_reserved", info_id_not_reserved),
+    case!("info.implemented_methods_match_behaviour", info_methods_match),
+    case!("ingest.idempotent_by_message_id", ingest_idempotent),
+    case!("assemble.answers_with_estimate", assemble_estimate),
+    case!("assemble.keeps_message_order", assemble_order),
+    case!("assemble.keeps_tool_pairs_under_budget", assemble_tool_pairs),
+    case!("compact.stream_ends_with_one_terminal_event", compact_stream_shape),
+    case!("commit_turn.committed_then_duplicate", commit_turn_idempotent),
+    case!("subagent.prepare_then_rollback_twice", subagent_rollback),
+    case!("cancel.mid_flight_leaves_engine_healthy", cancel_mid_flight),
+    case!("deadline.one_ms_leaves_engine_healthy", deadline_one_ms),
+    case!("malformed.missing_session_id", malformed_missing_session),
+    case!("malformed.missing_message", malformed_missing_message),
+    case!("malformed.unknown_role", malformed_unknown_role),
+    case!("malformed.tool_result_without_call_id", malformed_tool_result),
+    case!("malformed.oversized_content", malformed_oversized),
+];
+
+/// Runs every case against `opts.endpoint`.
+pub async fn run(opts: &Options) -> Result<Report, crate::endpoint::BadEndpoint> {
+    let channel = connect(&opts.endpoint)?;
+    let mut kit = Kit { engine: engine_client(channel.clone()), channel, info: None };
+    kit.info = kit.engine.clone().get_info(timed(pb::GetInfoRequest {}, opts.case_timeout)).await.ok().map(|r| r.into_inner());
+    let mut cases = Vec::with_capacity(CASES.len());
+    for (name, f) in CASES {
+        let outcome = match tokio::time::timeout(opts.case_timeout, f(&kit)).await {
+            Ok(Ok(o)) => o,
+            Ok(Err(reason)) => Outcome::Fail(reason),
+            Err(_) => Outcome::Fail(format!("no answer within {:?} (hung)", opts.case_timeout)),
+        };
+        cases.push(CaseReport { name, outcome });
+    }
+    let count = |f: fn(&Outcome) -> bool| cases.iter().filter(|c| f(&c.outcome)).count();
+    Ok(Report {
+        endpoint: opts.endpoint.clone(),
+        passed: count(|o| matches!(o, Outcome::Pass)),
+        failed: count(|o| matches!(o, Outcome::Fail(_))),
+        skipped: count(|o| matches!(o, Outcome::Skip(_))),
+        cases,
+    })
+}
+
+/// What every case shares: the channel, the engine client, and the engine's
+/// info when GetInfo answered.
+pub struct Kit {
+    channel: Channel,
+    engine: ContextEngineClient<Channel>,
+    info: Option<pb::EngineInfo>,
+}
+
+/// Per-call deadline inside a case; the case timeout bounds the whole case.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.set_timeout(timeout);
+    r
+}
+
+fn req<T>(msg: T) -> Request<T> {
+    timed(msg, CALL_TIMEOUT)
+}
+
+fn session(case: &str) -> String {
+    let nanos = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos();
+    format!("conformance-{case}-{nanos}")
+}
+
+fn describe(s: &Status) -> String {
+    format!("{:?}: {}", s.code(), s.message())
+}
+
+fn ensure(cond: bool, reason: impl FnOnce() -> String) -> Result<(), String> {
+    if cond { Ok(()) } else { Err(reason()) }
+}
+
+impl Kit {
+    fn client(&self) -> ContextEngineClient<Channel> {
+        self.engine.clone()
+    }
+
+    fn info(&self) -> Result<&pb::EngineInfo, String> {
+        self.info.as_ref().ok_or_else(|| "GetInfo did not answer".to_owned())
+    }
+
+    fn implements(&self, method: &str) -> bool {
+        self.info.as_ref().is_some_and(|i| i.implemented_methods.iter().any(|m| m == method))
+    }
+
+    /// The engine still answers GetInfo and reports SERVING.
+    async fn still_healthy(&self, after: &str) -> Result<(), String> {
+        self.client().get_info(req(pb::GetInfoRequest {})).await.map_err(|s| format!("after {after}, GetInfo failed: {}", describe(&s)))?;
+        let status = HealthClient::new(self.channel.clone())
+            .check(req(HealthCheckRequest { service: String::new() }))
+            .await
+            .map_err(|s| format!("after {after}, health Check failed: {}", describe(&s)))?
+            .into_inner()
+            .status;
+        ensure(status == ServingStatus::Serving as i32, || format!("after {after}, health is {status}, not SERVING"))
+    }
+
+    /// Ingests `messages` one by one into `session_id`.
+    async fn ingest_all(&self, session_id: &str, messages: &[pb::AgentMessage]) -> Result<(), String> {
+        for m in messages {
+            let r = pb::IngestRequest { session_id: session_id.into(), session_key: Some(session_id.into()), message: Some(m.clone()), is_heartbeat: false };
+            self.client().ingest(req(r)).await.map_err(|s| format!("Ingest {} failed: {}", m.id, describe(&s)))?;
+        }
+        Ok(())
+    }
+
+    /// A malformed request must get `want` and leave the engine answering.
+    async fn expect_code<T: std::fmt::Debug>(&self, what: &str, got: Result<tonic::Response<T>, Status>, want: Code) -> CaseResult {
+        match got {
+            Ok(_) => return Err(format!("{what}: accepted, expected {want:?}")),
+            Err(s) if s.code() == want => {}
+            Err(s) => return Err(format!("{what}: got {}, expected {want:?}", describe(&s))),
+        }
+        self.still_healthy(what).await?;
+        Ok(Outcome::Pass)
+    }
+}
+
+/// A conversation of `turns` user/assistant/tool exchanges with tool pairs.
+fn history(turns: usize, tool_text_len: usize) -> Vec<pb::AgentMessage> {
+    let mut out = Vec::new();
+    for t in 0..turns {
+        out.push(msg::user(&format!("u{t}"), &format!("Turn {t}: please read file_{t}.rs and summarise it.")));
+        out.push(msg::tool_call(&format!("c{t}"), &format!("call-{t}"), "read_file"));
+        out.push(msg::tool_result(&format!("r{t}"), &format!("call-{t}"), &format!("fn f{t}() {{}}\n{}", "x".repeat(tool_text_len))));
+        out.push(msg::assistant(&format!("a{t}"), &format!("file_{t}.rs defines f{t}.")));
+    }
+    out
+}
+
+fn assemble_request(session_id: &str, messages: Vec<pb::AgentMessage>, budget: Option<u64>) -> pb::AssembleRequest {
+    pb::AssembleRequest { session_id: session_id.into(), session_key: Some(session_id.into()), messages, token_budget: budget, ..Default::default() }
+}
+
+// ---------------------------------------------------------------------------
+
+async fn health_check(kit: &Kit) -> CaseResult {
+    let mut health = HealthClient::new(kit.channel.clone());
+    for service in ["", ENGINE_SERVICE] {
+        let status = health
+            .check(req(HealthCheckRequest { service: service.into() }))
+            .await
+            .map_err(|s| format!("Check({service:?}) failed: {}", describe(&s)))?
+            .into_inner()
+            .status;
+        ensure(status == ServingStatus::Serving as i32, || format!("Check({service:?}) is {status}, not SERVING"))?;
+    }
+    Ok(Outcome::Pass)
+}
+
+async fn health_watch(kit: &Kit) -> CaseResult {
+    let mut stream = HealthClient::new(kit.channel.clone())
+        .watch(Request::new(HealthCheckRequest { service: ENGINE_SERVICE.into() }))
+        .await
+        .map_err(|s| format!("Watch failed: {}", describe(&s)))?
+        .into_inner();
+    let first = stream.next().await.ok_or("Watch ended without a status")?.map_err(|s| describe(&s))?;
+    ensure(first.status == ServingStatus::Serving as i32, || format!("Watch's first status is {}, not SERVING", first.status))?;
+    Ok(Outcome::Pass)
+}
+
+async fn reflection_lists_services(kit: &Kit) -> CaseResult {
+    use reflection::{server_reflection_request::MessageRequest, server_reflection_response::MessageResponse};
+    let request = reflection::ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+    let mut stream = reflection::server_reflection_client::ServerReflectionClient::new(kit.channel.clone())
+        .server_reflection_info(req(tokio_stream::iter([request])))
+        .await
+        .map_err(|s| format!("reflection failed: {}", describe(&s)))?
+        .into_inner();
+    let answer = stream.next().await.ok_or("reflection answered nothing")?.map_err(|s| describe(&s))?;
+    let Some(MessageResponse::ListServicesResponse(list)) = answer.message_response else {
+        return Err("reflection did not answer ListServices".into());
+    };
+    let names: Vec<_> = list.service.iter().map(|s| s.name.as_str()).collect();
+    for want in [ENGINE_SERVICE, "grpc.health.v1.Health"] {
+        ensure(names.contains(&want), || format!("reflection lists {names:?}, missing {want}"))?;
+    }
+    Ok(Outcome::Pass)
+}
+
+async fn info_valid(kit: &Kit) -> CaseResult {
+    validate::result::info(kit.info()?).map_err(|v| v.to_string())?;
+    Ok(Outcome::Pass)
+}
+
+async fn info_id_not_reserved(kit: &Kit) -> CaseResult {
+    ensure(kit.info()?.id.trim() != "legacy", || "id \"legacy\" is reserved for the gateway's own engine".into())?;
+    Ok(Outcome::Pass)
+}
+
+/// Calls one optional method with a valid request; `Ok(true)` if it is
+/// implemented (answered anything but UNIMPLEMENTED).
+async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String> {
+    let mut c = kit.client();
+    let key = Some(session_id.to_owned());
+    let code = match method {
+        "Bootstrap" => c.bootstrap(req(pb::BootstrapRequest { session_id: session_id.into(), session_key: key, ..Default::default() })).await.err(),
+        "IngestBatch" => c
+            .ingest_batch(req(pb::IngestBatchRequest { session_id: session_id.into(), session_key: key, messages: vec![msg::user("probe-1", "hello")], is_heartbeat: false }))
+            .await
+            .err(),
+        "AfterTurn" => c
+            .after_turn(req(pb::AfterTurnRequest { session_id: session_id.into(), session_key: key, messages: vec![msg::user("probe-2", "hi")], pre_prompt_message_count: 0, ..Default::default() }))
+            .await
+            .err(),
+        "CommitTurn" => c.commit_turn(req(commit_request(session_id, "probe-turn"))).await.err(),
+        "Maintain" => c
+            .maintain(req(pb::MaintainRequest { session_id: session_id.into(), session_key: key, reason: pb::MaintainReason::Turn as i32, ..Default::default() }))
+            .await
+            .err(),
+        "PrepareSubagentSpawn" => c
+            .prepare_subagent_spawn(req(pb::PrepareSubagentSpawnRequest { parent_session_key: session_id.into(), child_session_key: format!("{session_id}-child"), context_mode: pb::SubagentContextMode::Isolated as i32, ..Default::default() }))
+            .await
+            .err(),
+        "RollbackSubagentSpawn" => c.rollback_subagent_spawn(req(pb::RollbackSubagentSpawnRequest { rollback_token: "unknown-token".into(), child_session_key: format!("{session_id}-child") })).await.err(),
+        "OnSubagentEnded" => c.on_subagent_ended(req(pb::OnSubagentEndedRequest { child_session_key: format!("{session_id}-child"), reason: pb::SubagentEndReason::Completed as i32, ..Default::default() })).await.err(),
+        other => return Err(format!("no probe for {other}")),
+    };
+    match code {
+        None => Ok(true),
+        Some(s) if s.code() == Code::Unimplemented => Ok(false),
+        Some(s) => Err(format!("{method} with a valid request failed: {}", describe(&s))),
+    }
+}
+
+async fn info_methods_match(kit: &Kit) -> CaseResult {
+    kit.info()?;
+    let session_id = session("methods");
+    kit.ingest_all(&session_id, &[msg::user("seed", "hello")]).await?;
+    let optional = ctxgate_proto::ALL_METHODS.iter().filter(|m| !ctxgate_proto::REQUIRED_METHODS.contains(m) && **m != "Dispose");
+    let mut problems = Vec::new();
+    for method in optional {
+        let implemented = probe(kit, method, &session_id).await?;
+        match (kit.implements(method), implemented) {
+            (true, false) => problems.push(format!("{method} is listed but answers UNIMPLEMENTED")),
+            (false, true) => problems.push(format!("{method} answers but is not listed")),
+            _ => {}
+        }
+    }
+    ensure(problems.is_empty(), || problems.join("; "))?;
+    Ok(Outcome::Pass)
+}
+
+async fn ingest_idempotent(kit: &Kit) -> CaseResult {
+    let session_id = session("ingest");
+    let r = pb::IngestRequest { session_id: session_id.clone(), session_key: Some(session_id.clone()), message: Some(msg::user("m1", "hello")), is_heartbeat: false };
+    kit.client().ingest(req(r.clone())).await.map_err(|s| format!("first Ingest failed: {}", describe(&s)))?;
+    let second = kit.client().ingest(req(r)).await.map_err(|s| format!("second Ingest failed: {}", describe(&s)))?.into_inner();
+    ensure(!second.ingested, || "the same message id was ingested twice".into())?;
+    Ok(Outcome::Pass)
+}
+
+async fn assemble_estimate(kit: &Kit) -> CaseResult {
+    let session_id = session("estimate");
+    let h = history(2, 200);
+    kit.ingest_all(&session_id, &h).await?;
+    let r = kit.client().assemble(req(assemble_request(&session_id, h.clone(), None))).await.map_err(|s| describe(&s))?.into_inner();
+    validate::result::assemble(&r, &h).map_err(|v| v.to_string())?;
+    let ours = estimate::messages_tokens(&r.messages);
+    ensure(r.estimated_tokens > 0, || "estimated_tokens is 0 for a non-empty result".into())?;
+    ensure(r.estimated_tokens <= ours * 4 && r.estimated_tokens * 4 >= ours, || {
+        format!("estimated_tokens {} is more than 4x away from the contract estimate {ours}", r.estimated_tokens)
+    })?;
+    Ok(Outcome::Pass)
+}
+
+async fn assemble_order(kit: &Kit) -> CaseResult {
+    let session_id = session("order");
+    let h = history(3, 50);
+    kit.ingest_all(&session_id, &h).await?;
+    let r = kit.client().assemble(req(assemble_request(&session_id, h.clone(), None))).await.map_err(|s| describe(&s))?.into_inner();
+    let position = |id: &str| h.iter().position(|m| m.id == id);
+    let kept: Vec<usize> = r.messages.iter().filter_map(|m| position(&m.id)).collect();
+    ensure(!kept.is_empty(), || "no message of the request came back".into())?;
+    ensure(kept.windows(2).all(|w| w[0] < w[1]), || format!("messages came back out of order (request positions {kept:?})"))?;
+    let newest = &h[h.len() - 1].id;
+    ensure(r.messages.iter().any(|m| &m.id == newest), || "the newest message was dropped with no budget".into())?;
+    Ok(Outcome::Pass)
+}
+
+async fn assemble_tool_pairs(kit: &Kit) -> CaseResult {
+    let session_id = session("pairs");
+    let h = history(6, 2000);
+    kit.ingest_all(&session_id, &h).await?;
+    // A budget that fits about a third of the history forces the engine to cut.
+    let budget = estimate::messages_tokens(&h) / 3;
+    for b in [None, Some(budget)] {
+        let r = kit.client().assemble(req(assemble_request(&session_id, h.clone(), b))).await.map_err(|s| describe(&s))?.into_inner();
+        validate::result::assemble(&r, &h).map_err(|v| format!("budget {b:?}: {v}"))?;
+    }
+    Ok(Outcome::Pass)
+}
+
+fn compact_request(session_id: &str) -> pb::CompactRequest {
+    pb::CompactRequest {
+        session_id: session_id.into(),
+        session_key: session_id.into(),
+        force: true,
+        token_budget: Some(2000),
+        compaction_target: pb::CompactionTarget::Threshold as i32,
+        ..Default::default()
+    }
+}
+
+async fn compact_stream_shape(kit: &Kit) -> CaseResult {
+    use pb::compact_event::Event;
+    let session_id = session("compact");
+    kit.ingest_all(&session_id, &history(8, 1000)).await?;
+    let mut stream = kit.client().compact(req(compact_request(&session_id))).await.map_err(|s| describe(&s))?.into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        events.push(e.map_err(|s| format!("Compact failed after {} events: {}", events.len(), describe(&s)))?);
+    }
+    let (last, progress) = events.split_last().ok_or("the stream ended with no event")?;
+    for p in progress {
+        match &p.event {
+            Some(Event::Progress(pr)) => ensure(pr.total == 0 || pr.done <= pr.total, || format!("progress done {} > total {}", pr.done, pr.total))?,
+            _ => return Err("an event came after the terminal event".into()),
+        }
+    }
+    match &last.event {
+        Some(Event::Result(r)) if r.compacted && !r.ok => Err("result says compacted but not ok".into()),
+        Some(Event::Result(_)) | Some(Event::DelegateToHost(_)) => Ok(Outcome::Pass),
+        _ => Err("the stream ended without a result or delegate_to_host".into()),
+    }
+}
+
+fn commit_request(session_id: &str, key: &str) -> pb::CommitTurnRequest {
+    let anchor = |entry: &str, seq| pb::TranscriptEntryAnchor {
+        session_id: session_id.into(),
+        session_key: session_id.into(),
+        entry_id: entry.into(),
+        raw_seq: seq,
+        ..Default::default()
+    };
+    pb::CommitTurnRequest {
+        advancement_key: key.into(),
+        admission: Some(pb::TranscriptTurnAdmission { anchor: Some(anchor(&format!("{key}-u"), 1)), logical_turn_id: key.into(), role: pb::Role::User as i32 }),
+        terminal: Some(anchor(&format!("{key}-a"), 2)),
+        messages: vec![msg::user(&format!("{key}-u"), "question"), msg::assistant(&format!("{key}-a"), "answer")],
+        session_id: session_id.into(),
+        session_key: Some(session_id.into()),
+        ..Default::default()
+    }
+}
+
+async fn commit_turn_idempotent(kit: &Kit) -> CaseResult {
+    if !kit.implements("CommitTurn") {
+        return Ok(Outcome::Skip("CommitTurn is not implemented".into()));
+    }
+    let session_id = session("commit");
+    let r = commit_request(&session_id, "turn-1");
+    let first = kit.client().commit_turn(req(r.clone())).await.map_err(|s| describe(&s))?.into_inner();
+    let second = kit.client().commit_turn(req(r)).await.map_err(|s| describe(&s))?.into_inner();
+    ensure(first.status == pb::CommitStatus::Committed as i32, || format!("first commit answered status {}", first.status))?;
+    ensure(second.status == pb::CommitStatus::Duplicate as i32, || format!("retried commit answered status {}, not DUPLICATE", second.status))?;
+    Ok(Outcome::Pass)
+}
+
+async fn subagent_rollback(kit: &Kit) -> CaseResult {
+    if !kit.implements("PrepareSubagentSpawn") {
+        return Ok(Outcome::Skip("PrepareSubagentSpawn is not implemented".into()));
+    }
+    let parent = session("parent");
+    kit.ingest_all(&parent, &history(1, 10)).await?;
+    let prep = pb::PrepareSubagentSpawnRequest {
+        parent_session_key: parent.clone(),
+        child_session_key: format!("{parent}-child"),
+        context_mode: pb::SubagentContextMode::Fork as i32,
+        parent_session_id: Some(parent.clone()),
+        ttl_ms: Some(60_000),
+        ..Default::default()
+    };
+    let r = kit.client().prepare_subagent_spawn(req(prep)).await.map_err(|s| describe(&s))?.into_inner();
+    let Some(token) = r.rollback_token else {
+        return Ok(Outcome::Skip("fork preparation returned no rollback token".into()));
+    };
+    for attempt in ["first", "repeated"] {
+        let rb = pb::RollbackSubagentSpawnRequest { rollback_token: token.clone(), child_session_key: format!("{parent}-child") };
+        kit.client().rollback_subagent_spawn(req(rb)).await.map_err(|s| format!("{attempt} rollback failed: {}", describe(&s)))?;
+    }
+    Ok(Outcome::Pass)
+}
+
+async fn cancel_mid_flight(kit: &Kit) -> CaseResult {
+    let session_id = session("cancel");
+    let h = history(20, 4000);
+    kit.ingest_all(&session_id, &h).await?;
+    // A streaming Compact dropped after its first event (or at once).
+    let mut stream = kit.client().compact(Request::new(compact_request(&session_id))).await.map_err(|s| describe(&s))?.into_inner();
+    let _ = tokio::time::timeout(Duration::from_millis(20), stream.next()).await;
+    drop(stream);
+    // A unary Assemble abandoned after 1 ms.
+    let mut c = kit.client();
+    let call = tokio::spawn(async move { c.assemble(Request::new(assemble_request(&session_id, h, Some(500)))).await.map(|_| ()) });
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    call.abort();
+    let _ = call.await;
+    kit.still_healthy("cancelled calls").await?;
+    Ok(Outcome::Pass)
+}
+
+async fn deadline_one_ms(kit: &Kit) -> CaseResult {
+    let session_id = session("deadline");
+    let h = history(20, 4000);
+    let got = kit.client().assemble(timed(assemble_request(&session_id, h, Some(500)), Duration::from_millis(1))).await;
+    if let Err(s) = &got {
+        ensure(matches!(s.code(), Code::DeadlineExceeded | Code::Cancelled), || format!("a 1 ms deadline ended in {}", describe(s)))?;
+    }
+    kit.still_healthy("a 1 ms deadline").await?;
+    Ok(Outcome::Pass)
+}
+
+async fn malformed_missing_session(kit: &Kit) -> CaseResult {
+    let r = pb::IngestRequest { session_id: String::new(), session_key: None, message: Some(msg::user("m", "hi")), is_heartbeat: false };
+    kit.expect_code("Ingest without session_id", kit.client().ingest(req(r)).await, Code::InvalidArgument).await?;
+    let a = assemble_request("", vec![msg::user("m", "hi")], None);
+    kit.expect_code("Assemble without session_id", kit.client().assemble(req(a)).await, Code::InvalidArgument).await
+}
+
+async fn malformed_missing_message(kit: &Kit) -> CaseResult {
+    let r = pb::IngestRequest { session_id: session("nomsg"), session_key: None, message: None, is_heartbeat: false };
+    kit.expect_code("Ingest without a message", kit.client().ingest(req(r)).await, Code::InvalidArgument).await
+}
+
+async fn malformed_unknown_role(kit: &Kit) -> CaseResult {
+    let mut m = msg::user("m", "hi");
+    m.role = 42;
+    let r = pb::IngestRequest { session_id: session("role"), session_key: None, message: Some(m), is_heartbeat: false };
+    kit.expect_code("Ingest with role 42", kit.client().ingest(req(r)).await, Code::InvalidArgument).await
+}
+
+async fn malformed_tool_result(kit: &Kit) -> CaseResult {
+    let r = pb::IngestRequest { session_id: session("toolid"), session_key: None, message: Some(msg::tool_result("m", "", "output")), is_heartbeat: false };
+    kit.expect_code("Ingest of a tool result without a call id", kit.client().ingest(req(r)).await, Code::InvalidArgument).await
+}
+
+async fn malformed_oversized(kit: &Kit) -> CaseResult {
+    let big = "x".repeat(limits::MAX_MESSAGE_CONTENT_BYTES + 1024);
+    let r = pb::IngestRequest { session_id: session("big"), session_key: None, message: Some(msg::user("m", &big)), is_heartbeat: false };
+    kit.expect_code("Ingest of a message over the content limit", kit.client().ingest(req(r)).await, Code::ResourceExhausted).await
+}

@@ -1,0 +1,104 @@
+//! Endpoints: where an engine listens and how a client reaches it.
+//! `http://host:port`, a bare `host:port`, or `unix:///path`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint as TonicEndpoint};
+
+use crate::limits::MAX_GRPC_MESSAGE_BYTES;
+
+/// A parsed endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Tcp(SocketAddr),
+    Unix(PathBuf),
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("invalid endpoint {input:?}: expected http://HOST:PORT, HOST:PORT or unix:///PATH")]
+pub struct BadEndpoint {
+    input: String,
+}
+
+impl FromStr for Endpoint {
+    type Err = BadEndpoint;
+
+    fn from_str(s: &str) -> Result<Self, BadEndpoint> {
+        let bad = || BadEndpoint { input: s.to_owned() };
+        if let Some(path) = s.strip_prefix("unix://") {
+            if path.is_empty() {
+                return Err(bad());
+            }
+            return Ok(Self::Unix(PathBuf::from(path)));
+        }
+        let hostport = s.strip_prefix("http://").unwrap_or(s).trim_end_matches('/');
+        let hostport = if let Some(rest) = hostport.strip_prefix("localhost:") {
+            format!("127.0.0.1:{rest}")
+        } else {
+            hostport.to_owned()
+        };
+        hostport.parse().map(Self::Tcp).map_err(|_| bad())
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    /// The form engines print after `listening on`: `HOST:PORT` or `unix:///PATH`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Tcp(addr) => write!(f, "{addr}"),
+            Self::Unix(path) => write!(f, "unix://{}", path.display()),
+        }
+    }
+}
+
+/// A lazily connecting channel to an engine or host endpoint, with the
+/// contract's message limit applied by the caller's generated client.
+pub fn connect(endpoint: &str) -> Result<Channel, BadEndpoint> {
+    let parsed: Endpoint = endpoint.parse()?;
+    Ok(channel(&parsed))
+}
+
+pub(crate) fn channel(endpoint: &Endpoint) -> Channel {
+    let base = |uri: String| {
+        TonicEndpoint::from_shared(uri)
+            .expect("a parsed endpoint is a valid URI")
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+    };
+    match endpoint {
+        Endpoint::Tcp(addr) => base(format!("http://{addr}")).connect_lazy(),
+        Endpoint::Unix(path) => {
+            let path = path.clone();
+            base("http://[::]:0".to_owned()).connect_with_connector_lazy(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(path).await?)) }
+            }))
+        }
+    }
+}
+
+/// The generated engine client over `channel`, with the contract's limits.
+pub fn engine_client(channel: Channel) -> crate::pb::context_engine_client::ContextEngineClient<Channel> {
+    crate::pb::context_engine_client::ContextEngineClient::new(channel)
+        .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_every_form() {
+        assert_eq!("http://127.0.0.1:80".parse::<Endpoint>().unwrap(), Endpoint::Tcp("127.0.0.1:80".parse().unwrap()));
+        assert_eq!("[::1]:9".parse::<Endpoint>().unwrap().to_string(), "[::1]:9");
+        assert_eq!("localhost:7".parse::<Endpoint>().unwrap().to_string(), "127.0.0.1:7");
+        assert_eq!("unix:///tmp/e.sock".parse::<Endpoint>().unwrap().to_string(), "unix:///tmp/e.sock");
+        assert!("ftp://x".parse::<Endpoint>().is_err());
+        assert!("unix://".parse::<Endpoint>().is_err());
+    }
+}

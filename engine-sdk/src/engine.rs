@@ -1,0 +1,143 @@
+//! The trait an engine implements.
+
+use std::future::Future;
+
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use crate::pb;
+use crate::{CallContext, EngineError};
+
+type Out<T> = Result<T, EngineError>;
+
+/// How a Compact call ends.
+#[derive(Debug, Clone)]
+pub enum CompactOutcome {
+    /// The engine compacted (or decided not to); sent as `CompactEvent.result`.
+    Done(pb::CompactResult),
+    /// The gateway should run its built-in compaction
+    /// (OpenClaw `delegateCompactionToRuntime`).
+    DelegateToHost(pb::DelegateToHost),
+}
+
+/// Sends `CompactProgress` events to the caller while Compact runs.
+#[derive(Clone, Debug)]
+pub struct Progress {
+    tx: mpsc::Sender<Result<pb::CompactEvent, Status>>,
+}
+
+impl Progress {
+    pub(crate) fn new(tx: mpsc::Sender<Result<pb::CompactEvent, Status>>) -> Self {
+        Self { tx }
+    }
+
+    /// Reports progress. Waits while the caller is slow to read (the stream
+    /// is bounded); `Err(Cancelled)` once the caller has gone away.
+    pub async fn report(&self, stage: &str, done: u64, total: u64, message: impl Into<String>) -> Out<()> {
+        let event = pb::CompactEvent {
+            event: Some(pb::compact_event::Event::Progress(pb::CompactProgress {
+                stage: stage.to_owned(),
+                done,
+                total,
+                message: message.into(),
+            })),
+        };
+        self.tx.send(Ok(event)).await.map_err(|_| EngineError::Cancelled)
+    }
+}
+
+/// A context engine. `get_info`, `ingest`, `assemble` and `compact` are
+/// required; every other method defaults to UNIMPLEMENTED, which the gateway
+/// reads as "not implemented". List the methods you implement in
+/// `EngineInfo.implemented_methods`.
+///
+/// Requests reach these methods already validated against the contract
+/// (ids present, roles known, sizes within limits). Methods run in their own
+/// task; when the caller cancels or the deadline passes the future is
+/// dropped and `ctx.cancellation()` fires.
+pub trait ContextEngine: Send + Sync + 'static {
+    fn get_info(&self, ctx: &CallContext) -> impl Future<Output = Out<pb::EngineInfo>> + Send;
+
+    fn ingest(&self, ctx: &CallContext, req: pb::IngestRequest) -> impl Future<Output = Out<pb::IngestResult>> + Send;
+
+    fn assemble(
+        &self,
+        ctx: &CallContext,
+        req: pb::AssembleRequest,
+    ) -> impl Future<Output = Out<pb::AssembleResult>> + Send;
+
+    fn compact(
+        &self,
+        ctx: &CallContext,
+        req: pb::CompactRequest,
+        progress: Progress,
+    ) -> impl Future<Output = Out<CompactOutcome>> + Send;
+
+    fn bootstrap(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::BootstrapRequest,
+    ) -> impl Future<Output = Out<pb::BootstrapResult>> + Send {
+        async { Err(EngineError::Unimplemented("Bootstrap")) }
+    }
+
+    fn ingest_batch(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::IngestBatchRequest,
+    ) -> impl Future<Output = Out<pb::IngestBatchResult>> + Send {
+        async { Err(EngineError::Unimplemented("IngestBatch")) }
+    }
+
+    fn after_turn(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::AfterTurnRequest,
+    ) -> impl Future<Output = Out<pb::AfterTurnResult>> + Send {
+        async { Err(EngineError::Unimplemented("AfterTurn")) }
+    }
+
+    fn commit_turn(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::CommitTurnRequest,
+    ) -> impl Future<Output = Out<pb::CommitTurnResult>> + Send {
+        async { Err(EngineError::Unimplemented("CommitTurn")) }
+    }
+
+    fn maintain(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::MaintainRequest,
+    ) -> impl Future<Output = Out<pb::MaintainResult>> + Send {
+        async { Err(EngineError::Unimplemented("Maintain")) }
+    }
+
+    fn prepare_subagent_spawn(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::PrepareSubagentSpawnRequest,
+    ) -> impl Future<Output = Out<pb::PrepareSubagentSpawnResult>> + Send {
+        async { Err(EngineError::Unimplemented("PrepareSubagentSpawn")) }
+    }
+
+    fn rollback_subagent_spawn(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::RollbackSubagentSpawnRequest,
+    ) -> impl Future<Output = Out<pb::RollbackSubagentSpawnResult>> + Send {
+        async { Err(EngineError::Unimplemented("RollbackSubagentSpawn")) }
+    }
+
+    fn on_subagent_ended(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::OnSubagentEndedRequest,
+    ) -> impl Future<Output = Out<pb::OnSubagentEndedResult>> + Send {
+        async { Err(EngineError::Unimplemented("OnSubagentEnded")) }
+    }
+
+    fn dispose(&self, _ctx: &CallContext) -> impl Future<Output = Out<pb::DisposeResult>> + Send {
+        async { Err(EngineError::Unimplemented("Dispose")) }
+    }
+}

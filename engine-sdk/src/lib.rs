@@ -1,0 +1,29 @@
+//! `ctxgate-engine-sdk`: write a ctxgate context engine in Rust.
+//!
+//! Implement [`ContextEngine`] (the four required methods; the optional ones
+//! answer UNIMPLEMENTED by default) and hand it to [`serve_main`] or
+//! [`Server`]. The server validates every request against the contract before
+//! your code runs, runs each call in its own task (a panic becomes INTERNAL,
+//! never a dropped connection), gives each call a [`CallContext`] with its
+//! deadline, a cancellation token and a [`HostClient`], and serves
+//! `grpc.health.v1` and reflection next to the engine.
+//!
+//! [`testkit`] runs an engine in-process for tests; [`conformance`] is the
+//! black-box suite behind the `ctxgate-conformance` binary.
+
+pub mod conformance;
+mod context;
+mod endpoint;
+mod engine;
+mod error;
+mod host;
+mod server;
+pub mod testkit;
+
+pub use context::CallContext;
+pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};
+pub use endpoint::{Endpoint, connect, engine_client};
+pub use engine::{CompactOutcome, ContextEngine, Progress};
+pub use error::EngineError;
+pub use host::{HostClient, LLM_COMPLETE, READ_TRANSCRIPT};
+pub use server::{Bound, ServeArgs, Server, serve_main, shutdown_signal};

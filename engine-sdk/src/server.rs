@@ -1,0 +1,450 @@
+//! Serving an engine: contract checks, per-call context, panic containment,
+//! health, reflection and graceful drain.
+
+use std::future::Future;
+use std::io::Write;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ctxgate_proto::{ENGINE_SERVICE, FILE_DESCRIPTOR_SET, validate};
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+use tonic_health::ServingStatus;
+
+use crate::endpoint::Endpoint;
+use crate::engine::{CompactOutcome, ContextEngine, Progress};
+use crate::host::HostChannels;
+use crate::limits::MAX_GRPC_MESSAGE_BYTES;
+use crate::pb::{self, context_engine_server as raw};
+use crate::{CallContext, EngineError};
+
+/// Command-line options every engine binary shares; `#[command(flatten)]`
+/// them into the engine's own parser.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Where to listen: HOST:PORT (port 0 picks one) or unix:///PATH.
+    #[arg(long, default_value = "127.0.0.1:0")]
+    pub listen: Endpoint,
+    /// How long in-flight calls may finish after SIGTERM or Ctrl-C.
+    #[arg(long, default_value_t = 10)]
+    pub drain_seconds: u64,
+}
+
+/// Runs `engine` as a process: logs to stderr, binds, prints exactly one
+/// line `listening on ADDR` to stdout, serves until SIGTERM or Ctrl-C, then
+/// drains. Engine binaries call this from `main`.
+pub async fn serve_main<E: ContextEngine>(engine: E, args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
+    init_tracing();
+    let bound = Server::new(engine).drain_timeout(Duration::from_secs(args.drain_seconds)).bind(&args.listen).await?;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "listening on {}", bound.local_endpoint())?;
+        out.flush()?;
+    }
+    bound.serve(shutdown_signal()).await?;
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // Logs go to stderr: stdout carries only the `listening on` line.
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+/// Resolves on SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutdown requested, draining");
+}
+
+/// Builds an engine server.
+#[derive(Debug)]
+pub struct Server<E> {
+    engine: Arc<E>,
+    drain: Duration,
+}
+
+enum Listener {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener, std::path::PathBuf),
+}
+
+/// A server bound to its address, not yet serving.
+pub struct Bound<E> {
+    server: Server<E>,
+    listener: Listener,
+    local: Endpoint,
+}
+
+impl<E: ContextEngine> Server<E> {
+    pub fn new(engine: E) -> Self {
+        Self::from_arc(Arc::new(engine))
+    }
+
+    pub fn from_arc(engine: Arc<E>) -> Self {
+        Self { engine, drain: Duration::from_secs(10) }
+    }
+
+    /// How long in-flight calls may finish once shutdown starts (default 10 s).
+    pub fn drain_timeout(mut self, drain: Duration) -> Self {
+        self.drain = drain;
+        self
+    }
+
+    /// Binds `endpoint`. A stale unix socket file is replaced.
+    pub async fn bind(self, endpoint: &Endpoint) -> std::io::Result<Bound<E>> {
+        let (listener, local) = match endpoint {
+            Endpoint::Tcp(addr) => {
+                let l = tokio::net::TcpListener::bind(addr).await?;
+                let local = Endpoint::Tcp(l.local_addr()?);
+                (Listener::Tcp(l), local)
+            }
+            Endpoint::Unix(path) => {
+                if tokio::fs::metadata(path).await.is_ok() {
+                    tokio::fs::remove_file(path).await?;
+                }
+                let l = tokio::net::UnixListener::bind(path)?;
+                (Listener::Unix(l, path.clone()), endpoint.clone())
+            }
+        };
+        Ok(Bound { server: self, listener, local })
+    }
+}
+
+impl<E: ContextEngine> Bound<E> {
+    /// The address actually bound (port 0 resolved).
+    pub fn local_endpoint(&self) -> &Endpoint {
+        &self.local
+    }
+
+    /// Serves until `shutdown` resolves, then reports NOT_SERVING, stops
+    /// accepting, and gives in-flight calls the drain timeout to finish.
+    pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), tonic::transport::Error> {
+        let (reporter, health) = tonic_health::server::health_reporter();
+        reporter.set_service_status(ENGINE_SERVICE, ServingStatus::Serving).await;
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .expect("the contract's descriptor set is valid");
+        let engine = raw::ContextEngineServer::new(EngineService {
+            engine: self.server.engine,
+            hosts: Arc::default(),
+        })
+        .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
+
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let router = tonic::transport::Server::builder()
+            .tcp_nodelay(true)
+            .add_service(health)
+            .add_service(reflection)
+            .add_service(engine);
+        let stopped = async {
+            let _ = stop_rx.await;
+        };
+        let (serving, unix_path): (Pin<Box<dyn Future<Output = _> + Send>>, _) = match self.listener {
+            Listener::Tcp(l) => {
+                (Box::pin(router.serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped)), None)
+            }
+            Listener::Unix(l, path) => {
+                (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)), Some(path))
+            }
+        };
+        tokio::pin!(serving);
+        tokio::pin!(shutdown);
+        let result = tokio::select! {
+            r = &mut serving => r,
+            () = &mut shutdown => {
+                reporter.set_service_status("", ServingStatus::NotServing).await;
+                reporter.set_service_status(ENGINE_SERVICE, ServingStatus::NotServing).await;
+                let _ = stop_tx.send(());
+                match tokio::time::timeout(self.server.drain, &mut serving).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        tracing::warn!(drain = ?self.server.drain, "drain timed out; dropping remaining calls");
+                        Ok(())
+                    }
+                }
+            }
+        };
+        if let Some(path) = unix_path {
+            let _ = std::fs::remove_file(path);
+        }
+        result
+    }
+}
+
+/// The generated service trait implemented over a [`ContextEngine`].
+struct EngineService<E> {
+    engine: Arc<E>,
+    hosts: Arc<HostChannels>,
+}
+
+/// Cancels the call's token and aborts its task when the caller goes away
+/// (the handler future or the response stream is dropped).
+struct CallGuard {
+    cancel: CancellationToken,
+    task: AbortHandle,
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        self.task.abort();
+    }
+}
+
+/// Reads `grpc-timeout` (up to 8 digits and a unit H M S m u n).
+fn deadline_of(metadata: &tonic::metadata::MetadataMap) -> Option<Instant> {
+    let raw = metadata.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = raw.split_at(raw.len().checked_sub(1)?);
+    if digits.is_empty() || digits.len() > 8 {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    let d = match unit {
+        "H" => Duration::from_secs(n.checked_mul(3600)?),
+        "M" => Duration::from_secs(n.checked_mul(60)?),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    };
+    Some(Instant::now() + d)
+}
+
+async fn until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn panic_status(method: &str) -> Status {
+    tracing::error!(method, "engine method panicked");
+    Status::internal(format!("{method} failed inside the engine"))
+}
+
+type Unary<T> = Result<Response<T>, Status>;
+
+impl<E: ContextEngine> EngineService<E> {
+    fn context(&self, metadata: &tonic::metadata::MetadataMap, host: Option<&pb::HostAccess>) -> CallContext {
+        CallContext { deadline: deadline_of(metadata), cancel: CancellationToken::new(), host: self.hosts.client(host) }
+    }
+
+    /// Validates, then runs one unary engine method in its own task, bounded
+    /// by the deadline and cancelled with the caller.
+    async fn unary<Req, Res, Fut>(
+        &self,
+        method: &'static str,
+        req: Request<Req>,
+        check: fn(&Req) -> validate::Result,
+        host: fn(&Req) -> Option<&pb::HostAccess>,
+        call: impl FnOnce(Arc<E>, CallContext, Req) -> Fut,
+    ) -> Unary<Res>
+    where
+        Req: Send + 'static,
+        Res: Send + 'static,
+        Fut: Future<Output = Result<Res, EngineError>> + Send + 'static,
+    {
+        let msg = req.get_ref();
+        check(msg)?;
+        let ctx = self.context(req.metadata(), host(msg));
+        let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
+        let fut = call(self.engine.clone(), ctx, req.into_inner());
+        let task = tokio::spawn(async move {
+            tokio::select! {
+                r = fut => r,
+                () = until(deadline) => Err(EngineError::DeadlineExceeded),
+            }
+        });
+        let _guard = CallGuard { cancel, task: task.abort_handle() };
+        match task.await {
+            Ok(r) => r.map(Response::new).map_err(Status::from),
+            Err(e) if e.is_panic() => Err(panic_status(method)),
+            Err(_) => Err(Status::cancelled("the call was cancelled")),
+        }
+    }
+}
+
+fn no_host<T>(_: &T) -> Option<&pb::HostAccess> {
+    None
+}
+
+fn no_check<T>(_: &T) -> validate::Result {
+    Ok(())
+}
+
+type CompactStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CompactEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
+    async fn get_info(&self, req: Request<pb::GetInfoRequest>) -> Unary<pb::EngineInfo> {
+        self.unary("GetInfo", req, no_check, no_host, |e, ctx, _| async move { e.get_info(&ctx).await }).await
+    }
+
+    async fn bootstrap(&self, req: Request<pb::BootstrapRequest>) -> Unary<pb::BootstrapResult> {
+        self.unary("Bootstrap", req, validate::request::bootstrap, |r| r.host.as_ref(), |e, ctx, r| async move {
+            e.bootstrap(&ctx, r).await
+        })
+        .await
+    }
+
+    async fn ingest(&self, req: Request<pb::IngestRequest>) -> Unary<pb::IngestResult> {
+        self.unary("Ingest", req, validate::request::ingest, no_host, |e, ctx, r| async move { e.ingest(&ctx, r).await })
+            .await
+    }
+
+    async fn ingest_batch(&self, req: Request<pb::IngestBatchRequest>) -> Unary<pb::IngestBatchResult> {
+        self.unary("IngestBatch", req, validate::request::ingest_batch, no_host, |e, ctx, r| async move {
+            e.ingest_batch(&ctx, r).await
+        })
+        .await
+    }
+
+    async fn assemble(&self, req: Request<pb::AssembleRequest>) -> Unary<pb::AssembleResult> {
+        self.unary("Assemble", req, validate::request::assemble, |r| r.host.as_ref(), |e, ctx, r| async move {
+            e.assemble(&ctx, r).await
+        })
+        .await
+    }
+
+    type CompactStream = CompactStream;
+
+    async fn compact(&self, req: Request<pb::CompactRequest>) -> Unary<CompactStream> {
+        validate::request::compact(req.get_ref())?;
+        let ctx = self.context(req.metadata(), req.get_ref().host.as_ref());
+        let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
+        let (tx, rx) = mpsc::channel(16);
+        let engine = self.engine.clone();
+        let msg = req.into_inner();
+        let progress = Progress::new(tx.clone());
+        let work = tokio::spawn(async move {
+            tokio::select! {
+                r = engine.compact(&ctx, msg, progress) => r,
+                () = until(deadline) => Err(EngineError::DeadlineExceeded),
+            }
+        });
+        let guard = CallGuard { cancel, task: work.abort_handle() };
+        // A supervisor turns the work's end (result, error or panic) into the
+        // stream's one terminal item.
+        tokio::spawn(async move {
+            let terminal = match work.await {
+                Ok(Ok(CompactOutcome::Done(result))) => Ok(pb::compact_event::Event::Result(result)),
+                Ok(Ok(CompactOutcome::DelegateToHost(d))) => Ok(pb::compact_event::Event::DelegateToHost(d)),
+                Ok(Err(e)) => Err(Status::from(e)),
+                Err(e) if e.is_panic() => Err(panic_status("Compact")),
+                Err(_) => return, // aborted: the caller is gone
+            };
+            let _ = tx.send(terminal.map(|event| pb::CompactEvent { event: Some(event) })).await;
+        });
+        // The guard lives as long as the response stream: dropping the stream
+        // (client cancel, RST_STREAM) cancels the token and aborts the work.
+        let stream = ReceiverStream::new(rx).map(move |item| {
+            let _keep = &guard;
+            item
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn after_turn(&self, req: Request<pb::AfterTurnRequest>) -> Unary<pb::AfterTurnResult> {
+        self.unary("AfterTurn", req, validate::request::after_turn, |r| r.host.as_ref(), |e, ctx, r| async move {
+            e.after_turn(&ctx, r).await
+        })
+        .await
+    }
+
+    async fn commit_turn(&self, req: Request<pb::CommitTurnRequest>) -> Unary<pb::CommitTurnResult> {
+        self.unary("CommitTurn", req, validate::request::commit_turn, |r| r.host.as_ref(), |e, ctx, r| async move {
+            e.commit_turn(&ctx, r).await
+        })
+        .await
+    }
+
+    async fn maintain(&self, req: Request<pb::MaintainRequest>) -> Unary<pb::MaintainResult> {
+        self.unary("Maintain", req, validate::request::maintain, |r| r.host.as_ref(), |e, ctx, r| async move {
+            e.maintain(&ctx, r).await
+        })
+        .await
+    }
+
+    async fn prepare_subagent_spawn(
+        &self,
+        req: Request<pb::PrepareSubagentSpawnRequest>,
+    ) -> Unary<pb::PrepareSubagentSpawnResult> {
+        self.unary(
+            "PrepareSubagentSpawn",
+            req,
+            validate::request::prepare_subagent_spawn,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.prepare_subagent_spawn(&ctx, r).await },
+        )
+        .await
+    }
+
+    async fn rollback_subagent_spawn(
+        &self,
+        req: Request<pb::RollbackSubagentSpawnRequest>,
+    ) -> Unary<pb::RollbackSubagentSpawnResult> {
+        self.unary(
+            "RollbackSubagentSpawn",
+            req,
+            validate::request::rollback_subagent_spawn,
+            no_host,
+            |e, ctx, r| async move { e.rollback_subagent_spawn(&ctx, r).await },
+        )
+        .await
+    }
+
+    async fn on_subagent_ended(&self, req: Request<pb::OnSubagentEndedRequest>) -> Unary<pb::OnSubagentEndedResult> {
+        self.unary("OnSubagentEnded", req, validate::request::on_subagent_ended, no_host, |e, ctx, r| async move {
+            e.on_subagent_ended(&ctx, r).await
+        })
+        .await
+    }
+
+    async fn dispose(&self, req: Request<pb::DisposeRequest>) -> Unary<pb::DisposeResult> {
+        self.unary("Dispose", req, no_check, no_host, |e, ctx, _| async move { e.dispose(&ctx).await }).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeout_units() {
+        let mut m = tonic::metadata::MetadataMap::new();
+        for (v, d) in [("5S", 5_000u64), ("250m", 250), ("1M", 60_000), ("1H", 3_600_000)] {
+            m.insert("grpc-timeout", v.parse().unwrap());
+            let left = deadline_of(&m).unwrap() - Instant::now();
+            assert!(left <= Duration::from_millis(d) && left + Duration::from_millis(50) >= Duration::from_millis(d), "{v}");
+        }
+        for bad in ["", "S", "123456789S", "5x", "-1S"] {
+            m.insert("grpc-timeout", bad.parse().unwrap());
+            assert!(deadline_of(&m).is_none(), "{bad:?}");
+        }
+    }
+}
