@@ -1,0 +1,30 @@
+use std::path::PathBuf;
+
+use clap::Parser;
+use ctxgate_engine_sdk::{ServeArgs, serve_main};
+use ctxgate_engine_window::{Config, WindowEngine};
+
+/// The window context engine: last N turns verbatim plus a rolling summary.
+#[derive(Parser, Debug)]
+#[command(version)]
+struct Args {
+    #[command(flatten)]
+    serve: ServeArgs,
+    /// Where the engine keeps its SQLite state.
+    #[arg(long, default_value = "./window-state")]
+    state_dir: PathBuf,
+    /// Turns kept verbatim after compaction.
+    #[arg(long, default_value_t = 4)]
+    keep_turns: usize,
+    /// Older tool results larger than this are elided by Maintain.
+    #[arg(long, default_value_t = 4096)]
+    max_tool_result_bytes: usize,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let config = Config { keep_turns: args.keep_turns, max_tool_result_bytes: args.max_tool_result_bytes, ..Config::default() };
+    let engine = WindowEngine::open(&args.state_dir, config)?;
+    serve_main(engine, args.serve).await
+}

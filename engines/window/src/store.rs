@@ -1,0 +1,231 @@
+//! The engine's own state: one SQLite file (WAL) under `--state-dir`, rows
+//! keyed by session. Every method is blocking; the engine calls them through
+//! [`Store::run`], which moves the work off the async runtime.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use ctxgate_engine_sdk::pb::AgentMessage;
+use ctxgate_engine_sdk::{EngineError, estimate};
+use prost::Message as _;
+use rusqlite::{Connection, OptionalExtension, params};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id  TEXT PRIMARY KEY,
+    session_key TEXT,
+    agent_id    TEXT
+);
+CREATE TABLE IF NOT EXISTS messages (
+    session_id TEXT NOT NULL,
+    seq        INTEGER NOT NULL,
+    id         TEXT NOT NULL,
+    tokens     INTEGER NOT NULL,
+    body       BLOB NOT NULL,
+    PRIMARY KEY (session_id, id)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS messages_by_seq ON messages (session_id, seq);
+CREATE TABLE IF NOT EXISTS summaries (
+    session_id    TEXT PRIMARY KEY,
+    summary       TEXT NOT NULL,
+    covered_seq   INTEGER NOT NULL,
+    first_kept_id TEXT
+);
+CREATE TABLE IF NOT EXISTS commits (
+    session_id      TEXT NOT NULL,
+    advancement_key TEXT NOT NULL,
+    PRIMARY KEY (session_id, advancement_key)
+);
+CREATE TABLE IF NOT EXISTS spawns (
+    token         TEXT PRIMARY KEY,
+    child_session TEXT NOT NULL,
+    expires_at_ms INTEGER
+);
+";
+
+/// A session's rolling summary: everything up to `covered_seq` is in it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Summary {
+    pub text: String,
+    pub covered_seq: i64,
+    pub first_kept_id: Option<String>,
+}
+
+/// A stored message with its position.
+#[derive(Debug, Clone)]
+pub struct Stored {
+    pub seq: i64,
+    pub message: AgentMessage,
+}
+
+#[derive(Clone, Debug)]
+pub struct Store {
+    conn: Arc<Mutex<Connection>>,
+}
+
+fn internal(e: impl std::fmt::Display) -> EngineError {
+    EngineError::internal(e)
+}
+
+impl Store {
+    /// Opens (or creates) `<dir>/window.sqlite`.
+    pub fn open(dir: &Path) -> Result<Self, EngineError> {
+        std::fs::create_dir_all(dir).map_err(internal)?;
+        let conn = Connection::open(dir.join("window.sqlite")).map_err(internal)?;
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(internal)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(internal)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(internal)?;
+        conn.execute_batch(SCHEMA).map_err(internal)?;
+        Ok(Self { conn: Arc::new(Mutex::new(conn)) })
+    }
+
+    /// Runs `f` on the connection in a blocking task. The task finishes even
+    /// if the call is cancelled, so a transaction is never left half done.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, EngineError> {
+        let conn = self.conn.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut c = conn.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut c)
+        })
+        .await
+        .map_err(internal)?
+        .map_err(internal)
+    }
+}
+
+/// Notes the session (and its key and agent, when known).
+pub fn touch_session(c: &Connection, session_id: &str, key: Option<&str>, agent: Option<&str>) -> rusqlite::Result<()> {
+    c.execute(
+        "INSERT INTO sessions (session_id, session_key, agent_id) VALUES (?1, ?2, ?3)
+         ON CONFLICT (session_id) DO UPDATE SET
+           session_key = COALESCE(excluded.session_key, session_key),
+           agent_id = COALESCE(excluded.agent_id, agent_id)",
+        params![session_id, key, agent],
+    )?;
+    Ok(())
+}
+
+pub fn session_known(c: &Connection, session_id: &str) -> rusqlite::Result<bool> {
+    c.query_row("SELECT 1 FROM sessions WHERE session_id = ?1", [session_id], |_| Ok(()))
+        .optional()
+        .map(|r| r.is_some())
+}
+
+/// Appends the messages whose id the session does not hold yet; returns how
+/// many were new. Call inside a transaction for atomicity.
+pub fn insert_messages(c: &Connection, session_id: &str, messages: &[AgentMessage]) -> rusqlite::Result<u64> {
+    let mut next: i64 =
+        c.query_row("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1", [session_id], |r| r.get(0))?;
+    let mut stmt = c.prepare_cached(
+        "INSERT INTO messages (session_id, seq, id, tokens, body) VALUES (?1, ?2, ?3, ?4, ?5)
+         ON CONFLICT (session_id, id) DO NOTHING",
+    )?;
+    let mut added = 0;
+    for m in messages {
+        let tokens = estimate::message_tokens(m) as i64;
+        let changed = stmt.execute(params![session_id, next + 1, m.id, tokens, m.encode_to_vec()])?;
+        if changed > 0 {
+            next += 1;
+            added += 1;
+        }
+    }
+    Ok(added)
+}
+
+/// Replaces a stored message's body (same id).
+pub fn replace_message(c: &Connection, session_id: &str, m: &AgentMessage) -> rusqlite::Result<()> {
+    c.execute(
+        "UPDATE messages SET body = ?3, tokens = ?4 WHERE session_id = ?1 AND id = ?2",
+        params![session_id, m.id, m.encode_to_vec(), estimate::message_tokens(m) as i64],
+    )?;
+    Ok(())
+}
+
+/// Messages after `after_seq`, oldest first.
+pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusqlite::Result<Vec<Stored>> {
+    let mut stmt =
+        c.prepare_cached("SELECT seq, body FROM messages WHERE session_id = ?1 AND seq > ?2 ORDER BY seq")?;
+    let rows = stmt.query_map(params![session_id, after_seq], |r| {
+        let seq: i64 = r.get(0)?;
+        let body: Vec<u8> = r.get(1)?;
+        let message = AgentMessage::decode(body.as_slice())
+            .map_err(|e| rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e)))?;
+        Ok(Stored { seq, message })
+    })?;
+    rows.collect()
+}
+
+pub fn summary(c: &Connection, session_id: &str) -> rusqlite::Result<Summary> {
+    c.query_row(
+        "SELECT summary, covered_seq, first_kept_id FROM summaries WHERE session_id = ?1",
+        [session_id],
+        |r| Ok(Summary { text: r.get(0)?, covered_seq: r.get(1)?, first_kept_id: r.get(2)? }),
+    )
+    .optional()
+    .map(Option::unwrap_or_default)
+}
+
+pub fn set_summary(c: &Connection, session_id: &str, s: &Summary) -> rusqlite::Result<()> {
+    c.execute(
+        "INSERT INTO summaries (session_id, summary, covered_seq, first_kept_id) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (session_id) DO UPDATE SET summary = excluded.summary,
+           covered_seq = excluded.covered_seq, first_kept_id = excluded.first_kept_id",
+        params![session_id, s.text, s.covered_seq, s.first_kept_id],
+    )?;
+    Ok(())
+}
+
+/// Records a commit key; false if it was already there.
+pub fn record_commit(c: &Connection, session_id: &str, key: &str) -> rusqlite::Result<bool> {
+    let n = c.execute(
+        "INSERT INTO commits (session_id, advancement_key) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+        params![session_id, key],
+    )?;
+    Ok(n > 0)
+}
+
+/// Forgets everything about a session.
+pub fn delete_session(c: &Connection, session_id: &str) -> rusqlite::Result<()> {
+    for table in ["messages", "summaries", "commits", "sessions"] {
+        c.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [session_id])?;
+    }
+    Ok(())
+}
+
+pub fn add_spawn(c: &Connection, token: &str, child: &str, expires_at_ms: Option<i64>) -> rusqlite::Result<()> {
+    c.execute(
+        "INSERT INTO spawns (token, child_session, expires_at_ms) VALUES (?1, ?2, ?3)",
+        params![token, child, expires_at_ms],
+    )?;
+    Ok(())
+}
+
+/// Removes a spawn record; returns its child session if it existed.
+pub fn take_spawn(c: &Connection, token: &str) -> rusqlite::Result<Option<String>> {
+    let child = c
+        .query_row("SELECT child_session FROM spawns WHERE token = ?1", [token], |r| r.get(0))
+        .optional()?;
+    c.execute("DELETE FROM spawns WHERE token = ?1", [token])?;
+    Ok(child)
+}
+
+pub fn drop_spawns_of(c: &Connection, child: &str) -> rusqlite::Result<()> {
+    c.execute("DELETE FROM spawns WHERE child_session = ?1", [child])?;
+    Ok(())
+}
+
+/// The session id last seen with `key`.
+pub fn session_by_key(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
+    c.query_row("SELECT session_id FROM sessions WHERE session_key = ?1 ORDER BY rowid DESC LIMIT 1", [key], |r| r.get(0))
+        .optional()
+}
+
+/// Ids of the session's messages that the summary covers.
+pub fn covered_ids(c: &Connection, session_id: &str, covered_seq: i64) -> rusqlite::Result<std::collections::HashSet<String>> {
+    let mut stmt = c.prepare_cached("SELECT id FROM messages WHERE session_id = ?1 AND seq <= ?2")?;
+    let rows = stmt.query_map(params![session_id, covered_seq], |r| r.get(0))?;
+    rows.collect()
+}
