@@ -54,7 +54,8 @@ pub async fn serve_main<E: ContextEngine>(engine: E, args: ServeArgs) -> Result<
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     // Logs go to stderr: stdout carries only the `listening on` line.
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -58,6 +58,7 @@ struct HostState {
     grants: Mutex<HashMap<String, pb::Grant>>,
     llm_calls: Mutex<Vec<pb::LlmCompleteRequest>>,
     responder: Mutex<Option<Arc<Responder>>>,
+    llm_delay: Mutex<Duration>,
 }
 
 /// A `Host` service on loopback with real grant checks: a token is valid
@@ -104,6 +105,11 @@ impl TestHost {
     /// How `LlmComplete` answers; without one it answers UNAVAILABLE.
     pub fn on_llm(&self, f: impl Fn(&pb::LlmCompleteRequest) -> Result<String, Status> + Send + Sync + 'static) {
         *lock(&self.state.responder) = Some(Arc::new(f));
+    }
+
+    /// Makes every `LlmComplete` take `delay` before answering (a slow model).
+    pub fn set_llm_delay(&self, delay: Duration) {
+        *lock(&self.state.llm_delay) = delay;
     }
 
     /// Every accepted `LlmComplete` request so far.
@@ -167,6 +173,8 @@ impl host_server::Host for HostSvc {
         let r = req.into_inner();
         let grant = self.authorise(&r.grant, None, crate::LLM_COMPLETE)?;
         let responder = lock(&self.state.responder).clone().ok_or_else(|| Status::unavailable("no model configured"))?;
+        let delay = *lock(&self.state.llm_delay);
+        tokio::time::sleep(delay).await;
         let text = responder(&r)?;
         lock(&self.state.llm_calls).push(r.clone());
         Ok(Response::new(pb::LlmCompleteResult {
