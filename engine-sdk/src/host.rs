@@ -52,7 +52,7 @@ impl HostClient {
             visible_only,
             ..Default::default()
         };
-        let host_err = |status| EngineError::Host { operation: OP, status };
+        let host_err = |status| host_error(ctx, OP, status);
         let mut stream = self.client.clone().read_transcript(bounded(ctx, req)).await.map_err(host_err)?.into_inner();
         let mut entries = Vec::new();
         while let Some(chunk) = stream.next().await {
@@ -72,9 +72,20 @@ impl HostClient {
         let call = client.llm_complete(bounded(ctx, req));
         // Dropping the call on cancellation resets the stream: the host sees it.
         tokio::select! {
-            r = call => r.map(tonic::Response::into_inner).map_err(|status| EngineError::Host { operation: "LlmComplete", status }),
+            r = call => r.map(tonic::Response::into_inner).map_err(|status| host_error(ctx, "LlmComplete", status)),
             _ = ctx.cancellation().cancelled() => Err(EngineError::Cancelled),
         }
+    }
+}
+
+/// A callback that failed because the engine call's own deadline passed is
+/// that deadline, not a host fault: the engine must not go on as if the
+/// host had merely refused.
+fn host_error(ctx: &CallContext, operation: &'static str, status: tonic::Status) -> EngineError {
+    if ctx.remaining().is_some_and(|left| left.is_zero()) {
+        EngineError::DeadlineExceeded
+    } else {
+        EngineError::Host { operation, status }
     }
 }
 

@@ -9,6 +9,8 @@ use ctxgate_engine_sdk::{CallContext, EngineError, LLM_COMPLETE};
 /// Longest summary kept; older lines go first when over it.
 pub const MAX_SUMMARY_CHARS: usize = 12_000;
 const SNIPPET_CHARS: usize = 240;
+/// Tool output is bulky and mostly re-readable: keep less of it.
+const TOOL_SNIPPET_CHARS: usize = 120;
 const HEADER: &str = "Summary of the earlier conversation (window engine)";
 
 /// Where a summary came from (reported in CompactResult.details_json).
@@ -71,7 +73,8 @@ pub fn extractive(previous: &str, chunk: &[AgentMessage]) -> String {
     for m in chunk {
         let t = text(m);
         idents.extend(identifiers(&t));
-        let snippet: String = t.split_whitespace().collect::<Vec<_>>().join(" ").chars().take(SNIPPET_CHARS).collect();
+        let limit = if m.role == Role::Tool as i32 { TOOL_SNIPPET_CHARS } else { SNIPPET_CHARS };
+        let snippet: String = t.split_whitespace().collect::<Vec<_>>().join(" ").chars().take(limit).collect();
         if !snippet.is_empty() {
             lines.push(format!("- {}: {snippet}", role_name(m.role)));
         }
