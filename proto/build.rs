@@ -4,11 +4,7 @@
 use std::{env, path::PathBuf};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = [
-        "contextengine/v1/types.proto",
-        "contextengine/v1/engine.proto",
-        "contextengine/v1/host.proto",
-    ];
+    let protos = ["contextengine/v1/types.proto", "contextengine/v1/engine.proto", "contextengine/v1/host.proto"];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }

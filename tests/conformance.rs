@@ -1,6 +1,8 @@
 //! The conformance kit against real engine processes: the Rust window
 //! engine and the Python engine pass it, the broken fixture fails it.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
 use std::time::Duration;
 
 use ctxgate_engine_sdk::conformance::{Options, Outcome, Report, run};
@@ -111,7 +113,11 @@ async fn conformance_binary_prints_a_line_per_case_and_sets_its_exit_code() {
     assert_eq!(json["cases"][0]["name"], "health.check");
     assert_eq!(json["cases"][0]["outcome"], "pass");
 
-    let bad = tokio::process::Command::new(bin("ctxgate-conformance")).args(["--endpoint", "ftp://nowhere"]).output().await.unwrap();
+    let bad = tokio::process::Command::new(bin("ctxgate-conformance"))
+        .args(["--endpoint", "ftp://nowhere"])
+        .output()
+        .await
+        .unwrap();
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid endpoint"));
 }

@@ -3,6 +3,8 @@
 //! subagent forks. In-process engines run on the real SDK server over
 //! loopback; the restart test runs the real binary.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
 use std::time::Duration;
 
 use ctxgate_engine_sdk::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
@@ -35,16 +37,30 @@ async fn engine(config: Config) -> (TestEngine, tempfile::TempDir) {
 }
 
 async fn ingest(c: &mut ContextEngineClient<Channel>, session: &str, messages: &[pb::AgentMessage]) {
-    let r = pb::IngestBatchRequest { session_id: session.into(), session_key: Some(session.into()), messages: messages.to_vec(), is_heartbeat: false };
+    let r = pb::IngestBatchRequest {
+        session_id: session.into(),
+        session_key: Some(session.into()),
+        messages: messages.to_vec(),
+        is_heartbeat: false,
+    };
     c.ingest_batch(r).await.unwrap();
 }
 
 fn compact_req(session: &str, host: Option<pb::HostAccess>) -> pb::CompactRequest {
-    pb::CompactRequest { session_id: session.into(), session_key: session.into(), force: true, host, ..Default::default() }
+    pb::CompactRequest {
+        session_id: session.into(),
+        session_key: session.into(),
+        force: true,
+        host,
+        ..Default::default()
+    }
 }
 
 /// Runs Compact to the end: the progress events and the result.
-async fn compact(c: &mut ContextEngineClient<Channel>, req: impl tonic::IntoRequest<pb::CompactRequest>) -> Result<(Vec<pb::CompactProgress>, pb::CompactResult), tonic::Status> {
+async fn compact(
+    c: &mut ContextEngineClient<Channel>,
+    req: impl tonic::IntoRequest<pb::CompactRequest>,
+) -> Result<(Vec<pb::CompactProgress>, pb::CompactResult), tonic::Status> {
     let mut stream = c.compact(req).await?.into_inner();
     let mut progress = Vec::new();
     while let Some(e) = stream.next().await {
@@ -57,7 +73,12 @@ async fn compact(c: &mut ContextEngineClient<Channel>, req: impl tonic::IntoRequ
     panic!("stream ended without a result")
 }
 
-async fn assemble(c: &mut ContextEngineClient<Channel>, session: &str, messages: Vec<pb::AgentMessage>, budget: Option<u64>) -> pb::AssembleResult {
+async fn assemble(
+    c: &mut ContextEngineClient<Channel>,
+    session: &str,
+    messages: Vec<pb::AgentMessage>,
+    budget: Option<u64>,
+) -> pb::AssembleResult {
     let r = pb::AssembleRequest { session_id: session.into(), messages, token_budget: budget, ..Default::default() };
     c.assemble(r).await.unwrap().into_inner()
 }
@@ -123,7 +144,11 @@ async fn state_survives_a_sigkill_and_restart() {
     let (_, r) = compact(&mut c, compact_req("durable", None)).await.unwrap();
     let commit = pb::CommitTurnRequest {
         advancement_key: "turn-9".into(),
-        admission: Some(pb::TranscriptTurnAdmission { logical_turn_id: "turn-9".into(), role: pb::Role::User as i32, ..Default::default() }),
+        admission: Some(pb::TranscriptTurnAdmission {
+            logical_turn_id: "turn-9".into(),
+            role: pb::Role::User as i32,
+            ..Default::default()
+        }),
         terminal: Some(pb::TranscriptEntryAnchor::default()),
         messages: vec![msg::user("u9", "Turn 9: and file_9.rs?")],
         session_id: "durable".into(),
@@ -134,13 +159,20 @@ async fn state_survives_a_sigkill_and_restart() {
 
     let second = start_window(dir.path(), &["--keep-turns", "2"]).await;
     let mut c = engine_client(connect(&second.endpoint).unwrap());
-    assert_eq!(c.commit_turn(commit).await.unwrap().into_inner().status, pb::CommitStatus::Duplicate as i32, "commit keys survive");
+    assert_eq!(
+        c.commit_turn(commit).await.unwrap().into_inner().status,
+        pb::CommitStatus::Duplicate as i32,
+        "commit keys survive"
+    );
     let mut all = h.clone();
     all.push(msg::user("u9", "Turn 9: and file_9.rs?"));
     let a = assemble(&mut c, "durable", all.clone(), None).await;
     assert_eq!(msg::text_of(&a.messages[0]), r.summary.unwrap(), "the summary survives");
     assert_eq!(ids(&a.messages[1..]), ids(&all[28..]));
-    let ingested = c.ingest(pb::IngestRequest { session_id: "durable".into(), message: Some(h[0].clone()), ..Default::default() }).await.unwrap();
+    let ingested = c
+        .ingest(pb::IngestRequest { session_id: "durable".into(), message: Some(h[0].clone()), ..Default::default() })
+        .await
+        .unwrap();
     assert!(!ingested.into_inner().ingested, "message ids survive");
 }
 
@@ -207,21 +239,38 @@ async fn bootstrap_imports_the_visible_history_through_the_host() {
     let entries = h
         .iter()
         .enumerate()
-        .map(|(i, m)| pb::TranscriptEntry { id: m.id.clone(), seq: i as u64 + 1, entry: Some(pb::transcript_entry::Entry::Message(m.clone())), ..Default::default() })
+        .map(|(i, m)| pb::TranscriptEntry {
+            id: m.id.clone(),
+            seq: i as u64 + 1,
+            entry: Some(pb::transcript_entry::Entry::Message(m.clone())),
+            ..Default::default()
+        })
         .collect();
     host.set_transcript("boot", entries);
     let mut c = e.client.clone();
 
     // A grant for another session is not used to read this one.
     let other = host.grant("other", &[READ_TRANSCRIPT], Duration::from_secs(30));
-    let r = c.bootstrap(pb::BootstrapRequest { session_id: "boot".into(), host: Some(other), ..Default::default() }).await.unwrap().into_inner();
+    let r = c
+        .bootstrap(pb::BootstrapRequest { session_id: "boot".into(), host: Some(other), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!r.bootstrapped);
 
     let grant = host.grant("boot", &[READ_TRANSCRIPT], Duration::from_secs(30));
-    let r = c.bootstrap(pb::BootstrapRequest { session_id: "boot".into(), host: Some(grant.clone()), ..Default::default() }).await.unwrap().into_inner();
+    let r = c
+        .bootstrap(pb::BootstrapRequest { session_id: "boot".into(), host: Some(grant.clone()), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(r.bootstrapped);
     assert_eq!(r.imported_messages, Some(8));
-    let again = c.bootstrap(pb::BootstrapRequest { session_id: "boot".into(), host: Some(grant), ..Default::default() }).await.unwrap().into_inner();
+    let again = c
+        .bootstrap(pb::BootstrapRequest { session_id: "boot".into(), host: Some(grant), ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(!again.bootstrapped, "a known session is not imported twice");
 }
 
@@ -230,7 +279,8 @@ async fn maintain_elides_old_oversized_tool_results_once() {
     let (e, _dir) = engine(Config { keep_turns: 2, max_tool_result_bytes: 1000, ..Config::default() }).await;
     let mut c = e.client.clone();
     ingest(&mut c, "m", &history(5, 5000)).await;
-    let req = pb::MaintainRequest { session_id: "m".into(), reason: pb::MaintainReason::Turn as i32, ..Default::default() };
+    let req =
+        pb::MaintainRequest { session_id: "m".into(), reason: pb::MaintainReason::Turn as i32, ..Default::default() };
     let r = c.maintain(req.clone()).await.unwrap().into_inner();
     let replaced: Vec<_> = r.replacements.iter().map(|x| x.entry_id.as_str()).collect();
     assert_eq!(replaced, ["r0", "r1", "r2"], "only results older than the 2 kept turns");
@@ -272,7 +322,10 @@ async fn fork_subagents_start_from_the_parents_summary_and_tail_and_clean_up() {
     assert_eq!(msg::text_of(&child.messages[0]), parent.summary.clone().unwrap());
 
     // Rolling back forgets the child; a second rollback is harmless.
-    let rb = pb::RollbackSubagentSpawnRequest { rollback_token: prep.rollback_token.unwrap(), child_session_key: "child".into() };
+    let rb = pb::RollbackSubagentSpawnRequest {
+        rollback_token: prep.rollback_token.unwrap(),
+        child_session_key: "child".into(),
+    };
     c.rollback_subagent_spawn(rb.clone()).await.unwrap();
     c.rollback_subagent_spawn(rb).await.unwrap();
     let child = assemble(&mut c, "child", vec![msg::user("cu", "child task")], None).await;
@@ -280,7 +333,11 @@ async fn fork_subagents_start_from_the_parents_summary_and_tail_and_clean_up() {
 
     // A deleted subagent is forgotten too.
     c.prepare_subagent_spawn(fork).await.unwrap();
-    let ended = pb::OnSubagentEndedRequest { child_session_key: "child".into(), reason: pb::SubagentEndReason::Deleted as i32, ..Default::default() };
+    let ended = pb::OnSubagentEndedRequest {
+        child_session_key: "child".into(),
+        reason: pb::SubagentEndReason::Deleted as i32,
+        ..Default::default()
+    };
     c.on_subagent_ended(ended).await.unwrap();
     let child = assemble(&mut c, "child", vec![msg::user("cu", "child task")], None).await;
     assert_eq!(ids(&child.messages), ["cu"]);
@@ -291,7 +348,11 @@ async fn after_turn_compacts_on_its_own_once_enough_turns_pile_up() {
     let (e, _dir) = engine(Config { keep_turns: 2, auto_compact_after: 2, ..Config::default() }).await;
     let mut c = e.client.clone();
     let h = history(4, 10);
-    let turn = |messages: Vec<pb::AgentMessage>| pb::AfterTurnRequest { session_id: "auto".into(), messages, ..Default::default() };
+    let turn = |messages: Vec<pb::AgentMessage>| pb::AfterTurnRequest {
+        session_id: "auto".into(),
+        messages,
+        ..Default::default()
+    };
     c.after_turn(turn(h.clone())).await.unwrap();
     assert_eq!(ids(&assemble(&mut c, "auto", h.clone(), None).await.messages), ids(&h), "4 turns: not yet");
     let h = history(5, 10);

@@ -111,7 +111,8 @@ pub const CASES: &[(&str, CaseFn)] = &[
 pub async fn run(opts: &Options) -> Result<Report, crate::endpoint::BadEndpoint> {
     let channel = connect(&opts.endpoint)?;
     let mut kit = Kit { engine: engine_client(channel.clone()), channel, info: None };
-    kit.info = kit.engine.clone().get_info(timed(pb::GetInfoRequest {}, opts.case_timeout)).await.ok().map(|r| r.into_inner());
+    kit.info =
+        kit.engine.clone().get_info(timed(pb::GetInfoRequest {}, opts.case_timeout)).await.ok().map(|r| r.into_inner());
     let mut cases = Vec::with_capacity(CASES.len());
     for (name, f) in CASES {
         let outcome = match tokio::time::timeout(opts.case_timeout, f(&kit)).await {
@@ -180,7 +181,10 @@ impl Kit {
 
     /// The engine still answers GetInfo and reports SERVING.
     async fn still_healthy(&self, after: &str) -> Result<(), String> {
-        self.client().get_info(req(pb::GetInfoRequest {})).await.map_err(|s| format!("after {after}, GetInfo failed: {}", describe(&s)))?;
+        self.client()
+            .get_info(req(pb::GetInfoRequest {}))
+            .await
+            .map_err(|s| format!("after {after}, GetInfo failed: {}", describe(&s)))?;
         let status = HealthClient::new(self.channel.clone())
             .check(req(HealthCheckRequest { service: String::new() }))
             .await
@@ -193,14 +197,24 @@ impl Kit {
     /// Ingests `messages` one by one into `session_id`.
     async fn ingest_all(&self, session_id: &str, messages: &[pb::AgentMessage]) -> Result<(), String> {
         for m in messages {
-            let r = pb::IngestRequest { session_id: session_id.into(), session_key: Some(session_id.into()), message: Some(m.clone()), is_heartbeat: false };
+            let r = pb::IngestRequest {
+                session_id: session_id.into(),
+                session_key: Some(session_id.into()),
+                message: Some(m.clone()),
+                is_heartbeat: false,
+            };
             self.client().ingest(req(r)).await.map_err(|s| format!("Ingest {} failed: {}", m.id, describe(&s)))?;
         }
         Ok(())
     }
 
     /// A malformed request must get `want` and leave the engine answering.
-    async fn expect_code<T: std::fmt::Debug>(&self, what: &str, got: Result<tonic::Response<T>, Status>, want: Code) -> CaseResult {
+    async fn expect_code<T: std::fmt::Debug>(
+        &self,
+        what: &str,
+        got: Result<tonic::Response<T>, Status>,
+        want: Code,
+    ) -> CaseResult {
         match got {
             Ok(_) => return Err(format!("{what}: accepted, expected {want:?}")),
             Err(s) if s.code() == want => {}
@@ -217,14 +231,24 @@ fn history(turns: usize, tool_text_len: usize) -> Vec<pb::AgentMessage> {
     for t in 0..turns {
         out.push(msg::user(&format!("u{t}"), &format!("Turn {t}: please read file_{t}.rs and summarise it.")));
         out.push(msg::tool_call(&format!("c{t}"), &format!("call-{t}"), "read_file"));
-        out.push(msg::tool_result(&format!("r{t}"), &format!("call-{t}"), &format!("fn f{t}() {{}}\n{}", "x".repeat(tool_text_len))));
+        out.push(msg::tool_result(
+            &format!("r{t}"),
+            &format!("call-{t}"),
+            &format!("fn f{t}() {{}}\n{}", "x".repeat(tool_text_len)),
+        ));
         out.push(msg::assistant(&format!("a{t}"), &format!("file_{t}.rs defines f{t}.")));
     }
     out
 }
 
 fn assemble_request(session_id: &str, messages: Vec<pb::AgentMessage>, budget: Option<u64>) -> pb::AssembleRequest {
-    pb::AssembleRequest { session_id: session_id.into(), session_key: Some(session_id.into()), messages, token_budget: budget, ..Default::default() }
+    pb::AssembleRequest {
+        session_id: session_id.into(),
+        session_key: Some(session_id.into()),
+        messages,
+        token_budget: budget,
+        ..Default::default()
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -250,13 +274,18 @@ async fn health_watch(kit: &Kit) -> CaseResult {
         .map_err(|s| format!("Watch failed: {}", describe(&s)))?
         .into_inner();
     let first = stream.next().await.ok_or("Watch ended without a status")?.map_err(|s| describe(&s))?;
-    ensure(first.status == ServingStatus::Serving as i32, || format!("Watch's first status is {}, not SERVING", first.status))?;
+    ensure(first.status == ServingStatus::Serving as i32, || {
+        format!("Watch's first status is {}, not SERVING", first.status)
+    })?;
     Ok(Outcome::Pass)
 }
 
 async fn reflection_lists_services(kit: &Kit) -> CaseResult {
     use reflection::{server_reflection_request::MessageRequest, server_reflection_response::MessageResponse};
-    let request = reflection::ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+    let request = reflection::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
     let mut stream = reflection::server_reflection_client::ServerReflectionClient::new(kit.channel.clone())
         .server_reflection_info(req(tokio_stream::iter([request])))
         .await
@@ -289,26 +318,67 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
     let mut c = kit.client();
     let key = Some(session_id.to_owned());
     let code = match method {
-        "Bootstrap" => c.bootstrap(req(pb::BootstrapRequest { session_id: session_id.into(), session_key: key, ..Default::default() })).await.err(),
+        "Bootstrap" => c
+            .bootstrap(req(pb::BootstrapRequest {
+                session_id: session_id.into(),
+                session_key: key,
+                ..Default::default()
+            }))
+            .await
+            .err(),
         "IngestBatch" => c
-            .ingest_batch(req(pb::IngestBatchRequest { session_id: session_id.into(), session_key: key, messages: vec![msg::user("probe-1", "hello")], is_heartbeat: false }))
+            .ingest_batch(req(pb::IngestBatchRequest {
+                session_id: session_id.into(),
+                session_key: key,
+                messages: vec![msg::user("probe-1", "hello")],
+                is_heartbeat: false,
+            }))
             .await
             .err(),
         "AfterTurn" => c
-            .after_turn(req(pb::AfterTurnRequest { session_id: session_id.into(), session_key: key, messages: vec![msg::user("probe-2", "hi")], pre_prompt_message_count: 0, ..Default::default() }))
+            .after_turn(req(pb::AfterTurnRequest {
+                session_id: session_id.into(),
+                session_key: key,
+                messages: vec![msg::user("probe-2", "hi")],
+                pre_prompt_message_count: 0,
+                ..Default::default()
+            }))
             .await
             .err(),
         "CommitTurn" => c.commit_turn(req(commit_request(session_id, "probe-turn"))).await.err(),
         "Maintain" => c
-            .maintain(req(pb::MaintainRequest { session_id: session_id.into(), session_key: key, reason: pb::MaintainReason::Turn as i32, ..Default::default() }))
+            .maintain(req(pb::MaintainRequest {
+                session_id: session_id.into(),
+                session_key: key,
+                reason: pb::MaintainReason::Turn as i32,
+                ..Default::default()
+            }))
             .await
             .err(),
         "PrepareSubagentSpawn" => c
-            .prepare_subagent_spawn(req(pb::PrepareSubagentSpawnRequest { parent_session_key: session_id.into(), child_session_key: format!("{session_id}-child"), context_mode: pb::SubagentContextMode::Isolated as i32, ..Default::default() }))
+            .prepare_subagent_spawn(req(pb::PrepareSubagentSpawnRequest {
+                parent_session_key: session_id.into(),
+                child_session_key: format!("{session_id}-child"),
+                context_mode: pb::SubagentContextMode::Isolated as i32,
+                ..Default::default()
+            }))
             .await
             .err(),
-        "RollbackSubagentSpawn" => c.rollback_subagent_spawn(req(pb::RollbackSubagentSpawnRequest { rollback_token: "unknown-token".into(), child_session_key: format!("{session_id}-child") })).await.err(),
-        "OnSubagentEnded" => c.on_subagent_ended(req(pb::OnSubagentEndedRequest { child_session_key: format!("{session_id}-child"), reason: pb::SubagentEndReason::Completed as i32, ..Default::default() })).await.err(),
+        "RollbackSubagentSpawn" => c
+            .rollback_subagent_spawn(req(pb::RollbackSubagentSpawnRequest {
+                rollback_token: "unknown-token".into(),
+                child_session_key: format!("{session_id}-child"),
+            }))
+            .await
+            .err(),
+        "OnSubagentEnded" => c
+            .on_subagent_ended(req(pb::OnSubagentEndedRequest {
+                child_session_key: format!("{session_id}-child"),
+                reason: pb::SubagentEndReason::Completed as i32,
+                ..Default::default()
+            }))
+            .await
+            .err(),
         other => return Err(format!("no probe for {other}")),
     };
     match code {
@@ -322,7 +392,8 @@ async fn info_methods_match(kit: &Kit) -> CaseResult {
     kit.info()?;
     let session_id = session("methods");
     kit.ingest_all(&session_id, &[msg::user("seed", "hello")]).await?;
-    let optional = ctxgate_proto::ALL_METHODS.iter().filter(|m| !ctxgate_proto::REQUIRED_METHODS.contains(m) && **m != "Dispose");
+    let optional =
+        ctxgate_proto::ALL_METHODS.iter().filter(|m| !ctxgate_proto::REQUIRED_METHODS.contains(m) && **m != "Dispose");
     let mut problems = Vec::new();
     for method in optional {
         let implemented = probe(kit, method, &session_id).await?;
@@ -338,9 +409,15 @@ async fn info_methods_match(kit: &Kit) -> CaseResult {
 
 async fn ingest_idempotent(kit: &Kit) -> CaseResult {
     let session_id = session("ingest");
-    let r = pb::IngestRequest { session_id: session_id.clone(), session_key: Some(session_id.clone()), message: Some(msg::user("m1", "hello")), is_heartbeat: false };
+    let r = pb::IngestRequest {
+        session_id: session_id.clone(),
+        session_key: Some(session_id.clone()),
+        message: Some(msg::user("m1", "hello")),
+        is_heartbeat: false,
+    };
     kit.client().ingest(req(r.clone())).await.map_err(|s| format!("first Ingest failed: {}", describe(&s)))?;
-    let second = kit.client().ingest(req(r)).await.map_err(|s| format!("second Ingest failed: {}", describe(&s)))?.into_inner();
+    let second =
+        kit.client().ingest(req(r)).await.map_err(|s| format!("second Ingest failed: {}", describe(&s)))?.into_inner();
     ensure(!second.ingested, || "the same message id was ingested twice".into())?;
     Ok(Outcome::Pass)
 }
@@ -349,7 +426,12 @@ async fn assemble_estimate(kit: &Kit) -> CaseResult {
     let session_id = session("estimate");
     let h = history(2, 200);
     kit.ingest_all(&session_id, &h).await?;
-    let r = kit.client().assemble(req(assemble_request(&session_id, h.clone(), None))).await.map_err(|s| describe(&s))?.into_inner();
+    let r = kit
+        .client()
+        .assemble(req(assemble_request(&session_id, h.clone(), None)))
+        .await
+        .map_err(|s| describe(&s))?
+        .into_inner();
     validate::result::assemble(&r, &h).map_err(|v| v.to_string())?;
     let ours = estimate::messages_tokens(&r.messages);
     ensure(r.estimated_tokens > 0, || "estimated_tokens is 0 for a non-empty result".into())?;
@@ -363,11 +445,18 @@ async fn assemble_order(kit: &Kit) -> CaseResult {
     let session_id = session("order");
     let h = history(3, 50);
     kit.ingest_all(&session_id, &h).await?;
-    let r = kit.client().assemble(req(assemble_request(&session_id, h.clone(), None))).await.map_err(|s| describe(&s))?.into_inner();
+    let r = kit
+        .client()
+        .assemble(req(assemble_request(&session_id, h.clone(), None)))
+        .await
+        .map_err(|s| describe(&s))?
+        .into_inner();
     let position = |id: &str| h.iter().position(|m| m.id == id);
     let kept: Vec<usize> = r.messages.iter().filter_map(|m| position(&m.id)).collect();
     ensure(!kept.is_empty(), || "no message of the request came back".into())?;
-    ensure(kept.windows(2).all(|w| w[0] < w[1]), || format!("messages came back out of order (request positions {kept:?})"))?;
+    ensure(kept.windows(2).all(|w| w[0] < w[1]), || {
+        format!("messages came back out of order (request positions {kept:?})")
+    })?;
     let newest = &h[h.len() - 1].id;
     ensure(r.messages.iter().any(|m| &m.id == newest), || "the newest message was dropped with no budget".into())?;
     Ok(Outcome::Pass)
@@ -380,7 +469,12 @@ async fn assemble_tool_pairs(kit: &Kit) -> CaseResult {
     // A budget that fits about a third of the history forces the engine to cut.
     let budget = estimate::messages_tokens(&h) / 3;
     for b in [None, Some(budget)] {
-        let r = kit.client().assemble(req(assemble_request(&session_id, h.clone(), b))).await.map_err(|s| describe(&s))?.into_inner();
+        let r = kit
+            .client()
+            .assemble(req(assemble_request(&session_id, h.clone(), b)))
+            .await
+            .map_err(|s| describe(&s))?
+            .into_inner();
         validate::result::assemble(&r, &h).map_err(|v| format!("budget {b:?}: {v}"))?;
     }
     Ok(Outcome::Pass)
@@ -401,7 +495,8 @@ async fn compact_stream_shape(kit: &Kit) -> CaseResult {
     use pb::compact_event::Event;
     let session_id = session("compact");
     kit.ingest_all(&session_id, &history(8, 1000)).await?;
-    let mut stream = kit.client().compact(req(compact_request(&session_id))).await.map_err(|s| describe(&s))?.into_inner();
+    let mut stream =
+        kit.client().compact(req(compact_request(&session_id))).await.map_err(|s| describe(&s))?.into_inner();
     let mut events = Vec::new();
     while let Some(e) = stream.next().await {
         events.push(e.map_err(|s| format!("Compact failed after {} events: {}", events.len(), describe(&s)))?);
@@ -409,7 +504,9 @@ async fn compact_stream_shape(kit: &Kit) -> CaseResult {
     let (last, progress) = events.split_last().ok_or("the stream ended with no event")?;
     for p in progress {
         match &p.event {
-            Some(Event::Progress(pr)) => ensure(pr.total == 0 || pr.done <= pr.total, || format!("progress done {} > total {}", pr.done, pr.total))?,
+            Some(Event::Progress(pr)) => ensure(pr.total == 0 || pr.done <= pr.total, || {
+                format!("progress done {} > total {}", pr.done, pr.total)
+            })?,
             _ => return Err("an event came after the terminal event".into()),
         }
     }
@@ -430,7 +527,11 @@ fn commit_request(session_id: &str, key: &str) -> pb::CommitTurnRequest {
     };
     pb::CommitTurnRequest {
         advancement_key: key.into(),
-        admission: Some(pb::TranscriptTurnAdmission { anchor: Some(anchor(&format!("{key}-u"), 1)), logical_turn_id: key.into(), role: pb::Role::User as i32 }),
+        admission: Some(pb::TranscriptTurnAdmission {
+            anchor: Some(anchor(&format!("{key}-u"), 1)),
+            logical_turn_id: key.into(),
+            role: pb::Role::User as i32,
+        }),
         terminal: Some(anchor(&format!("{key}-a"), 2)),
         messages: vec![msg::user(&format!("{key}-u"), "question"), msg::assistant(&format!("{key}-a"), "answer")],
         session_id: session_id.into(),
@@ -447,8 +548,12 @@ async fn commit_turn_idempotent(kit: &Kit) -> CaseResult {
     let r = commit_request(&session_id, "turn-1");
     let first = kit.client().commit_turn(req(r.clone())).await.map_err(|s| describe(&s))?.into_inner();
     let second = kit.client().commit_turn(req(r)).await.map_err(|s| describe(&s))?.into_inner();
-    ensure(first.status == pb::CommitStatus::Committed as i32, || format!("first commit answered status {}", first.status))?;
-    ensure(second.status == pb::CommitStatus::Duplicate as i32, || format!("retried commit answered status {}, not DUPLICATE", second.status))?;
+    ensure(first.status == pb::CommitStatus::Committed as i32, || {
+        format!("first commit answered status {}", first.status)
+    })?;
+    ensure(second.status == pb::CommitStatus::Duplicate as i32, || {
+        format!("retried commit answered status {}, not DUPLICATE", second.status)
+    })?;
     Ok(Outcome::Pass)
 }
 
@@ -471,8 +576,14 @@ async fn subagent_rollback(kit: &Kit) -> CaseResult {
         return Ok(Outcome::Skip("fork preparation returned no rollback token".into()));
     };
     for attempt in ["first", "repeated"] {
-        let rb = pb::RollbackSubagentSpawnRequest { rollback_token: token.clone(), child_session_key: format!("{parent}-child") };
-        kit.client().rollback_subagent_spawn(req(rb)).await.map_err(|s| format!("{attempt} rollback failed: {}", describe(&s)))?;
+        let rb = pb::RollbackSubagentSpawnRequest {
+            rollback_token: token.clone(),
+            child_session_key: format!("{parent}-child"),
+        };
+        kit.client()
+            .rollback_subagent_spawn(req(rb))
+            .await
+            .map_err(|s| format!("{attempt} rollback failed: {}", describe(&s)))?;
     }
     Ok(Outcome::Pass)
 }
@@ -482,12 +593,16 @@ async fn cancel_mid_flight(kit: &Kit) -> CaseResult {
     let h = history(20, 4000);
     kit.ingest_all(&session_id, &h).await?;
     // A streaming Compact dropped after its first event (or at once).
-    let mut stream = kit.client().compact(Request::new(compact_request(&session_id))).await.map_err(|s| describe(&s))?.into_inner();
+    let mut stream =
+        kit.client().compact(Request::new(compact_request(&session_id))).await.map_err(|s| describe(&s))?.into_inner();
     let _ = tokio::time::timeout(Duration::from_millis(20), stream.next()).await;
     drop(stream);
     // A unary Assemble abandoned after 1 ms.
     let mut c = kit.client();
-    let call = tokio::spawn(async move { c.assemble(Request::new(assemble_request(&session_id, h, Some(500)))).await.map(|_| ()) });
+    let call =
+        tokio::spawn(
+            async move { c.assemble(Request::new(assemble_request(&session_id, h, Some(500)))).await.map(|_| ()) },
+        );
     tokio::time::sleep(Duration::from_millis(1)).await;
     call.abort();
     let _ = call.await;
@@ -500,14 +615,21 @@ async fn deadline_one_ms(kit: &Kit) -> CaseResult {
     let h = history(20, 4000);
     let got = kit.client().assemble(timed(assemble_request(&session_id, h, Some(500)), Duration::from_millis(1))).await;
     if let Err(s) = &got {
-        ensure(matches!(s.code(), Code::DeadlineExceeded | Code::Cancelled), || format!("a 1 ms deadline ended in {}", describe(s)))?;
+        ensure(matches!(s.code(), Code::DeadlineExceeded | Code::Cancelled), || {
+            format!("a 1 ms deadline ended in {}", describe(s))
+        })?;
     }
     kit.still_healthy("a 1 ms deadline").await?;
     Ok(Outcome::Pass)
 }
 
 async fn malformed_missing_session(kit: &Kit) -> CaseResult {
-    let r = pb::IngestRequest { session_id: String::new(), session_key: None, message: Some(msg::user("m", "hi")), is_heartbeat: false };
+    let r = pb::IngestRequest {
+        session_id: String::new(),
+        session_key: None,
+        message: Some(msg::user("m", "hi")),
+        is_heartbeat: false,
+    };
     kit.expect_code("Ingest without session_id", kit.client().ingest(req(r)).await, Code::InvalidArgument).await?;
     let a = assemble_request("", vec![msg::user("m", "hi")], None);
     kit.expect_code("Assemble without session_id", kit.client().assemble(req(a)).await, Code::InvalidArgument).await
@@ -526,12 +648,32 @@ async fn malformed_unknown_role(kit: &Kit) -> CaseResult {
 }
 
 async fn malformed_tool_result(kit: &Kit) -> CaseResult {
-    let r = pb::IngestRequest { session_id: session("toolid"), session_key: None, message: Some(msg::tool_result("m", "", "output")), is_heartbeat: false };
-    kit.expect_code("Ingest of a tool result without a call id", kit.client().ingest(req(r)).await, Code::InvalidArgument).await
+    let r = pb::IngestRequest {
+        session_id: session("toolid"),
+        session_key: None,
+        message: Some(msg::tool_result("m", "", "output")),
+        is_heartbeat: false,
+    };
+    kit.expect_code(
+        "Ingest of a tool result without a call id",
+        kit.client().ingest(req(r)).await,
+        Code::InvalidArgument,
+    )
+    .await
 }
 
 async fn malformed_oversized(kit: &Kit) -> CaseResult {
     let big = "x".repeat(limits::MAX_MESSAGE_CONTENT_BYTES + 1024);
-    let r = pb::IngestRequest { session_id: session("big"), session_key: None, message: Some(msg::user("m", &big)), is_heartbeat: false };
-    kit.expect_code("Ingest of a message over the content limit", kit.client().ingest(req(r)).await, Code::ResourceExhausted).await
+    let r = pb::IngestRequest {
+        session_id: session("big"),
+        session_key: None,
+        message: Some(msg::user("m", &big)),
+        is_heartbeat: false,
+    };
+    kit.expect_code(
+        "Ingest of a message over the content limit",
+        kit.client().ingest(req(r)).await,
+        Code::ResourceExhausted,
+    )
+    .await
 }

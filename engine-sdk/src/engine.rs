@@ -11,6 +11,9 @@ use crate::{CallContext, EngineError};
 type Out<T> = Result<T, EngineError>;
 
 /// How a Compact call ends.
+// Returned once per Compact call: boxing the result would cost every engine
+// author a `Box::new` to save a few hundred bytes once.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 pub enum CompactOutcome {
     /// The engine compacted (or decided not to); sent as `CompactEvent.result`.

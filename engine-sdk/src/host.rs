@@ -41,7 +41,11 @@ impl HostClient {
 
     /// The whole transcript of the grant's session (or only its visible
     /// history), collected from the stream.
-    pub async fn read_transcript(&self, ctx: &CallContext, visible_only: bool) -> Result<Vec<pb::TranscriptEntry>, EngineError> {
+    pub async fn read_transcript(
+        &self,
+        ctx: &CallContext,
+        visible_only: bool,
+    ) -> Result<Vec<pb::TranscriptEntry>, EngineError> {
         const OP: &str = "ReadTranscript";
         if !self.allows(READ_TRANSCRIPT) {
             return Err(EngineError::NotGranted(READ_TRANSCRIPT));
@@ -63,7 +67,11 @@ impl HostClient {
     }
 
     /// One completion from the host's model.
-    pub async fn llm_complete(&self, ctx: &CallContext, mut req: pb::LlmCompleteRequest) -> Result<pb::LlmCompleteResult, EngineError> {
+    pub async fn llm_complete(
+        &self,
+        ctx: &CallContext,
+        mut req: pb::LlmCompleteRequest,
+    ) -> Result<pb::LlmCompleteResult, EngineError> {
         if !self.allows(LLM_COMPLETE) {
             return Err(EngineError::NotGranted(LLM_COMPLETE));
         }

@@ -148,12 +148,9 @@ impl<E: ContextEngine> Bound<E> {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .expect("the contract's descriptor set is valid");
-        let engine = raw::ContextEngineServer::new(EngineService {
-            engine: self.server.engine,
-            hosts: Arc::default(),
-        })
-        .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
+        let engine = raw::ContextEngineServer::new(EngineService { engine: self.server.engine, hosts: Arc::default() })
+            .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
 
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let router = tonic::transport::Server::builder()
@@ -307,15 +304,25 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     }
 
     async fn bootstrap(&self, req: Request<pb::BootstrapRequest>) -> Unary<pb::BootstrapResult> {
-        self.unary("Bootstrap", req, validate::request::bootstrap, |r| r.host.as_ref(), |e, ctx, r| async move {
-            e.bootstrap(&ctx, r).await
-        })
+        self.unary(
+            "Bootstrap",
+            req,
+            validate::request::bootstrap,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.bootstrap(&ctx, r).await },
+        )
         .await
     }
 
     async fn ingest(&self, req: Request<pb::IngestRequest>) -> Unary<pb::IngestResult> {
-        self.unary("Ingest", req, validate::request::ingest, no_host, |e, ctx, r| async move { e.ingest(&ctx, r).await })
-            .await
+        self.unary(
+            "Ingest",
+            req,
+            validate::request::ingest,
+            no_host,
+            |e, ctx, r| async move { e.ingest(&ctx, r).await },
+        )
+        .await
     }
 
     async fn ingest_batch(&self, req: Request<pb::IngestBatchRequest>) -> Unary<pb::IngestBatchResult> {
@@ -326,9 +333,13 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     }
 
     async fn assemble(&self, req: Request<pb::AssembleRequest>) -> Unary<pb::AssembleResult> {
-        self.unary("Assemble", req, validate::request::assemble, |r| r.host.as_ref(), |e, ctx, r| async move {
-            e.assemble(&ctx, r).await
-        })
+        self.unary(
+            "Assemble",
+            req,
+            validate::request::assemble,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.assemble(&ctx, r).await },
+        )
         .await
     }
 
@@ -371,23 +382,35 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     }
 
     async fn after_turn(&self, req: Request<pb::AfterTurnRequest>) -> Unary<pb::AfterTurnResult> {
-        self.unary("AfterTurn", req, validate::request::after_turn, |r| r.host.as_ref(), |e, ctx, r| async move {
-            e.after_turn(&ctx, r).await
-        })
+        self.unary(
+            "AfterTurn",
+            req,
+            validate::request::after_turn,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.after_turn(&ctx, r).await },
+        )
         .await
     }
 
     async fn commit_turn(&self, req: Request<pb::CommitTurnRequest>) -> Unary<pb::CommitTurnResult> {
-        self.unary("CommitTurn", req, validate::request::commit_turn, |r| r.host.as_ref(), |e, ctx, r| async move {
-            e.commit_turn(&ctx, r).await
-        })
+        self.unary(
+            "CommitTurn",
+            req,
+            validate::request::commit_turn,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.commit_turn(&ctx, r).await },
+        )
         .await
     }
 
     async fn maintain(&self, req: Request<pb::MaintainRequest>) -> Unary<pb::MaintainResult> {
-        self.unary("Maintain", req, validate::request::maintain, |r| r.host.as_ref(), |e, ctx, r| async move {
-            e.maintain(&ctx, r).await
-        })
+        self.unary(
+            "Maintain",
+            req,
+            validate::request::maintain,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.maintain(&ctx, r).await },
+        )
         .await
     }
 
@@ -441,7 +464,10 @@ mod tests {
         for (v, d) in [("5S", 5_000u64), ("250m", 250), ("1M", 60_000), ("1H", 3_600_000)] {
             m.insert("grpc-timeout", v.parse().unwrap());
             let left = deadline_of(&m).unwrap() - Instant::now();
-            assert!(left <= Duration::from_millis(d) && left + Duration::from_millis(50) >= Duration::from_millis(d), "{v}");
+            assert!(
+                left <= Duration::from_millis(d) && left + Duration::from_millis(50) >= Duration::from_millis(d),
+                "{v}"
+            );
         }
         for bad in ["", "S", "123456789S", "5x", "-1S"] {
             m.insert("grpc-timeout", bad.parse().unwrap());

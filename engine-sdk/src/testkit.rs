@@ -25,7 +25,10 @@ pub struct TestEngine {
 
 impl TestEngine {
     pub async fn start<E: ContextEngine>(engine: E) -> std::io::Result<Self> {
-        let bound = Server::new(engine).drain_timeout(Duration::from_secs(2)).bind(&Endpoint::Tcp(([127, 0, 0, 1], 0).into())).await?;
+        let bound = Server::new(engine)
+            .drain_timeout(Duration::from_secs(2))
+            .bind(&Endpoint::Tcp(([127, 0, 0, 1], 0).into()))
+            .await?;
         let endpoint = format!("http://{}", bound.local_endpoint());
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(bound.serve(async {
@@ -137,7 +140,8 @@ impl HostSvc {
         if token.is_empty() {
             return Err(Status::unauthenticated("grant is required"));
         }
-        let grant = lock(&self.state.grants).get(token).cloned().ok_or_else(|| Status::unauthenticated("unknown grant"))?;
+        let grant =
+            lock(&self.state.grants).get(token).cloned().ok_or_else(|| Status::unauthenticated("unknown grant"))?;
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as i64;
         if grant.expires_at_unix_ms <= now {
             return Err(Status::permission_denied("grant expired"));
@@ -169,10 +173,14 @@ impl host_server::Host for HostSvc {
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
-    async fn llm_complete(&self, req: Request<pb::LlmCompleteRequest>) -> Result<Response<pb::LlmCompleteResult>, Status> {
+    async fn llm_complete(
+        &self,
+        req: Request<pb::LlmCompleteRequest>,
+    ) -> Result<Response<pb::LlmCompleteResult>, Status> {
         let r = req.into_inner();
         let grant = self.authorise(&r.grant, None, crate::LLM_COMPLETE)?;
-        let responder = lock(&self.state.responder).clone().ok_or_else(|| Status::unavailable("no model configured"))?;
+        let responder =
+            lock(&self.state.responder).clone().ok_or_else(|| Status::unavailable("no model configured"))?;
         let delay = *lock(&self.state.llm_delay);
         tokio::time::sleep(delay).await;
         let text = responder(&r)?;
@@ -181,7 +189,11 @@ impl host_server::Host for HostSvc {
             text,
             provider: "testkit".into(),
             model: "testkit".into(),
-            audit: Some(pb::LlmAudit { caller: "context-engine".into(), purpose: r.purpose, session_key: grant.session_id }),
+            audit: Some(pb::LlmAudit {
+                caller: "context-engine".into(),
+                purpose: r.purpose,
+                session_key: grant.session_id,
+            }),
             ..Default::default()
         }))
     }
@@ -192,7 +204,12 @@ pub mod msg {
     use crate::pb::{AgentMessage, ContentPart, Role, ToolCall, ToolResult, content_part::Part};
 
     fn message(id: &str, role: Role, part: Part) -> AgentMessage {
-        AgentMessage { id: id.into(), role: role as i32, content: vec![ContentPart { part: Some(part) }], ..Default::default() }
+        AgentMessage {
+            id: id.into(),
+            role: role as i32,
+            content: vec![ContentPart { part: Some(part) }],
+            ..Default::default()
+        }
     }
 
     pub fn user(id: &str, text: &str) -> AgentMessage {
@@ -204,11 +221,24 @@ pub mod msg {
     }
 
     pub fn tool_call(id: &str, call_id: &str, name: &str) -> AgentMessage {
-        message(id, Role::Assistant, Part::ToolCall(ToolCall { id: call_id.into(), name: name.into(), arguments_json: "{}".into() }))
+        message(
+            id,
+            Role::Assistant,
+            Part::ToolCall(ToolCall { id: call_id.into(), name: name.into(), arguments_json: "{}".into() }),
+        )
     }
 
     pub fn tool_result(id: &str, call_id: &str, text: &str) -> AgentMessage {
-        message(id, Role::Tool, Part::ToolResult(ToolResult { tool_call_id: call_id.into(), tool_name: String::new(), text: text.into(), is_error: false }))
+        message(
+            id,
+            Role::Tool,
+            Part::ToolResult(ToolResult {
+                tool_call_id: call_id.into(),
+                tool_name: String::new(),
+                text: text.into(),
+                is_error: false,
+            }),
+        )
     }
 
     /// The text of every text and tool-result part, joined.

@@ -14,8 +14,7 @@ pub mod pb {
 }
 
 /// Encoded `FileDescriptorSet` of the contract, for gRPC server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    tonic::include_file_descriptor_set!("contextengine_v1_descriptor");
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("contextengine_v1_descriptor");
 
 /// The contract version this crate speaks (`EngineInfo.contract_version`).
 pub const CONTRACT_VERSION: &str = "1.0";

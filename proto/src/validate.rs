@@ -62,10 +62,7 @@ pub fn id(value: &str, field: &str) -> Result {
         return Err(Violation::invalid(field, "is required"));
     }
     if value.len() > MAX_ID_BYTES {
-        return Err(Violation::too_large(
-            field,
-            format!("is {} bytes, the limit is {MAX_ID_BYTES}", value.len()),
-        ));
+        return Err(Violation::too_large(field, format!("is {} bytes, the limit is {MAX_ID_BYTES}", value.len())));
     }
     Ok(())
 }
@@ -124,10 +121,7 @@ pub fn message(m: &AgentMessage, field: &str) -> Result {
 /// A list of well-formed messages with unique ids, at most [`MAX_MESSAGES`].
 pub fn messages(list: &[AgentMessage], field: &str) -> Result {
     if list.len() > MAX_MESSAGES {
-        return Err(Violation::too_large(
-            field,
-            format!("has {} messages, the limit is {MAX_MESSAGES}", list.len()),
-        ));
+        return Err(Violation::too_large(field, format!("has {} messages, the limit is {MAX_MESSAGES}", list.len())));
     }
     let mut seen = HashSet::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
@@ -209,10 +203,7 @@ pub mod request {
         id(&r.advancement_key, "advancement_key")?;
         let admission = r.admission.as_ref().ok_or_else(|| Violation::invalid("admission", "is required"))?;
         if admission.logical_turn_id != r.advancement_key {
-            return Err(Violation::invalid(
-                "admission.logical_turn_id",
-                "must equal advancement_key",
-            ));
+            return Err(Violation::invalid("admission.logical_turn_id", "must equal advancement_key"));
         }
         if r.terminal.is_none() {
             return Err(Violation::invalid("terminal", "is required"));

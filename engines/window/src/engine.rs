@@ -5,7 +5,9 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ctxgate_engine_sdk::pb::{self, AgentMessage, content_part::Part};
-use ctxgate_engine_sdk::{CallContext, CompactOutcome, ContextEngine, EngineError, Progress, READ_TRANSCRIPT, estimate};
+use ctxgate_engine_sdk::{
+    CallContext, CompactOutcome, ContextEngine, EngineError, Progress, READ_TRANSCRIPT, estimate,
+};
 
 use crate::store::{self, Store, Summary};
 use crate::summary::{self, Source};
@@ -57,7 +59,12 @@ impl WindowEngine {
 
     /// Imports the session's visible history from the host when the engine
     /// has never seen the session and the grant allows reading it.
-    async fn import_if_new(&self, ctx: &CallContext, session_id: &str, key: Option<&str>) -> Result<Option<u64>, EngineError> {
+    async fn import_if_new(
+        &self,
+        ctx: &CallContext,
+        session_id: &str,
+        key: Option<&str>,
+    ) -> Result<Option<u64>, EngineError> {
         let sid = session_id.to_owned();
         if self.store.run(move |c| store::session_known(c, &sid)).await? {
             return Ok(None);
@@ -89,7 +96,12 @@ impl WindowEngine {
         Ok(Some(n))
     }
 
-    async fn ingest_messages(&self, session_id: &str, key: Option<&str>, messages: Vec<AgentMessage>) -> Result<u64, EngineError> {
+    async fn ingest_messages(
+        &self,
+        session_id: &str,
+        key: Option<&str>,
+        messages: Vec<AgentMessage>,
+    ) -> Result<u64, EngineError> {
         let (sid, key) = (session_id.to_owned(), key.map(str::to_owned));
         self.store
             .run(move |c| {
@@ -165,11 +177,8 @@ impl WindowEngine {
             }
         }
         ctx.check()?;
-        let next = Summary {
-            text,
-            covered_seq: pending[cut - 1].seq,
-            first_kept_id: messages.get(cut).map(|m| m.id.clone()),
-        };
+        let next =
+            Summary { text, covered_seq: pending[cut - 1].seq, first_kept_id: messages.get(cut).map(|m| m.id.clone()) };
         let (sid, saved) = (session_id.to_owned(), next.clone());
         self.store.run(move |c| store::set_summary(c, &sid, &saved)).await?;
         if let Some(p) = progress {
@@ -185,7 +194,8 @@ impl WindowEngine {
             tokens_before,
             tokens_after: Some(tokens_after),
             details_json: Some(
-                serde_json::json!({"summarised_messages": cut, "kept_turns": keep, "source": source.as_str()}).to_string(),
+                serde_json::json!({"summarised_messages": cut, "kept_turns": keep, "source": source.as_str()})
+                    .to_string(),
             ),
             ..Default::default()
         })
@@ -213,7 +223,11 @@ impl ContextEngine for WindowEngine {
         })
     }
 
-    async fn bootstrap(&self, ctx: &CallContext, req: pb::BootstrapRequest) -> Result<pb::BootstrapResult, EngineError> {
+    async fn bootstrap(
+        &self,
+        ctx: &CallContext,
+        req: pb::BootstrapRequest,
+    ) -> Result<pb::BootstrapResult, EngineError> {
         match self.import_if_new(ctx, &req.session_id, req.session_key.as_deref()).await? {
             Some(n) => Ok(pb::BootstrapResult { bootstrapped: true, imported_messages: Some(n), reason: None }),
             None => Ok(pb::BootstrapResult {
@@ -230,7 +244,11 @@ impl ContextEngine for WindowEngine {
         Ok(pb::IngestResult { ingested: n > 0 })
     }
 
-    async fn ingest_batch(&self, _ctx: &CallContext, req: pb::IngestBatchRequest) -> Result<pb::IngestBatchResult, EngineError> {
+    async fn ingest_batch(
+        &self,
+        _ctx: &CallContext,
+        req: pb::IngestBatchRequest,
+    ) -> Result<pb::IngestBatchResult, EngineError> {
         let n = self.ingest_messages(&req.session_id, req.session_key.as_deref(), req.messages).await?;
         Ok(pb::IngestBatchResult { ingested_count: n })
     }
@@ -271,13 +289,22 @@ impl ContextEngine for WindowEngine {
         })
     }
 
-    async fn compact(&self, ctx: &CallContext, req: pb::CompactRequest, progress: Progress) -> Result<CompactOutcome, EngineError> {
+    async fn compact(
+        &self,
+        ctx: &CallContext,
+        req: pb::CompactRequest,
+        progress: Progress,
+    ) -> Result<CompactOutcome, EngineError> {
         self.import_if_new(ctx, &req.session_id, Some(&req.session_key)).await?;
         let result = self.compact_session(ctx, &req.session_id, &req, Some(&progress)).await?;
         Ok(CompactOutcome::Done(result))
     }
 
-    async fn after_turn(&self, ctx: &CallContext, req: pb::AfterTurnRequest) -> Result<pb::AfterTurnResult, EngineError> {
+    async fn after_turn(
+        &self,
+        ctx: &CallContext,
+        req: pb::AfterTurnRequest,
+    ) -> Result<pb::AfterTurnResult, EngineError> {
         self.ingest_messages(&req.session_id, req.session_key.as_deref(), req.messages).await?;
         // Owning compaction means compacting on our own schedule: after a
         // turn, once enough turns are unsummarised.
@@ -292,7 +319,11 @@ impl ContextEngine for WindowEngine {
         Ok(pb::AfterTurnResult {})
     }
 
-    async fn commit_turn(&self, _ctx: &CallContext, req: pb::CommitTurnRequest) -> Result<pb::CommitTurnResult, EngineError> {
+    async fn commit_turn(
+        &self,
+        _ctx: &CallContext,
+        req: pb::CommitTurnRequest,
+    ) -> Result<pb::CommitTurnResult, EngineError> {
         let committed = self
             .store
             .run(move |c| {
@@ -316,7 +347,8 @@ impl ContextEngine for WindowEngine {
             .store
             .run(move |c| {
                 let tx = c.transaction()?;
-                let all: Vec<AgentMessage> = store::messages_after(&tx, &req.session_id, 0)?.into_iter().map(|s| s.message).collect();
+                let all: Vec<AgentMessage> =
+                    store::messages_after(&tx, &req.session_id, 0)?.into_iter().map(|s| s.message).collect();
                 let cut = turns::keep_last_turns(&all, keep);
                 let mut out = Vec::new();
                 for m in &all[..cut] {
@@ -332,13 +364,21 @@ impl ContextEngine for WindowEngine {
         let n = replacements.len();
         Ok(pb::MaintainResult {
             changed: n > 0,
-            reason: Some(if n > 0 { format!("elided {n} old oversized tool results") } else { "nothing to elide".into() }),
+            reason: Some(if n > 0 {
+                format!("elided {n} old oversized tool results")
+            } else {
+                "nothing to elide".into()
+            }),
             replacements,
             allowed_rewrite_suffix_entry_ids: vec![],
         })
     }
 
-    async fn prepare_subagent_spawn(&self, _ctx: &CallContext, req: pb::PrepareSubagentSpawnRequest) -> Result<pb::PrepareSubagentSpawnResult, EngineError> {
+    async fn prepare_subagent_spawn(
+        &self,
+        _ctx: &CallContext,
+        req: pb::PrepareSubagentSpawnRequest,
+    ) -> Result<pb::PrepareSubagentSpawnResult, EngineError> {
         if req.context_mode != pb::SubagentContextMode::Fork as i32 {
             return Ok(pb::PrepareSubagentSpawnResult { prepared: false, rollback_token: None });
         }
@@ -358,11 +398,20 @@ impl ContextEngine for WindowEngine {
                 if let Some(parent) = parent {
                     // The child starts from the parent's summary and tail.
                     let s = store::summary(&tx, &parent)?;
-                    let pending: Vec<AgentMessage> = store::messages_after(&tx, &parent, s.covered_seq)?.into_iter().map(|m| m.message).collect();
+                    let pending: Vec<AgentMessage> =
+                        store::messages_after(&tx, &parent, s.covered_seq)?.into_iter().map(|m| m.message).collect();
                     let tail = &pending[turns::keep_last_turns(&pending, keep)..];
                     store::insert_messages(&tx, &child, tail)?;
                     if !s.text.is_empty() {
-                        store::set_summary(&tx, &child, &Summary { text: s.text, covered_seq: 0, first_kept_id: tail.first().map(|m| m.id.clone()) })?;
+                        store::set_summary(
+                            &tx,
+                            &child,
+                            &Summary {
+                                text: s.text,
+                                covered_seq: 0,
+                                first_kept_id: tail.first().map(|m| m.id.clone()),
+                            },
+                        )?;
                     }
                 }
                 store::add_spawn(&tx, &tok, &child, expires)?;
@@ -372,7 +421,11 @@ impl ContextEngine for WindowEngine {
         Ok(pb::PrepareSubagentSpawnResult { prepared: true, rollback_token: Some(token) })
     }
 
-    async fn rollback_subagent_spawn(&self, _ctx: &CallContext, req: pb::RollbackSubagentSpawnRequest) -> Result<pb::RollbackSubagentSpawnResult, EngineError> {
+    async fn rollback_subagent_spawn(
+        &self,
+        _ctx: &CallContext,
+        req: pb::RollbackSubagentSpawnRequest,
+    ) -> Result<pb::RollbackSubagentSpawnResult, EngineError> {
         self.store
             .run(move |c| {
                 let tx = c.transaction()?;
@@ -385,13 +438,18 @@ impl ContextEngine for WindowEngine {
         Ok(pb::RollbackSubagentSpawnResult {})
     }
 
-    async fn on_subagent_ended(&self, _ctx: &CallContext, req: pb::OnSubagentEndedRequest) -> Result<pb::OnSubagentEndedResult, EngineError> {
+    async fn on_subagent_ended(
+        &self,
+        _ctx: &CallContext,
+        req: pb::OnSubagentEndedRequest,
+    ) -> Result<pb::OnSubagentEndedResult, EngineError> {
         use pb::SubagentEndReason as R;
         let forget = matches!(R::try_from(req.reason), Ok(R::Deleted | R::Swept));
         self.store
             .run(move |c| {
                 let tx = c.transaction()?;
-                let child = store::session_by_key(&tx, &req.child_session_key)?.unwrap_or_else(|| req.child_session_key.clone());
+                let child = store::session_by_key(&tx, &req.child_session_key)?
+                    .unwrap_or_else(|| req.child_session_key.clone());
                 store::drop_spawns_of(&tx, &child)?;
                 if forget {
                     store::delete_session(&tx, &child)?;

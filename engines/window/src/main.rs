@@ -24,7 +24,8 @@ struct Args {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let config = Config { keep_turns: args.keep_turns, max_tool_result_bytes: args.max_tool_result_bytes, ..Config::default() };
+    let config =
+        Config { keep_turns: args.keep_turns, max_tool_result_bytes: args.max_tool_result_bytes, ..Config::default() };
     let engine = WindowEngine::open(&args.state_dir, config)?;
     serve_main(engine, args.serve).await
 }

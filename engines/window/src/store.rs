@@ -159,11 +159,9 @@ pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusql
 }
 
 pub fn summary(c: &Connection, session_id: &str) -> rusqlite::Result<Summary> {
-    c.query_row(
-        "SELECT summary, covered_seq, first_kept_id FROM summaries WHERE session_id = ?1",
-        [session_id],
-        |r| Ok(Summary { text: r.get(0)?, covered_seq: r.get(1)?, first_kept_id: r.get(2)? }),
-    )
+    c.query_row("SELECT summary, covered_seq, first_kept_id FROM summaries WHERE session_id = ?1", [session_id], |r| {
+        Ok(Summary { text: r.get(0)?, covered_seq: r.get(1)?, first_kept_id: r.get(2)? })
+    })
     .optional()
     .map(Option::unwrap_or_default)
 }
@@ -205,9 +203,7 @@ pub fn add_spawn(c: &Connection, token: &str, child: &str, expires_at_ms: Option
 
 /// Removes a spawn record; returns its child session if it existed.
 pub fn take_spawn(c: &Connection, token: &str) -> rusqlite::Result<Option<String>> {
-    let child = c
-        .query_row("SELECT child_session FROM spawns WHERE token = ?1", [token], |r| r.get(0))
-        .optional()?;
+    let child = c.query_row("SELECT child_session FROM spawns WHERE token = ?1", [token], |r| r.get(0)).optional()?;
     c.execute("DELETE FROM spawns WHERE token = ?1", [token])?;
     Ok(child)
 }
@@ -219,12 +215,18 @@ pub fn drop_spawns_of(c: &Connection, child: &str) -> rusqlite::Result<()> {
 
 /// The session id last seen with `key`.
 pub fn session_by_key(c: &Connection, key: &str) -> rusqlite::Result<Option<String>> {
-    c.query_row("SELECT session_id FROM sessions WHERE session_key = ?1 ORDER BY rowid DESC LIMIT 1", [key], |r| r.get(0))
-        .optional()
+    c.query_row("SELECT session_id FROM sessions WHERE session_key = ?1 ORDER BY rowid DESC LIMIT 1", [key], |r| {
+        r.get(0)
+    })
+    .optional()
 }
 
 /// Ids of the session's messages that the summary covers.
-pub fn covered_ids(c: &Connection, session_id: &str, covered_seq: i64) -> rusqlite::Result<std::collections::HashSet<String>> {
+pub fn covered_ids(
+    c: &Connection,
+    session_id: &str,
+    covered_seq: i64,
+) -> rusqlite::Result<std::collections::HashSet<String>> {
     let mut stmt = c.prepare_cached("SELECT id FROM messages WHERE session_id = ?1 AND seq <= ?2")?;
     let rows = stmt.query_map(params![session_id, covered_seq], |r| r.get(0))?;
     rows.collect()

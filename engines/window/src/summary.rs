@@ -32,7 +32,12 @@ impl Source {
 /// Folds `chunk` into `previous`: through the host's model when the call's
 /// grant allows `llm_complete`, else extractively. A failed model call falls
 /// back to the extractive summary; cancellation does not.
-pub async fn fold(ctx: &CallContext, previous: &str, chunk: &[AgentMessage], instructions: Option<&str>) -> Result<(String, Source), EngineError> {
+pub async fn fold(
+    ctx: &CallContext,
+    previous: &str,
+    chunk: &[AgentMessage],
+    instructions: Option<&str>,
+) -> Result<(String, Source), EngineError> {
     if let Some(host) = ctx.host().filter(|h| h.allows(LLM_COMPLETE)) {
         let req = pb::LlmCompleteRequest {
             messages: vec![pb::LlmMessage { role: "user".into(), content: prompt(previous, chunk, instructions) }],
@@ -122,15 +127,19 @@ fn parse_previous(previous: &str) -> (Vec<String>, BTreeSet<String>) {
 /// Words that look like identifiers: paths, file names, snake_case, ids
 /// with digits. Exact strings an agent must not lose.
 fn identifiers(text: &str) -> impl Iterator<Item = String> + '_ {
-    text.split(|c: char| c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\'' | '`' | '[' | ']' | '{' | '}'))
-        .map(|w| w.trim_end_matches(['.', ':', '!', '?']))
-        .filter(|w| {
-            w.len() >= 3
-                && w.len() <= 120
-                && (w.contains('/') || w.contains('_') || (w.contains('.') && w.chars().any(char::is_alphabetic))
-                    || (w.chars().any(|c| c.is_ascii_digit()) && w.chars().any(|c| c.is_ascii_alphabetic())))
-        })
-        .map(str::to_owned)
+    text.split(|c: char| {
+        c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\'' | '`' | '[' | ']' | '{' | '}')
+    })
+    .map(|w| w.trim_end_matches(['.', ':', '!', '?']))
+    .filter(|w| {
+        w.len() >= 3
+            && w.len() <= 120
+            && (w.contains('/')
+                || w.contains('_')
+                || (w.contains('.') && w.chars().any(char::is_alphabetic))
+                || (w.chars().any(|c| c.is_ascii_digit()) && w.chars().any(|c| c.is_ascii_alphabetic())))
+    })
+    .map(str::to_owned)
 }
 
 pub fn role_name(role: i32) -> &'static str {

@@ -20,11 +20,7 @@ pub fn turn_starts(messages: &[AgentMessage]) -> Vec<usize> {
 /// call.
 pub fn keep_last_turns(messages: &[AgentMessage], keep: usize) -> usize {
     let starts = turn_starts(messages);
-    let cut = if keep == 0 {
-        messages.len()
-    } else {
-        starts.len().checked_sub(keep).map_or(0, |i| starts[i])
-    };
+    let cut = if keep == 0 { messages.len() } else { starts.len().checked_sub(keep).map_or(0, |i| starts[i]) };
     safe_cut(messages, cut)
 }
 

@@ -30,7 +30,9 @@ impl raw::ContextEngine for Broken {
             id: "broken".into(),
             name: "  ".into(),
             contract_version: "1.0".into(),
-            implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact", "Bootstrap", "CommitTurn"].map(String::from).to_vec(),
+            implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact", "Bootstrap", "CommitTurn"]
+                .map(String::from)
+                .to_vec(),
             ..Default::default()
         }))
     }
@@ -57,9 +59,20 @@ impl raw::ContextEngine for Broken {
 
     async fn compact(&self, _: Request<pb::CompactRequest>) -> Unary<Events> {
         let progress = || pb::CompactEvent {
-            event: Some(pb::compact_event::Event::Progress(pb::CompactProgress { stage: "x".into(), done: 5, total: 1, message: String::new() })),
+            event: Some(pb::compact_event::Event::Progress(pb::CompactProgress {
+                stage: "x".into(),
+                done: 5,
+                total: 1,
+                message: String::new(),
+            })),
         };
-        let result = pb::CompactEvent { event: Some(pb::compact_event::Event::Result(pb::CompactResult { ok: true, compacted: true, ..Default::default() })) };
+        let result = pb::CompactEvent {
+            event: Some(pb::compact_event::Event::Result(pb::CompactResult {
+                ok: true,
+                compacted: true,
+                ..Default::default()
+            })),
+        };
         Ok(Response::new(Box::pin(tokio_stream::iter([Ok(result), Ok(progress())]))))
     }
 
@@ -79,10 +92,16 @@ impl raw::ContextEngine for Broken {
     async fn maintain(&self, _: Request<pb::MaintainRequest>) -> Unary<pb::MaintainResult> {
         unimplemented()
     }
-    async fn prepare_subagent_spawn(&self, _: Request<pb::PrepareSubagentSpawnRequest>) -> Unary<pb::PrepareSubagentSpawnResult> {
+    async fn prepare_subagent_spawn(
+        &self,
+        _: Request<pb::PrepareSubagentSpawnRequest>,
+    ) -> Unary<pb::PrepareSubagentSpawnResult> {
         unimplemented()
     }
-    async fn rollback_subagent_spawn(&self, _: Request<pb::RollbackSubagentSpawnRequest>) -> Unary<pb::RollbackSubagentSpawnResult> {
+    async fn rollback_subagent_spawn(
+        &self,
+        _: Request<pb::RollbackSubagentSpawnRequest>,
+    ) -> Unary<pb::RollbackSubagentSpawnResult> {
         unimplemented()
     }
     async fn on_subagent_ended(&self, _: Request<pb::OnSubagentEndedRequest>) -> Unary<pb::OnSubagentEndedResult> {
