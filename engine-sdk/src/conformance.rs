@@ -208,6 +208,19 @@ impl Kit {
         Ok(())
     }
 
+    /// Ingests `history` into a fresh session and assembles it under `budget`.
+    async fn seeded_assemble(
+        &self,
+        case: &str,
+        history: &[pb::AgentMessage],
+        budget: Option<u64>,
+    ) -> Result<pb::AssembleResult, String> {
+        let session_id = session(case);
+        self.ingest_all(&session_id, history).await?;
+        let r = assemble_request(&session_id, history.to_vec(), budget);
+        Ok(self.client().assemble(req(r)).await.map_err(|s| describe(&s))?.into_inner())
+    }
+
     /// A malformed request must get `want` and leave the engine answering.
     async fn expect_code<T: std::fmt::Debug>(
         &self,
@@ -423,15 +436,8 @@ async fn ingest_idempotent(kit: &Kit) -> CaseResult {
 }
 
 async fn assemble_estimate(kit: &Kit) -> CaseResult {
-    let session_id = session("estimate");
     let h = history(2, 200);
-    kit.ingest_all(&session_id, &h).await?;
-    let r = kit
-        .client()
-        .assemble(req(assemble_request(&session_id, h.clone(), None)))
-        .await
-        .map_err(|s| describe(&s))?
-        .into_inner();
+    let r = kit.seeded_assemble("estimate", &h, None).await?;
     validate::result::assemble(&r, &h).map_err(|v| v.to_string())?;
     let ours = estimate::messages_tokens(&r.messages);
     ensure(r.estimated_tokens > 0, || "estimated_tokens is 0 for a non-empty result".into())?;
@@ -442,15 +448,8 @@ async fn assemble_estimate(kit: &Kit) -> CaseResult {
 }
 
 async fn assemble_order(kit: &Kit) -> CaseResult {
-    let session_id = session("order");
     let h = history(3, 50);
-    kit.ingest_all(&session_id, &h).await?;
-    let r = kit
-        .client()
-        .assemble(req(assemble_request(&session_id, h.clone(), None)))
-        .await
-        .map_err(|s| describe(&s))?
-        .into_inner();
+    let r = kit.seeded_assemble("order", &h, None).await?;
     let position = |id: &str| h.iter().position(|m| m.id == id);
     let kept: Vec<usize> = r.messages.iter().filter_map(|m| position(&m.id)).collect();
     ensure(!kept.is_empty(), || "no message of the request came back".into())?;
@@ -463,18 +462,11 @@ async fn assemble_order(kit: &Kit) -> CaseResult {
 }
 
 async fn assemble_tool_pairs(kit: &Kit) -> CaseResult {
-    let session_id = session("pairs");
     let h = history(6, 2000);
-    kit.ingest_all(&session_id, &h).await?;
     // A budget that fits about a third of the history forces the engine to cut.
     let budget = estimate::messages_tokens(&h) / 3;
     for b in [None, Some(budget)] {
-        let r = kit
-            .client()
-            .assemble(req(assemble_request(&session_id, h.clone(), b)))
-            .await
-            .map_err(|s| describe(&s))?
-            .into_inner();
+        let r = kit.seeded_assemble("pairs", &h, b).await?;
         validate::result::assemble(&r, &h).map_err(|v| format!("budget {b:?}: {v}"))?;
     }
     Ok(Outcome::Pass)

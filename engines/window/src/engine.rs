@@ -82,17 +82,7 @@ impl WindowEngine {
             })
             .collect();
         ctxgate_engine_sdk::validate::messages(&messages, "host.transcript")?;
-        let (sid, key) = (session_id.to_owned(), key.map(str::to_owned));
-        let n = self
-            .store
-            .run(move |c| {
-                let tx = c.transaction()?;
-                store::touch_session(&tx, &sid, key.as_deref(), None)?;
-                let n = store::insert_messages(&tx, &sid, &messages)?;
-                tx.commit()?;
-                Ok(n)
-            })
-            .await?;
+        let n = self.ingest_messages(session_id, key, messages).await?;
         Ok(Some(n))
     }
 
