@@ -4,7 +4,12 @@
 use std::{env, path::PathBuf};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["contextengine/v1/types.proto", "contextengine/v1/engine.proto", "contextengine/v1/host.proto"];
+    let protos = [
+        "contextengine/v1/types.proto",
+        "contextengine/v1/engine.proto",
+        "contextengine/v1/host.proto",
+        "ctxgate/v1/gateway.proto",
+    ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }
@@ -12,8 +17,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut prost = prost_build::Config::new();
     prost.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
-    tonic_prost_build::configure()
-        .file_descriptor_set_path(out.join("contextengine_v1_descriptor.bin"))
-        .compile_with_config(prost, &protos, &["."])?;
+    tonic_prost_build::configure().file_descriptor_set_path(out.join("ctxgate_descriptor.bin")).compile_with_config(
+        prost,
+        &protos,
+        &["."],
+    )?;
     Ok(())
 }

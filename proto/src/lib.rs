@@ -7,14 +7,29 @@ pub mod estimate;
 pub mod limits;
 pub mod validate;
 
-/// Generated code for package `contextengine.v1`.
+/// Generated code, one module per proto package (the nesting lets the
+/// gateway API refer to contract types).
 #[allow(clippy::all, missing_docs)]
-pub mod pb {
-    tonic::include_proto!("contextengine.v1");
+pub mod contextengine {
+    pub mod v1 {
+        tonic::include_proto!("contextengine.v1");
+    }
 }
 
-/// Encoded `FileDescriptorSet` of the contract, for gRPC server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("contextengine_v1_descriptor");
+#[allow(clippy::all, missing_docs)]
+pub mod ctxgate {
+    pub mod v1 {
+        tonic::include_proto!("ctxgate.v1");
+    }
+}
+
+/// The engine contract, `contextengine.v1`.
+pub use contextengine::v1 as pb;
+/// The gateway's client API, `ctxgate.v1`.
+pub use ctxgate::v1 as gateway;
+
+/// Encoded `FileDescriptorSet` of every package here, for gRPC server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("ctxgate_descriptor");
 
 /// The contract version this crate speaks (`EngineInfo.contract_version`).
 pub const CONTRACT_VERSION: &str = "1.0";

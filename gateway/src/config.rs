@@ -1,0 +1,372 @@
+//! Configuration: one JSON5 file whose keys mirror OpenClaw's, then
+//! `CTXGATE_*` environment overrides, then validation — all before any port
+//! is bound. No file at all is fine: every key has a default.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// A configuration problem, always naming the key path.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.to_owned(), message: message.into() }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct Config {
+    pub gateway: GatewaySection,
+    /// Where the gateway keeps its SQLite store.
+    pub state_dir: PathBuf,
+    pub models: ModelsSection,
+    pub agents: AgentsSection,
+    pub plugins: PluginsSection,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct GatewaySection {
+    /// The client API (gRPC). Loopback by default.
+    pub listen: String,
+    /// Prometheus `/metrics` over HTTP; empty disables it.
+    pub metrics_listen: String,
+    pub auth: AuthSection,
+}
+
+impl Default for GatewaySection {
+    fn default() -> Self {
+        Self { listen: "127.0.0.1:7300".into(), metrics_listen: String::new(), auth: AuthSection::default() }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AuthSection {
+    /// When set, every client call needs `authorization: Bearer <token>`.
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ProviderKind {
+    /// Deterministic, local, no key: the embedded default.
+    Offline,
+    /// Any OpenAI-compatible chat-completions endpoint.
+    Openai,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct ModelsSection {
+    pub provider: ProviderKind,
+    /// e.g. `https://api.openai.com/v1` (the provider appends `/chat/completions`).
+    pub base_url: String,
+    pub api_key: Option<String>,
+    pub model: String,
+    /// Tokens the model accepts (prompt + output).
+    pub context_window: u64,
+    pub max_output_tokens: u64,
+    /// One model request may take this long before it counts as a timeout.
+    pub request_timeout_seconds: u64,
+}
+
+impl Default for ModelsSection {
+    fn default() -> Self {
+        Self {
+            provider: ProviderKind::Offline,
+            base_url: String::new(),
+            api_key: None,
+            model: "offline".into(),
+            context_window: 32_000,
+            max_output_tokens: 1024,
+            request_timeout_seconds: 120,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AgentsSection {
+    pub defaults: AgentDefaults,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AgentDefaults {
+    pub compaction: CompactionConfig,
+}
+
+/// `agents.defaults.compaction.*` (OpenClaw's names and defaults).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct CompactionConfig {
+    /// The safety timeout: one window per model request of built-in
+    /// compaction, one for an engine's whole Compact.
+    pub timeout_seconds: u64,
+    /// Recent history kept verbatim.
+    pub keep_recent_tokens: u64,
+    /// Tokens kept free for the reply; unset: min(16384, window / 4).
+    pub reserve_tokens: Option<u64>,
+    /// Whole recent turns always kept verbatim, whatever their size.
+    pub recent_turns_preserve: u32,
+    pub quality_guard: QualityGuard,
+    pub identifier_policy: IdentifierPolicy,
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        Self {
+            timeout_seconds: 180,
+            keep_recent_tokens: 20_000,
+            reserve_tokens: None,
+            recent_turns_preserve: 0,
+            quality_guard: QualityGuard::default(),
+            identifier_policy: IdentifierPolicy::Strict,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct QualityGuard {
+    pub enabled: bool,
+    /// Regenerations after a failed audit.
+    pub max_retries: u32,
+}
+
+impl Default for QualityGuard {
+    fn default() -> Self {
+        Self { enabled: true, max_retries: 1 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum IdentifierPolicy {
+    /// Summaries must keep every identifier of the history they replace.
+    Strict,
+    Off,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct PluginsSection {
+    pub slots: Slots,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct Slots {
+    /// Unset, "", "legacy" or "none" select the in-process legacy engine.
+    pub context_engine: Option<String>,
+}
+
+/// The environment variables read as overrides, with the key each replaces.
+pub const ENV_OVERRIDES: &[(&str, &str)] = &[
+    ("CTXGATE_LISTEN", "gateway.listen"),
+    ("CTXGATE_METRICS_LISTEN", "gateway.metricsListen"),
+    ("CTXGATE_AUTH_TOKEN", "gateway.auth.token"),
+    ("CTXGATE_STATE_DIR", "stateDir"),
+    ("CTXGATE_MODEL_PROVIDER", "models.provider"),
+    ("CTXGATE_MODEL_BASE_URL", "models.baseUrl"),
+    ("CTXGATE_MODEL_API_KEY", "models.apiKey"),
+    ("CTXGATE_MODEL", "models.model"),
+    ("CTXGATE_CONTEXT_WINDOW", "models.contextWindow"),
+];
+
+impl Config {
+    /// Loads `path` (or defaults when `None`), applies `env`, validates.
+    pub fn load(path: Option<&Path>, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let mut config = match path {
+            Some(p) => Self::parse(p)?,
+            None => Self::default(),
+        };
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn parse(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let parse_err = |message: String| ConfigError::Parse { path: path.into(), message };
+        let mut de = json5::Deserializer::from_str(&text).map_err(|e| parse_err(e.to_string()))?;
+        serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let at = e.path().to_string();
+            parse_err(format!("at {at}: {}", e.into_inner()))
+        })
+    }
+
+    fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        for (var, key) in ENV_OVERRIDES {
+            let Some(v) = env(var) else { continue };
+            let number = || v.parse::<u64>().map_err(|_| invalid(key, format!("{var}={v:?} is not a whole number")));
+            match *var {
+                "CTXGATE_LISTEN" => self.gateway.listen = v,
+                "CTXGATE_METRICS_LISTEN" => self.gateway.metrics_listen = v,
+                "CTXGATE_AUTH_TOKEN" => self.gateway.auth.token = Some(v),
+                "CTXGATE_STATE_DIR" => self.state_dir = v.into(),
+                "CTXGATE_MODEL_PROVIDER" => {
+                    self.models.provider = match v.as_str() {
+                        "offline" => ProviderKind::Offline,
+                        "openai" => ProviderKind::Openai,
+                        _ => return Err(invalid(key, format!("{var}={v:?}: expected offline or openai"))),
+                    }
+                }
+                "CTXGATE_MODEL_BASE_URL" => self.models.base_url = v,
+                "CTXGATE_MODEL_API_KEY" => self.models.api_key = Some(v),
+                "CTXGATE_MODEL" => self.models.model = v,
+                "CTXGATE_CONTEXT_WINDOW" => self.models.context_window = number()?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&mut self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        self.metrics_addr()?;
+        if self.state_dir.as_os_str().is_empty() {
+            self.state_dir = PathBuf::from("ctxgate-state");
+        }
+        if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));
+        }
+        let m = &self.models;
+        if m.context_window < 2_000 {
+            return Err(invalid("models.contextWindow", format!("{} is too small (at least 2000)", m.context_window)));
+        }
+        if m.max_output_tokens == 0 || m.max_output_tokens >= m.context_window {
+            return Err(invalid("models.maxOutputTokens", "must be positive and below models.contextWindow"));
+        }
+        if m.request_timeout_seconds == 0 {
+            return Err(invalid("models.requestTimeoutSeconds", "must be positive"));
+        }
+        if m.provider == ProviderKind::Openai {
+            let url = reqwest::Url::parse(&m.base_url)
+                .map_err(|e| invalid("models.baseUrl", format!("{:?} is not a URL ({e})", m.base_url)))?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(invalid("models.baseUrl", "must be http:// or https://"));
+            }
+            if m.model.trim().is_empty() || m.model == "offline" {
+                return Err(invalid("models.model", "name the provider's model"));
+            }
+        }
+        let c = &self.agents.defaults.compaction;
+        if !(1..=3600).contains(&c.timeout_seconds) {
+            return Err(invalid("agents.defaults.compaction.timeoutSeconds", "must be between 1 and 3600"));
+        }
+        if let Some(r) = c.reserve_tokens
+            && r + 1_000 > m.context_window
+        {
+            return Err(invalid(
+                "agents.defaults.compaction.reserveTokens",
+                format!("{r} leaves less than 1000 tokens of the {}-token window", m.context_window),
+            ));
+        }
+        match self.plugins.slots.context_engine.as_deref().map(str::trim) {
+            None | Some("" | "legacy" | "none") => {}
+            Some(other) => {
+                return Err(invalid(
+                    "plugins.slots.contextEngine",
+                    format!("engine {other:?} is not configured under plugins.entries (remote engines: see README)"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.gateway
+            .listen
+            .parse()
+            .map_err(|_| invalid("gateway.listen", format!("{:?} is not HOST:PORT", self.gateway.listen)))
+    }
+
+    pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        if self.gateway.metrics_listen.is_empty() {
+            return Ok(None);
+        }
+        self.gateway.metrics_listen.parse().map(Some).map_err(|_| {
+            invalid("gateway.metricsListen", format!("{:?} is not HOST:PORT", self.gateway.metrics_listen))
+        })
+    }
+
+    /// Tokens kept free for the reply.
+    pub fn reserve_tokens(&self) -> u64 {
+        self.agents.defaults.compaction.reserve_tokens.unwrap_or_else(|| (self.models.context_window / 4).min(16_384))
+    }
+
+    pub fn compaction_timeout(&self) -> Duration {
+        Duration::from_secs(self.agents.defaults.compaction.timeout_seconds)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(text: &str) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.json5");
+        std::fs::write(&p, text).unwrap();
+        Config::load(Some(&p), |_| None)
+    }
+
+    #[test]
+    fn no_file_gives_working_defaults() {
+        let c = Config::load(None, |_| None).unwrap();
+        assert_eq!(c.listen_addr().unwrap().to_string(), "127.0.0.1:7300");
+        assert_eq!(c.models.provider, ProviderKind::Offline);
+        assert_eq!(c.agents.defaults.compaction.timeout_seconds, 180);
+        assert_eq!(c.reserve_tokens(), 8_000);
+    }
+
+    #[test]
+    fn json5_with_comments_and_openclaw_keys() {
+        let c = load_str(
+            "{ // comment\n agents: { defaults: { compaction: { keepRecentTokens: 500, timeoutSeconds: 5 } } },\n plugins: { slots: { contextEngine: 'legacy' } }, }",
+        )
+        .unwrap();
+        assert_eq!(c.agents.defaults.compaction.keep_recent_tokens, 500);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_their_path() {
+        let e = load_str("{ agents: { defaults: { compaction: { keepRecentTokenz: 5 } } } }").unwrap_err().to_string();
+        assert!(e.contains("agents.defaults.compaction") && e.contains("keepRecentTokenz"), "{e}");
+        let e = load_str("{ models: { contextWindow: 'big' } }").unwrap_err().to_string();
+        assert!(e.contains("models.contextWindow"), "{e}");
+        let e = load_str("{ gateway: { listen: 'nowhere' } }").unwrap_err().to_string();
+        assert!(e.contains("gateway.listen"), "{e}");
+        let e = load_str("{ plugins: { slots: { contextEngine: 'lossless' } } }").unwrap_err().to_string();
+        assert!(e.contains("plugins.slots.contextEngine"), "{e}");
+        let e =
+            load_str("{ models: { provider: 'openai', baseUrl: 'not a url', model: 'm' } }").unwrap_err().to_string();
+        assert!(e.contains("models.baseUrl"), "{e}");
+    }
+
+    #[test]
+    fn env_overrides_win_and_are_validated() {
+        let env = |k: &str| match k {
+            "CTXGATE_LISTEN" => Some("127.0.0.1:9999".to_owned()),
+            "CTXGATE_CONTEXT_WINDOW" => Some("64000".to_owned()),
+            _ => None,
+        };
+        let c = Config::load(None, env).unwrap();
+        assert_eq!(c.listen_addr().unwrap().port(), 9999);
+        assert_eq!(c.models.context_window, 64_000);
+        let e = Config::load(None, |k| (k == "CTXGATE_CONTEXT_WINDOW").then(|| "lots".to_owned())).unwrap_err();
+        assert!(e.to_string().contains("models.contextWindow"));
+    }
+}

@@ -1,0 +1,382 @@
+//! The store: sessions and their transcript trees. A trait, so a PostgreSQL
+//! backend can join later; SQLite (WAL) is the embedded default.
+//!
+//! A transcript is a tree of entries (message or compaction) linked by
+//! `parent_id`; a session's active leaf names the branch in use. Every
+//! method is one transaction, so a crash at any point leaves each session
+//! readable and consistent: an append is either all there or not at all.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use ctxgate_proto::pb::{self, transcript_entry::Entry};
+use prost::Message as _;
+use rusqlite::{Connection, OptionalExtension, params};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("session {0} does not exist")]
+    NoSession(String),
+    #[error("storage failure: {0}")]
+    Backend(String),
+}
+
+impl From<rusqlite::Error> for StoreError {
+    fn from(e: rusqlite::Error) -> Self {
+        Self::Backend(e.to_string())
+    }
+}
+
+/// A session row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    pub session_id: String,
+    pub agent_id: String,
+    pub session_key: String,
+    /// "active", "inactive" or "archived".
+    pub state: String,
+    pub created_at_ms: i64,
+}
+
+/// A session with its transcript counts (listings).
+#[derive(Debug, Clone)]
+pub struct SessionStats {
+    pub session: Session,
+    pub entries: u32,
+    pub compactions: u32,
+}
+
+/// What to append: the store assigns id, parent and seq.
+#[derive(Debug, Clone)]
+pub struct NewEntry {
+    pub turn_id: String,
+    pub entry: Entry,
+}
+
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// The active session of a key, created when `create` and missing.
+    async fn session(&self, agent: &str, key: &str, create: bool) -> Result<Option<Session>, StoreError>;
+    /// Starts a fresh session for the key; the previous one becomes
+    /// "archived" when `archive`, else "inactive".
+    async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError>;
+    async fn list_sessions(&self, agent: Option<&str>, include_archived: bool)
+    -> Result<Vec<SessionStats>, StoreError>;
+    /// Deletes every session of the key with its entries.
+    async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError>;
+    /// Appends entries to the session's active branch, atomically.
+    async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// The active branch, oldest first.
+    async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    async fn count_sessions(&self) -> Result<u32, StoreError>;
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id    TEXT PRIMARY KEY,
+    agent_id      TEXT NOT NULL,
+    session_key   TEXT NOT NULL,
+    state         TEXT NOT NULL,
+    created_at_ms INTEGER NOT NULL,
+    leaf_id       TEXT,
+    next_seq      INTEGER NOT NULL DEFAULT 1
+);
+CREATE INDEX IF NOT EXISTS sessions_by_key ON sessions (agent_id, session_key, state);
+CREATE TABLE IF NOT EXISTS entries (
+    id         TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL REFERENCES sessions (session_id) ON DELETE CASCADE,
+    parent_id  TEXT,
+    seq        INTEGER NOT NULL,
+    kind       INTEGER NOT NULL,
+    body       BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_by_session ON entries (session_id, seq);
+";
+
+const KIND_MESSAGE: i64 = 1;
+const KIND_COMPACTION: i64 = 2;
+
+/// The embedded SQLite store. One connection, used from blocking tasks
+/// only: nothing touches SQLite on the async path.
+#[derive(Clone)]
+pub struct SqliteStore {
+    conn: Arc<Mutex<Connection>>,
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
+}
+
+fn new_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+impl SqliteStore {
+    pub fn open(dir: &Path) -> Result<Self, StoreError> {
+        std::fs::create_dir_all(dir).map_err(|e| StoreError::Backend(format!("{}: {e}", dir.display())))?;
+        let conn = Connection::open(dir.join("ctxgate.sqlite"))?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        // FULL: an acknowledged message survives a power cut, not just a crash.
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Self { conn: Arc::new(Mutex::new(conn)) })
+    }
+
+    async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let conn = self.conn.clone();
+        // The blocking task runs to completion even if the caller is
+        // cancelled, so a transaction is never abandoned half way.
+        tokio::task::spawn_blocking(move || f(&mut conn.lock().unwrap_or_else(|e| e.into_inner())))
+            .await
+            .map_err(|e| StoreError::Backend(e.to_string()))?
+    }
+}
+
+fn read_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<Session> {
+    Ok(Session {
+        session_id: r.get(0)?,
+        agent_id: r.get(1)?,
+        session_key: r.get(2)?,
+        state: r.get(3)?,
+        created_at_ms: r.get(4)?,
+    })
+}
+
+const SESSION_COLS: &str = "session_id, agent_id, session_key, state, created_at_ms";
+
+fn active(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Option<Session>> {
+    c.query_row(
+        &format!("SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'"),
+        params![agent, key],
+        read_session,
+    )
+    .optional()
+}
+
+fn create(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Session> {
+    let s = Session {
+        session_id: new_id(),
+        agent_id: agent.into(),
+        session_key: key.into(),
+        state: "active".into(),
+        created_at_ms: now_ms(),
+    };
+    c.execute(
+        "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES (?1, ?2, ?3, 'active', ?4)",
+        params![s.session_id, s.agent_id, s.session_key, s.created_at_ms],
+    )?;
+    Ok(s)
+}
+
+fn decode(body: &[u8]) -> rusqlite::Result<pb::TranscriptEntry> {
+    pb::TranscriptEntry::decode(body)
+        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, Box::new(e)))
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn session(&self, agent: &str, key: &str, create_missing: bool) -> Result<Option<Session>, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let s = match active(&tx, &agent, &key)? {
+                Some(s) => Some(s),
+                None if create_missing => Some(create(&tx, &agent, &key)?),
+                None => None,
+            };
+            tx.commit()?;
+            Ok(s)
+        })
+        .await
+    }
+
+    async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let state = if archive { "archived" } else { "inactive" };
+            tx.execute(
+                "UPDATE sessions SET state = ?3 WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'",
+                params![agent, key, state],
+            )?;
+            let s = create(&tx, &agent, &key)?;
+            tx.commit()?;
+            Ok(s)
+        })
+        .await
+    }
+
+    async fn list_sessions(
+        &self,
+        agent: Option<&str>,
+        include_archived: bool,
+    ) -> Result<Vec<SessionStats>, StoreError> {
+        let agent = agent.map(str::to_owned);
+        self.run(move |c| {
+            let mut stmt = c.prepare(&format!(
+                "SELECT {SESSION_COLS},
+                   (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id),
+                   (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id AND e.kind = {KIND_COMPACTION})
+                 FROM sessions s
+                 WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 OR state != 'archived')
+                 ORDER BY agent_id, session_key, created_at_ms"
+            ))?;
+            let rows = stmt.query_map(params![agent, include_archived], |r| {
+                Ok(SessionStats { session: read_session(r)?, entries: r.get(5)?, compactions: r.get(6)? })
+            })?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            tx.execute(
+                "DELETE FROM entries WHERE session_id IN (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)",
+                params![agent, key],
+            )?;
+            let n = tx.execute("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2", params![agent, key])?;
+            tx.commit()?;
+            Ok(n as u32)
+        })
+        .await
+    }
+
+    async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let (mut parent, mut seq): (Option<String>, i64) = tx
+                .query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [&session_id], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })
+                .optional()?
+                .ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
+            let mut out = Vec::with_capacity(entries.len());
+            for e in entries {
+                let id = new_id();
+                let (kind, entry) = match e.entry {
+                    Entry::Message(mut m) => {
+                        // A stored message's id is its entry id: engines key
+                        // idempotency and rewrites by it.
+                        m.id = id.clone();
+                        (KIND_MESSAGE, Entry::Message(m))
+                    }
+                    c @ Entry::Compaction(_) => (KIND_COMPACTION, c),
+                };
+                let stored = pb::TranscriptEntry {
+                    id: id.clone(),
+                    parent_id: parent.clone(),
+                    seq: seq as u64,
+                    turn_id: e.turn_id,
+                    entry: Some(entry),
+                };
+                tx.execute(
+                    "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    params![id, session_id, parent, seq, kind, stored.encode_to_vec()],
+                )?;
+                parent = Some(id);
+                seq += 1;
+                out.push(stored);
+            }
+            tx.execute(
+                "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
+                params![session_id, parent, seq],
+            )?;
+            tx.commit()?;
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.run(move |c| {
+            let leaf: Option<Option<String>> = c
+                .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                .optional()?;
+            let Some(leaf) = leaf else { return Err(StoreError::NoSession(session_id)) };
+            let Some(leaf) = leaf else { return Ok(Vec::new()) };
+            let mut stmt = c.prepare_cached(
+                "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
+                   SELECT id, parent_id, body, 0 FROM entries WHERE id = ?1
+                   UNION ALL
+                   SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM entries e JOIN chain ON e.id = chain.parent_id
+                 ) SELECT body FROM chain ORDER BY depth DESC",
+            )?;
+            let rows = stmt.query_map([leaf], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn count_sessions(&self) -> Result<u32, StoreError> {
+        self.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM sessions WHERE state = 'active'", [], |r| r.get(0))?)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ctxgate_proto::pb::{AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part};
+
+    fn user(text: &str) -> NewEntry {
+        let m = AgentMessage {
+            role: Role::User as i32,
+            content: vec![ContentPart { part: Some(Part::Text(text.into())) }],
+            ..Default::default()
+        };
+        NewEntry { turn_id: "t".into(), entry: Entry::Message(m) }
+    }
+
+    #[tokio::test]
+    async fn append_chains_entries_and_branch_reads_them_back_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        let a = store.append(&s.session_id, vec![user("one"), user("two")]).await.unwrap();
+        assert_eq!(a[1].parent_id.as_deref(), Some(a[0].id.as_str()));
+        let Some(Entry::Message(m)) = &a[0].entry else { panic!() };
+        assert_eq!(m.id, a[0].id, "message id is the entry id");
+        let c = NewEntry {
+            turn_id: "t".into(),
+            entry: Entry::Compaction(CompactionEntry {
+                summary: "s".into(),
+                first_kept_entry_id: a[1].id.clone(),
+                ..Default::default()
+            }),
+        };
+        store.append(&s.session_id, vec![c]).await.unwrap();
+        let b = store.branch(&s.session_id).await.unwrap();
+        assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+        let stats = store.list_sessions(None, false).await.unwrap();
+        assert_eq!((stats[0].entries, stats[0].compactions), (3, 1));
+    }
+
+    #[tokio::test]
+    async fn new_and_reset_start_fresh_sessions_and_delete_removes_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        assert!(store.session("main", "k", false).await.unwrap().is_none());
+        let first = store.session("main", "k", true).await.unwrap().unwrap();
+        let second = store.replace_session("main", "k", false).await.unwrap();
+        let third = store.replace_session("main", "k", true).await.unwrap();
+        assert_ne!(first.session_id, second.session_id);
+        assert_eq!(store.session("main", "k", false).await.unwrap().unwrap(), third);
+        let visible: Vec<_> =
+            store.list_sessions(Some("main"), false).await.unwrap().into_iter().map(|s| s.session.state).collect();
+        assert_eq!(visible, ["inactive", "active"]);
+        assert_eq!(store.list_sessions(None, true).await.unwrap().len(), 3);
+        assert_eq!(store.delete_sessions("main", "k").await.unwrap(), 3);
+        assert!(matches!(store.append(&third.session_id, vec![user("x")]).await, Err(StoreError::NoSession(_))));
+    }
+}

@@ -1,0 +1,332 @@
+//! Summarisers for built-in compaction: the configured model, or — with
+//! the offline provider — a deterministic extractive summariser that fills
+//! the same five safeguard headings from the text.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ctxgate_proto::pb::{AgentMessage, ContentPart, Role, content_part::Part};
+use tokio_util::sync::CancellationToken;
+
+use crate::provider::{ChatRequest, ModelError, ModelProvider, message_text};
+
+/// The safeguard headings every summary carries, in order.
+pub const HEADINGS: [&str; 5] =
+    ["## Decisions", "## Open TODOs", "## Constraints/Rules", "## Pending user asks", "## Exact identifiers"];
+pub const FILES_READ: &str = "## Files read";
+pub const FILES_MODIFIED: &str = "## Files modified";
+/// Hard cap on a summary's length (characters).
+pub const SUMMARY_CAP: usize = 16_000;
+
+/// One summarisation step: fold `messages` into `previous`.
+#[derive(Debug, Clone, Default)]
+pub struct SummaryRequest {
+    pub previous: Option<String>,
+    pub messages: Vec<AgentMessage>,
+    pub instructions: Option<String>,
+    /// Why the last attempt failed the audit (on a regeneration).
+    pub feedback: Option<String>,
+}
+
+#[async_trait]
+pub trait Summarizer: Send + Sync {
+    async fn summarize(&self, req: SummaryRequest, cancel: &CancellationToken) -> Result<String, ModelError>;
+}
+
+/// Summaries from the configured model.
+pub struct ModelSummarizer {
+    pub provider: Arc<dyn ModelProvider>,
+    pub max_tokens: u64,
+}
+
+const SYSTEM: &str = "You compact the history of an AI agent's conversation into a summary the agent continues from. \
+Write Markdown with exactly these sections, in this order: ## Decisions, ## Open TODOs, ## Constraints/Rules, \
+## Pending user asks, ## Exact identifiers (and ## Files read / ## Files modified when files were touched). \
+Copy identifiers (paths, ids, names, numbers, URLs) exactly. Keep the latest unresolved user request verbatim \
+under Pending user asks. Fold the previous summary in: keep what still matters. Answer with the summary only.";
+
+#[async_trait]
+impl Summarizer for ModelSummarizer {
+    async fn summarize(&self, req: SummaryRequest, cancel: &CancellationToken) -> Result<String, ModelError> {
+        let mut prompt = String::new();
+        if let Some(p) = &req.previous {
+            prompt.push_str(&format!("<previous-summary>\n{p}\n</previous-summary>\n"));
+        }
+        prompt.push_str("<conversation>\n");
+        for m in &req.messages {
+            prompt.push_str(&format!("{}: {}\n", role_name(m.role), message_text(m)));
+        }
+        prompt.push_str("</conversation>\n");
+        if let Some(i) = &req.instructions {
+            prompt.push_str(&format!("Additional instructions: {i}\n"));
+        }
+        if let Some(f) = &req.feedback {
+            prompt.push_str(&format!("Your previous attempt was rejected: {f}. Fix that.\n"));
+        }
+        let message = AgentMessage {
+            id: "summary-request".into(),
+            role: Role::User as i32,
+            content: vec![ContentPart { part: Some(Part::Text(prompt)) }],
+            ..Default::default()
+        };
+        let req = ChatRequest { system: Some(SYSTEM.into()), messages: vec![message], max_tokens: self.max_tokens };
+        Ok(self.provider.complete(req, None, cancel).await?.text)
+    }
+}
+
+/// The deterministic summariser: same input, same summary.
+pub struct Extractive;
+
+#[async_trait]
+impl Summarizer for Extractive {
+    async fn summarize(&self, req: SummaryRequest, _cancel: &CancellationToken) -> Result<String, ModelError> {
+        Ok(extractive(req.previous.as_deref(), &req.messages))
+    }
+}
+
+pub fn role_name(role: i32) -> &'static str {
+    match Role::try_from(role) {
+        Ok(Role::System) => "system",
+        Ok(Role::Assistant) => "assistant",
+        Ok(Role::Tool) => "tool",
+        _ => "user",
+    }
+}
+
+/// Sections of a summary by heading, in the order of [`HEADINGS`] then
+/// the file lists; lines are kept verbatim.
+type Sections = BTreeMap<&'static str, Vec<String>>;
+
+const ALL_SECTIONS: [&str; 7] =
+    [HEADINGS[0], HEADINGS[1], HEADINGS[2], HEADINGS[3], HEADINGS[4], FILES_READ, FILES_MODIFIED];
+
+fn parse_sections(summary: &str) -> Sections {
+    let mut out = Sections::new();
+    let mut current: Option<&'static str> = None;
+    for line in summary.lines() {
+        if let Some(h) = ALL_SECTIONS.iter().find(|h| line.trim() == **h) {
+            current = Some(h);
+            continue;
+        }
+        if let (Some(h), false) = (current, line.trim().is_empty()) {
+            out.entry(h).or_default().push(line.trim().to_owned());
+        }
+    }
+    out
+}
+
+/// Per-section line limits, newest lines kept: sized so the whole summary
+/// stays under [`SUMMARY_CAP`].
+fn limit(section: &str) -> usize {
+    match section {
+        s if s == HEADINGS[4] => 200,
+        s if s == FILES_READ || s == FILES_MODIFIED => 40,
+        _ => 12,
+    }
+}
+
+fn push_unique(lines: &mut Vec<String>, line: String) {
+    if let Some(i) = lines.iter().position(|l| *l == line) {
+        lines.remove(i);
+    }
+    lines.push(line);
+}
+
+fn snippet(text: &str, max: usize) -> String {
+    let flat = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut s: String = flat.chars().take(max).collect();
+    s.push('…');
+    s
+}
+
+/// Sentences of `text` (split on . ! ? and newlines).
+fn sentences(text: &str) -> impl Iterator<Item = &str> {
+    text.split(['\n', '.', '!', '?']).map(str::trim).filter(|s| s.len() > 3)
+}
+
+fn any_of(s: &str, words: &[&str]) -> bool {
+    let lower = s.to_lowercase();
+    words.iter().any(|w| lower.contains(w))
+}
+
+/// Words that must survive a summary verbatim: paths, file names,
+/// snake_case and dotted names, ids mixing letters and digits, long numbers.
+pub fn identifiers(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for raw in text.split(|c: char| {
+        c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\'' | '`' | '[' | ']' | '{' | '}' | '<' | '>')
+    }) {
+        let w = raw.trim_end_matches(['.', ':', '!', '?']).trim_start_matches(['#', '@']);
+        let has_alpha = w.chars().any(char::is_alphabetic);
+        let has_digit = w.chars().any(|c| c.is_ascii_digit());
+        let looks = w.len() >= 3
+            && w.len() <= 100
+            && (w.contains('/')
+                || w.contains('_')
+                || (w.contains('.') && has_alpha && !w.ends_with('.'))
+                || (has_alpha && has_digit)
+                || (w.len() >= 4 && w.chars().all(|c| c.is_ascii_digit())));
+        if looks && !out.iter().any(|o| o == w) {
+            out.push(w.to_owned());
+        }
+    }
+    out
+}
+
+/// File paths from tool calls, split into read and modified by tool name.
+fn files_touched(messages: &[AgentMessage]) -> (Vec<String>, Vec<String>) {
+    let (mut read, mut modified) = (Vec::new(), Vec::new());
+    for m in messages {
+        for p in &m.content {
+            let Some(Part::ToolCall(c)) = &p.part else { continue };
+            let args: serde_json::Value = serde_json::from_str(&c.arguments_json).unwrap_or_default();
+            let Some(path) = ["path", "file", "file_path", "filename"].iter().find_map(|k| args.get(k)?.as_str())
+            else {
+                continue;
+            };
+            let name = c.name.to_lowercase();
+            let target =
+                if ["write", "edit", "create", "patch", "delete", "move", "rename"].iter().any(|w| name.contains(w)) {
+                    &mut modified
+                } else {
+                    &mut read
+                };
+            push_unique(target, format!("- {path}"));
+        }
+    }
+    (read, modified)
+}
+
+/// The extractive summary: each safeguard section takes the sentences that
+/// match it (decisions, todos, rules, user asks), identifiers are collected
+/// exactly, and the previous summary's sections are folded in, newest last.
+pub fn extractive(previous: Option<&str>, messages: &[AgentMessage]) -> String {
+    let mut s = previous.map(parse_sections).unwrap_or_default();
+    let mut add = |h: &'static str, line: String| push_unique(s.entry(h).or_default(), line);
+    for m in messages {
+        let text = message_text(m);
+        for id in identifiers(&text) {
+            add(HEADINGS[4], format!("- {id}"));
+        }
+        let user = m.role == Role::User as i32;
+        let assistant = m.role == Role::Assistant as i32;
+        for sentence in sentences(&text) {
+            let line = format!("- {}", snippet(sentence, 200));
+            if assistant
+                && any_of(
+                    sentence,
+                    &["decid", "decision", "we will", "i will", "chose", "going with", "agreed", "settled on"],
+                )
+            {
+                add(HEADINGS[0], line.clone());
+            }
+            if any_of(sentence, &["todo", "need to", "next step", "still have to", "remaining", "follow up", "later"]) {
+                add(HEADINGS[1], line.clone());
+            }
+            if any_of(sentence, &["must", "never", "always", "do not", "don't", "only use", "required", "not allowed"])
+            {
+                add(HEADINGS[2], line.clone());
+            }
+            if user
+                && (sentence.ends_with('?')
+                    || any_of(sentence, &["please", "can you", "could you", "i want", "i need"]))
+            {
+                add(HEADINGS[3], line);
+            }
+        }
+    }
+    let (read, modified) = files_touched(messages);
+    for f in read {
+        add(FILES_READ, f);
+    }
+    for f in modified {
+        add(FILES_MODIFIED, f);
+    }
+    // The latest user request is unresolved when nothing answered it yet.
+    if let Some(last) = messages.last().filter(|m| m.role == Role::User as i32) {
+        add(HEADINGS[3], format!("- latest request: {}", snippet(&message_text(last), 400)));
+    }
+    render(&s)
+}
+
+fn render(s: &Sections) -> String {
+    let mut out = String::new();
+    for h in ALL_SECTIONS {
+        let lines = s.get(h).map(Vec::as_slice).unwrap_or_default();
+        if lines.is_empty() && !HEADINGS.contains(&h) {
+            continue;
+        }
+        out.push_str(h);
+        out.push('\n');
+        let keep = lines.len().saturating_sub(limit(h));
+        if lines.is_empty() {
+            out.push_str("- (none)\n");
+        }
+        for l in &lines[keep..] {
+            out.push_str(l);
+            out.push('\n');
+        }
+        out.push('\n');
+    }
+    cap(out)
+}
+
+/// Cuts a summary to [`SUMMARY_CAP`] characters on a line boundary.
+pub fn cap(s: String) -> String {
+    if s.chars().count() <= SUMMARY_CAP {
+        return s;
+    }
+    let mut out = String::new();
+    for line in s.lines() {
+        if out.chars().count() + line.chars().count() + 1 > SUMMARY_CAP {
+            break;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m(role: Role, text: &str) -> AgentMessage {
+        AgentMessage {
+            id: "x".into(),
+            role: role as i32,
+            content: vec![ContentPart { part: Some(Part::Text(text.into())) }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn fills_every_heading_and_keeps_identifiers() {
+        let msgs = [
+            m(Role::User, "Please fix bug JIRA-4411 in src/parser.rs. You must never touch main_loop."),
+            m(Role::Assistant, "I decided to rewrite parse_header first. TODO: add tests later."),
+            m(Role::User, "Can you also bump version 2024.1?"),
+        ];
+        let s = extractive(None, &msgs);
+        for h in HEADINGS {
+            assert!(s.contains(h), "{h} missing in {s}");
+        }
+        for id in ["JIRA-4411", "src/parser.rs", "main_loop", "parse_header", "2024.1"] {
+            assert!(s.contains(id), "{id} missing in {s}");
+        }
+        assert!(s.contains("latest request: Can you also bump version 2024.1?"), "{s}");
+        assert_eq!(s, extractive(None, &msgs), "deterministic");
+    }
+
+    #[test]
+    fn folding_keeps_the_previous_summary() {
+        let first = extractive(None, &[m(Role::User, "deploy to cluster eu-west-1 please")]);
+        let second = extractive(Some(&first), &[m(Role::User, "and then check svc_gateway")]);
+        assert!(second.contains("eu-west-1") && second.contains("svc_gateway"), "{second}");
+        assert_eq!(second.matches("## Decisions").count(), 1);
+    }
+}

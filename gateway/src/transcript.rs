@@ -1,0 +1,107 @@
+//! Reading a transcript branch: the visible history (latest compaction
+//! summary + the entries it kept + everything after it) and how it is shown
+//! to an engine.
+
+use ctxgate_proto::pb::{self, AgentMessage, CompactionEntry, transcript_entry::Entry};
+
+/// What the model may see of a session.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Visible {
+    /// The latest compaction entry's id and content, if any.
+    pub summary: Option<(String, CompactionEntry)>,
+    /// Messages after the summary, oldest first.
+    pub messages: Vec<AgentMessage>,
+}
+
+/// The visible history of a branch (oldest first).
+pub fn visible(branch: &[pb::TranscriptEntry]) -> Visible {
+    let latest = branch.iter().rposition(|e| matches!(e.entry, Some(Entry::Compaction(_))));
+    let Some(ci) = latest else {
+        return Visible { summary: None, messages: messages_of(branch) };
+    };
+    let Some(Entry::Compaction(c)) = &branch[ci].entry else { unreachable!("rposition matched a compaction") };
+    // Kept entries sit before the compaction entry, from first_kept onwards.
+    let kept_from = branch[..ci].iter().position(|e| e.id == c.first_kept_entry_id).unwrap_or(ci);
+    let mut messages = messages_of(&branch[kept_from..ci]);
+    messages.extend(messages_of(&branch[ci + 1..]));
+    Visible { summary: Some((branch[ci].id.clone(), c.clone())), messages }
+}
+
+fn messages_of(entries: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
+    entries
+        .iter()
+        .filter_map(|e| match &e.entry {
+            Some(Entry::Message(m)) => Some(m.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The prefix the gateway puts before a summary when it shows it to a model.
+pub const SUMMARY_PREFIX: &str = "[Summary of the earlier conversation]\n";
+
+impl Visible {
+    /// The history as messages: the summary (a user message whose id is the
+    /// compaction entry's) followed by the kept and later messages.
+    pub fn render(&self) -> Vec<AgentMessage> {
+        let mut out = Vec::with_capacity(self.messages.len() + 1);
+        if let Some((id, c)) = &self.summary {
+            out.push(AgentMessage {
+                id: id.clone(),
+                role: pb::Role::User as i32,
+                content: vec![pb::ContentPart {
+                    part: Some(pb::content_part::Part::Text(format!("{SUMMARY_PREFIX}{}", c.summary))),
+                }],
+                metadata: [("ctxgate.kind".to_owned(), "compaction-summary".to_owned())].into(),
+                ..Default::default()
+            });
+        }
+        out.extend(self.messages.iter().cloned());
+        out
+    }
+
+    pub fn tokens(&self) -> u64 {
+        ctxgate_proto::estimate::messages_tokens(&self.render())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(id: &str) -> pb::TranscriptEntry {
+        pb::TranscriptEntry {
+            id: id.into(),
+            entry: Some(Entry::Message(AgentMessage { id: id.into(), role: 2, ..Default::default() })),
+            ..Default::default()
+        }
+    }
+
+    fn compaction(id: &str, first_kept: &str) -> pb::TranscriptEntry {
+        pb::TranscriptEntry {
+            id: id.into(),
+            entry: Some(Entry::Compaction(CompactionEntry {
+                summary: id.into(),
+                first_kept_entry_id: first_kept.into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    fn ids(v: &Visible) -> Vec<String> {
+        v.render().into_iter().map(|m| m.id).collect()
+    }
+
+    #[test]
+    fn visible_is_latest_summary_plus_kept_plus_later() {
+        let b =
+            [msg("a"), msg("b"), msg("c"), compaction("s1", "b"), msg("d"), msg("e"), compaction("s2", "e"), msg("f")];
+        assert_eq!(ids(&visible(&b)), ["s2", "e", "f"]);
+        assert_eq!(ids(&visible(&b[..6])), ["s1", "b", "c", "d", "e"]);
+        assert_eq!(ids(&visible(&b[..3])), ["a", "b", "c"]);
+        // Everything summarised: only what came after.
+        let all = [msg("a"), compaction("s", ""), msg("z")];
+        assert_eq!(ids(&visible(&all)), ["s", "z"]);
+    }
+}
