@@ -1,8 +1,15 @@
-//! The ctxgate gateway as a library: `main.rs` only parses the command line.
+//! The ctxgate gateway as a library: `main.rs` only parses the command
+//! line, so tests run the same `server::run` as the binary.
 
+pub mod api;
+pub mod cli;
 pub mod compaction;
 pub mod config;
+pub mod core;
+pub mod engine;
+pub mod metrics;
 pub mod provider;
+pub mod server;
 pub mod store;
 pub mod summarize;
 pub mod transcript;

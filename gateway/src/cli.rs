@@ -1,0 +1,372 @@
+//! The `ctxgate` command line: `serve`, and the client commands that talk
+//! to a running gateway (`chat`, `compact`, `sessions`, `status`).
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient};
+use ctxgate_proto::pb::transcript_entry::Entry;
+use serde_json::json;
+use tokio_stream::StreamExt;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+use crate::config::Config;
+use crate::provider::message_text;
+use crate::summarize::role_name;
+
+#[derive(Parser, Debug)]
+#[command(name = "ctxgate", version, about = "A gateway that hosts context engines for AI agents")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Run the gateway (works with no config file: state in ./ctxgate-state).
+    Serve {
+        /// A JSON5 config file.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Overrides gateway.listen.
+        #[arg(long)]
+        listen: Option<String>,
+        /// Overrides stateDir.
+        #[arg(long)]
+        state_dir: Option<PathBuf>,
+    },
+    /// Talk to an agent: interactive, or one message with -m.
+    Chat {
+        #[command(flatten)]
+        conn: Conn,
+        #[command(flatten)]
+        session: SessionArg,
+        /// Send one message, print the reply, exit.
+        #[arg(short, long)]
+        message: Option<String>,
+    },
+    /// Compact a session's history now (/compact).
+    Compact {
+        #[command(flatten)]
+        conn: Conn,
+        #[command(flatten)]
+        session: SessionArg,
+        /// What the summary should focus on.
+        #[arg(long)]
+        instructions: Option<String>,
+    },
+    /// List or show sessions.
+    Sessions {
+        #[command(subcommand)]
+        command: SessionsCommand,
+    },
+    /// The gateway's model, engines and sessions.
+    Status {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum SessionsCommand {
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+        /// Include archived sessions.
+        #[arg(long)]
+        all: bool,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A session's visible history, summaries included.
+    Show {
+        #[command(flatten)]
+        conn: Conn,
+        /// The session key.
+        key: String,
+        #[arg(long, default_value = "main")]
+        agent: String,
+        /// The whole branch, not just the visible history.
+        #[arg(long)]
+        full: bool,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct Conn {
+    /// The gateway to talk to.
+    #[arg(long, env = "CTXGATE_GATEWAY", default_value = "http://127.0.0.1:7300")]
+    pub gateway: String,
+    /// Bearer token, when the gateway requires one.
+    #[arg(long, env = "CTXGATE_AUTH_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct SessionArg {
+    /// The session key.
+    #[arg(long, default_value = "default")]
+    pub session: String,
+    #[arg(long, default_value = "main")]
+    pub agent: String,
+}
+
+impl SessionArg {
+    fn as_ref(&self) -> api::SessionRef {
+        api::SessionRef { agent_id: self.agent.clone(), session_key: self.session.clone() }
+    }
+}
+
+/// A failure of a client command, already worded for the user.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct CliError(pub String);
+
+type Client = GatewayClient<InterceptedService<Channel, Bearer>>;
+
+#[derive(Clone)]
+pub struct Bearer(Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+async fn connect(conn: &Conn) -> Result<Client, CliError> {
+    let endpoint = Channel::from_shared(conn.gateway.clone())
+        .map_err(|_| CliError(format!("{:?} is not a gateway URL (expected http://HOST:PORT)", conn.gateway)))?
+        .connect_timeout(Duration::from_secs(5));
+    let channel = endpoint.connect().await.map_err(|_| {
+        CliError(format!("Cannot reach the gateway at {}. Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)", conn.gateway))
+    })?;
+    let token = match &conn.token {
+        Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| CliError("the token has characters a header cannot carry".into()))?),
+        None => None,
+    };
+    Ok(GatewayClient::with_interceptor(channel, Bearer(token)).max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES))
+}
+
+/// Words a status for the user.
+fn explain(s: Status) -> CliError {
+    CliError(match s.code() {
+        Code::Unavailable if s.message().is_empty() => "The gateway went away. Is `ctxgate serve` still running?".into(),
+        Code::Unauthenticated => format!("The gateway refused the call: {}.", s.message()),
+        _ => format!("{}.", s.message().trim_end_matches('.')),
+    })
+}
+
+pub async fn chat(conn: &Conn, session: &SessionArg, one: Option<String>) -> Result<(), CliError> {
+    let mut client = connect(conn).await?;
+    if let Some(m) = one {
+        return turn(&mut client, session, m).await;
+    }
+    eprintln!("Chatting in session {:?} (agent {}). Commands: /compact [instructions], /new, /reset, /quit.", session.session, session.agent);
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        let _ = std::io::stderr().flush();
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line).map_err(|e| CliError(e.to_string()))? == 0 {
+            return Ok(());
+        }
+        let line = line.trim();
+        let result = match line.split_once(' ').map_or((line, ""), |(a, b)| (a, b.trim())) {
+            ("", _) => continue,
+            ("/quit" | "/exit", _) => return Ok(()),
+            ("/compact", rest) => compact_with(&mut client, session, (!rest.is_empty()).then(|| rest.to_owned())).await,
+            ("/new", _) => client.new_session(session.as_ref()).await.map(|r| eprintln!("New session {}.", r.into_inner().session_id)).map_err(explain),
+            ("/reset", _) => client.reset_session(session.as_ref()).await.map(|r| eprintln!("Session reset; new session {}.", r.into_inner().session_id)).map_err(explain),
+            _ => turn(&mut client, session, line.to_owned()).await,
+        };
+        if let Err(e) = result {
+            eprintln!("{e}");
+        }
+    }
+}
+
+async fn turn(client: &mut Client, session: &SessionArg, message: String) -> Result<(), CliError> {
+    use api::turn_event::Event;
+    let req = api::RunTurnRequest { session: Some(session.as_ref()), message, system_prompt: None };
+    let mut stream = client.run_turn(req).await.map_err(explain)?.into_inner();
+    let mut out = std::io::stdout();
+    while let Some(e) = stream.next().await {
+        match e.map_err(explain)?.event {
+            Some(Event::ModelDelta(d)) => {
+                let _ = write!(out, "{}", d.text);
+                let _ = out.flush();
+            }
+            Some(Event::CompactionStarted(c)) => eprintln!("[compacting ({}), {} tokens]", c.trigger, c.tokens_before),
+            Some(Event::CompactionDone(d)) => eprintln!("{}", done_line(&d)),
+            Some(Event::Warning(w)) => eprintln!("[warning] {}", w.message),
+            Some(Event::Completed(_)) => {
+                let _ = writeln!(out);
+                return Ok(());
+            }
+            Some(Event::Failed(f)) => {
+                let _ = writeln!(out);
+                return Err(CliError(f.message));
+            }
+            _ => {}
+        }
+    }
+    Err(CliError("The gateway ended the turn without an answer.".into()))
+}
+
+fn done_line(d: &api::CompactionDone) -> String {
+    if d.compacted {
+        format!("[compacted: {} → {} tokens]", d.tokens_before, d.tokens_after)
+    } else {
+        format!("[not compacted: {}]", d.reason.as_deref().unwrap_or("no reason given"))
+    }
+}
+
+pub async fn compact(conn: &Conn, session: &SessionArg, instructions: Option<String>) -> Result<(), CliError> {
+    compact_with(&mut connect(conn).await?, session, instructions).await
+}
+
+async fn compact_with(client: &mut Client, session: &SessionArg, instructions: Option<String>) -> Result<(), CliError> {
+    use api::compaction_event::Event;
+    let req = api::CompactSessionRequest { session: Some(session.as_ref()), custom_instructions: instructions };
+    let mut stream = client.compact(req).await.map_err(explain)?.into_inner();
+    while let Some(e) = stream.next().await {
+        match e.map_err(explain)?.event {
+            Some(Event::Started(s)) => eprintln!("Compacting session {:?} ({} tokens)…", session.session, s.tokens_before),
+            Some(Event::Progress(p)) => {
+                let width = 30;
+                let filled = if p.total == 0 { 0 } else { (p.done.min(p.total) * width / p.total) as usize };
+                eprint!("\r[{}{}] {}/{} {:<40}", "#".repeat(filled), ".".repeat(width as usize - filled), p.done, p.total, p.message);
+            }
+            Some(Event::Done(d)) => {
+                eprintln!();
+                println!("{}", done_line(&d));
+                return Ok(());
+            }
+            None => {}
+        }
+    }
+    Err(CliError("The gateway ended the compaction without a result.".into()))
+}
+
+pub async fn sessions(cmd: SessionsCommand) -> Result<(), CliError> {
+    match cmd {
+        SessionsCommand::Ls { conn, all, json } => {
+            let list = connect(&conn).await?.list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: all }).await.map_err(explain)?;
+            let sessions = list.into_inner().sessions;
+            if json {
+                let rows: Vec<_> = sessions.iter().map(session_json).collect();
+                println!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
+            } else if sessions.is_empty() {
+                println!("No sessions yet. Start one with `ctxgate chat`.");
+            } else {
+                println!("{:<12} {:<24} {:<9} {:>7} {:>11}  SESSION ID", "AGENT", "KEY", "STATE", "ENTRIES", "COMPACTIONS");
+                for s in sessions {
+                    println!("{:<12} {:<24} {:<9} {:>7} {:>11}  {}", s.agent_id, s.session_key, s.state, s.entries, s.compactions, s.session_id);
+                }
+            }
+        }
+        SessionsCommand::Show { conn, key, agent, full, json } => {
+            let req = api::GetTranscriptRequest { session: Some(api::SessionRef { agent_id: agent, session_key: key }), visible_only: !full };
+            let t = connect(&conn).await?.get_transcript(req).await.map_err(explain)?.into_inner();
+            if json {
+                let entries: Vec<_> = t.entries.iter().map(entry_json).collect();
+                println!("{}", serde_json::to_string_pretty(&json!({"session": t.session.as_ref().map(session_json), "entries": entries})).unwrap_or_default());
+                return Ok(());
+            }
+            if let Some(s) = &t.session {
+                println!("Session {} ({}/{}, {}): {} entries, {} compactions, ~{} visible tokens\n", s.session_id, s.agent_id, s.session_key, s.state, s.entries, s.compactions, s.visible_tokens);
+            }
+            for e in &t.entries {
+                match &e.entry {
+                    Some(Entry::Message(m)) => println!("{}: {}\n", role_name(m.role), message_text(m)),
+                    Some(Entry::Compaction(c)) => println!(
+                        "── compaction summary ({} → {} tokens, kept from {}) ──\n{}\n──\n",
+                        c.tokens_before,
+                        c.tokens_after.unwrap_or_default(),
+                        c.first_kept_entry_id,
+                        c.summary.trim_end()
+                    ),
+                    None => {}
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn session_json(s: &api::SessionInfo) -> serde_json::Value {
+    json!({"agent_id": s.agent_id, "session_key": s.session_key, "session_id": s.session_id, "state": s.state,
+           "created_at_unix_ms": s.created_at_unix_ms, "entries": s.entries, "compactions": s.compactions, "visible_tokens": s.visible_tokens})
+}
+
+fn entry_json(e: &ctxgate_proto::pb::TranscriptEntry) -> serde_json::Value {
+    match &e.entry {
+        Some(Entry::Message(m)) => json!({"id": e.id, "seq": e.seq, "kind": "message", "role": role_name(m.role), "text": message_text(m)}),
+        Some(Entry::Compaction(c)) => json!({"id": e.id, "seq": e.seq, "kind": "compaction", "summary": c.summary,
+            "first_kept_entry_id": c.first_kept_entry_id, "tokens_before": c.tokens_before, "tokens_after": c.tokens_after}),
+        None => json!({"id": e.id, "seq": e.seq, "kind": "unknown"}),
+    }
+}
+
+pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
+    let s = connect(conn).await?.get_status(api::StatusRequest {}).await.map_err(explain)?.into_inner();
+    if as_json {
+        let engines: Vec<_> = s.engines.iter().map(|e| json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health,
+            "quarantine": e.quarantine.as_ref().map(|q| json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms}))})).collect();
+        let v = json!({"version": s.version, "model_provider": s.model_provider, "model": s.model, "context_window": s.context_window,
+            "selected_engine": s.selected_engine, "engines": engines, "sessions": s.sessions, "turns_in_flight": s.turns_in_flight});
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return Ok(());
+    }
+    println!("ctxgate {}", s.version);
+    println!("model:    {} ({}), {}-token window", s.model, s.model_provider, s.context_window);
+    println!("engine:   {}", s.selected_engine);
+    for e in &s.engines {
+        let q = e.quarantine.as_ref().map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
+        println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
+    }
+    println!("sessions: {} active, {} turns running", s.sessions, s.turns_in_flight);
+    Ok(())
+}
+
+/// `ctxgate serve`: config, then bind, then run until Ctrl-C or SIGTERM.
+pub async fn serve(config: Option<PathBuf>, listen: Option<String>, state_dir: Option<PathBuf>) -> Result<(), CliError> {
+    let mut cfg = Config::load(config.as_deref(), |k| std::env::var(k).ok()).map_err(|e| CliError(e.to_string()))?;
+    if let Some(l) = listen {
+        cfg.gateway.listen = l;
+        cfg.listen_addr().map_err(|e| CliError(e.to_string()))?;
+    }
+    if let Some(d) = state_dir {
+        cfg.state_dir = d;
+    }
+    let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
+    let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;
+    let metrics = listeners.metrics.as_ref().and_then(|l| l.local_addr().ok());
+    tracing::info!(%addr, ?metrics, state_dir = %cfg.state_dir.display(), provider = ?cfg.models.provider, "ctxgate serving");
+    println!("listening on {addr}");
+    let _ = std::io::stdout().flush();
+    crate::server::run(cfg, listeners, shutdown_signal()).await.map_err(|e| CliError(e.to_string()))
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! { _ = tokio::signal::ctrl_c() => {}, () = term => {} }
+}

@@ -1,0 +1,114 @@
+//! Prometheus metrics, served as text on `gateway.metricsListen` `/metrics`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Outcome {
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct Trigger {
+    pub trigger: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TriggerOutcome {
+    pub trigger: String,
+    pub outcome: String,
+}
+
+/// Every metric the gateway keeps. Cheap to clone (shared handles).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    pub turns: Family<Outcome, Counter>,
+    pub turn_seconds: Histogram,
+    pub turns_in_flight: Gauge,
+    pub compactions: Family<TriggerOutcome, Counter>,
+    pub compaction_seconds: Family<Trigger, Histogram>,
+    pub compaction_tokens_before: Counter,
+    pub compaction_tokens_after: Counter,
+}
+
+fn seconds() -> Histogram {
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::with_prefix("ctxgate");
+        let turns = Family::<Outcome, Counter>::default();
+        let turn_seconds = seconds();
+        let turns_in_flight = Gauge::default();
+        let compactions = Family::<TriggerOutcome, Counter>::default();
+        let compaction_seconds = Family::<Trigger, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
+        let compaction_tokens_before = Counter::default();
+        let compaction_tokens_after = Counter::default();
+        r.register("turns", "Managed turns by outcome", turns.clone());
+        r.register("turn_duration_seconds", "Managed turn duration", turn_seconds.clone());
+        r.register("turns_in_flight", "Turns running now", turns_in_flight.clone());
+        r.register("compactions", "Compactions by trigger and outcome", compactions.clone());
+        r.register("compaction_duration_seconds", "Compaction duration by trigger", compaction_seconds.clone());
+        r.register("compaction_tokens_before", "Visible tokens before successful compactions", compaction_tokens_before.clone());
+        r.register("compaction_tokens_after", "Visible tokens after successful compactions", compaction_tokens_after.clone());
+        Self {
+            registry: Arc::new(r),
+            turns,
+            turn_seconds,
+            turns_in_flight,
+            compactions,
+            compaction_seconds,
+            compaction_tokens_before,
+            compaction_tokens_after,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn turn_finished(&self, outcome: &str, took: Duration) {
+        self.turns.get_or_create(&Outcome { outcome: outcome.into() }).inc();
+        self.turn_seconds.observe(took.as_secs_f64());
+    }
+
+    pub fn compaction_finished(&self, trigger: &str, outcome: &str, took: Duration, tokens: Option<(u64, u64)>) {
+        self.compactions.get_or_create(&TriggerOutcome { trigger: trigger.into(), outcome: outcome.into() }).inc();
+        self.compaction_seconds.get_or_create(&Trigger { trigger: trigger.into() }).observe(took.as_secs_f64());
+        if let Some((before, after)) = tokens {
+            self.compaction_tokens_before.inc_by(before);
+            self.compaction_tokens_after.inc_by(after);
+        }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// Serves `GET /metrics` until `shutdown` resolves.
+pub async fn serve(
+    metrics: Metrics,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let m = metrics.clone();
+            async move { ([("content-type", "text/plain; version=0.0.4")], m.render()) }
+        }),
+    );
+    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,123 @@
+//! `run(config, listeners, shutdown)`: the whole gateway, the same code for
+//! the binary and for tests.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ctxgate_proto::gateway::gateway_server::GatewayServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Status};
+use tonic_health::ServingStatus;
+
+use crate::api::Api;
+use crate::config::Config;
+use crate::core::Core;
+use crate::engine::Legacy;
+use crate::metrics::Metrics;
+use crate::store::SqliteStore;
+
+pub const GATEWAY_SERVICE: &str = "ctxgate.v1.Gateway";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("cannot open the store in {dir}: {message}")]
+    Store { dir: String, message: String },
+    #[error("model provider: {0}")]
+    Provider(String),
+    #[error("serving failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("metrics endpoint failed: {0}")]
+    Metrics(std::io::Error),
+}
+
+/// The sockets the gateway serves on, bound before anything else starts.
+pub struct Listeners {
+    pub api: TcpListener,
+    pub metrics: Option<TcpListener>,
+}
+
+impl Listeners {
+    pub async fn bind(config: &Config) -> Result<Self, ServeError> {
+        async fn one(addr: SocketAddr) -> Result<TcpListener, ServeError> {
+            TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
+        }
+        // Both addresses were validated with the config.
+        let api = one(config.listen_addr().map_err(|e| ServeError::Provider(e.to_string()))?).await?;
+        let metrics = match config.metrics_addr().map_err(|e| ServeError::Provider(e.to_string()))? {
+            Some(a) => Some(one(a).await?),
+            None => None,
+        };
+        Ok(Self { api, metrics })
+    }
+}
+
+/// Checks `authorization: Bearer <token>` when a token is configured.
+#[derive(Clone)]
+struct Auth(Option<Arc<str>>);
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let Some(want) = &self.0 else { return Ok(req) };
+        let got = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        // Constant-time comparison: the token is a secret.
+        let ok = got.is_some_and(|g| g.len() == want.len() && g.bytes().zip(want.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
+        if ok { Ok(req) } else { Err(Status::unauthenticated("missing or wrong bearer token: pass --token or set CTXGATE_AUTH_TOKEN")) }
+    }
+}
+
+/// Serves until `shutdown` resolves; then reports NOT_SERVING, cancels
+/// running turns and compactions, and drains.
+pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+    let config = Arc::new(config);
+    let store = SqliteStore::open(&config.state_dir)
+        .map_err(|e| ServeError::Store { dir: config.state_dir.display().to_string(), message: e.to_string() })?;
+    let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
+    let metrics = Metrics::default();
+    let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, Arc::new(Legacy::default()), metrics.clone()));
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(ctxgate_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .expect("the descriptor sets are valid");
+    let api = GatewayServer::with_interceptor(Api { core: core.clone() }, Auth(config.gateway.auth.token.as_deref().map(Arc::from)));
+
+    let metrics_stop = tokio_util::sync::CancellationToken::new();
+    let metrics_task = listeners.metrics.map(|l| {
+        let stop = metrics_stop.clone();
+        tokio::spawn(crate::metrics::serve(metrics, l, async move { stop.cancelled().await }))
+    });
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let serving = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(api)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.api), async {
+            let _ = stop_rx.await;
+        });
+    tokio::pin!(serving);
+    tokio::pin!(shutdown);
+    let result = tokio::select! {
+        r = &mut serving => r,
+        () = &mut shutdown => {
+            tracing::info!("shutting down: cancelling running turns, draining");
+            reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::NotServing).await;
+            core.shutdown();
+            let _ = stop_tx.send(());
+            tokio::time::timeout(Duration::from_secs(10), &mut serving).await.unwrap_or(Ok(()))
+        }
+    };
+    metrics_stop.cancel();
+    if let Some(t) = metrics_task {
+        t.await.map_err(|e| ServeError::Metrics(std::io::Error::other(e)))?.map_err(ServeError::Metrics)?;
+    }
+    Ok(result?)
+}
