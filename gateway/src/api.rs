@@ -42,7 +42,10 @@ type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// A stream over `rx` that fires `cancel` when the client drops it (client
 /// cancel, disconnect): the work behind it stops.
-fn guarded<T: Send + 'static>(rx: mpsc::UnboundedReceiver<Result<T, Status>>, cancel: tokio_util::sync::CancellationToken) -> EventStream<T> {
+fn guarded<T: Send + 'static>(
+    rx: mpsc::UnboundedReceiver<Result<T, Status>>,
+    cancel: tokio_util::sync::CancellationToken,
+) -> EventStream<T> {
     let guard = cancel.drop_guard();
     Box::pin(UnboundedReceiverStream::new(rx).map(move |item| {
         let _keep = &guard;
@@ -105,9 +108,13 @@ impl Gateway for Api {
         Ok(Response::new(api::AbortResult { aborted: self.core.abort(&agent, &key).await? }))
     }
 
-    async fn list_sessions(&self, req: Request<api::ListSessionsRequest>) -> Result<Response<api::ListSessionsResult>, Status> {
+    async fn list_sessions(
+        &self,
+        req: Request<api::ListSessionsRequest>,
+    ) -> Result<Response<api::ListSessionsResult>, Status> {
         let r = req.into_inner();
-        let stats = self.core.store.list_sessions(r.agent_id.as_deref(), r.include_archived).await.map_err(CoreError::from)?;
+        let stats =
+            self.core.store.list_sessions(r.agent_id.as_deref(), r.include_archived).await.map_err(CoreError::from)?;
         let sessions = stats
             .into_iter()
             .map(|s| api::SessionInfo {
@@ -129,7 +136,10 @@ impl Gateway for Api {
         Ok(Response::new(self.core.session_info(&s).await?))
     }
 
-    async fn get_transcript(&self, req: Request<api::GetTranscriptRequest>) -> Result<Response<api::GetTranscriptResult>, Status> {
+    async fn get_transcript(
+        &self,
+        req: Request<api::GetTranscriptRequest>,
+    ) -> Result<Response<api::GetTranscriptResult>, Status> {
         let r = req.into_inner();
         let s = self.core.session(r.session.as_ref()).await?;
         let branch = self.core.store.branch(&s.session_id).await.map_err(CoreError::from)?;
@@ -149,7 +159,10 @@ impl Gateway for Api {
         Ok(Response::new(self.core.session_info(&s).await?))
     }
 
-    async fn delete_session(&self, req: Request<api::SessionRef>) -> Result<Response<api::DeleteSessionResult>, Status> {
+    async fn delete_session(
+        &self,
+        req: Request<api::SessionRef>,
+    ) -> Result<Response<api::DeleteSessionResult>, Status> {
         let (agent, key) = session_ref(Some(req.get_ref()))?;
         self.core.abort(&agent, &key).await?;
         let n = self.core.store.delete_sessions(&agent, &key).await.map_err(CoreError::from)?;
@@ -181,13 +194,11 @@ impl Gateway for Api {
     }
 }
 
-/// The entries behind the visible history: the latest compaction entry,
-/// the entries it kept, and everything after it.
+/// The entries behind the visible history, in the order the model sees
+/// them: the latest compaction entry, then the kept and later messages.
 fn visible_entries(branch: &[ctxgate_proto::pb::TranscriptEntry]) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
     let v = transcript::visible(branch);
-    let mut keep: std::collections::HashSet<&str> = v.messages.iter().map(|m| m.id.as_str()).collect();
-    if let Some((id, _)) = &v.summary {
-        keep.insert(id.as_str());
-    }
-    branch.iter().filter(|e| keep.contains(e.id.as_str())).cloned().collect()
+    let kept: std::collections::HashSet<&str> = v.messages.iter().map(|m| m.id.as_str()).collect();
+    let summary = v.summary.as_ref().and_then(|(id, _)| branch.iter().find(|e| &e.id == id));
+    summary.into_iter().chain(branch.iter().filter(|e| kept.contains(e.id.as_str()))).cloned().collect()
 }

@@ -149,19 +149,29 @@ async fn connect(conn: &Conn) -> Result<Client, CliError> {
         .map_err(|_| CliError(format!("{:?} is not a gateway URL (expected http://HOST:PORT)", conn.gateway)))?
         .connect_timeout(Duration::from_secs(5));
     let channel = endpoint.connect().await.map_err(|_| {
-        CliError(format!("Cannot reach the gateway at {}. Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)", conn.gateway))
+        CliError(format!(
+            "Cannot reach the gateway at {}. Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)",
+            conn.gateway
+        ))
     })?;
     let token = match &conn.token {
-        Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| CliError("the token has characters a header cannot carry".into()))?),
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse()
+                .map_err(|_| CliError("the token has characters a header cannot carry".into()))?,
+        ),
         None => None,
     };
-    Ok(GatewayClient::with_interceptor(channel, Bearer(token)).max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES))
+    Ok(GatewayClient::with_interceptor(channel, Bearer(token))
+        .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES))
 }
 
 /// Words a status for the user.
 fn explain(s: Status) -> CliError {
     CliError(match s.code() {
-        Code::Unavailable if s.message().is_empty() => "The gateway went away. Is `ctxgate serve` still running?".into(),
+        Code::Unavailable if s.message().is_empty() => {
+            "The gateway went away. Is `ctxgate serve` still running?".into()
+        }
         Code::Unauthenticated => format!("The gateway refused the call: {}.", s.message()),
         _ => format!("{}.", s.message().trim_end_matches('.')),
     })
@@ -172,7 +182,10 @@ pub async fn chat(conn: &Conn, session: &SessionArg, one: Option<String>) -> Res
     if let Some(m) = one {
         return turn(&mut client, session, m).await;
     }
-    eprintln!("Chatting in session {:?} (agent {}). Commands: /compact [instructions], /new, /reset, /quit.", session.session, session.agent);
+    eprintln!(
+        "Chatting in session {:?} (agent {}). Commands: /compact [instructions], /new, /reset, /quit.",
+        session.session, session.agent
+    );
     let stdin = std::io::stdin();
     loop {
         eprint!("> ");
@@ -186,8 +199,16 @@ pub async fn chat(conn: &Conn, session: &SessionArg, one: Option<String>) -> Res
             ("", _) => continue,
             ("/quit" | "/exit", _) => return Ok(()),
             ("/compact", rest) => compact_with(&mut client, session, (!rest.is_empty()).then(|| rest.to_owned())).await,
-            ("/new", _) => client.new_session(session.as_ref()).await.map(|r| eprintln!("New session {}.", r.into_inner().session_id)).map_err(explain),
-            ("/reset", _) => client.reset_session(session.as_ref()).await.map(|r| eprintln!("Session reset; new session {}.", r.into_inner().session_id)).map_err(explain),
+            ("/new", _) => client
+                .new_session(session.as_ref())
+                .await
+                .map(|r| eprintln!("New session {}.", r.into_inner().session_id))
+                .map_err(explain),
+            ("/reset", _) => client
+                .reset_session(session.as_ref())
+                .await
+                .map(|r| eprintln!("Session reset; new session {}.", r.into_inner().session_id))
+                .map_err(explain),
             _ => turn(&mut client, session, line.to_owned()).await,
         };
         if let Err(e) = result {
@@ -242,11 +263,20 @@ async fn compact_with(client: &mut Client, session: &SessionArg, instructions: O
     let mut stream = client.compact(req).await.map_err(explain)?.into_inner();
     while let Some(e) = stream.next().await {
         match e.map_err(explain)?.event {
-            Some(Event::Started(s)) => eprintln!("Compacting session {:?} ({} tokens)…", session.session, s.tokens_before),
+            Some(Event::Started(s)) => {
+                eprintln!("Compacting session {:?} ({} tokens)…", session.session, s.tokens_before)
+            }
             Some(Event::Progress(p)) => {
                 let width = 30;
                 let filled = if p.total == 0 { 0 } else { (p.done.min(p.total) * width / p.total) as usize };
-                eprint!("\r[{}{}] {}/{} {:<40}", "#".repeat(filled), ".".repeat(width as usize - filled), p.done, p.total, p.message);
+                eprint!(
+                    "\r[{}{}] {}/{} {:<40}",
+                    "#".repeat(filled),
+                    ".".repeat(width as usize - filled),
+                    p.done,
+                    p.total,
+                    p.message
+                );
             }
             Some(Event::Done(d)) => {
                 eprintln!();
@@ -262,7 +292,11 @@ async fn compact_with(client: &mut Client, session: &SessionArg, instructions: O
 pub async fn sessions(cmd: SessionsCommand) -> Result<(), CliError> {
     match cmd {
         SessionsCommand::Ls { conn, all, json } => {
-            let list = connect(&conn).await?.list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: all }).await.map_err(explain)?;
+            let list = connect(&conn)
+                .await?
+                .list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: all })
+                .await
+                .map_err(explain)?;
             let sessions = list.into_inner().sessions;
             if json {
                 let rows: Vec<_> = sessions.iter().map(session_json).collect();
@@ -270,22 +304,40 @@ pub async fn sessions(cmd: SessionsCommand) -> Result<(), CliError> {
             } else if sessions.is_empty() {
                 println!("No sessions yet. Start one with `ctxgate chat`.");
             } else {
-                println!("{:<12} {:<24} {:<9} {:>7} {:>11}  SESSION ID", "AGENT", "KEY", "STATE", "ENTRIES", "COMPACTIONS");
+                println!(
+                    "{:<12} {:<24} {:<9} {:>7} {:>11}  SESSION ID",
+                    "AGENT", "KEY", "STATE", "ENTRIES", "COMPACTIONS"
+                );
                 for s in sessions {
-                    println!("{:<12} {:<24} {:<9} {:>7} {:>11}  {}", s.agent_id, s.session_key, s.state, s.entries, s.compactions, s.session_id);
+                    println!(
+                        "{:<12} {:<24} {:<9} {:>7} {:>11}  {}",
+                        s.agent_id, s.session_key, s.state, s.entries, s.compactions, s.session_id
+                    );
                 }
             }
         }
         SessionsCommand::Show { conn, key, agent, full, json } => {
-            let req = api::GetTranscriptRequest { session: Some(api::SessionRef { agent_id: agent, session_key: key }), visible_only: !full };
+            let req = api::GetTranscriptRequest {
+                session: Some(api::SessionRef { agent_id: agent, session_key: key }),
+                visible_only: !full,
+            };
             let t = connect(&conn).await?.get_transcript(req).await.map_err(explain)?.into_inner();
             if json {
                 let entries: Vec<_> = t.entries.iter().map(entry_json).collect();
-                println!("{}", serde_json::to_string_pretty(&json!({"session": t.session.as_ref().map(session_json), "entries": entries})).unwrap_or_default());
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(
+                        &json!({"session": t.session.as_ref().map(session_json), "entries": entries})
+                    )
+                    .unwrap_or_default()
+                );
                 return Ok(());
             }
             if let Some(s) = &t.session {
-                println!("Session {} ({}/{}, {}): {} entries, {} compactions, ~{} visible tokens\n", s.session_id, s.agent_id, s.session_key, s.state, s.entries, s.compactions, s.visible_tokens);
+                println!(
+                    "Session {} ({}/{}, {}): {} entries, {} compactions, ~{} visible tokens\n",
+                    s.session_id, s.agent_id, s.session_key, s.state, s.entries, s.compactions, s.visible_tokens
+                );
             }
             for e in &t.entries {
                 match &e.entry {
@@ -312,7 +364,9 @@ fn session_json(s: &api::SessionInfo) -> serde_json::Value {
 
 fn entry_json(e: &ctxgate_proto::pb::TranscriptEntry) -> serde_json::Value {
     match &e.entry {
-        Some(Entry::Message(m)) => json!({"id": e.id, "seq": e.seq, "kind": "message", "role": role_name(m.role), "text": message_text(m)}),
+        Some(Entry::Message(m)) => {
+            json!({"id": e.id, "seq": e.seq, "kind": "message", "role": role_name(m.role), "text": message_text(m)})
+        }
         Some(Entry::Compaction(c)) => json!({"id": e.id, "seq": e.seq, "kind": "compaction", "summary": c.summary,
             "first_kept_entry_id": c.first_kept_entry_id, "tokens_before": c.tokens_before, "tokens_after": c.tokens_after}),
         None => json!({"id": e.id, "seq": e.seq, "kind": "unknown"}),
@@ -333,7 +387,10 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
     println!("model:    {} ({}), {}-token window", s.model, s.model_provider, s.context_window);
     println!("engine:   {}", s.selected_engine);
     for e in &s.engines {
-        let q = e.quarantine.as_ref().map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
+        let q = e
+            .quarantine
+            .as_ref()
+            .map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
         println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
     }
     println!("sessions: {} active, {} turns running", s.sessions, s.turns_in_flight);
@@ -341,7 +398,11 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
 }
 
 /// `ctxgate serve`: config, then bind, then run until Ctrl-C or SIGTERM.
-pub async fn serve(config: Option<PathBuf>, listen: Option<String>, state_dir: Option<PathBuf>) -> Result<(), CliError> {
+pub async fn serve(
+    config: Option<PathBuf>,
+    listen: Option<String>,
+    state_dir: Option<PathBuf>,
+) -> Result<(), CliError> {
     let mut cfg = Config::load(config.as_deref(), |k| std::env::var(k).ok()).map_err(|e| CliError(e.to_string()))?;
     if let Some(l) = listen {
         cfg.gateway.listen = l;

@@ -94,7 +94,9 @@ fn text_message(role: Role, text: String) -> AgentMessage {
     AgentMessage {
         role: role as i32,
         content: vec![ContentPart { part: Some(Part::Text(text)) }],
-        created_at_unix_ms: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
+        created_at_unix_ms: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64),
         ..Default::default()
     }
 }
@@ -130,19 +132,37 @@ pub fn session_ref(r: Option<&api::SessionRef>) -> Result<(String, String), Core
         return Err(CoreError::Invalid { field: "session.session_key", problem: "is required".into() });
     }
     if key.len() > limits::MAX_ID_BYTES || r.agent_id.len() > limits::MAX_ID_BYTES {
-        return Err(CoreError::TooLarge { field: "session", problem: format!("ids are limited to {} bytes", limits::MAX_ID_BYTES) });
+        return Err(CoreError::TooLarge {
+            field: "session",
+            problem: format!("ids are limited to {} bytes", limits::MAX_ID_BYTES),
+        });
     }
     let agent = if r.agent_id.trim().is_empty() { "main" } else { r.agent_id.trim() };
     Ok((agent.to_owned(), key.to_owned()))
 }
 
 impl Core {
-    pub fn new(config: Arc<Config>, store: Arc<dyn Store>, provider: Arc<dyn ModelProvider>, engine: Arc<dyn Engine>, metrics: Metrics) -> Self {
+    pub fn new(
+        config: Arc<Config>,
+        store: Arc<dyn Store>,
+        provider: Arc<dyn ModelProvider>,
+        engine: Arc<dyn Engine>,
+        metrics: Metrics,
+    ) -> Self {
         let summarizer: Arc<dyn Summarizer> = match provider.kind() {
             ProviderKind::Offline => Arc::new(Extractive),
             ProviderKind::Openai => Arc::new(ModelSummarizer { provider: provider.clone(), max_tokens: 2_048 }),
         };
-        Self { config, store, provider, engine, metrics, summarizer, running: Mutex::default(), shutdown: CancellationToken::new() }
+        Self {
+            config,
+            store,
+            provider,
+            engine,
+            metrics,
+            summarizer,
+            running: Mutex::default(),
+            shutdown: CancellationToken::new(),
+        }
     }
 
     /// A token for one API call: fired when the caller goes away (the API
@@ -164,7 +184,11 @@ impl Core {
     async fn enter(&self, session_id: &str, cancel: &CancellationToken) -> SessionGuard<'_> {
         let lock = {
             let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-            running.entry(session_id.to_owned()).or_insert_with(|| Running { lock: Arc::default(), cancel: None }).lock.clone()
+            running
+                .entry(session_id.to_owned())
+                .or_insert_with(|| Running { lock: Arc::default(), cancel: None })
+                .lock
+                .clone()
         };
         let guard = lock.lock_owned().await;
         if let Some(r) = self.running.lock().unwrap_or_else(|e| e.into_inner()).get_mut(session_id) {
@@ -188,7 +212,9 @@ impl Core {
 
     fn token_budget(&self, system: Option<&str>) -> u64 {
         let m = &self.config.models;
-        m.context_window.saturating_sub(self.config.reserve_tokens()).saturating_sub(system.map_or(0, estimate::text_tokens))
+        m.context_window
+            .saturating_sub(self.config.reserve_tokens())
+            .saturating_sub(system.map_or(0, estimate::text_tokens))
     }
 
     async fn visible(&self, session_id: &str) -> Result<Visible, CoreError> {
@@ -197,7 +223,12 @@ impl Core {
 
     /// Runs one managed turn; every event goes to `events`. Errors are
     /// returned only before admission; after it, the outcome is an event.
-    pub async fn run_turn(&self, req: api::RunTurnRequest, events: mpsc::UnboundedSender<api::TurnEvent>, cancel: CancellationToken) -> Result<(), CoreError> {
+    pub async fn run_turn(
+        &self,
+        req: api::RunTurnRequest,
+        events: mpsc::UnboundedSender<api::TurnEvent>,
+        cancel: CancellationToken,
+    ) -> Result<(), CoreError> {
         let (agent, key) = validate_turn(&req)?;
         let session = self.store.session(&agent, &key, true).await?.ok_or(CoreError::NoSession(key.clone()))?;
         let _guard = self.enter(&session.session_id, &cancel).await;
@@ -232,9 +263,14 @@ impl Core {
         };
         // Admission: the user message is durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
-        let user = NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(text_message(Role::User, req.message.clone())) };
+        let user =
+            NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(text_message(Role::User, req.message.clone())) };
         let admitted = self.store.append(&session.session_id, vec![user]).await?;
-        send(E::Admitted(api::Admitted { session_id: session.session_id.clone(), turn_id: turn_id.clone(), entry_id: admitted[0].id.clone() }));
+        send(E::Admitted(api::Admitted {
+            session_id: session.session_id.clone(),
+            turn_id: turn_id.clone(),
+            entry_id: admitted[0].id.clone(),
+        }));
         let info = self.engine.info();
         send(E::EngineSelected(api::EngineSelected { engine_id: info.id.clone(), reason: "default".into() }));
 
@@ -282,25 +318,38 @@ impl Core {
                 .await
             {
                 Ok(a) => a,
-                Err(e) => return Ok(Some(failed("engine_error", format!("The context engine could not assemble the prompt: {e}.")))),
+                Err(e) => {
+                    return Ok(Some(failed(
+                        "engine_error",
+                        format!("The context engine could not assemble the prompt: {e}."),
+                    )));
+                }
             };
             let mut messages = assembled.messages;
             if truncated {
                 truncate_tool_results(&mut messages);
             }
             let estimated = estimate::messages_tokens(&messages);
-            send(E::Assembled(api::Assembled { messages: messages.len() as u32, estimated_tokens: estimated, token_budget: budget, attempt }));
+            send(E::Assembled(api::Assembled {
+                messages: messages.len() as u32,
+                estimated_tokens: estimated,
+                token_budget: budget,
+                attempt,
+            }));
 
             // Pre-prompt check: a prompt over budget is an overflow without
             // spending a model call.
-            let precheck = !info.owns_compaction || assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32;
+            let precheck = !info.owns_compaction
+                || assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32;
             let result = if precheck && estimated > budget {
                 Err(ModelError::ContextOverflow(format!("the prompt is {estimated} tokens, the budget {budget}")))
             } else {
                 self.call_model(system, messages, events, cancel).await
             };
             match result {
-                Ok(reply) => return self.finalize(session, &turn_id, reply, visible.messages.len(), events).await.map(Some),
+                Ok(reply) => {
+                    return self.finalize(session, &turn_id, reply, visible.messages.len(), events).await.map(Some);
+                }
                 Err(ModelError::Cancelled) => return Ok(Some(failed("aborted", "The turn was aborted."))),
                 Err(ModelError::ContextOverflow(why)) => {
                     if overflow_compactions < MAX_OVERFLOW_COMPACTIONS {
@@ -313,7 +362,10 @@ impl Core {
                         }
                     } else if !truncated {
                         truncated = true;
-                        send(E::Warning(api::Warning { message: "still over the context window: truncating large tool results for this turn".into() }));
+                        send(E::Warning(api::Warning {
+                            message: "still over the context window: truncating large tool results for this turn"
+                                .into(),
+                        }));
                     } else {
                         return Ok(Some(failed(
                             "context_overflow",
@@ -331,10 +383,20 @@ impl Core {
                             send(E::Warning(api::Warning { message: format!("timeout compaction failed: {e}") }));
                         }
                     } else {
-                        return Ok(Some(failed("model_timeout", format!("The model did not answer within {after:?}. Try again, or /compact to make the prompt smaller."))));
+                        return Ok(Some(failed(
+                            "model_timeout",
+                            format!(
+                                "The model did not answer within {after:?}. Try again, or /compact to make the prompt smaller."
+                            ),
+                        )));
                     }
                 }
-                Err(e) => return Ok(Some(failed("model_error", format!("The model call failed: {e}. Check the gateway's model settings and try again.")))),
+                Err(e) => {
+                    return Ok(Some(failed(
+                        "model_error",
+                        format!("The model call failed: {e}. Check the gateway's model settings and try again."),
+                    )));
+                }
             }
         }
         unreachable!("the attempt loop returns")
@@ -354,7 +416,11 @@ impl Core {
                 let _ = events.send(event(api::turn_event::Event::ModelDelta(api::ModelDelta { text })));
             }
         });
-        let req = ChatRequest { system: system.map(str::to_owned), messages, max_tokens: self.config.models.max_output_tokens };
+        let req = ChatRequest {
+            system: system.map(str::to_owned),
+            messages,
+            max_tokens: self.config.models.max_output_tokens,
+        };
         let r = self.provider.complete(req, Some(dtx), cancel).await;
         let _ = forward.await;
         r
@@ -372,7 +438,10 @@ impl Core {
         let mut m = text_message(Role::Assistant, reply.text.clone());
         m.usage = Some(reply.usage.clone());
         m.metadata.insert("model".into(), self.provider.model().into());
-        let stored = self.store.append(&session.session_id, vec![NewEntry { turn_id: turn_id.into(), entry: Entry::Message(m) }]).await?;
+        let stored = self
+            .store
+            .append(&session.session_id, vec![NewEntry { turn_id: turn_id.into(), entry: Entry::Message(m) }])
+            .await?;
         let visible = self.visible(&session.session_id).await?;
         let after = pb::AfterTurnRequest {
             session_id: session.session_id.clone(),
@@ -383,9 +452,15 @@ impl Core {
             ..Default::default()
         };
         if let Err(e) = self.engine.after_turn(after).await {
-            let _ = events.send(event(api::turn_event::Event::Warning(api::Warning { message: format!("after-turn failed: {e}") })));
+            let _ = events.send(event(api::turn_event::Event::Warning(api::Warning {
+                message: format!("after-turn failed: {e}"),
+            })));
         }
-        Ok(api::turn_event::Event::Completed(api::Completed { entry_id: stored[0].id.clone(), text: reply.text, usage: Some(reply.usage) }))
+        Ok(api::turn_event::Event::Completed(api::Completed {
+            entry_id: stored[0].id.clone(),
+            text: reply.text,
+            usage: Some(reply.usage),
+        }))
     }
 
     /// Manual compaction (`/compact`): target=threshold, force.
@@ -440,12 +515,25 @@ impl Core {
         };
         let done = match result {
             Ok(Outcome::Compacted { summary, first_kept_entry_id, tokens_before, tokens_after }) => {
-                let entry = pb::CompactionEntry { summary: summary.clone(), first_kept_entry_id, tokens_before, tokens_after: Some(tokens_after) };
+                let entry = pb::CompactionEntry {
+                    summary: summary.clone(),
+                    first_kept_entry_id,
+                    tokens_before,
+                    tokens_after: Some(tokens_after),
+                };
                 let stored = self
                     .store
-                    .append(&session.session_id, vec![NewEntry { turn_id: format!("compaction:{trigger}"), entry: Entry::Compaction(entry) }])
+                    .append(
+                        &session.session_id,
+                        vec![NewEntry { turn_id: format!("compaction:{trigger}"), entry: Entry::Compaction(entry) }],
+                    )
                     .await?;
-                self.metrics.compaction_finished(trigger, "compacted", started.elapsed(), Some((tokens_before, tokens_after)));
+                self.metrics.compaction_finished(
+                    trigger,
+                    "compacted",
+                    started.elapsed(),
+                    Some((tokens_before, tokens_after)),
+                );
                 api::CompactionDone {
                     compacted: true,
                     reason: None,
@@ -457,13 +545,24 @@ impl Core {
             }
             Ok(Outcome::Kept { reason, tokens_before }) => {
                 self.metrics.compaction_finished(trigger, "kept", started.elapsed(), None);
-                api::CompactionDone { compacted: false, reason: Some(reason), tokens_before, tokens_after: tokens_before, entry_id: None, summary_chars: 0 }
+                api::CompactionDone {
+                    compacted: false,
+                    reason: Some(reason),
+                    tokens_before,
+                    tokens_after: tokens_before,
+                    entry_id: None,
+                    summary_chars: 0,
+                }
             }
             Err(e) => {
                 let (outcome, err) = match e {
                     CompactionError::Cancelled => ("aborted", CoreError::Aborted),
-                    CompactionError::Timeout(_) => ("timeout", CoreError::CompactionTimeout(format!("{e}; history kept as it was"))),
-                    CompactionError::Model(_) => ("failed", CoreError::CompactionFailed(format!("{e}; history kept as it was"))),
+                    CompactionError::Timeout(_) => {
+                        ("timeout", CoreError::CompactionTimeout(format!("{e}; history kept as it was")))
+                    }
+                    CompactionError::Model(_) => {
+                        ("failed", CoreError::CompactionFailed(format!("{e}; history kept as it was")))
+                    }
                 };
                 self.metrics.compaction_finished(trigger, outcome, started.elapsed(), None);
                 return Err(err);
@@ -498,7 +597,12 @@ impl Core {
             instructions,
         };
         let mut progress = |done, total, message| {
-            sink(api::compaction_event::Event::Progress(api::CompactionProgress { stage: "summarising".into(), done, total, message }));
+            sink(api::compaction_event::Event::Progress(api::CompactionProgress {
+                stage: "summarising".into(),
+                done,
+                total,
+                message,
+            }));
         };
         compaction::compact(input, self.summarizer.as_ref(), &settings, cancel, &mut progress).await
     }

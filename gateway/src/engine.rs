@@ -55,7 +55,9 @@ impl Default for Legacy {
                 name: "Legacy Context Engine".into(),
                 version: "1.0.0".into(),
                 contract_version: ctxgate_proto::CONTRACT_VERSION.into(),
-                implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact", "AfterTurn"].map(String::from).to_vec(),
+                implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact", "AfterTurn"]
+                    .map(String::from)
+                    .to_vec(),
                 ..Default::default()
             },
         }
@@ -108,7 +110,10 @@ impl Engine for Legacy {
     }
 
     async fn compact(&self, _req: pb::CompactRequest) -> Result<CompactReply, EngineCallError> {
-        Ok(CompactReply::DelegateToHost(pb::DelegateToHost { reason: Some("legacy engine".into()), custom_instructions: None }))
+        Ok(CompactReply::DelegateToHost(pb::DelegateToHost {
+            reason: Some("legacy engine".into()),
+            custom_instructions: None,
+        }))
     }
 
     async fn after_turn(&self, _req: pb::AfterTurnRequest) -> Result<(), EngineCallError> {

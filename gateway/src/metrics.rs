@@ -58,8 +58,16 @@ impl Default for Metrics {
         r.register("turns_in_flight", "Turns running now", turns_in_flight.clone());
         r.register("compactions", "Compactions by trigger and outcome", compactions.clone());
         r.register("compaction_duration_seconds", "Compaction duration by trigger", compaction_seconds.clone());
-        r.register("compaction_tokens_before", "Visible tokens before successful compactions", compaction_tokens_before.clone());
-        r.register("compaction_tokens_after", "Visible tokens after successful compactions", compaction_tokens_after.clone());
+        r.register(
+            "compaction_tokens_before",
+            "Visible tokens before successful compactions",
+            compaction_tokens_before.clone(),
+        );
+        r.register(
+            "compaction_tokens_after",
+            "Visible tokens after successful compactions",
+            compaction_tokens_after.clone(),
+        );
         Self {
             registry: Arc::new(r),
             turns,

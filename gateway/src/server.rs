@@ -63,10 +63,17 @@ struct Auth(Option<Arc<str>>);
 impl tonic::service::Interceptor for Auth {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
         let Some(want) = &self.0 else { return Ok(req) };
-        let got = req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let got =
+            req.metadata().get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
         // Constant-time comparison: the token is a secret.
-        let ok = got.is_some_and(|g| g.len() == want.len() && g.bytes().zip(want.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0);
-        if ok { Ok(req) } else { Err(Status::unauthenticated("missing or wrong bearer token: pass --token or set CTXGATE_AUTH_TOKEN")) }
+        let ok = got.is_some_and(|g| {
+            g.len() == want.len() && g.bytes().zip(want.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+        });
+        if ok {
+            Ok(req)
+        } else {
+            Err(Status::unauthenticated("missing or wrong bearer token: pass --token or set CTXGATE_AUTH_TOKEN"))
+        }
     }
 }
 
@@ -78,7 +85,8 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .map_err(|e| ServeError::Store { dir: config.state_dir.display().to_string(), message: e.to_string() })?;
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
     let metrics = Metrics::default();
-    let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, Arc::new(Legacy::default()), metrics.clone()));
+    let core =
+        Arc::new(Core::new(config.clone(), Arc::new(store), provider, Arc::new(Legacy::default()), metrics.clone()));
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
@@ -87,7 +95,10 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the descriptor sets are valid");
-    let api = GatewayServer::with_interceptor(Api { core: core.clone() }, Auth(config.gateway.auth.token.as_deref().map(Arc::from)));
+    let api = GatewayServer::with_interceptor(
+        Api { core: core.clone() },
+        Auth(config.gateway.auth.token.as_deref().map(Arc::from)),
+    );
 
     let metrics_stop = tokio_util::sync::CancellationToken::new();
     let metrics_task = listeners.metrics.map(|l| {

@@ -1,5 +1,8 @@
-//! Helpers for the workspace integration tests: start real engine
-//! processes, find the workspace's binaries.
+//! Helpers for the workspace integration tests: start real engine and
+//! gateway processes or an in-process gateway, find the workspace's
+//! binaries, and a local OpenAI-compatible model server.
+
+pub mod fake_openai;
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -77,4 +80,41 @@ pub async fn start_window(state_dir: &Path, extra: &[&str]) -> EngineProcess {
     let mut args = vec!["--listen", "127.0.0.1:0", "--state-dir", dir];
     args.extend_from_slice(extra);
     EngineProcess::start(bin("ctxgate-engine-window"), &args).await.expect("window engine starts")
+}
+
+/// A gateway running in this process (the same `server::run` as the
+/// binary), on loopback, with its state in a temp dir.
+pub struct TestGateway {
+    pub endpoint: String,
+    pub client: ctxgate_proto::gateway::gateway_client::GatewayClient<tonic::transport::Channel>,
+    pub metrics: Option<std::net::SocketAddr>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), ctxgate::server::ServeError>>,
+    _state: tempfile::TempDir,
+}
+
+impl TestGateway {
+    pub async fn start(mut config: ctxgate::config::Config) -> Self {
+        let state = tempfile::tempdir().expect("temp dir");
+        config.state_dir = state.path().to_path_buf();
+        config.gateway.listen = "127.0.0.1:0".into();
+        let listeners = ctxgate::server::Listeners::bind(&config).await.expect("bind");
+        let addr = listeners.api.local_addr().expect("addr");
+        let metrics = listeners.metrics.as_ref().map(|l| l.local_addr().expect("addr"));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(ctxgate::server::run(config, listeners, async {
+            let _ = stopped.await;
+        }));
+        let endpoint = format!("http://{addr}");
+        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).expect("uri").connect_lazy();
+        let client = ctxgate_proto::gateway::gateway_client::GatewayClient::new(channel);
+        Self { endpoint, client, metrics, stop: Some(stop), task, _state: state }
+    }
+
+    pub async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = (&mut self.task).await;
+    }
 }

@@ -1,0 +1,336 @@
+//! Managed turns through the real gateway (`server::run` in-process, real
+//! gRPC, real SQLite) against a local OpenAI-compatible server: overflow
+//! recovery, the compaction safety timeout, cancel and abort, proactive
+//! compaction, bad input, auth and metrics.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::time::{Duration, Instant};
+
+use ctxgate::config::{Config, ProviderKind};
+use ctxgate_proto::gateway::{self as api, compaction_event, turn_event::Event};
+use ctxgate_proto::pb::transcript_entry::Entry;
+use ctxgate_tests::TestGateway;
+use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+fn session(key: &str) -> Option<api::SessionRef> {
+    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
+}
+
+fn openai_config(fake: &FakeOpenAi) -> Config {
+    let mut c = Config::default();
+    c.models.provider = ProviderKind::Openai;
+    c.models.base_url = fake.base_url.clone();
+    c.models.model = "gpt-test".into();
+    c.models.context_window = 4_000;
+    c.models.max_output_tokens = 256;
+    c.agents.defaults.compaction.reserve_tokens = Some(500);
+    c.agents.defaults.compaction.keep_recent_tokens = 300;
+    c
+}
+
+async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Result<Vec<Event>, tonic::Status> {
+    let req = api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None };
+    let mut stream = g.client.clone().run_turn(req).await?.into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        events.push(e?.event.unwrap());
+    }
+    Ok(events)
+}
+
+/// `n` turns of about 100 tokens each, mentioning `file_<i>.rs`.
+async fn seed(g: &TestGateway, key: &str, n: usize) {
+    for i in 0..n {
+        let events = run_turn(g, key, &format!("Turn {i}: please look at file_{i}.rs. {}", "context ".repeat(45)))
+            .await
+            .unwrap();
+        assert!(matches!(events.last(), Some(Event::Completed(_))), "{events:?}");
+    }
+}
+
+async fn branch(g: &TestGateway, key: &str) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
+    let req = api::GetTranscriptRequest { session: session(key), visible_only: false };
+    g.client.clone().get_transcript(req).await.unwrap().into_inner().entries
+}
+
+fn compactions_started(events: &[Event], trigger: &str) -> usize {
+    events.iter().filter(|e| matches!(e, Event::CompactionStarted(c) if c.trigger == trigger)).count()
+}
+
+#[tokio::test]
+async fn overflow_three_times_then_success() {
+    let fake = FakeOpenAi::start().await;
+    let g = TestGateway::start(openai_config(&fake)).await;
+    seed(&g, "s", 6).await;
+    fake.turns([Reply::Overflow, Reply::Overflow, Reply::Overflow, Reply::Text("finally an answer".into())]);
+
+    let events = run_turn(&g, "s", "one more question about file_9.rs").await.unwrap();
+    let Some(Event::Completed(done)) = events.last() else { panic!("{events:?}") };
+    assert_eq!(done.text, "finally an answer");
+    assert_eq!(compactions_started(&events, "overflow"), 3);
+    assert!(
+        events.iter().any(|e| matches!(e, Event::CompactionDone(d) if d.compacted)),
+        "the first overflow compaction compacts"
+    );
+    let attempts: Vec<u32> =
+        events.iter().filter_map(|e| if let Event::Assembled(a) = e { Some(a.attempt) } else { None }).collect();
+    assert_eq!(attempts, [1, 2, 3, 4]);
+    assert!(fake.count(Kind::Summary) >= 1, "summaries come from the model");
+
+    // Nothing was lost: every message is still on the branch, plus summaries.
+    let b = branch(&g, "s").await;
+    let messages = b.iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).count();
+    assert_eq!(messages, 6 * 2 + 2);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn overflow_forever_ends_in_a_clear_error_after_three_compactions() {
+    let fake = FakeOpenAi::start().await;
+    let g = TestGateway::start(openai_config(&fake)).await;
+    seed(&g, "s", 6).await;
+    fake.turn_default(Reply::Overflow);
+    let before = fake.count(Kind::Turn);
+
+    let events = run_turn(&g, "s", "this will never fit").await.unwrap();
+    let Some(Event::Failed(f)) = events.last() else { panic!("{events:?}") };
+    assert_eq!(f.reason, "context_overflow");
+    assert!(f.message.contains("/compact") && f.message.contains("/new"), "{}", f.message);
+    assert_eq!(compactions_started(&events, "overflow"), 3);
+    assert!(events.iter().any(|e| matches!(e, Event::Warning(w) if w.message.contains("truncating"))));
+    assert_eq!(fake.count(Kind::Turn) - before, 5, "first try, 3 after compactions, 1 after truncation");
+
+    // The user's message is kept; no reply was invented.
+    let b = branch(&g, "s").await;
+    let last =
+        b.iter().rev().find_map(|e| if let Some(Entry::Message(m)) = &e.entry { Some(m) } else { None }).unwrap();
+    assert_eq!(ctxgate::provider::message_text(last), "this will never fit");
+    assert!(b.iter().any(|e| matches!(e.entry, Some(Entry::Compaction(_)))), "the compactions are recorded");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_hanging_summary_call_is_cut_at_the_safety_timeout() {
+    let fake = FakeOpenAi::start().await;
+    let mut config = openai_config(&fake);
+    config.agents.defaults.compaction.timeout_seconds = 1;
+    let g = TestGateway::start(config).await;
+    seed(&g, "s", 6).await;
+    fake.summary_default(Reply::Hang("## Decisions".into()));
+    let entries_before = branch(&g, "s").await.len();
+
+    let started = Instant::now();
+    let mut stream = g
+        .client
+        .clone()
+        .compact(api::CompactSessionRequest { session: session("s"), custom_instructions: None })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut status = None;
+    while let Some(e) = stream.next().await {
+        if let Err(s) = e {
+            status = Some(s);
+            break;
+        }
+    }
+    eprintln!("compaction returned after {:?} (timeout 1 s)", started.elapsed());
+    let status = status.expect("the compaction fails");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("history kept"), "{}", status.message());
+    assert!(fake.wait_disconnect(Duration::from_secs(10)).await, "the hanging summary request was dropped");
+    assert_eq!(branch(&g, "s").await.len(), entries_before, "history unchanged");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_cancel_mid_turn_stops_the_model_call_and_keeps_the_transcript_consistent() {
+    let fake = FakeOpenAi::start().await;
+    let g = TestGateway::start(openai_config(&fake)).await;
+    seed(&g, "s", 1).await;
+    fake.turns([Reply::Hang("thinking".into())]);
+
+    let req = api::RunTurnRequest { session: session("s"), message: "a slow question".into(), system_prompt: None };
+    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    while let Some(e) = stream.next().await {
+        if matches!(e.unwrap().event, Some(Event::ModelDelta(_))) {
+            break;
+        }
+    }
+    drop(stream);
+    assert!(fake.wait_disconnect(Duration::from_secs(10)).await, "the model call was cancelled");
+
+    // The admitted message stays; no partial reply is stored; the session is free.
+    let events = run_turn(&g, "s", "next question").await.unwrap();
+    assert!(matches!(events.last(), Some(Event::Completed(_))), "{events:?}");
+    let texts: Vec<String> = branch(&g, "s")
+        .await
+        .iter()
+        .filter_map(|e| {
+            if let Some(Entry::Message(m)) = &e.entry { Some(ctxgate::provider::message_text(m)) } else { None }
+        })
+        .collect();
+    assert_eq!(&texts[2..], ["a slow question", "next question", "ok"]);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn abort_stops_a_running_turn_without_blaming_anyone() {
+    let fake = FakeOpenAi::start().await;
+    let g = TestGateway::start(openai_config(&fake)).await;
+    fake.turns([Reply::Hang("working".into())]);
+    let req = api::RunTurnRequest { session: session("a"), message: "long task".into(), system_prompt: None };
+    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    while let Some(e) = stream.next().await {
+        if matches!(e.unwrap().event, Some(Event::ModelDelta(_))) {
+            break;
+        }
+    }
+    let aborted = g.client.clone().abort(api::AbortRequest { session: session("a") }).await.unwrap().into_inner();
+    assert!(aborted.aborted);
+    let mut last = None;
+    while let Some(e) = stream.next().await {
+        last = e.unwrap().event;
+    }
+    assert!(matches!(last, Some(Event::Failed(ref f)) if f.reason == "aborted"), "{last:?}");
+    assert!(fake.wait_disconnect(Duration::from_secs(10)).await);
+    let nothing = g.client.clone().abort(api::AbortRequest { session: session("a") }).await.unwrap().into_inner();
+    assert!(!nothing.aborted, "nothing runs any more");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_client_cancel_mid_compaction_stops_it_and_changes_nothing() {
+    let fake = FakeOpenAi::start().await;
+    let g = TestGateway::start(openai_config(&fake)).await;
+    seed(&g, "s", 6).await;
+    fake.summary_default(Reply::Hang("## Decisions".into()));
+    let entries_before = branch(&g, "s").await.len();
+    let mut stream = g
+        .client
+        .clone()
+        .compact(api::CompactSessionRequest { session: session("s"), custom_instructions: None })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = stream.next().await.unwrap().unwrap();
+    assert!(matches!(first.event, Some(compaction_event::Event::Started(_))));
+    // Wait until the summary request is in flight, then leave.
+    while fake.count(Kind::Summary) == 0 {
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(stream);
+    assert!(fake.wait_disconnect(Duration::from_secs(10)).await, "the summary request was cancelled");
+    let after = branch(&g, "s").await;
+    assert_eq!(after.len(), entries_before);
+    assert!(after.iter().all(|e| matches!(e.entry, Some(Entry::Message(_)))));
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_long_offline_conversation_is_compacted_and_shows_its_summary() {
+    let mut config = Config::default();
+    config.models.context_window = 3_000;
+    config.models.max_output_tokens = 200;
+    config.agents.defaults.compaction.reserve_tokens = Some(300);
+    config.agents.defaults.compaction.keep_recent_tokens = 400;
+    let g = TestGateway::start(config).await;
+    let mut compacted = 0;
+    for i in 0..25 {
+        let events =
+            run_turn(&g, "long", &format!("Step {i}: we must keep module_{i} stable. {}", "detail ".repeat(40)))
+                .await
+                .unwrap();
+        assert!(matches!(events.last(), Some(Event::Completed(_))), "turn {i}: {events:?}");
+        compacted += events.iter().filter(|e| matches!(e, Event::CompactionDone(d) if d.compacted)).count();
+    }
+    assert!(compacted >= 1, "a long conversation gets compacted");
+
+    let req = api::GetTranscriptRequest { session: session("long"), visible_only: true };
+    let visible = g.client.clone().get_transcript(req).await.unwrap().into_inner();
+    let Some(Entry::Compaction(c)) = &visible.entries[0].entry else {
+        panic!("the visible history starts with the summary")
+    };
+    for h in ctxgate::summarize::HEADINGS {
+        assert!(c.summary.contains(h), "{h}");
+    }
+    // Visible = summary + the kept entries from first_kept onwards (+ later ones).
+    let full = branch(&g, "long").await;
+    let from = full.iter().position(|e| e.id == c.first_kept_entry_id).unwrap();
+    let expected: Vec<&str> =
+        full[from..].iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).map(|e| e.id.as_str()).collect();
+    let shown: Vec<&str> = visible.entries[1..].iter().map(|e| e.id.as_str()).collect();
+    assert_eq!(shown, expected);
+    assert!(visible.session.unwrap().compactions >= 1);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn bad_input_gets_clear_errors() {
+    let g = TestGateway::start(Config::default()).await;
+    let mut c = g.client.clone();
+    let turn =
+        |key: &str, msg: String| api::RunTurnRequest { session: session(key), message: msg, system_prompt: None };
+
+    let e = c.run_turn(turn("s", "   ".into())).await.err().unwrap();
+    assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "message: is empty"));
+    let e = c.run_turn(turn("", "hi".into())).await.err().unwrap();
+    assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "session.session_key: is required"));
+    let e =
+        c.run_turn(turn("s", "x".repeat(ctxgate_proto::limits::MAX_MESSAGE_CONTENT_BYTES + 1))).await.err().unwrap();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert!(e.message().starts_with("message: is"), "{}", e.message());
+    let e = c.get_session(api::SessionRef { agent_id: String::new(), session_key: "nope".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let e = c
+        .compact(api::CompactSessionRequest { session: session("nope"), custom_instructions: None })
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(e.code(), Code::NotFound);
+    let e =
+        c.delete_session(api::SessionRef { agent_id: String::new(), session_key: "nope".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    // None of that created anything.
+    assert!(c.list_sessions(api::ListSessionsRequest::default()).await.unwrap().into_inner().sessions.is_empty());
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_configured_token_is_required_and_metrics_count_turns() {
+    let mut config = Config::default();
+    config.gateway.auth.token = Some("s3cret".into());
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    let g = TestGateway::start(config).await;
+    let e = run_turn(&g, "s", "hi").await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated);
+
+    let channel = tonic::transport::Endpoint::from_shared(g.endpoint.clone()).unwrap().connect().await.unwrap();
+    let token: tonic::metadata::MetadataValue<_> = "Bearer s3cret".parse().unwrap();
+    let mut c = api::gateway_client::GatewayClient::with_interceptor(channel, move |mut r: tonic::Request<()>| {
+        r.metadata_mut().insert("authorization", token.clone());
+        Ok(r)
+    });
+    let req = api::RunTurnRequest { session: session("s"), message: "hi".into(), system_prompt: None };
+    let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
+    assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
+
+    let metrics = metrics_text(g.metrics.unwrap()).await;
+    assert!(metrics.contains("ctxgate_turns_total{outcome=\"completed\"} 1"), "{metrics}");
+    assert!(metrics.contains("ctxgate_turn_duration_seconds_count 1"), "{metrics}");
+    g.stop().await;
+}
+
+/// GET /metrics with a bare HTTP/1.0 request.
+async fn metrics_text(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.unwrap();
+    out
+}
