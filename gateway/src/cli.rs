@@ -268,7 +268,7 @@ async fn compact_with(client: &mut Client, session: &SessionArg, instructions: O
             }
             Some(Event::Progress(p)) => {
                 let width = 30;
-                let filled = if p.total == 0 { 0 } else { (p.done.min(p.total) * width / p.total) as usize };
+                let filled = (p.done.min(p.total) * width).checked_div(p.total).unwrap_or(0) as usize;
                 eprint!(
                     "\r[{}{}] {}/{} {:<40}",
                     "#".repeat(filled),

@@ -289,13 +289,14 @@ impl Core {
         let window = self.config.models.context_window;
         let threshold = window - (window / 4).min(20_000);
         let tokens = self.visible(&session.session_id).await?.tokens();
-        if tokens >= threshold && !info.owns_compaction {
-            if let Err(e) = self.compact(session, "proactive", Some(budget), None, &sink, cancel).await {
-                if cancel.is_cancelled() {
-                    return Ok(Some(failed("aborted", "The turn was aborted.")));
-                }
-                send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
+        if tokens >= threshold
+            && !info.owns_compaction
+            && let Err(e) = self.compact(session, "proactive", Some(budget), None, &sink, cancel).await
+        {
+            if cancel.is_cancelled() {
+                return Ok(Some(failed("aborted", "The turn was aborted.")));
             }
+            send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
         }
 
         let (mut overflow_compactions, mut timeout_compactions, mut truncated) = (0, 0, false);
@@ -436,7 +437,7 @@ impl Core {
         events: &mpsc::UnboundedSender<api::TurnEvent>,
     ) -> Result<api::turn_event::Event, CoreError> {
         let mut m = text_message(Role::Assistant, reply.text.clone());
-        m.usage = Some(reply.usage.clone());
+        m.usage = Some(reply.usage);
         m.metadata.insert("model".into(), self.provider.model().into());
         let stored = self
             .store
