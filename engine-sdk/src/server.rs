@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream, UnixListenerStream};
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 use tonic_health::ServingStatus;
@@ -153,17 +153,17 @@ impl<E: ContextEngine> Bound<E> {
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
 
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let router = tonic::transport::Server::builder()
-            .tcp_nodelay(true)
-            .add_service(health)
-            .add_service(reflection)
-            .add_service(engine);
+        let router =
+            tonic::transport::Server::builder().add_service(health).add_service(reflection).add_service(engine);
         let stopped = async {
             let _ = stop_rx.await;
         };
         let (serving, unix_path): (Pin<Box<dyn Future<Output = _> + Send>>, _) = match self.listener {
             Listener::Tcp(l) => {
-                (Box::pin(router.serve_with_incoming_shutdown(TcpListenerStream::new(l), stopped)), None)
+                // Nagle off on accepted sockets (the builder's tcp_nodelay only
+                // covers sockets it binds itself).
+                let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+                (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None)
             }
             Listener::Unix(l, path) => {
                 (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)), Some(path))

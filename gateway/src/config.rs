@@ -357,6 +357,14 @@ mod tests {
     }
 
     #[test]
+    fn the_documented_examples_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples");
+        for name in ["small-window.json5", "openai.json5"] {
+            Config::load(Some(&dir.join(name)), |_| None).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+
+    #[test]
     fn env_overrides_win_and_are_validated() {
         let env = |k: &str| match k {
             "CTXGATE_LISTEN" => Some("127.0.0.1:9999".to_owned()),

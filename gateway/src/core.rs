@@ -218,7 +218,7 @@ impl Core {
     }
 
     async fn visible(&self, session_id: &str) -> Result<Visible, CoreError> {
-        Ok(transcript::visible(&self.store.branch(session_id).await?))
+        Ok(transcript::visible(&self.store.visible_tail(session_id).await?))
     }
 
     /// Runs one managed turn; every event goes to `events`. Errors are
@@ -288,15 +288,17 @@ impl Core {
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
         let window = self.config.models.context_window;
         let threshold = window - (window / 4).min(20_000);
-        let tokens = self.visible(&session.session_id).await?.tokens();
-        if tokens >= threshold
-            && !info.owns_compaction
-            && let Err(e) = self.compact(session, "proactive", Some(budget), None, &sink, cancel).await
-        {
-            if cancel.is_cancelled() {
-                return Ok(Some(failed("aborted", "The turn was aborted.")));
+        // Read once; re-read only after something appended a compaction.
+        let mut visible = self.visible(&session.session_id).await?;
+        if visible.tokens() >= threshold && !info.owns_compaction {
+            let r = self.compact(session, "proactive", Some(budget), None, &sink, cancel).await;
+            if let Err(e) = r {
+                if cancel.is_cancelled() {
+                    return Ok(Some(failed("aborted", "The turn was aborted.")));
+                }
+                send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
             }
-            send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
+            visible = self.visible(&session.session_id).await?;
         }
 
         let (mut overflow_compactions, mut timeout_compactions, mut truncated) = (0, 0, false);
@@ -304,7 +306,6 @@ impl Core {
             if cancel.is_cancelled() {
                 return Ok(Some(failed("aborted", "The turn was aborted.")));
             }
-            let visible = self.visible(&session.session_id).await?;
             let assembled = match self
                 .engine
                 .assemble(pb::AssembleRequest {
@@ -349,7 +350,7 @@ impl Core {
             };
             match result {
                 Ok(reply) => {
-                    return self.finalize(session, &turn_id, reply, visible.messages.len(), events).await.map(Some);
+                    return self.finalize(session, &turn_id, reply, visible.render(), events).await.map(Some);
                 }
                 Err(ModelError::Cancelled) => return Ok(Some(failed("aborted", "The turn was aborted."))),
                 Err(ModelError::ContextOverflow(why)) => {
@@ -361,6 +362,7 @@ impl Core {
                             }
                             send(E::Warning(api::Warning { message: format!("overflow compaction failed: {e}") }));
                         }
+                        visible = self.visible(&session.session_id).await?;
                     } else if !truncated {
                         truncated = true;
                         send(E::Warning(api::Warning {
@@ -383,6 +385,7 @@ impl Core {
                         if let Err(e) = self.compact(session, "timeout", Some(budget), None, &sink, cancel).await {
                             send(E::Warning(api::Warning { message: format!("timeout compaction failed: {e}") }));
                         }
+                        visible = self.visible(&session.session_id).await?;
                     } else {
                         return Ok(Some(failed(
                             "model_timeout",
@@ -427,13 +430,14 @@ impl Core {
         r
     }
 
-    /// Appends the reply and runs after-turn; returns the Completed event.
+    /// Appends the reply and runs after-turn with the prompt's history plus
+    /// the reply; returns the Completed event.
     async fn finalize(
         &self,
         session: &Session,
         turn_id: &str,
         reply: crate::provider::ChatResponse,
-        pre_prompt: usize,
+        mut history: Vec<AgentMessage>,
         events: &mpsc::UnboundedSender<api::TurnEvent>,
     ) -> Result<api::turn_event::Event, CoreError> {
         let mut m = text_message(Role::Assistant, reply.text.clone());
@@ -443,13 +447,17 @@ impl Core {
             .store
             .append(&session.session_id, vec![NewEntry { turn_id: turn_id.into(), entry: Entry::Message(m) }])
             .await?;
-        let visible = self.visible(&session.session_id).await?;
+        // Everything before the admitted user message existed before the prompt.
+        let pre_prompt = history.len().saturating_sub(1) as u64;
+        if let Some(Entry::Message(reply_message)) = stored[0].entry.clone() {
+            history.push(reply_message);
+        }
         let after = pb::AfterTurnRequest {
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),
             session_file: session.session_key.clone(),
-            pre_prompt_message_count: pre_prompt.min(visible.messages.len()) as u64,
-            messages: visible.render(),
+            pre_prompt_message_count: pre_prompt,
+            messages: history,
             ..Default::default()
         };
         if let Err(e) = self.engine.after_turn(after).await {

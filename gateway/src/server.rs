@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use ctxgate_proto::gateway::gateway_server::GatewayServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Status};
 use tonic_health::ServingStatus;
 
@@ -107,11 +106,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     });
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    // Nagle off on accepted sockets: otherwise small streamed events wait
+    // for delayed ACKs (measured: ~40 ms a turn).
+    let incoming = tonic::transport::server::TcpIncoming::from(listeners.api).with_nodelay(Some(true));
     let serving = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listeners.api), async {
+        .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;
         });
     tokio::pin!(serving);

@@ -70,6 +70,12 @@ pub trait Store: Send + Sync + 'static {
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
     /// The active branch, oldest first.
     async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// The end of the active branch that the visible history needs: from
+    /// the latest compaction's first kept entry onwards (the whole branch
+    /// if it was never compacted). `transcript::visible` of it equals that
+    /// of the whole branch, at a cost bounded by the context window rather
+    /// than the session's age.
+    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
     async fn count_sessions(&self) -> Result<u32, StoreError>;
 }
 
@@ -226,7 +232,7 @@ impl Store for SqliteStore {
                    (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id AND e.kind = {KIND_COMPACTION})
                  FROM sessions s
                  WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 OR state != 'archived')
-                 ORDER BY agent_id, session_key, created_at_ms"
+                 ORDER BY agent_id, session_key, created_at_ms, s.rowid"
             ))?;
             let rows = stmt.query_map(params![agent, include_archived], |r| {
                 Ok(SessionStats { session: read_session(r)?, entries: r.get(5)?, compactions: r.get(6)? })
@@ -319,6 +325,42 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.run(move |c| {
+            let leaf: Option<Option<String>> = c
+                .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                .optional()?;
+            let Some(mut next) = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))? else {
+                return Ok(Vec::new());
+            };
+            let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+            let mut out = Vec::new();
+            // Walk from the leaf towards the root; stop once the latest
+            // compaction's first kept entry is in hand.
+            let mut stop_at: Option<String> = None;
+            loop {
+                let e = stmt.query_row([&next], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+                let parent = e.parent_id.clone();
+                let reached = stop_at.as_deref() == Some(e.id.as_str());
+                if stop_at.is_none()
+                    && let Some(Entry::Compaction(cmp)) = &e.entry
+                {
+                    stop_at = Some(cmp.first_kept_entry_id.clone());
+                }
+                let summary_keeps_nothing = stop_at.as_deref() == Some("");
+                out.push(e);
+                match parent {
+                    Some(p) if !reached && !summary_keeps_nothing => next = p,
+                    _ => break,
+                }
+            }
+            out.reverse();
+            Ok(out)
+        })
+        .await
+    }
+
     async fn count_sessions(&self) -> Result<u32, StoreError> {
         self.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM sessions WHERE state = 'active'", [], |r| r.get(0))?)).await
     }
@@ -360,6 +402,39 @@ mod tests {
         assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
         let stats = store.list_sessions(None, false).await.unwrap();
         assert_eq!((stats[0].entries, stats[0].compactions), (3, 1));
+    }
+
+    #[tokio::test]
+    async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        let check = |b: Vec<pb::TranscriptEntry>, t: Vec<pb::TranscriptEntry>| {
+            assert_eq!(crate::transcript::visible(&b), crate::transcript::visible(&t));
+            assert!(t.len() <= b.len());
+        };
+        check(store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
+        let mut ids = Vec::new();
+        for round in 0..4 {
+            let added =
+                store.append(&s.session_id, (0..5).map(|i| user(&format!("{round}-{i}"))).collect()).await.unwrap();
+            ids.extend(added.into_iter().map(|e| e.id));
+            // Keep the last 3 messages, then once keep nothing at all.
+            let first_kept = if round == 2 { String::new() } else { ids[ids.len() - 3].clone() };
+            let c = NewEntry {
+                turn_id: "c".into(),
+                entry: Entry::Compaction(CompactionEntry {
+                    summary: format!("s{round}"),
+                    first_kept_entry_id: first_kept,
+                    ..Default::default()
+                }),
+            };
+            store.append(&s.session_id, vec![c]).await.unwrap();
+            store.append(&s.session_id, vec![user("after")]).await.unwrap();
+            let (b, t) = (store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
+            assert!(t.len() < 8, "the tail is bounded, not the whole branch ({} entries)", t.len());
+            check(b, t);
+        }
     }
 
     #[tokio::test]

@@ -1,0 +1,213 @@
+//! `cargo bench -p ctxgate --bench gateway`: the figures in
+//! docs/benchmarks.md, measured side by side in one run.
+//!
+//! - managed turns per second with the offline provider, 1 and 64
+//!   concurrent sessions, through the real gRPC API and SQLite store;
+//! - built-in compaction time for histories of 10k, 100k and 1M tokens
+//!   (extractive summariser, so the figure is the gateway's own cost);
+//! - resident memory of a `ctxgate serve` process holding 10k idle sessions.
+//!
+//! Set `CTXGATE_BENCH_QUICK=1` for a short smoke run.
+
+#![allow(clippy::unwrap_used)] // a benchmark fails loudly
+
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ctxgate::compaction::{self, Input, Settings};
+use ctxgate::config::Config;
+use ctxgate::summarize::Extractive;
+use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient};
+use ctxgate_proto::pb::{AgentMessage, ContentPart, Role, content_part::Part};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
+
+fn quick() -> bool {
+    std::env::var_os("CTXGATE_BENCH_QUICK").is_some()
+}
+
+fn sref(key: &str) -> Option<api::SessionRef> {
+    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
+}
+
+async fn one_turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str) {
+    let req = api::RunTurnRequest {
+        session: sref(key),
+        message: "How is the build going today?".into(),
+        system_prompt: None,
+    };
+    let mut s = c.run_turn(req).await.unwrap().into_inner();
+    while let Some(e) = s.next().await {
+        e.unwrap();
+    }
+}
+
+async fn turns_per_second(concurrency: usize, per_session: usize) -> f64 {
+    let state = tempfile::tempdir().unwrap();
+    let mut config = Config::default();
+    config.state_dir = state.path().to_path_buf();
+    config.gateway.listen = "127.0.0.1:0".into();
+    let listeners = ctxgate::server::Listeners::bind(&config).await.unwrap();
+    let url = format!("http://{}", listeners.api.local_addr().unwrap());
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let server = tokio::spawn(ctxgate::server::run(config, listeners, async move { s.cancelled().await }));
+    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    // Warm up each session (creation is not a turn's steady-state cost).
+    for i in 0..concurrency {
+        one_turn(&mut GatewayClient::new(channel.clone()), &format!("bench-{i}")).await;
+    }
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..concurrency)
+        .map(|i| {
+            let mut c = GatewayClient::new(channel.clone());
+            tokio::spawn(async move {
+                for _ in 0..per_session {
+                    one_turn(&mut c, &format!("bench-{i}")).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let rate = (concurrency * per_session) as f64 / started.elapsed().as_secs_f64();
+    stop.cancel();
+    server.await.unwrap().unwrap();
+    rate
+}
+
+/// A history of about `tokens` tokens: user/assistant turns with tool pairs.
+fn history(tokens: u64) -> Vec<AgentMessage> {
+    let mut out = Vec::new();
+    let mut total = 0;
+    let mut i = 0;
+    while total < tokens {
+        let text = |role: Role, body: String| AgentMessage {
+            id: format!("m{}", out.len()),
+            role: role as i32,
+            content: vec![ContentPart { part: Some(Part::Text(body)) }],
+            ..Default::default()
+        };
+        let u = text(
+            Role::User,
+            format!("Step {i}: please update src/mod_{i}.rs and keep ticket BUG-{i} in mind. {}", "detail ".repeat(40)),
+        );
+        let a = text(
+            Role::Assistant,
+            format!("I decided to refactor fn_{i} first. TODO: run the tests later. {}", "words ".repeat(60)),
+        );
+        total += ctxgate_proto::estimate::message_tokens(&u) + ctxgate_proto::estimate::message_tokens(&a);
+        out.push(u);
+        let len = out.len();
+        out.push(AgentMessage { id: format!("m{len}"), ..a });
+        i += 1;
+    }
+    out
+}
+
+async fn compaction_time(tokens: u64) -> (Duration, u64, u64) {
+    let messages = history(tokens);
+    // A 2k-token kept tail so even the 10k history has something to summarise.
+    let settings = Settings {
+        keep_recent_tokens: 2_000,
+        recent_turns_preserve: 0,
+        chunk_tokens: 16_000,
+        request_timeout: Duration::from_secs(180),
+        quality_guard: true,
+        max_retries: 1,
+        strict_identifiers: true,
+    };
+    let input = Input { previous_summary: None, messages, token_budget: None, instructions: None };
+    let started = Instant::now();
+    let out =
+        compaction::compact(input, &Extractive, &settings, &CancellationToken::new(), &mut |_, _, _| {}).await.unwrap();
+    let took = started.elapsed();
+    match out {
+        compaction::Outcome::Compacted { tokens_before, tokens_after, .. } => (took, tokens_before, tokens_after),
+        other => panic!("not compacted: {other:?}"),
+    }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .unwrap()
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+async fn idle_sessions_memory(sessions: usize) -> (u64, u64) {
+    let state = tempfile::tempdir().unwrap();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_ctxgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--state-dir", state.path().to_str().unwrap()])
+        .env("CTXGATE_LOG", "warn")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines.next_line().await.unwrap().unwrap();
+    let url = format!("http://{}", line.strip_prefix("listening on ").unwrap());
+    let pid = child.id().unwrap();
+    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    one_turn(&mut GatewayClient::new(channel.clone()), "warm").await;
+    let before = rss_kib(pid);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (mut c, next) = (GatewayClient::new(channel.clone()), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= sessions {
+                        return;
+                    }
+                    one_turn(&mut c, &format!("idle-{i}")).await;
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_kib(pid);
+    child.kill().await.unwrap();
+    (before, after)
+}
+
+#[tokio::main]
+async fn main() {
+    // `cargo bench` passes --bench; nothing else is accepted.
+    let (per_session_1, per_session_64, idle) = if quick() { (50, 2, 500) } else { (2_000, 40, 10_000) };
+    println!("ctxgate gateway benchmark ({} run)", if quick() { "quick" } else { "full" });
+    for (concurrency, per) in [(1, per_session_1), (64, per_session_64)] {
+        let rate = turns_per_second(concurrency, per).await;
+        println!(
+            "managed turns, offline provider, {concurrency:>2} concurrent sessions: {rate:8.0} turns/s ({} turns)",
+            concurrency * per
+        );
+    }
+    for tokens in [10_000u64, 100_000, 1_000_000] {
+        let (took, before, after) = compaction_time(tokens).await;
+        println!(
+            "built-in compaction of ~{tokens:>9} tokens: {:>9.1} ms ({before} → {after} tokens)",
+            took.as_secs_f64() * 1e3
+        );
+    }
+    let (before, after) = idle_sessions_memory(idle).await;
+    println!(
+        "ctxgate serve RSS: {:.1} MiB warm, {:.1} MiB with {idle} idle sessions (+{:.2} KiB/session)",
+        before as f64 / 1024.0,
+        after as f64 / 1024.0,
+        after.saturating_sub(before) as f64 / idle as f64
+    );
+}
