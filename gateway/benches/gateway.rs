@@ -46,8 +46,7 @@ async fn one_turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str) {
 
 async fn turns_per_second(concurrency: usize, per_session: usize) -> f64 {
     let state = tempfile::tempdir().unwrap();
-    let mut config = Config::default();
-    config.state_dir = state.path().to_path_buf();
+    let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
     config.gateway.listen = "127.0.0.1:0".into();
     let listeners = ctxgate::server::Listeners::bind(&config).await.unwrap();
     let url = format!("http://{}", listeners.api.local_addr().unwrap());
