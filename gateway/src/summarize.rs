@@ -143,9 +143,27 @@ fn snippet(text: &str, max: usize) -> String {
     s
 }
 
-/// Sentences of `text` (split on . ! ? and newlines).
-fn sentences(text: &str) -> impl Iterator<Item = &str> {
-    text.split(['\n', '.', '!', '?']).map(str::trim).filter(|s| s.len() > 3)
+/// Sentences of `text`: split after . ! ? when whitespace follows (so
+/// `docs/api.md` and `v1.2` stay whole), and on newlines.
+fn sentences(text: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut chars = text.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        let next_is_space = chars.peek().is_none_or(|(_, n)| n.is_whitespace());
+        let end = match c {
+            '\n' => Some(i),
+            '.' | '!' | '?' if next_is_space => Some(i + c.len_utf8()),
+            _ => None,
+        };
+        if let Some(end) = end {
+            out.push(text[start..end].trim());
+            start = end;
+        }
+    }
+    out.push(text[start..].trim());
+    out.retain(|s| s.len() > 3);
+    out
 }
 
 fn any_of(s: &str, words: &[&str]) -> bool {
@@ -215,7 +233,7 @@ pub fn extractive(previous: Option<&str>, messages: &[AgentMessage]) -> String {
         let user = m.role == Role::User as i32;
         let assistant = m.role == Role::Assistant as i32;
         for sentence in sentences(&text) {
-            let line = format!("- {}", snippet(sentence, 200));
+            let line = format!("- {}", snippet(sentence.trim_end_matches('.'), 200));
             if assistant
                 && any_of(
                     sentence,
@@ -320,6 +338,14 @@ mod tests {
         }
         assert!(s.contains("latest request: Can you also bump version 2024.1?"), "{s}");
         assert_eq!(s, extractive(None, &msgs), "deterministic");
+    }
+
+    #[test]
+    fn sentences_keep_dotted_names_whole() {
+        assert_eq!(
+            sentences("Review docs/api.md now. Then v1.2! Done?\nok"),
+            ["Review docs/api.md now.", "Then v1.2!", "Done?"]
+        );
     }
 
     #[test]
