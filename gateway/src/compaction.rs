@@ -8,7 +8,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use ctxgate_proto::estimate;
-use ctxgate_proto::pb::{AgentMessage, Role, content_part::Part};
+use ctxgate_proto::pb::{AgentMessage, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::provider::{ModelError, message_text};
@@ -74,19 +74,7 @@ fn tokens_of(previous: Option<&str>, messages: &[AgentMessage]) -> u64 {
 /// Whether the tail starting at `cut` holds a tool result whose call is
 /// before `cut`.
 fn splits_a_pair(messages: &[AgentMessage], cut: usize) -> bool {
-    let mut calls = HashSet::new();
-    for m in &messages[cut..] {
-        for p in &m.content {
-            match &p.part {
-                Some(Part::ToolCall(c)) => {
-                    calls.insert(c.id.as_str());
-                }
-                Some(Part::ToolResult(r)) if !calls.contains(r.tool_call_id.as_str()) => return true,
-                _ => {}
-            }
-        }
-    }
-    false
+    ctxgate_proto::validate::first_orphan_result(&messages[cut..]).is_some()
 }
 
 /// The index of the first message kept verbatim: the newest messages that
@@ -278,7 +266,7 @@ pub fn audit(summary: &str, expected: &[String], strict: bool) -> Result<(), Str
 mod tests {
     use super::*;
     use crate::summarize::Extractive;
-    use ctxgate_proto::pb::{ContentPart, ToolCall, ToolResult};
+    use ctxgate_proto::pb::{ContentPart, ToolCall, ToolResult, content_part::Part};
     use proptest::prelude::*;
 
     fn text(id: usize, role: Role, words: usize) -> AgentMessage {

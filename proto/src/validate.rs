@@ -134,9 +134,9 @@ pub fn messages(list: &[AgentMessage], field: &str) -> Result {
     Ok(())
 }
 
-/// Every tool result is preceded, in `list`, by the tool call it answers:
-/// nothing split a call from its result.
-pub fn tool_pairs(list: &[AgentMessage], field: &str) -> Result {
+/// The first tool result in `list` (message index, part index) whose tool
+/// call does not precede it in `list`.
+pub fn first_orphan_result(list: &[AgentMessage]) -> Option<(usize, usize)> {
     let mut calls = HashSet::new();
     for (i, m) in list.iter().enumerate() {
         for (j, p) in m.content.iter().enumerate() {
@@ -144,17 +144,29 @@ pub fn tool_pairs(list: &[AgentMessage], field: &str) -> Result {
                 Some(Part::ToolCall(c)) => {
                     calls.insert(c.id.as_str());
                 }
-                Some(Part::ToolResult(r)) if !calls.contains(r.tool_call_id.as_str()) => {
-                    return Err(Violation::invalid(
-                        format!("{field}[{i}].content[{j}].tool_result"),
-                        format!("answers tool call {:?}, which does not precede it", r.tool_call_id),
-                    ));
-                }
+                Some(Part::ToolResult(r)) if !calls.contains(r.tool_call_id.as_str()) => return Some((i, j)),
                 _ => {}
             }
         }
     }
-    Ok(())
+    None
+}
+
+/// Every tool result is preceded, in `list`, by the tool call it answers:
+/// nothing split a call from its result.
+pub fn tool_pairs(list: &[AgentMessage], field: &str) -> Result {
+    match first_orphan_result(list) {
+        None => Ok(()),
+        Some((i, j)) => {
+            let Some(Part::ToolResult(r)) = &list[i].content[j].part else {
+                unreachable!("an orphan is a tool result")
+            };
+            Err(Violation::invalid(
+                format!("{field}[{i}].content[{j}].tool_result"),
+                format!("answers tool call {:?}, which does not precede it", r.tool_call_id),
+            ))
+        }
+    }
 }
 
 /// Request checks an engine server applies before its code runs.

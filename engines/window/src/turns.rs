@@ -26,26 +26,10 @@ pub fn keep_last_turns(messages: &[AgentMessage], keep: usize) -> usize {
 
 /// The first index `>= cut` at which starting the kept tail splits no pair.
 pub fn safe_cut(messages: &[AgentMessage], mut cut: usize) -> usize {
-    while cut < messages.len() && orphans_from(&messages[cut..]) {
+    while cut < messages.len() && ctxgate_engine_sdk::validate::first_orphan_result(&messages[cut..]).is_some() {
         cut += 1;
     }
     cut
-}
-
-fn orphans_from(tail: &[AgentMessage]) -> bool {
-    let mut calls = HashSet::new();
-    for m in tail {
-        for p in &m.content {
-            match &p.part {
-                Some(Part::ToolCall(c)) => {
-                    calls.insert(c.id.as_str());
-                }
-                Some(Part::ToolResult(r)) if !calls.contains(r.tool_call_id.as_str()) => return true,
-                _ => {}
-            }
-        }
-    }
-    false
 }
 
 /// Drops messages made only of tool results whose call is not before them
