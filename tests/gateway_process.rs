@@ -71,6 +71,27 @@ async fn the_cli_chats_compacts_and_shows_sessions() {
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert!(v[0]["compactions"].as_u64().unwrap() >= 1);
 
+    // Interactive chat reads lines from stdin and understands its commands.
+    let mut child = Command::new(bin("ctxgate"))
+        .args(["chat", "--gateway", url, "--session", "interactive"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"first line\n/new\nsecond line\n/quit\n").await.unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().await.unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches("(offline model)").count(), 2, "{stdout}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("New session"), "/new was understood");
+    let (_, out, _) = ctxgate(&["sessions", "show", "interactive", "--gateway", url, "--json"]).await;
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["entries"].as_array().unwrap().len(), 2, "/new started a fresh session: only the second exchange");
+
     let (_, out, _) = ctxgate(&["status", "--gateway", url, "--json"]).await;
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["selected_engine"], "legacy");

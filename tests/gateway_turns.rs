@@ -334,3 +334,27 @@ async fn metrics_text(addr: std::net::SocketAddr) -> String {
     s.read_to_string(&mut out).await.unwrap();
     out
 }
+
+#[tokio::test]
+async fn a_model_timeout_compacts_only_a_large_prompt_and_retries() {
+    let fake = FakeOpenAi::start().await;
+    let mut config = openai_config(&fake);
+    config.models.context_window = 8_000;
+    config.models.request_timeout_seconds = 1;
+    let g = TestGateway::start(config).await;
+
+    // A small prompt (far below 65 % of the budget): no compaction, a clear error.
+    fake.turns([Reply::Hang("…".into())]);
+    let events = run_turn(&g, "small", "quick question").await.unwrap();
+    let Some(Event::Failed(f)) = events.last() else { panic!("{events:?}") };
+    assert_eq!(f.reason, "model_timeout");
+    assert_eq!(compactions_started(&events, "timeout"), 0);
+
+    // A prompt above 65 % of the 7500-token budget: compact, then retry.
+    fake.turns([Reply::Hang("…".into()), Reply::Text("recovered".into())]);
+    let big = format!("Please summarise this log: {}", "entry ".repeat(4_000));
+    let events = run_turn(&g, "big", &big).await.unwrap();
+    assert_eq!(compactions_started(&events, "timeout"), 1, "{events:?}");
+    assert!(matches!(events.last(), Some(Event::Completed(c)) if c.text == "recovered"), "{events:?}");
+    g.stop().await;
+}
