@@ -22,7 +22,7 @@ pub mod testkit;
 
 pub use context::CallContext;
 pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};
-pub use endpoint::{Endpoint, connect, engine_client};
+pub use endpoint::{Endpoint, channel, connect, engine_client};
 pub use engine::{CompactOutcome, ContextEngine, Progress};
 pub use error::EngineError;
 pub use host::{HostClient, LLM_COMPLETE, READ_TRANSCRIPT};

@@ -24,6 +24,7 @@ impl From<CoreError> for Status {
             CoreError::CompactionTimeout(_) => Status::deadline_exceeded(e.to_string()),
             CoreError::CompactionFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Aborted => Status::cancelled("aborted"),
+            CoreError::NoEngine(_) => Status::not_found(e.to_string()),
             CoreError::Store(StoreError::NoSession(_)) => Status::not_found("the session no longer exists"),
             CoreError::Store(StoreError::Backend(detail)) => {
                 // Internal detail goes to the log, not to clients.
@@ -174,29 +175,34 @@ impl Gateway for Api {
 
     async fn get_status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResult>, Status> {
         let c = &self.core;
-        let info = c.engine.info();
+        let registry = c.registry();
         Ok(Response::new(api::StatusResult {
             version: env!("CARGO_PKG_VERSION").into(),
             model_provider: format!("{:?}", c.config.models.provider).to_lowercase(),
             model: c.provider.model().into(),
             context_window: c.config.models.context_window,
-            selected_engine: info.id.clone(),
-            engines: vec![api::EngineStatus {
-                id: info.id.clone(),
-                name: info.name.clone(),
-                endpoint: "in-process".into(),
-                health: "SERVING".into(),
-                quarantine: None,
-            }],
+            selected_engine: registry.selected_id().into(),
+            engines: registry.status(),
             sessions: c.store.count_sessions().await.map_err(CoreError::from)?,
             turns_in_flight: c.turns_in_flight(),
         }))
+    }
+
+    async fn readmit_engine(
+        &self,
+        req: Request<api::ReadmitEngineRequest>,
+    ) -> Result<Response<api::ReadmitEngineResult>, Status> {
+        let id = req.into_inner().engine_id;
+        let readmitted = self.core.registry().readmit(&id).ok_or(CoreError::NoEngine(id))?;
+        Ok(Response::new(api::ReadmitEngineResult { readmitted }))
     }
 }
 
 /// The entries behind the visible history, in the order the model sees
 /// them: the latest compaction entry, then the kept and later messages.
-fn visible_entries(branch: &[ctxgate_proto::pb::TranscriptEntry]) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
+pub(crate) fn visible_entries(
+    branch: &[ctxgate_proto::pb::TranscriptEntry],
+) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
     let v = transcript::visible(branch);
     let kept: std::collections::HashSet<&str> = v.messages.iter().map(|m| m.id.as_str()).collect();
     let summary = v.summary.as_ref().and_then(|(id, _)| branch.iter().find(|e| &e.id == id));

@@ -42,11 +42,20 @@ pub struct GatewaySection {
     /// Prometheus `/metrics` over HTTP; empty disables it.
     pub metrics_listen: String,
     pub auth: AuthSection,
+    /// Where engines reach the gateway's Host service. Default: the API
+    /// address (127.0.0.1 when listening on all interfaces). Set it when
+    /// engines run in other containers.
+    pub host_endpoint: Option<String>,
 }
 
 impl Default for GatewaySection {
     fn default() -> Self {
-        Self { listen: "127.0.0.1:7300".into(), metrics_listen: String::new(), auth: AuthSection::default() }
+        Self {
+            listen: "127.0.0.1:7300".into(),
+            metrics_listen: String::new(),
+            auth: AuthSection::default(),
+            host_endpoint: None,
+        }
     }
 }
 
@@ -163,7 +172,62 @@ pub enum IdentifierPolicy {
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct PluginsSection {
     pub slots: Slots,
+    /// Remote context engines by id (`legacy` is reserved).
+    pub entries: std::collections::BTreeMap<String, EngineEntry>,
+    /// Engine ids that may not be selected (the slot falls back to legacy).
+    pub deny: Vec<String>,
 }
+
+/// `plugins.entries.<id>`: one remote engine.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct EngineEntry {
+    pub enabled: bool,
+    /// `http://HOST:PORT` or `unix:///PATH`.
+    pub endpoint: String,
+    /// Per-method call timeouts in seconds: `default` and RPC names in
+    /// camelCase (`assemble`, `compact`, …). `compact` defaults to
+    /// `agents.defaults.compaction.timeoutSeconds`.
+    pub timeouts: std::collections::BTreeMap<String, f64>,
+    /// Largest reply accepted from this engine.
+    pub max_message_bytes: usize,
+    /// Not supported yet: present only so a config that asks for TLS fails
+    /// loudly instead of silently talking plaintext.
+    pub tls: Option<serde_json::Value>,
+}
+
+impl Default for EngineEntry {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            endpoint: String::new(),
+            timeouts: Default::default(),
+            max_message_bytes: ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES,
+            tls: None,
+        }
+    }
+}
+
+/// RPC names (camelCase) a timeout may name.
+pub const TIMEOUT_KEYS: [&str; 14] = [
+    "default",
+    "getInfo",
+    "bootstrap",
+    "ingest",
+    "ingestBatch",
+    "assemble",
+    "compact",
+    "afterTurn",
+    "commitTurn",
+    "maintain",
+    "prepareSubagentSpawn",
+    "rollbackSubagentSpawn",
+    "onSubagentEnded",
+    "dispose",
+];
+
+/// Default per-call timeout for engine methods other than compact.
+pub const DEFAULT_ENGINE_TIMEOUT_SECONDS: f64 = 10.0;
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
@@ -239,6 +303,11 @@ impl Config {
         if self.state_dir.as_os_str().is_empty() {
             self.state_dir = PathBuf::from("ctxgate-state");
         }
+        if let Some(e) = &self.gateway.host_endpoint
+            && e.parse::<ctxgate_engine_sdk::Endpoint>().is_err()
+        {
+            return Err(invalid("gateway.hostEndpoint", format!("{e:?}: expected http://HOST:PORT or unix:///PATH")));
+        }
         if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));
         }
@@ -274,16 +343,56 @@ impl Config {
                 format!("{r} leaves less than 1000 tokens of the {}-token window", m.context_window),
             ));
         }
-        match self.plugins.slots.context_engine.as_deref().map(str::trim) {
-            None | Some("" | "legacy" | "none") => {}
-            Some(other) => {
+        for (id, e) in &self.plugins.entries {
+            let key = |k: &str| format!("plugins.entries.{id}.{k}");
+            if id.trim().is_empty() || id.trim() == crate::engines::LEGACY_ID || id.trim() == "none" {
                 return Err(invalid(
-                    "plugins.slots.contextEngine",
-                    format!("engine {other:?} is not configured under plugins.entries (remote engines: see README)"),
+                    &format!("plugins.entries.{id}"),
+                    "this id is reserved for the core-owned legacy engine",
+                ));
+            }
+            ctxgate_proto::validate::id(id, "id").map_err(|v| invalid(&format!("plugins.entries.{id}"), v.problem))?;
+            if e.endpoint.parse::<ctxgate_engine_sdk::Endpoint>().is_err() {
+                return Err(invalid(
+                    &key("endpoint"),
+                    format!("{:?}: expected http://HOST:PORT or unix:///PATH", e.endpoint),
+                ));
+            }
+            for (m, secs) in &e.timeouts {
+                if !TIMEOUT_KEYS.contains(&m.as_str()) {
+                    return Err(invalid(
+                        &key("timeouts"),
+                        format!("unknown method {m:?} (expected one of {})", TIMEOUT_KEYS.join(", ")),
+                    ));
+                }
+                if !(secs.is_finite() && *secs > 0.0 && *secs <= 3600.0) {
+                    return Err(invalid(&key(&format!("timeouts.{m}")), "must be between 0 and 3600 seconds"));
+                }
+            }
+            if e.max_message_bytes < 1024 {
+                return Err(invalid(&key("maxMessageBytes"), "must be at least 1024"));
+            }
+            if e.tls.is_some() {
+                return Err(invalid(
+                    &key("tls"),
+                    "TLS to engines is not supported yet: run engines on loopback or a unix socket, or let the mesh sidecar do mTLS",
                 ));
             }
         }
         Ok(())
+    }
+
+    /// The engine the slot selects, if it is a usable remote entry. Unset,
+    /// "", "legacy", "none", a disabled, denied or missing entry → `None`
+    /// (legacy). A missing entry is what removing the selected entry leaves
+    /// behind: the slot resets to legacy.
+    pub fn selected_engine(&self) -> Option<(&str, &EngineEntry)> {
+        let id = self.plugins.slots.context_engine.as_deref().map(str::trim)?;
+        if matches!(id, "" | "legacy" | "none") || self.plugins.deny.iter().any(|d| d == id) {
+            return None;
+        }
+        let (id, entry) = self.plugins.entries.get_key_value(id)?;
+        entry.enabled.then_some((id.as_str(), entry))
     }
 
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
@@ -300,6 +409,15 @@ impl Config {
         self.gateway.metrics_listen.parse().map(Some).map_err(|_| {
             invalid("gateway.metricsListen", format!("{:?} is not HOST:PORT", self.gateway.metrics_listen))
         })
+    }
+
+    /// Where engines reach the Host service, given the bound API address.
+    pub fn host_endpoint(&self, bound: SocketAddr) -> String {
+        if let Some(e) = &self.gateway.host_endpoint {
+            return e.clone();
+        }
+        let ip = if bound.ip().is_unspecified() { std::net::IpAddr::from([127, 0, 0, 1]) } else { bound.ip() };
+        format!("http://{}", SocketAddr::new(ip, bound.port()))
     }
 
     /// Tokens kept free for the reply.
@@ -349,11 +467,41 @@ mod tests {
         assert!(e.contains("models.contextWindow"), "{e}");
         let e = load_str("{ gateway: { listen: 'nowhere' } }").unwrap_err().to_string();
         assert!(e.contains("gateway.listen"), "{e}");
-        let e = load_str("{ plugins: { slots: { contextEngine: 'lossless' } } }").unwrap_err().to_string();
-        assert!(e.contains("plugins.slots.contextEngine"), "{e}");
+        let e = load_str("{ plugins: { entries: { legacy: { endpoint: 'http://127.0.0.1:1' } } } }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("plugins.entries.legacy") && e.contains("reserved"), "{e}");
+        let e = load_str("{ plugins: { entries: { w: { endpoint: 'ftp://x' } } } }").unwrap_err().to_string();
+        assert!(e.contains("plugins.entries.w.endpoint"), "{e}");
+        let e =
+            load_str("{ plugins: { entries: { w: { endpoint: 'http://127.0.0.1:1', timeouts: { asemble: 1 } } } } }")
+                .unwrap_err()
+                .to_string();
+        assert!(e.contains("plugins.entries.w.timeouts") && e.contains("asemble"), "{e}");
+        let e = load_str("{ plugins: { entries: { w: { endpoint: 'http://127.0.0.1:1', tls: { ca: 'x' } } } } }")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("plugins.entries.w.tls"), "{e}");
         let e =
             load_str("{ models: { provider: 'openai', baseUrl: 'not a url', model: 'm' } }").unwrap_err().to_string();
         assert!(e.contains("models.baseUrl"), "{e}");
+    }
+
+    #[test]
+    fn the_slot_selects_enabled_allowed_entries_only() {
+        let base = "entries: { w: { endpoint: 'http://127.0.0.1:7401' }, off: { endpoint: 'unix:///tmp/x.sock', enabled: false } }";
+        let pick = |slot: &str, deny: &str| {
+            let c =
+                load_str(&format!("{{ plugins: {{ slots: {{ contextEngine: '{slot}' }}, deny: [{deny}], {base} }} }}"))
+                    .unwrap();
+            c.selected_engine().map(|(id, _)| id.to_owned())
+        };
+        assert_eq!(pick("w", ""), Some("w".into()));
+        assert_eq!(pick("legacy", ""), None);
+        assert_eq!(pick("none", ""), None);
+        assert_eq!(pick("off", ""), None, "disabled: legacy, silently");
+        assert_eq!(pick("w", "'w'"), None, "denied: legacy, silently");
+        assert_eq!(pick("gone", ""), None, "a removed entry resets the slot to legacy");
     }
 
     #[test]

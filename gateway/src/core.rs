@@ -2,19 +2,25 @@
 //! of the API that drives them. Events go out through a channel; the caller
 //! going away cancels the work.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::time::Duration;
 
 use ctxgate_proto::gateway as api;
 use ctxgate_proto::pb::{self, AgentMessage, ContentPart, Role, content_part::Part, transcript_entry::Entry};
 use ctxgate_proto::{estimate, limits};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::compaction::{self, CompactionError, Outcome};
 use crate::config::{Config, IdentifierPolicy, ProviderKind};
-use crate::engine::{CompactReply, Engine, EngineCallError};
+use crate::engines::registry::Registry;
+use crate::engines::{
+    Call, CompactReply, EMBEDDED_HOST_CAPABILITIES, EMBEDDED_HOST_LABEL, Engine, EngineCallError, LEGACY_ID,
+    check_host_requirements,
+};
+use crate::host::{GrantGuard, Grants, LLM_COMPLETE, READ_TRANSCRIPT, Scope};
 use crate::metrics::Metrics;
 use crate::provider::{ChatRequest, ModelError, ModelProvider};
 use crate::store::{NewEntry, Session, Store, StoreError};
@@ -37,6 +43,8 @@ pub enum CoreError {
     CompactionFailed(String),
     #[error("aborted")]
     Aborted,
+    #[error("no engine {0:?} is configured")]
+    NoEngine(String),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -48,6 +56,8 @@ const MAX_TIMEOUT_COMPACTIONS: u32 = 2;
 const TIMEOUT_COMPACTION_SHARE: f64 = 0.65;
 /// Tool results are cut to this many characters by the last-resort truncation.
 const TRUNCATED_TOOL_RESULT_CHARS: usize = 2_000;
+/// How long a host grant lives when the call has no tighter deadline.
+const GRANT_TTL: Duration = Duration::from_secs(600);
 
 /// Where compaction events go: to a turn's event stream or a Compact stream.
 pub type CompactionSink<'a> = dyn Fn(api::compaction_event::Event) + Send + Sync + 'a;
@@ -56,12 +66,20 @@ pub struct Core {
     pub config: Arc<Config>,
     pub store: Arc<dyn Store>,
     pub provider: Arc<dyn ModelProvider>,
-    pub engine: Arc<dyn Engine>,
     pub metrics: Metrics,
+    pub grants: Arc<Grants>,
+    registry: RwLock<Arc<Registry>>,
+    /// Where engines reach the Host service (set once the API is bound).
+    host_endpoint: OnceLock<String>,
     summarizer: Arc<dyn Summarizer>,
     /// Per session: serialises its turns and compactions, and holds the
     /// token that Abort fires.
     running: Mutex<HashMap<String, Running>>,
+    /// (engine, session) pairs bootstrapped by this process.
+    bootstrapped: Mutex<HashSet<(String, String)>>,
+    /// Background maintenance: sessions with a run going, and whether a
+    /// follow-up is queued.
+    maintenance: Arc<Mutex<HashMap<String, bool>>>,
     shutdown: CancellationToken,
 }
 
@@ -90,6 +108,16 @@ impl Drop for SessionGuard<'_> {
     }
 }
 
+/// The engine a turn (or a manual compaction) runs with: pinned once
+/// chosen, so a turn is never replayed on another engine.
+struct Lease {
+    engine: Arc<dyn Engine>,
+    info: pb::EngineInfo,
+    /// The degradation warning, when the configured engine could not take it.
+    degraded: Option<String>,
+    remote: bool,
+}
+
 fn text_message(role: Role, text: String) -> AgentMessage {
     AgentMessage {
         role: role as i32,
@@ -107,6 +135,10 @@ fn event(e: api::turn_event::Event) -> api::TurnEvent {
 
 fn failed(reason: &str, message: impl Into<String>) -> api::turn_event::Event {
     api::turn_event::Event::Failed(api::Failed { reason: reason.into(), message: message.into() })
+}
+
+fn aborted() -> api::turn_event::Event {
+    failed("aborted", "The turn was aborted.")
 }
 
 /// Validates a turn request; returns (agent, key).
@@ -142,27 +174,47 @@ pub fn session_ref(r: Option<&api::SessionRef>) -> Result<(String, String), Core
 }
 
 impl Core {
-    pub fn new(
-        config: Arc<Config>,
-        store: Arc<dyn Store>,
-        provider: Arc<dyn ModelProvider>,
-        engine: Arc<dyn Engine>,
-        metrics: Metrics,
-    ) -> Self {
+    /// Builds the core and its engine registry (starts health monitors:
+    /// call inside a tokio runtime).
+    pub fn new(config: Arc<Config>, store: Arc<dyn Store>, provider: Arc<dyn ModelProvider>, metrics: Metrics) -> Self {
         let summarizer: Arc<dyn Summarizer> = match provider.kind() {
             ProviderKind::Offline => Arc::new(Extractive),
             ProviderKind::Openai => Arc::new(ModelSummarizer { provider: provider.clone(), max_tokens: 2_048 }),
         };
+        let registry = RwLock::new(Arc::new(Registry::build(&config, &metrics)));
         Self {
             config,
             store,
             provider,
-            engine,
             metrics,
+            grants: Arc::default(),
+            registry,
+            host_endpoint: OnceLock::new(),
             summarizer,
             running: Mutex::default(),
+            bootstrapped: Mutex::default(),
+            maintenance: Arc::default(),
             shutdown: CancellationToken::new(),
         }
+    }
+
+    /// Where engines call the Host service back (set once, after binding).
+    pub fn set_host_endpoint(&self, endpoint: String) {
+        let _ = self.host_endpoint.set(endpoint);
+    }
+
+    pub fn registry(&self) -> Arc<Registry> {
+        self.registry.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Applies the engine part of a new configuration: new clients and
+    /// monitors, quarantines cleared, the slot re-resolved (an entry that
+    /// is gone resets it to legacy). Turns in flight keep their lease.
+    pub fn reload_engines(&self, config: &Config) {
+        let next = Arc::new(Registry::build(config, &self.metrics));
+        *self.registry.write().unwrap_or_else(|e| e.into_inner()) = next;
+        self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        tracing::info!(selected = %self.registry().selected_id(), "engine configuration reloaded");
     }
 
     /// A token for one API call: fired when the caller goes away (the API
@@ -171,7 +223,7 @@ impl Core {
         self.shutdown.child_token()
     }
 
-    /// Cancels every running turn and compaction (gateway shutdown).
+    /// Cancels every running turn, compaction and maintenance run.
     pub fn shutdown(&self) {
         self.shutdown.cancel();
     }
@@ -221,10 +273,219 @@ impl Core {
         Ok(transcript::visible(&self.store.visible_tail(session_id).await?))
     }
 
+    // --- engines ---------------------------------------------------------
+
+    /// Chooses the engine for one operation ("agent-run", "manual-compact"):
+    /// the configured one if it is in service and the host has what it
+    /// needs, else legacy with one warning.
+    fn lease(&self, operation: &str) -> Lease {
+        let registry = self.registry();
+        let legacy =
+            |degraded| Lease { engine: registry.legacy(), info: registry.legacy.info(), degraded, remote: false };
+        let Some(g) = registry.selected() else { return legacy(None) };
+        let reason = if let Some(q) = g.quarantine_record() {
+            Some(format!("it is quarantined after failing during {}: {}", q.operation, q.reason))
+        } else {
+            let info = g.info();
+            check_host_requirements(&info, operation, EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES).err()
+        };
+        match reason {
+            Some(reason) => {
+                let id = g.id();
+                let warning = format!(
+                    "Context engine \"{id}\" degraded to \"{LEGACY_ID}\" for this logical turn: {reason}. The \"{LEGACY_ID}\" engine will handle only this turn; configuration is unchanged, and \"{id}\" will be retried next turn."
+                );
+                tracing::warn!("{warning}");
+                legacy(Some(warning))
+            }
+            None => Lease { engine: g.clone(), info: g.info(), degraded: None, remote: true },
+        }
+    }
+
+    /// A grant for one engine call on `session`, expiring with the call.
+    fn grant(
+        &self,
+        lease: &Lease,
+        session: &Session,
+        fence_before: Option<&str>,
+        deadline: Option<Instant>,
+    ) -> Option<GrantGuard> {
+        let endpoint = self.host_endpoint.get()?;
+        if !lease.remote {
+            return None;
+        }
+        let ttl = deadline.map_or(GRANT_TTL, |d| d.saturating_duration_since(Instant::now()));
+        let scope = Scope {
+            engine_id: lease.info.id.clone(),
+            session_id: session.session_id.clone(),
+            session_key: session.session_key.clone(),
+            operations: vec![READ_TRANSCRIPT, LLM_COMPLETE],
+            fence_before: fence_before.map(str::to_owned),
+        };
+        Some(self.grants.issue(endpoint, scope, ttl))
+    }
+
+    /// RuntimeSettings schema v1 (reference §1.5).
+    fn runtime_settings(&self, lease: &Lease, budget: u64, degraded: Option<pb::ReasonCode>) -> pb::RuntimeSettings {
+        let model = self.provider.model().to_owned();
+        let mode = match (degraded, lease.degraded.is_some()) {
+            (Some(_), _) => pb::RuntimeMode::Degraded,
+            (None, true) => pb::RuntimeMode::Fallback,
+            (None, false) => pb::RuntimeMode::Normal,
+        };
+        let source =
+            if lease.info.id == LEGACY_ID { pb::SelectionSource::Default } else { pb::SelectionSource::Configured };
+        pb::RuntimeSettings {
+            schema_version: 1,
+            runtime: Some(pb::RuntimeInfo {
+                host: "ctxgate".into(),
+                mode: mode as i32,
+                harness_id: None,
+                runtime_id: None,
+            }),
+            model: Some(pb::ModelSelection {
+                requested: Some(model.clone()),
+                resolved: Some(model),
+                provider: Some(format!("{:?}", self.config.models.provider).to_lowercase()),
+                family: None,
+            }),
+            context_engine_selection: Some(pb::EngineSelection {
+                selected_id: Some(lease.info.id.clone()),
+                source: source as i32,
+            }),
+            execution_host: Some(pb::ExecutionHost {
+                id: Some(crate::engines::EMBEDDED_HOST_ID.into()),
+                label: Some(EMBEDDED_HOST_LABEL.into()),
+            }),
+            limits: Some(pb::Limits {
+                prompt_token_budget: Some(budget),
+                max_output_tokens: Some(self.config.models.max_output_tokens),
+            }),
+            diagnostics: Some(pb::Diagnostics {
+                fallback_reason: if lease.degraded.is_some() { pb::ReasonCode::RuntimeUnavailable as i32 } else { 0 },
+                degraded_reason: degraded.map_or(0, |d| d as i32),
+            }),
+        }
+    }
+
+    fn runtime_context(&self, session: &Session, budget: u64, current: u64) -> pb::RuntimeContext {
+        pb::RuntimeContext {
+            token_budget: Some(budget),
+            current_token_count: Some(current),
+            transcript_storage: pb::TranscriptStorage::Sqlite as i32,
+            session_target: Some(target(session)),
+            provider: Some(format!("{:?}", self.config.models.provider).to_lowercase()),
+            model_id: Some(self.provider.model().into()),
+            ..Default::default()
+        }
+    }
+
+    /// Bootstrap (then maintain(bootstrap)) a session the remote engine has
+    /// not seen in this process.
+    async fn bootstrap_if_new(&self, lease: &Lease, session: &Session, fence: &str, budget: u64, call: &Call) {
+        if !lease.remote {
+            return;
+        }
+        let key = (lease.info.id.clone(), session.session_id.clone());
+        if !self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
+            return;
+        }
+        let grant = self.grant(lease, session, Some(fence), call.deadline);
+        let req = pb::BootstrapRequest {
+            session_id: session.session_id.clone(),
+            session_key: Some(session.session_key.clone()),
+            session_target: Some(target(session)),
+            session_file: session.session_key.clone(),
+            runtime_settings: Some(self.runtime_settings(lease, budget, None)),
+            runtime_context: Some(self.runtime_context(session, budget, 0)),
+            host: grant.as_ref().map(|g| g.access.clone()),
+        };
+        match lease.engine.bootstrap(req, call).await {
+            Ok(r) if r.bootstrapped => self.maintain(lease, session, pb::MaintainReason::Bootstrap, budget, call).await,
+            Ok(_) | Err(EngineCallError::Unimplemented(_)) => {}
+            Err(e) => tracing::warn!(error = %e, "context engine bootstrap failed"),
+        }
+    }
+
+    /// Maintain and apply the engine's rewrites as a new branch.
+    async fn maintain(&self, lease: &Lease, session: &Session, reason: pb::MaintainReason, budget: u64, call: &Call) {
+        let grant = self.grant(lease, session, None, call.deadline);
+        let req = pb::MaintainRequest {
+            session_id: session.session_id.clone(),
+            session_key: Some(session.session_key.clone()),
+            session_target: Some(target(session)),
+            session_file: session.session_key.clone(),
+            reason: reason as i32,
+            runtime_settings: Some(self.runtime_settings(lease, budget, None)),
+            runtime_context: Some(pb::RuntimeContext {
+                allow_deferred_compaction_execution: call.deadline.is_none() && reason == pb::MaintainReason::Turn,
+                ..self.runtime_context(session, budget, 0)
+            }),
+            host: grant.as_ref().map(|g| g.access.clone()),
+        };
+        match lease.engine.maintain(req, call).await {
+            Ok(r) if !r.replacements.is_empty() => {
+                let replacements = r.replacements.into_iter().filter_map(|x| Some((x.entry_id, x.message?))).collect();
+                match self.store.rewrite(&session.session_id, replacements).await {
+                    Ok(o) if o.changed => tracing::info!(
+                        session = %session.session_id, rewritten = o.rewritten_entries, bytes_freed = o.bytes_freed,
+                        "context engine maintenance changed the transcript"
+                    ),
+                    Ok(o) => tracing::debug!(reason = %o.reason, "maintenance rewrote nothing"),
+                    Err(e) => tracing::warn!(error = %e, "applying maintenance rewrites failed"),
+                }
+            }
+            Ok(_) | Err(EngineCallError::Unimplemented(_) | EngineCallError::Cancelled) => {}
+            Err(e) => tracing::warn!(error = %e, "context engine maintain failed"),
+        }
+    }
+
+    /// After a turn, for engines that ask for it: maintain(turn) on the
+    /// session's background lane — one run at a time, plus one coalesced
+    /// follow-up — cancelled on shutdown. (Foreground maintenance runs in
+    /// `finalize`.)
+    fn schedule_background_maintenance(self: &Arc<Self>, lease: Lease, session: Session, budget: u64) {
+        if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
+            return;
+        }
+        {
+            let mut lanes = self.maintenance.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(follow_up) = lanes.get_mut(&session.session_id) {
+                *follow_up = true;
+                return;
+            }
+            lanes.insert(session.session_id.clone(), false);
+        }
+        let core = self.clone();
+        let stop = self.shutdown.child_token();
+        tokio::spawn(async move {
+            loop {
+                core.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
+                let mut lanes = core.maintenance.lock().unwrap_or_else(|e| e.into_inner());
+                match lanes.get_mut(&session.session_id) {
+                    Some(again) if *again && !stop.is_cancelled() => *again = false,
+                    _ => {
+                        lanes.remove(&session.session_id);
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Waits until the session has no background maintenance running.
+    pub async fn maintenance_idle(&self, session_id: &str) {
+        while self.maintenance.lock().unwrap_or_else(|e| e.into_inner()).contains_key(session_id) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    // --- turns -----------------------------------------------------------
+
     /// Runs one managed turn; every event goes to `events`. Errors are
     /// returned only before admission; after it, the outcome is an event.
     pub async fn run_turn(
-        &self,
+        self: &Arc<Self>,
         req: api::RunTurnRequest,
         events: mpsc::UnboundedSender<api::TurnEvent>,
         cancel: CancellationToken,
@@ -232,7 +493,7 @@ impl Core {
         let (agent, key) = validate_turn(&req)?;
         let session = self.store.session(&agent, &key, true).await?.ok_or(CoreError::NoSession(key.clone()))?;
         let _guard = self.enter(&session.session_id, &cancel).await;
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         self.metrics.turns_in_flight.inc();
         let outcome = self.turn(&session, req, &events, &cancel).await;
         self.metrics.turns_in_flight.dec();
@@ -250,7 +511,7 @@ impl Core {
 
     /// The turn after validation; returns the terminal event.
     async fn turn(
-        &self,
+        self: &Arc<Self>,
         session: &Session,
         req: api::RunTurnRequest,
         events: &mpsc::UnboundedSender<api::TurnEvent>,
@@ -266,16 +527,29 @@ impl Core {
         let user =
             NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(text_message(Role::User, req.message.clone())) };
         let admitted = self.store.append(&session.session_id, vec![user]).await?;
+        let admitted_id = admitted[0].id.clone();
         send(E::Admitted(api::Admitted {
             session_id: session.session_id.clone(),
             turn_id: turn_id.clone(),
-            entry_id: admitted[0].id.clone(),
+            entry_id: admitted_id.clone(),
         }));
-        let info = self.engine.info();
-        send(E::EngineSelected(api::EngineSelected { engine_id: info.id.clone(), reason: "default".into() }));
+
+        // Engine selection: the lease is pinned from here on.
+        let lease = self.lease("agent-run");
+        let reason = match &lease.degraded {
+            Some(w) => {
+                send(E::Warning(api::Warning { message: w.clone() }));
+                "degraded".to_owned()
+            }
+            None if lease.remote => "configured".to_owned(),
+            None => "default".to_owned(),
+        };
+        send(E::EngineSelected(api::EngineSelected { engine_id: lease.info.id.clone(), reason }));
+        let call = Call::new(cancel.clone());
 
         let system = req.system_prompt.as_deref();
         let budget = self.token_budget(system);
+        self.bootstrap_if_new(&lease, session, &admitted_id, budget, &call).await;
         let sink = |e: api::compaction_event::Event| {
             let mapped = match e {
                 api::compaction_event::Event::Started(s) => E::CompactionStarted(s),
@@ -286,15 +560,16 @@ impl Core {
         };
 
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
+        // Engines that own compaction are judged by what they assemble.
         let window = self.config.models.context_window;
         let threshold = window - (window / 4).min(20_000);
-        // Read once; re-read only after something appended a compaction.
         let mut visible = self.visible(&session.session_id).await?;
-        if visible.tokens() >= threshold && !info.owns_compaction {
-            let r = self.compact(session, "proactive", Some(budget), None, &sink, cancel).await;
-            if let Err(e) = r {
+        let mut proactive_done = false;
+        if !lease.info.owns_compaction && visible.tokens() >= threshold {
+            proactive_done = true;
+            if let Err(e) = self.compact(&lease, session, "proactive", Some(budget), None, &sink, cancel).await {
                 if cancel.is_cancelled() {
-                    return Ok(Some(failed("aborted", "The turn was aborted.")));
+                    return Ok(Some(aborted()));
                 }
                 send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
             }
@@ -302,24 +577,36 @@ impl Core {
         }
 
         let (mut overflow_compactions, mut timeout_compactions, mut truncated) = (0, 0, false);
+        let mut degraded_reason = None;
         for attempt in 1.. {
             if cancel.is_cancelled() {
-                return Ok(Some(failed("aborted", "The turn was aborted.")));
+                return Ok(Some(aborted()));
             }
-            let assembled = match self
+            let rendered = visible.render();
+            let pre_assembly_tokens = estimate::messages_tokens(&rendered);
+            let grant = self.grant(&lease, session, Some(&admitted_id), None);
+            let assembled = lease
                 .engine
-                .assemble(pb::AssembleRequest {
-                    session_id: session.session_id.clone(),
-                    session_key: Some(session.session_key.clone()),
-                    messages: visible.render(),
-                    token_budget: Some(budget),
-                    prompt: Some(req.message.clone()),
-                    model: Some(self.provider.model().to_owned()),
-                    ..Default::default()
-                })
-                .await
-            {
+                .assemble(
+                    pb::AssembleRequest {
+                        session_id: session.session_id.clone(),
+                        session_key: Some(session.session_key.clone()),
+                        messages: rendered.clone(),
+                        token_budget: Some(budget),
+                        prompt: Some(req.message.clone()),
+                        model: Some(self.provider.model().to_owned()),
+                        runtime_settings: Some(self.runtime_settings(&lease, budget, degraded_reason)),
+                        runtime_context: Some(self.runtime_context(session, budget, pre_assembly_tokens)),
+                        host: grant.as_ref().map(|g| g.access.clone()),
+                        ..Default::default()
+                    },
+                    &call,
+                )
+                .await;
+            drop(grant);
+            let assembled = match assembled {
                 Ok(a) => a,
+                Err(EngineCallError::Cancelled) => return Ok(Some(aborted())),
                 Err(e) => {
                     return Ok(Some(failed(
                         "engine_error",
@@ -328,6 +615,9 @@ impl Core {
                 }
             };
             let mut messages = assembled.messages;
+            if let Some(addition) = assembled.system_prompt_addition.as_deref().filter(|a| !a.trim().is_empty()) {
+                messages.insert(0, text_message(Role::System, addition.to_owned()));
+            }
             if truncated {
                 truncate_tool_results(&mut messages);
             }
@@ -338,27 +628,45 @@ impl Core {
                 token_budget: budget,
                 attempt,
             }));
+            if lease.info.owns_compaction && !proactive_done && estimated >= threshold {
+                proactive_done = true;
+                if let Err(e) = self.compact(&lease, session, "proactive", Some(budget), None, &sink, cancel).await {
+                    send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
+                }
+                visible = self.visible(&session.session_id).await?;
+                continue;
+            }
 
             // Pre-prompt check: a prompt over budget is an overflow without
-            // spending a model call.
-            let precheck = !info.owns_compaction
-                || assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32;
-            let result = if precheck && estimated > budget {
-                Err(ModelError::ContextOverflow(format!("the prompt is {estimated} tokens, the budget {budget}")))
+            // spending a model call. Engines owning compaction skip it unless
+            // they say the pre-assembly history may overflow.
+            let may_overflow = assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32;
+            let checked = if may_overflow { estimated.max(pre_assembly_tokens) } else { estimated };
+            let precheck = !lease.info.owns_compaction || may_overflow;
+            let result = if precheck && checked > budget {
+                Err(ModelError::ContextOverflow(format!("the prompt is {checked} tokens, the budget {budget}")))
             } else {
                 self.call_model(system, messages, events, cancel).await
             };
             match result {
                 Ok(reply) => {
-                    return self.finalize(session, &turn_id, reply, visible.render(), events).await.map(Some);
+                    let done =
+                        self.finalize(&lease, session, &turn_id, reply, rendered, budget, events, cancel).await?;
+                    self.schedule_background_maintenance(lease, session.clone(), budget);
+                    return Ok(Some(done));
                 }
-                Err(ModelError::Cancelled) => return Ok(Some(failed("aborted", "The turn was aborted."))),
+                Err(ModelError::Cancelled) => return Ok(Some(aborted())),
                 Err(ModelError::ContextOverflow(why)) => {
+                    degraded_reason = Some(pb::ReasonCode::ContextOverflow);
                     if overflow_compactions < MAX_OVERFLOW_COMPACTIONS {
                         overflow_compactions += 1;
-                        if let Err(e) = self.compact(session, "overflow", Some(budget), None, &sink, cancel).await {
+                        // A failing engine is quarantined inside; the next
+                        // attempts then use built-in compaction.
+                        if let Err(e) =
+                            self.compact(&lease, session, "overflow", Some(budget), None, &sink, cancel).await
+                        {
                             if cancel.is_cancelled() {
-                                return Ok(Some(failed("aborted", "The turn was aborted.")));
+                                return Ok(Some(aborted()));
                             }
                             send(E::Warning(api::Warning { message: format!("overflow compaction failed: {e}") }));
                         }
@@ -382,7 +690,10 @@ impl Core {
                     let share = estimated as f64 / budget.max(1) as f64;
                     if timeout_compactions < MAX_TIMEOUT_COMPACTIONS && share > TIMEOUT_COMPACTION_SHARE {
                         timeout_compactions += 1;
-                        if let Err(e) = self.compact(session, "timeout", Some(budget), None, &sink, cancel).await {
+                        degraded_reason = Some(pb::ReasonCode::ProviderTimeout);
+                        if let Err(e) =
+                            self.compact(&lease, session, "timeout", Some(budget), None, &sink, cancel).await
+                        {
                             send(E::Warning(api::Warning { message: format!("timeout compaction failed: {e}") }));
                         }
                         visible = self.visible(&session.session_id).await?;
@@ -430,15 +741,19 @@ impl Core {
         r
     }
 
-    /// Appends the reply and runs after-turn with the prompt's history plus
-    /// the reply; returns the Completed event.
+    /// Appends the reply and tells the engine (after-turn, or ingest for
+    /// engines without it); returns the Completed event.
+    #[allow(clippy::too_many_arguments)]
     async fn finalize(
         &self,
+        lease: &Lease,
         session: &Session,
         turn_id: &str,
         reply: crate::provider::ChatResponse,
         mut history: Vec<AgentMessage>,
+        budget: u64,
         events: &mpsc::UnboundedSender<api::TurnEvent>,
+        cancel: &CancellationToken,
     ) -> Result<api::turn_event::Event, CoreError> {
         let mut m = text_message(Role::Assistant, reply.text.clone());
         m.usage = Some(reply.usage);
@@ -452,18 +767,49 @@ impl Core {
         if let Some(Entry::Message(reply_message)) = stored[0].entry.clone() {
             history.push(reply_message);
         }
+        let new_messages: Vec<AgentMessage> = history[pre_prompt as usize..].to_vec();
+        let call = Call::new(cancel.clone());
+        let grant = self.grant(lease, session, None, None);
+        let tokens = estimate::messages_tokens(&history);
         let after = pb::AfterTurnRequest {
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),
+            session_target: Some(target(session)),
             session_file: session.session_key.clone(),
             pre_prompt_message_count: pre_prompt,
             messages: history,
+            token_budget: Some(budget),
+            runtime_settings: Some(self.runtime_settings(lease, budget, None)),
+            runtime_context: Some(self.runtime_context(session, budget, tokens)),
+            host: grant.as_ref().map(|g| g.access.clone()),
             ..Default::default()
         };
-        if let Err(e) = self.engine.after_turn(after).await {
+        let warn = |e: EngineCallError| {
             let _ = events.send(event(api::turn_event::Event::Warning(api::Warning {
                 message: format!("after-turn failed: {e}"),
             })));
+        };
+        match lease.engine.after_turn(after, &call).await {
+            Ok(_) | Err(EngineCallError::Cancelled) => {}
+            // Without after-turn, the engine learns the turn through Ingest.
+            Err(EngineCallError::Unimplemented(_)) => {
+                for message in new_messages {
+                    let req = pb::IngestRequest {
+                        session_id: session.session_id.clone(),
+                        session_key: Some(session.session_key.clone()),
+                        message: Some(message),
+                        is_heartbeat: false,
+                    };
+                    if let Err(e) = lease.engine.ingest(req, &call).await {
+                        warn(e);
+                        break;
+                    }
+                }
+            }
+            Err(e) => warn(e),
+        }
+        if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
+            self.maintain(lease, session, pb::MaintainReason::Turn, budget, &call).await;
         }
         Ok(api::turn_event::Event::Completed(api::Completed {
             entry_id: stored[0].id.clone(),
@@ -471,6 +817,8 @@ impl Core {
             usage: Some(reply.usage),
         }))
     }
+
+    // --- compaction --------------------------------------------------------
 
     /// Manual compaction (`/compact`): target=threshold, force.
     pub async fn compact_session(
@@ -482,13 +830,19 @@ impl Core {
         let (agent, key) = session_ref(req.session.as_ref())?;
         let session = self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))?;
         let _guard = self.enter(&session.session_id, &cancel).await;
-        self.compact(&session, "manual", None, req.custom_instructions, sink, &cancel).await.map(|_| ())
+        let lease = self.lease("manual-compact");
+        self.compact(&lease, &session, "manual", None, req.custom_instructions, sink, &cancel).await.map(|_| ())
     }
 
-    /// Runs the engine's compaction (or the built-in one it delegates to) and
-    /// appends the compaction entry. The caller holds the session lock.
+    /// Runs the engine's compaction — or the built-in one it delegates to —
+    /// inside one safety window. Built-in results become a compaction entry
+    /// in the transcript; an engine that compacts itself keeps its own
+    /// state, and the transcript stays whole. The caller holds the session
+    /// lock.
+    #[allow(clippy::too_many_arguments)]
     async fn compact(
         &self,
+        lease: &Lease,
         session: &Session,
         trigger: &str,
         budget: Option<u64>,
@@ -498,28 +852,69 @@ impl Core {
     ) -> Result<api::CompactionDone, CoreError> {
         use api::compaction_event::Event as C;
         let started = Instant::now();
+        let window_end = started + self.config.compaction_timeout();
         let visible = self.visible(&session.session_id).await?;
         let tokens_before = visible.tokens();
         sink(C::Started(api::CompactionStarted { trigger: trigger.into(), tokens_before }));
-        let target = if budget.is_some() { pb::CompactionTarget::Budget } else { pb::CompactionTarget::Threshold };
+        let target_kind = if budget.is_some() { pb::CompactionTarget::Budget } else { pb::CompactionTarget::Threshold };
+        let call = Call::new(cancel.clone()).with_deadline(window_end);
+        let grant = self.grant(lease, session, None, Some(window_end));
+        let (force_reason, preflight) = match trigger {
+            "manual" => (Some("manual".to_owned()), None),
+            "proactive" => (Some("preflight_required".to_owned()), Some("tokens".to_owned())),
+            _ => (None, None),
+        };
         let request = pb::CompactRequest {
             session_id: session.session_id.clone(),
             session_key: session.session_key.clone(),
             agent_id: Some(session.agent_id.clone()),
+            session_target: Some(target(session)),
             token_budget: budget,
             force: true,
             current_token_count: Some(tokens_before),
-            compaction_target: target as i32,
+            compaction_target: target_kind as i32,
             custom_instructions: instructions.clone(),
-            ..Default::default()
+            runtime_settings: Some(self.runtime_settings(lease, budget.unwrap_or_default(), None)),
+            runtime_context: Some(pb::RuntimeContext {
+                force_reason,
+                preflight_compaction_trigger: preflight,
+                ..self.runtime_context(session, budget.unwrap_or_default(), tokens_before)
+            }),
+            host: grant.as_ref().map(|g| g.access.clone()),
         };
-        let result = match self.engine.compact(request).await {
+        let progress = |p: pb::CompactProgress| {
+            sink(C::Progress(api::CompactionProgress {
+                stage: p.stage,
+                done: p.done,
+                total: p.total,
+                message: p.message,
+            }));
+        };
+        let reply = lease.engine.compact(request, &call, &progress).await;
+        drop(grant);
+        let result = match reply {
             Ok(CompactReply::DelegateToHost(d)) => {
                 let instructions = d.custom_instructions.or(instructions);
-                self.builtin(&visible, budget, instructions, sink, cancel).await
+                self.builtin(&visible, budget, instructions, sink, cancel, window_end).await
             }
-            Ok(CompactReply::Done(r)) => Ok(engine_outcome(r, tokens_before)),
+            Ok(CompactReply::Done(r)) => {
+                // The engine compacted its own state: report it; the
+                // transcript keeps every entry.
+                let outcome = if r.ok && r.compacted { "compacted" } else { "kept" };
+                self.metrics.compaction_finished(trigger, outcome, started.elapsed(), None);
+                let done = api::CompactionDone {
+                    compacted: r.ok && r.compacted,
+                    reason: r.reason,
+                    tokens_before: if r.tokens_before > 0 { r.tokens_before } else { tokens_before },
+                    tokens_after: r.tokens_after.unwrap_or(tokens_before),
+                    entry_id: None,
+                    summary_chars: r.summary.map_or(0, |s| s.chars().count() as u32),
+                };
+                sink(C::Done(done.clone()));
+                return Ok(done);
+            }
             Err(EngineCallError::Cancelled) => Err(CompactionError::Cancelled),
+            Err(EngineCallError::DeadlineExceeded { after, .. }) => Err(CompactionError::Timeout(after)),
             Err(e) => Err(CompactionError::Model(ModelError::Unavailable(e.to_string()))),
         };
         let done = match result {
@@ -581,6 +976,8 @@ impl Core {
         Ok(done)
     }
 
+    /// Built-in compaction, each model request bounded by the safety
+    /// timeout but never past the end of the caller's window.
     async fn builtin(
         &self,
         visible: &Visible,
@@ -588,13 +985,15 @@ impl Core {
         instructions: Option<String>,
         sink: &CompactionSink<'_>,
         cancel: &CancellationToken,
+        window_end: Instant,
     ) -> Result<Outcome, CompactionError> {
         let c = &self.config.agents.defaults.compaction;
+        let left = window_end.saturating_duration_since(Instant::now());
         let settings = compaction::Settings {
             keep_recent_tokens: c.keep_recent_tokens,
             recent_turns_preserve: c.recent_turns_preserve,
             chunk_tokens: (self.config.models.context_window / 2).clamp(1_000, 30_000),
-            request_timeout: self.config.compaction_timeout(),
+            request_timeout: self.config.compaction_timeout().min(left.max(Duration::from_millis(1))),
             quality_guard: c.quality_guard.enabled,
             max_retries: c.quality_guard.max_retries,
             strict_identifiers: c.identifier_policy == IdentifierPolicy::Strict,
@@ -616,7 +1015,7 @@ impl Core {
         compaction::compact(input, self.summarizer.as_ref(), &settings, cancel, &mut progress).await
     }
 
-    // --- sessions -------------------------------------------------------
+    // --- sessions ------------------------------------------------------------
 
     pub async fn session_info(&self, s: &Session) -> Result<api::SessionInfo, CoreError> {
         let branch = self.store.branch(&s.session_id).await?;
@@ -639,16 +1038,13 @@ impl Core {
     }
 }
 
-/// An engine's own compaction result as an outcome.
-fn engine_outcome(r: pb::CompactResult, tokens_before: u64) -> Outcome {
-    match (r.ok && r.compacted, r.summary, r.first_kept_entry_id) {
-        (true, Some(summary), Some(first)) => Outcome::Compacted {
-            summary,
-            first_kept_entry_id: first,
-            tokens_before: if r.tokens_before > 0 { r.tokens_before } else { tokens_before },
-            tokens_after: r.tokens_after.unwrap_or(tokens_before),
-        },
-        _ => Outcome::Kept { reason: r.reason.unwrap_or_else(|| "the engine did not compact".into()), tokens_before },
+fn target(s: &Session) -> pb::SessionTarget {
+    pb::SessionTarget {
+        agent_id: Some(s.agent_id.clone()),
+        session_id: Some(s.session_id.clone()),
+        session_key: Some(s.session_key.clone()),
+        store_path: None,
+        thread_id: None,
     }
 }
 

@@ -21,6 +21,25 @@ pub struct Trigger {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineMethod {
+    pub engine: String,
+    pub method: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineMethodCode {
+    pub engine: String,
+    pub method: String,
+    pub code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineOperation {
+    pub engine: String,
+    pub operation: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TriggerOutcome {
     pub trigger: String,
     pub outcome: String,
@@ -37,6 +56,15 @@ pub struct Metrics {
     pub compaction_seconds: Family<Trigger, Histogram>,
     pub compaction_tokens_before: Counter,
     pub compaction_tokens_after: Counter,
+    pub engine_calls: Family<EngineMethod, Counter>,
+    pub engine_failures: Family<EngineMethodCode, Counter>,
+    pub engine_timeouts: Family<EngineMethod, Counter>,
+    pub engine_fallbacks: Family<EngineMethod, Counter>,
+    pub engine_quarantines: Family<EngineOperation, Counter>,
+    pub engine_call_seconds: Family<EngineMethod, Histogram>,
+    pub engine_bytes_sent: Family<EngineMethod, Counter>,
+    pub engine_bytes_received: Family<EngineMethod, Counter>,
+    pub host_llm_calls: Family<EngineOperation, Counter>,
 }
 
 fn seconds() -> Histogram {
@@ -68,6 +96,28 @@ impl Default for Metrics {
             "Visible tokens after successful compactions",
             compaction_tokens_after.clone(),
         );
+        let engine_calls = Family::<EngineMethod, Counter>::default();
+        let engine_failures = Family::<EngineMethodCode, Counter>::default();
+        let engine_timeouts = Family::<EngineMethod, Counter>::default();
+        let engine_fallbacks = Family::<EngineMethod, Counter>::default();
+        let engine_quarantines = Family::<EngineOperation, Counter>::default();
+        let engine_call_seconds = Family::<EngineMethod, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
+        let engine_bytes_sent = Family::<EngineMethod, Counter>::default();
+        let engine_bytes_received = Family::<EngineMethod, Counter>::default();
+        r.register("engine_calls", "Calls to remote engines", engine_calls.clone());
+        r.register("engine_failures", "Failed engine calls by gRPC code", engine_failures.clone());
+        r.register("engine_timeouts", "Engine calls past their deadline", engine_timeouts.clone());
+        r.register("engine_fallbacks", "Engine calls answered by the legacy engine", engine_fallbacks.clone());
+        r.register("engine_quarantines", "Engines taken out of service, by operation", engine_quarantines.clone());
+        r.register("engine_call_duration_seconds", "Engine call latency", engine_call_seconds.clone());
+        r.register("engine_sent_bytes", "Request bytes sent to engines", engine_bytes_sent.clone());
+        r.register("engine_received_bytes", "Reply bytes received from engines", engine_bytes_received.clone());
+        let host_llm_calls = Family::<EngineOperation, Counter>::default();
+        r.register(
+            "host_llm_calls",
+            "Host model calls made for engines, by purpose (operation label)",
+            host_llm_calls.clone(),
+        );
         Self {
             registry: Arc::new(r),
             turns,
@@ -77,6 +127,15 @@ impl Default for Metrics {
             compaction_seconds,
             compaction_tokens_before,
             compaction_tokens_after,
+            engine_calls,
+            engine_failures,
+            engine_timeouts,
+            engine_fallbacks,
+            engine_quarantines,
+            engine_call_seconds,
+            engine_bytes_sent,
+            engine_bytes_received,
+            host_llm_calls,
         }
     }
 }
@@ -94,6 +153,44 @@ impl Metrics {
             self.compaction_tokens_before.inc_by(before);
             self.compaction_tokens_after.inc_by(after);
         }
+    }
+
+    /// One remote engine call: latency, bytes, and its failure code if any.
+    pub fn engine_call(
+        &self,
+        engine: &str,
+        method: &str,
+        took: Duration,
+        sent: usize,
+        received: usize,
+        failed: Option<tonic::Code>,
+    ) {
+        let l = EngineMethod { engine: engine.into(), method: method.into() };
+        self.engine_calls.get_or_create(&l).inc();
+        self.engine_call_seconds.get_or_create(&l).observe(took.as_secs_f64());
+        self.engine_bytes_sent.get_or_create(&l).inc_by(sent as u64);
+        self.engine_bytes_received.get_or_create(&l).inc_by(received as u64);
+        if let Some(code) = failed {
+            if code == tonic::Code::DeadlineExceeded {
+                self.engine_timeouts.get_or_create(&l).inc();
+            }
+            let c = EngineMethodCode { engine: engine.into(), method: method.into(), code: format!("{code:?}") };
+            self.engine_failures.get_or_create(&c).inc();
+        }
+    }
+
+    pub fn host_llm_call(&self, engine: &str, purpose: &str) {
+        self.host_llm_calls.get_or_create(&EngineOperation { engine: engine.into(), operation: purpose.into() }).inc();
+    }
+
+    pub fn engine_fallback(&self, engine: &str, method: &str) {
+        self.engine_fallbacks.get_or_create(&EngineMethod { engine: engine.into(), method: method.into() }).inc();
+    }
+
+    pub fn engine_quarantined(&self, engine: &str, operation: &str) {
+        self.engine_quarantines
+            .get_or_create(&EngineOperation { engine: engine.into(), operation: operation.into() })
+            .inc();
     }
 
     /// The Prometheus text exposition.

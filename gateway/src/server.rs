@@ -14,7 +14,7 @@ use tonic_health::ServingStatus;
 use crate::api::Api;
 use crate::config::Config;
 use crate::core::Core;
-use crate::engine::Legacy;
+use crate::host::HostService;
 use crate::metrics::Metrics;
 use crate::store::SqliteStore;
 
@@ -84,8 +84,9 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .map_err(|e| ServeError::Store { dir: config.state_dir.display().to_string(), message: e.to_string() })?;
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
     let metrics = Metrics::default();
-    let core =
-        Arc::new(Core::new(config.clone(), Arc::new(store), provider, Arc::new(Legacy::default()), metrics.clone()));
+    let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, metrics.clone()));
+    let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
+    core.set_host_endpoint(config.host_endpoint(bound));
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
@@ -113,6 +114,12 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
+        // Engines call back with grants, not the client token.
+        .add_service(
+            ctxgate_proto::pb::host_server::HostServer::new(HostService { core: core.clone() })
+                .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES)
+                .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
+        )
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;
         });

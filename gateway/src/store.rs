@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use ctxgate_proto::pb::{self, transcript_entry::Entry};
+use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 
@@ -77,6 +77,23 @@ pub trait Store: Send + Sync + 'static {
     /// than the session's age.
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
     async fn count_sessions(&self) -> Result<u32, StoreError>;
+    /// Applies transcript replacements (message id → new message) as a new
+    /// branch from the parent of the first replaced entry; the old branch
+    /// stays for audit. One transaction.
+    async fn rewrite(
+        &self,
+        session_id: &str,
+        replacements: Vec<(String, AgentMessage)>,
+    ) -> Result<RewriteOutcome, StoreError>;
+}
+
+/// What a rewrite did (OpenClaw's TranscriptRewriteResult).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RewriteOutcome {
+    pub changed: bool,
+    pub bytes_freed: i64,
+    pub rewritten_entries: u32,
+    pub reason: String,
 }
 
 const SCHEMA: &str = "
@@ -361,6 +378,95 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn rewrite(
+        &self,
+        session_id: &str,
+        replacements: Vec<(String, AgentMessage)>,
+    ) -> Result<RewriteOutcome, StoreError> {
+        let session_id = session_id.to_owned();
+        let this = self.clone();
+        let branch = self.branch(&session_id).await?;
+        this.run(move |c| {
+            let kept = |reason: &str| Ok(RewriteOutcome { reason: reason.into(), ..Default::default() });
+            let wanted: std::collections::HashMap<String, AgentMessage> =
+                replacements.into_iter().filter(|(id, _)| !id.trim().is_empty()).collect();
+            if wanted.is_empty() {
+                return kept("no replacements requested");
+            }
+            if branch.is_empty() {
+                return kept("empty session");
+            }
+            // Matches by message id, only where the content really changes.
+            let matched = |e: &pb::TranscriptEntry| match &e.entry {
+                Some(Entry::Message(m)) => wanted.get(&m.id).filter(|new| new.content != m.content),
+                _ => None,
+            };
+            let Some(first) = branch.iter().position(|e| matched(e).is_some()) else {
+                return kept("no changed matching message entries");
+            };
+            let tx = c.transaction()?;
+            let (leaf, mut seq): (Option<String>, i64) =
+                tx.query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [&session_id], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?;
+            // The leaf moved since the branch was read: someone appended; let them win.
+            if leaf.as_deref() != branch.last().map(|e| e.id.as_str()) {
+                return kept("the branch changed while rewriting");
+            }
+            let mut parent = branch[first].parent_id.clone();
+            let mut remap = std::collections::HashMap::new();
+            let (mut freed, mut rewritten) = (0i64, 0u32);
+            for old in &branch[first..] {
+                let id = new_id();
+                remap.insert(old.id.clone(), id.clone());
+                let entry = match (&old.entry, matched(old)) {
+                    (Some(Entry::Message(m)), Some(new)) => {
+                        freed += ctxgate_proto::validate::content_bytes(m) as i64
+                            - ctxgate_proto::validate::content_bytes(new) as i64;
+                        rewritten += 1;
+                        // Engines know messages by id: the replacement keeps it.
+                        Entry::Message(AgentMessage { id: m.id.clone(), ..new.clone() })
+                    }
+                    (Some(Entry::Compaction(cmp)), _) => {
+                        let mut cmp = cmp.clone();
+                        if let Some(n) = remap.get(&cmp.first_kept_entry_id) {
+                            cmp.first_kept_entry_id = n.clone();
+                        }
+                        Entry::Compaction(cmp)
+                    }
+                    (Some(other), None) => other.clone(),
+                    (None, _) => continue,
+                };
+                let kind = if matches!(entry, Entry::Compaction(_)) { KIND_COMPACTION } else { KIND_MESSAGE };
+                let stored = pb::TranscriptEntry {
+                    id: id.clone(),
+                    parent_id: parent.clone(),
+                    seq: seq as u64,
+                    turn_id: old.turn_id.clone(),
+                    entry: Some(entry),
+                };
+                tx.execute(
+                    "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    params![id, session_id, parent, seq, kind, stored.encode_to_vec()],
+                )?;
+                parent = Some(id);
+                seq += 1;
+            }
+            tx.execute(
+                "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
+                params![session_id, parent, seq],
+            )?;
+            tx.commit()?;
+            Ok(RewriteOutcome {
+                changed: true,
+                bytes_freed: freed,
+                rewritten_entries: rewritten,
+                reason: String::new(),
+            })
+        })
+        .await
+    }
+
     async fn count_sessions(&self) -> Result<u32, StoreError> {
         self.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM sessions WHERE state = 'active'", [], |r| r.get(0))?)).await
     }
@@ -369,7 +475,16 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ctxgate_proto::pb::{AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part};
+    use ctxgate_proto::pb::{CompactionEntry, ContentPart, Role, content_part::Part};
+
+    impl NewEntry {
+        fn entry_message(self) -> AgentMessage {
+            match self.entry {
+                Entry::Message(m) => m,
+                _ => unreachable!(),
+            }
+        }
+    }
 
     fn user(text: &str) -> NewEntry {
         let m = AgentMessage {
@@ -435,6 +550,47 @@ mod tests {
             assert!(t.len() < 8, "the tail is bounded, not the whole branch ({} entries)", t.len());
             check(b, t);
         }
+    }
+
+    #[tokio::test]
+    async fn a_rewrite_branches_keeps_the_old_branch_and_remaps_summaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        let a = store.append(&s.session_id, vec![user("one"), user(&"big ".repeat(100)), user("three")]).await.unwrap();
+        let c = NewEntry {
+            turn_id: "c".into(),
+            entry: Entry::Compaction(CompactionEntry {
+                summary: "s".into(),
+                first_kept_entry_id: a[1].id.clone(),
+                ..Default::default()
+            }),
+        };
+        store.append(&s.session_id, vec![c]).await.unwrap();
+        let old = store.branch(&s.session_id).await.unwrap();
+
+        let Some(Entry::Message(mut small)) = a[1].entry.clone() else { panic!() };
+        small.content = user("elided").entry_message().content;
+        let out = store
+            .rewrite(&s.session_id, vec![(a[1].id.clone(), small), (String::new(), AgentMessage::default())])
+            .await
+            .unwrap();
+        assert!(out.changed && out.rewritten_entries == 1 && out.bytes_freed > 300, "{out:?}");
+
+        let new = store.branch(&s.session_id).await.unwrap();
+        assert_eq!(new[0].id, old[0].id, "the branch starts at the parent of the first replaced entry");
+        assert_ne!(new[1].id, old[1].id);
+        let Some(Entry::Message(m)) = &new[1].entry else { panic!() };
+        assert_eq!(m.id, a[1].id, "message ids stay stable");
+        assert_eq!(crate::provider::message_text(m), "elided");
+        let Some(Entry::Compaction(cmp)) = &new[3].entry else { panic!() };
+        assert_eq!(cmp.first_kept_entry_id, new[1].id, "the summary points into the new branch");
+        assert_eq!(crate::transcript::visible(&new).messages.len(), 2);
+        // The old branch is still stored; the same rewrite again changes nothing.
+        let stats = store.list_sessions(None, false).await.unwrap();
+        assert_eq!(stats[0].entries, 4 + 3);
+        let Some(Entry::Message(again)) = new[1].entry.clone() else { panic!() };
+        assert!(!store.rewrite(&s.session_id, vec![(a[1].id.clone(), again)]).await.unwrap().changed);
     }
 
     #[tokio::test]

@@ -1,0 +1,361 @@
+//! A remote engine behind quarantine and legacy fallback (OpenClaw's
+//! guarded engine, with health-driven re-admission because containers
+//! restart on their own).
+//!
+//! - First failure wins: the record keeps the operation, reason and time.
+//! - Set by a failed or timed-out call, a contract violation, or health
+//!   (unreachable, NOT_SERVING); never by an abort, never by UNIMPLEMENTED.
+//! - While quarantined every call gets legacy's answer and `info` reads as
+//!   legacy's. Compact and PrepareSubagentSpawn failures surface; other
+//!   failed calls get legacy's result for that same call.
+//! - Cleared when health reports SERVING after the penalty (1 s, doubling to
+//!   60 s each time a trial fails), by `readmit`, or by a config reload; the
+//!   first call after that is a trial.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+use ctxgate_proto::pb;
+use prost::Message;
+use tokio::time::Instant;
+
+use super::remote::Remote;
+use super::{Call, CompactReply, Engine, EngineCallError, Legacy, ProgressFn};
+use crate::metrics::Metrics;
+
+const FIRST_PENALTY: Duration = Duration::from_secs(1);
+const MAX_PENALTY: Duration = Duration::from_secs(60);
+
+/// Why an engine is out of service.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuarantineRecord {
+    pub operation: String,
+    pub reason: String,
+    pub since: SystemTime,
+    since_instant: Instant,
+    pub penalty: Duration,
+}
+
+/// What the health monitor last saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Unknown,
+    Serving,
+    NotServing,
+    Unreachable,
+    /// The engine serves no health service: counted as healthy.
+    NoHealthService,
+}
+
+impl Health {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unknown => "UNKNOWN",
+            Self::Serving => "SERVING",
+            Self::NotServing => "NOT_SERVING",
+            Self::Unreachable => "UNREACHABLE",
+            Self::NoHealthService => "SERVING (no health service)",
+        }
+    }
+
+    fn healthy(self) -> bool {
+        matches!(self, Self::Serving | Self::NoHealthService)
+    }
+}
+
+/// Per-method counters shown by `ctxgate status`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MethodStats {
+    pub calls: u64,
+    pub failures: u64,
+    pub timeouts: u64,
+    pub fallbacks: u64,
+}
+
+struct State {
+    quarantine: Option<QuarantineRecord>,
+    penalty: Duration,
+    trial: bool,
+    health: Health,
+    stats: BTreeMap<&'static str, MethodStats>,
+}
+
+pub struct Guarded {
+    pub remote: Remote,
+    legacy: Arc<Legacy>,
+    metrics: Metrics,
+    state: Mutex<State>,
+    /// Woken when something may change whether re-admission is due.
+    pub changed: tokio::sync::Notify,
+}
+
+type R<T> = Result<T, EngineCallError>;
+
+impl Guarded {
+    /// A new engine starts quarantined until its first attach succeeds.
+    pub fn new(remote: Remote, legacy: Arc<Legacy>, metrics: Metrics) -> Self {
+        let pending = QuarantineRecord {
+            operation: "attach".into(),
+            reason: "not attached yet".into(),
+            since: SystemTime::now(),
+            since_instant: Instant::now(),
+            penalty: Duration::ZERO,
+        };
+        let state = State {
+            quarantine: Some(pending),
+            penalty: FIRST_PENALTY,
+            trial: false,
+            health: Health::Unknown,
+            stats: BTreeMap::new(),
+        };
+        Self { remote, legacy, metrics, state: Mutex::new(state), changed: tokio::sync::Notify::new() }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn id(&self) -> &str {
+        &self.remote.id
+    }
+
+    pub fn quarantine_record(&self) -> Option<QuarantineRecord> {
+        self.lock().quarantine.clone()
+    }
+
+    pub fn is_quarantined(&self) -> bool {
+        self.lock().quarantine.is_some()
+    }
+
+    pub fn health(&self) -> Health {
+        self.lock().health
+    }
+
+    pub fn stats(&self) -> BTreeMap<&'static str, MethodStats> {
+        self.lock().stats.clone()
+    }
+
+    /// Takes the engine out of service; the first failure wins.
+    pub fn quarantine(&self, operation: &str, reason: &str) {
+        let mut s = self.lock();
+        if s.quarantine.is_some() {
+            return;
+        }
+        if std::mem::take(&mut s.trial) {
+            // The trial after a re-admission failed: wait longer next time.
+            s.penalty = (s.penalty * 2).min(MAX_PENALTY);
+        }
+        tracing::error!(
+            engine = %self.remote.id, operation, reason,
+            "context engine failed; quarantining it and falling back to \"legacy\" until health reports SERVING again"
+        );
+        s.quarantine = Some(QuarantineRecord {
+            operation: operation.into(),
+            reason: reason.into(),
+            since: SystemTime::now(),
+            since_instant: Instant::now(),
+            penalty: s.penalty,
+        });
+        drop(s);
+        self.metrics.engine_quarantined(&self.remote.id, operation);
+        self.changed.notify_waiters();
+    }
+
+    /// Records what the health monitor saw.
+    pub fn set_health(&self, h: Health) {
+        self.lock().health = h;
+        match h {
+            Health::NotServing => self.quarantine("health", "health check reports NOT_SERVING"),
+            Health::Unreachable => self.quarantine("health", "engine unreachable"),
+            _ => {}
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// When re-admission becomes due (quarantined, healthy, penalty served),
+    /// or `None` if it does not apply now.
+    pub fn readmit_at(&self) -> Option<Instant> {
+        let s = self.lock();
+        let q = s.quarantine.as_ref()?;
+        s.health.healthy().then_some(q.since_instant + q.penalty)
+    }
+
+    /// Back in service; the next call is a trial.
+    pub fn readmit(&self, why: &str) -> bool {
+        let mut s = self.lock();
+        let Some(q) = s.quarantine.take() else { return false };
+        s.trial = q.operation != "attach";
+        drop(s);
+        tracing::info!(engine = %self.remote.id, why, after = %q.reason, "context engine re-admitted");
+        self.changed.notify_waiters();
+        true
+    }
+
+    /// The engine's info, or legacy's while it is out of service.
+    fn effective_info(&self) -> pb::EngineInfo {
+        if self.is_quarantined() {
+            return self.legacy.info();
+        }
+        self.remote.info().unwrap_or_else(|| self.legacy.info())
+    }
+
+    fn count(&self, method: &'static str, f: impl FnOnce(&mut MethodStats)) {
+        f(self.lock().stats.entry(method).or_default());
+    }
+
+    /// One guarded call: legacy while quarantined; the remote otherwise,
+    /// with quarantine on failure and legacy's answer where allowed.
+    async fn guard<T, Rf, Lf>(
+        &self,
+        method: &'static str,
+        surfaces: bool,
+        bytes_out: usize,
+        remote: Rf,
+        legacy: Lf,
+    ) -> R<T>
+    where
+        T: Sized + Size,
+        Rf: Future<Output = R<T>>,
+        Lf: Future<Output = R<T>>,
+    {
+        if self.is_quarantined() {
+            self.count(method, |s| s.fallbacks += 1);
+            self.metrics.engine_fallback(&self.remote.id, method);
+            return legacy.await;
+        }
+        let started = Instant::now();
+        self.count(method, |s| s.calls += 1);
+        let r = remote.await;
+        let bytes_in = r.as_ref().map_or(0, Size::size);
+        self.metrics.engine_call(
+            &self.remote.id,
+            method,
+            started.elapsed(),
+            bytes_out,
+            bytes_in,
+            r.as_ref().err().map(|e| e.code()),
+        );
+        match r {
+            Ok(t) => {
+                let mut s = self.lock();
+                if std::mem::take(&mut s.trial) {
+                    // The trial passed: the next quarantine starts from 1 s again.
+                    s.penalty = FIRST_PENALTY;
+                }
+                Ok(t)
+            }
+            // An abort is the caller's doing; UNIMPLEMENTED means "not implemented".
+            Err(e @ (EngineCallError::Cancelled | EngineCallError::Unimplemented(_))) => Err(e),
+            Err(e) => {
+                self.count(method, |s| {
+                    s.failures += 1;
+                    if matches!(e, EngineCallError::DeadlineExceeded { .. }) {
+                        s.timeouts += 1;
+                    }
+                });
+                self.quarantine(method, &e.to_string());
+                if surfaces {
+                    return Err(e);
+                }
+                self.count(method, |s| s.fallbacks += 1);
+                self.metrics.engine_fallback(&self.remote.id, method);
+                legacy.await
+            }
+        }
+    }
+}
+
+/// Encoded size of a reply, for the byte counters.
+trait Size {
+    fn size(&self) -> usize;
+}
+
+impl<T: Message> Size for T {
+    fn size(&self) -> usize {
+        self.encoded_len()
+    }
+}
+
+impl Size for CompactReply {
+    fn size(&self) -> usize {
+        match self {
+            CompactReply::Done(r) => r.encoded_len(),
+            CompactReply::DelegateToHost(d) => d.encoded_len(),
+        }
+    }
+}
+
+#[async_trait]
+impl Engine for Guarded {
+    fn info(&self) -> pb::EngineInfo {
+        self.effective_info()
+    }
+
+    async fn bootstrap(&self, req: pb::BootstrapRequest, call: &Call) -> R<pb::BootstrapResult> {
+        let n = req.encoded_len();
+        self.guard("Bootstrap", false, n, self.remote.bootstrap(req.clone(), call), self.legacy.bootstrap(req, call))
+            .await
+    }
+
+    async fn ingest(&self, req: pb::IngestRequest, call: &Call) -> R<pb::IngestResult> {
+        let n = req.encoded_len();
+        self.guard("Ingest", false, n, self.remote.ingest(req.clone(), call), self.legacy.ingest(req, call)).await
+    }
+
+    async fn assemble(&self, req: pb::AssembleRequest, call: &Call) -> R<pb::AssembleResult> {
+        let n = req.encoded_len();
+        self.guard("Assemble", false, n, self.remote.assemble(req.clone(), call), self.legacy.assemble(req, call)).await
+    }
+
+    async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply> {
+        let n = req.encoded_len();
+        let legacy = self.legacy.compact(req.clone(), call, progress);
+        self.guard("Compact", true, n, self.remote.compact(req, call, progress), legacy).await
+    }
+
+    async fn after_turn(&self, req: pb::AfterTurnRequest, call: &Call) -> R<pb::AfterTurnResult> {
+        let n = req.encoded_len();
+        self.guard("AfterTurn", false, n, self.remote.after_turn(req.clone(), call), self.legacy.after_turn(req, call))
+            .await
+    }
+
+    async fn maintain(&self, req: pb::MaintainRequest, call: &Call) -> R<pb::MaintainResult> {
+        let n = req.encoded_len();
+        self.guard("Maintain", false, n, self.remote.maintain(req.clone(), call), self.legacy.maintain(req, call)).await
+    }
+
+    async fn prepare_subagent_spawn(
+        &self,
+        req: pb::PrepareSubagentSpawnRequest,
+        call: &Call,
+    ) -> R<pb::PrepareSubagentSpawnResult> {
+        let n = req.encoded_len();
+        let legacy = self.legacy.prepare_subagent_spawn(req.clone(), call);
+        self.guard("PrepareSubagentSpawn", true, n, self.remote.prepare_subagent_spawn(req, call), legacy).await
+    }
+
+    async fn rollback_subagent_spawn(
+        &self,
+        req: pb::RollbackSubagentSpawnRequest,
+        call: &Call,
+    ) -> R<pb::RollbackSubagentSpawnResult> {
+        let n = req.encoded_len();
+        let legacy = self.legacy.rollback_subagent_spawn(req.clone(), call);
+        self.guard("RollbackSubagentSpawn", false, n, self.remote.rollback_subagent_spawn(req, call), legacy).await
+    }
+
+    async fn on_subagent_ended(&self, req: pb::OnSubagentEndedRequest, call: &Call) -> R<pb::OnSubagentEndedResult> {
+        let n = req.encoded_len();
+        self.guard(
+            "OnSubagentEnded",
+            false,
+            n,
+            self.remote.on_subagent_ended(req.clone(), call),
+            self.legacy.on_subagent_ended(req, call),
+        )
+        .await
+    }
+}

@@ -1,0 +1,176 @@
+//! Context engines as the gateway sees them: one [`Engine`] trait, speaking
+//! the contract's own types, implemented by the in-process [`Legacy`]
+//! engine, the raw gRPC [`remote::Remote`] client, and the
+//! [`guarded::Guarded`] wrapper that adds quarantine and legacy fallback.
+
+pub mod guarded;
+pub mod health;
+mod legacy;
+pub mod registry;
+pub mod remote;
+
+use async_trait::async_trait;
+use ctxgate_proto::pb;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub use legacy::{LEGACY_ID, Legacy, sanitise};
+
+/// What every engine call carries from its caller.
+#[derive(Debug, Clone, Default)]
+pub struct Call {
+    /// Fires when the caller aborts: the call is dropped (RST_STREAM).
+    pub cancel: CancellationToken,
+    /// The caller's own deadline; the method's timeout is cut to it.
+    pub deadline: Option<Instant>,
+}
+
+impl Call {
+    pub fn new(cancel: CancellationToken) -> Self {
+        Self { cancel, deadline: None }
+    }
+
+    pub fn with_deadline(mut self, deadline: Instant) -> Self {
+        self.deadline = Some(deadline);
+        self
+    }
+}
+
+/// Why an engine call failed, as the turn core needs to know it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EngineCallError {
+    /// The caller aborted: never the engine's fault, never quarantines.
+    #[error("the engine call was cancelled")]
+    Cancelled,
+    /// The engine does not implement this optional method: not a failure.
+    #[error("the engine does not implement {0}")]
+    Unimplemented(&'static str),
+    #[error("the engine did not answer {method} within {after:?}")]
+    DeadlineExceeded { method: &'static str, after: std::time::Duration },
+    /// The engine answered something the contract forbids.
+    #[error("the engine broke the contract in {method}: {detail}")]
+    ContractViolation { method: &'static str, detail: String },
+    /// The engine (or the way to it) failed.
+    #[error("{method} failed: {code:?}: {detail}")]
+    Failed { method: &'static str, code: tonic::Code, detail: String },
+    /// The engine is quarantined and the method has no legacy fallback.
+    #[error("the engine is quarantined")]
+    Quarantined,
+}
+
+impl EngineCallError {
+    /// The gRPC code the failure counts as (metrics, status).
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            Self::Cancelled => tonic::Code::Cancelled,
+            Self::Unimplemented(_) => tonic::Code::Unimplemented,
+            Self::DeadlineExceeded { .. } => tonic::Code::DeadlineExceeded,
+            Self::ContractViolation { .. } => tonic::Code::Internal,
+            Self::Failed { code, .. } => *code,
+            Self::Quarantined => tonic::Code::Unavailable,
+        }
+    }
+}
+
+/// How an engine answered Compact. Built once per compaction: not worth a box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum CompactReply {
+    Done(pb::CompactResult),
+    /// Run the gateway's built-in compaction (OpenClaw `delegateCompactionToRuntime`).
+    DelegateToHost(pb::DelegateToHost),
+}
+
+/// Receives an engine's compaction progress as it streams.
+pub type ProgressFn<'a> = dyn Fn(pb::CompactProgress) + Send + Sync + 'a;
+
+type R<T> = Result<T, EngineCallError>;
+
+#[async_trait]
+pub trait Engine: Send + Sync + 'static {
+    /// The engine's info (legacy's while a remote engine is quarantined).
+    fn info(&self) -> pb::EngineInfo;
+    async fn bootstrap(&self, req: pb::BootstrapRequest, call: &Call) -> R<pb::BootstrapResult>;
+    async fn ingest(&self, req: pb::IngestRequest, call: &Call) -> R<pb::IngestResult>;
+    async fn assemble(&self, req: pb::AssembleRequest, call: &Call) -> R<pb::AssembleResult>;
+    async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply>;
+    async fn after_turn(&self, req: pb::AfterTurnRequest, call: &Call) -> R<pb::AfterTurnResult>;
+    async fn maintain(&self, req: pb::MaintainRequest, call: &Call) -> R<pb::MaintainResult>;
+    async fn prepare_subagent_spawn(
+        &self,
+        req: pb::PrepareSubagentSpawnRequest,
+        call: &Call,
+    ) -> R<pb::PrepareSubagentSpawnResult>;
+    async fn rollback_subagent_spawn(
+        &self,
+        req: pb::RollbackSubagentSpawnRequest,
+        call: &Call,
+    ) -> R<pb::RollbackSubagentSpawnResult>;
+    async fn on_subagent_ended(&self, req: pb::OnSubagentEndedRequest, call: &Call) -> R<pb::OnSubagentEndedResult>;
+}
+
+/// Host capabilities of the managed driver (`ctxgate-embedded`).
+pub const EMBEDDED_HOST_ID: &str = "ctxgate-embedded";
+pub const EMBEDDED_HOST_LABEL: &str = "ctxgate embedded runner";
+pub const EMBEDDED_HOST_CAPABILITIES: [&str; 6] =
+    ["bootstrap", "assemble-before-prompt", "after-turn", "maintain", "compact", "runtime-llm-complete"];
+
+/// Checks `info`'s requirements for `operation` against a host; the error
+/// is OpenClaw's message, word for word in shape.
+pub fn check_host_requirements(
+    info: &pb::EngineInfo,
+    operation: &str,
+    host_label: &str,
+    host_caps: &[&str],
+) -> Result<(), String> {
+    let Some(req) = info.host_requirements.iter().find(|r| r.operation == operation) else { return Ok(()) };
+    let missing: Vec<&str> =
+        req.required_capabilities.iter().map(String::as_str).filter(|c| !host_caps.contains(c)).collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let caps = if host_caps.is_empty() { "(none)".to_owned() } else { host_caps.join(", ") };
+    let mut msg = format!(
+        "Context engine \"{}\" cannot run operation \"{operation}\" on {host_label}. Missing host capabilities: {}. Required capabilities: {}. Host capabilities: {caps}.",
+        info.id,
+        missing.join(", "),
+        req.required_capabilities.join(", ")
+    );
+    if let Some(extra) = req.unsupported_message.as_deref().filter(|m| !m.trim().is_empty()) {
+        msg.push(' ');
+        msg.push_str(extra);
+    }
+    Err(msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_requirements_fail_closed_with_openclaws_message() {
+        let info = pb::EngineInfo {
+            id: "lossless".into(),
+            host_requirements: vec![pb::HostRequirement {
+                operation: "agent-run".into(),
+                required_capabilities: vec!["compact".into(), "thread-bootstrap-projection".into()],
+                unsupported_message: Some("Use the Codex harness.".into()),
+            }],
+            ..Default::default()
+        };
+        let err =
+            check_host_requirements(&info, "agent-run", EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES).unwrap_err();
+        assert_eq!(
+            err,
+            "Context engine \"lossless\" cannot run operation \"agent-run\" on ctxgate embedded runner. Missing host capabilities: thread-bootstrap-projection. Required capabilities: compact, thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Use the Codex harness."
+        );
+        assert!(
+            check_host_requirements(&info, "manual-compact", EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES).is_ok()
+        );
+        assert!(
+            check_host_requirements(&info, "agent-run", "a bare host", &[])
+                .unwrap_err()
+                .contains("Host capabilities: (none).")
+        );
+    }
+}

@@ -1,0 +1,345 @@
+//! The raw gRPC client of one remote engine: deadlines (method default cut
+//! to the caller's time, sent as `grpc-timeout` and enforced here too),
+//! cancellation, host-param projection, and validation of every reply. Each
+//! call runs in its own task, so even a panic inside tonic on a malformed
+//! reply is one failed call, never a crashed gateway.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::RwLock;
+use std::time::Duration;
+
+use ctxgate_proto::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
+use ctxgate_proto::validate;
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Status};
+
+use super::{Call, CompactReply, EngineCallError, LEGACY_ID, ProgressFn};
+use crate::config::{DEFAULT_ENGINE_TIMEOUT_SECONDS, EngineEntry};
+
+/// One remote engine's connection and settings.
+pub struct Remote {
+    pub id: String,
+    pub endpoint: String,
+    client: ContextEngineClient<Channel>,
+    channel: Channel,
+    timeouts: BTreeMap<String, Duration>,
+    default_timeout: Duration,
+    /// The info from the last successful attach (GetInfo).
+    info: RwLock<Option<pb::EngineInfo>>,
+}
+
+/// Aborts a spawned call when the caller stops waiting for it.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn camel(method: &str) -> String {
+    let mut c = method.chars();
+    c.next().map(|f| f.to_lowercase().chain(c).collect()).unwrap_or_default()
+}
+
+/// A status as the call's failure. tonic reports its own expired timeout as
+/// CANCELLED "Timeout expired": that is a deadline, not an abort.
+fn failure(method: &'static str, s: Status, timeout: Duration) -> EngineCallError {
+    match s.code() {
+        Code::DeadlineExceeded => EngineCallError::DeadlineExceeded { method, after: timeout },
+        Code::Cancelled if s.message() == "Timeout expired" => {
+            EngineCallError::DeadlineExceeded { method, after: timeout }
+        }
+        Code::Unimplemented => EngineCallError::Unimplemented(method),
+        code => EngineCallError::Failed { method, code, detail: s.message().chars().take(500).collect() },
+    }
+}
+
+fn violation(method: &'static str, v: impl std::fmt::Display) -> EngineCallError {
+    EngineCallError::ContractViolation { method, detail: v.to_string() }
+}
+
+impl Remote {
+    pub fn new(id: &str, entry: &EngineEntry, compact_timeout: Duration) -> Result<Self, String> {
+        let endpoint: ctxgate_engine_sdk::Endpoint = entry.endpoint.parse().map_err(|e| format!("{e}"))?;
+        let channel = ctxgate_engine_sdk::channel(&endpoint);
+        let client = ContextEngineClient::new(channel.clone())
+            .max_decoding_message_size(entry.max_message_bytes)
+            .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES);
+        let mut timeouts: BTreeMap<String, Duration> =
+            entry.timeouts.iter().map(|(k, v)| (k.clone(), Duration::from_secs_f64(*v))).collect();
+        timeouts.entry("compact".into()).or_insert(compact_timeout);
+        let default_timeout =
+            timeouts.get("default").copied().unwrap_or(Duration::from_secs_f64(DEFAULT_ENGINE_TIMEOUT_SECONDS));
+        Ok(Self {
+            id: id.to_owned(),
+            endpoint: entry.endpoint.clone(),
+            client,
+            channel,
+            timeouts,
+            default_timeout,
+            info: RwLock::new(None),
+        })
+    }
+
+    /// The engine's channel (shared connection), for health checks.
+    pub fn channel(&self) -> Channel {
+        self.channel.clone()
+    }
+
+    /// The info from the last attach, if any.
+    pub fn info(&self) -> Option<pb::EngineInfo> {
+        self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The method's timeout cut to the caller's deadline.
+    fn budget(&self, method: &str, call: &Call) -> Duration {
+        let own = self.timeouts.get(&camel(method)).copied().unwrap_or(self.default_timeout);
+        match call.deadline {
+            Some(d) => own.min(d.saturating_duration_since(Instant::now())),
+            None => own,
+        }
+    }
+
+    /// Runs `f` in its own task under the call's deadline and cancellation.
+    async fn run<T, F>(
+        &self,
+        method: &'static str,
+        call: &Call,
+        f: impl FnOnce(ContextEngineClient<Channel>, Duration) -> F,
+    ) -> Result<T, EngineCallError>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, EngineCallError>> + Send + 'static,
+    {
+        if call.cancel.is_cancelled() {
+            return Err(EngineCallError::Cancelled);
+        }
+        let timeout = self.budget(method, call);
+        let task = tokio::spawn(f(self.client.clone(), timeout));
+        let _abort = AbortOnDrop(task.abort_handle());
+        tokio::select! {
+            r = tokio::time::timeout(timeout, task) => match r {
+                Err(_) => Err(EngineCallError::DeadlineExceeded { method, after: timeout }),
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) if e.is_panic() => Err(EngineCallError::Failed { method, code: Code::Internal, detail: "the client task panicked on the engine's reply".into() }),
+                Ok(Err(_)) => Err(EngineCallError::Cancelled),
+            },
+            () = call.cancel.cancelled() => Err(EngineCallError::Cancelled),
+        }
+    }
+
+    /// GetInfo plus contract validation; on success the info is kept.
+    pub async fn attach(&self, call: &Call) -> Result<pb::EngineInfo, EngineCallError> {
+        let info = self
+            .run("GetInfo", call, |mut c, t| async move {
+                let mut req = Request::new(pb::GetInfoRequest {});
+                req.set_timeout(t);
+                c.get_info(req).await.map(tonic::Response::into_inner).map_err(|s| failure("GetInfo", s, t))
+            })
+            .await?;
+        validate::result::info(&info).map_err(|v| violation("GetInfo", v))?;
+        if info.id.trim() == LEGACY_ID {
+            return Err(violation("GetInfo", "info.id: \"legacy\" is reserved for the gateway's own engine"));
+        }
+        *self.info.write().unwrap_or_else(|e| e.into_inner()) = Some(info.clone());
+        Ok(info)
+    }
+
+    fn accepted(&self) -> Option<Vec<String>> {
+        self.info().and_then(|i| i.accepted_host_params).map(|a| a.params)
+    }
+}
+
+/// Host params an engine did not accept are cleared before sending
+/// (OpenClaw's `acceptedHostParams` projection). Unset = every param.
+macro_rules! project {
+    ($req:expr, $accepted:expr, [$($param:ident),*]) => {
+        if let Some(accepted) = $accepted {
+            $(
+                if !accepted.iter().any(|a| a == stringify!($param)) {
+                    $req.$param = Default::default();
+                }
+            )*
+        }
+    };
+}
+
+/// One unary engine method: project, send with the deadline, validate.
+macro_rules! unary {
+    ($name:ident, $rpc:ident, $method:literal, $Req:ty, $Res:ty, [$($param:ident),*], $check:expr) => {
+        #[allow(unused_mut, unused_variables)]
+        pub async fn $name(&self, mut req: $Req, call: &Call) -> Result<$Res, EngineCallError> {
+            project!(req, self.accepted(), [$($param),*]);
+            let r = self
+                .run($method, call, |mut c, t| async move {
+                    let mut r = Request::new(req);
+                    r.set_timeout(t);
+                    c.$rpc(r).await.map(tonic::Response::into_inner).map_err(|s| failure($method, s, t))
+                })
+                .await?;
+            let check: fn(&$Res) -> validate::Result = $check;
+            check(&r).map_err(|v| violation($method, v))?;
+            Ok(r)
+        }
+    };
+}
+
+fn ok<T>(_: &T) -> validate::Result {
+    Ok(())
+}
+
+impl Remote {
+    unary!(
+        bootstrap,
+        bootstrap,
+        "Bootstrap",
+        pb::BootstrapRequest,
+        pb::BootstrapResult,
+        [session_key, session_target, runtime_settings, runtime_context, host],
+        ok
+    );
+    unary!(ingest, ingest, "Ingest", pb::IngestRequest, pb::IngestResult, [session_key], ok);
+    unary!(
+        after_turn,
+        after_turn,
+        "AfterTurn",
+        pb::AfterTurnRequest,
+        pb::AfterTurnResult,
+        [session_key, session_target, runtime_settings, runtime_context, host],
+        ok
+    );
+    unary!(
+        commit_turn,
+        commit_turn,
+        "CommitTurn",
+        pb::CommitTurnRequest,
+        pb::CommitTurnResult,
+        [session_key, session_target, runtime_settings, runtime_context, host],
+        validate::result::commit_turn
+    );
+    unary!(
+        maintain,
+        maintain,
+        "Maintain",
+        pb::MaintainRequest,
+        pb::MaintainResult,
+        [session_key, session_target, runtime_settings, runtime_context, host],
+        validate::result::maintain
+    );
+    unary!(
+        prepare_subagent_spawn,
+        prepare_subagent_spawn,
+        "PrepareSubagentSpawn",
+        pb::PrepareSubagentSpawnRequest,
+        pb::PrepareSubagentSpawnResult,
+        [host],
+        ok
+    );
+    unary!(
+        rollback_subagent_spawn,
+        rollback_subagent_spawn,
+        "RollbackSubagentSpawn",
+        pb::RollbackSubagentSpawnRequest,
+        pb::RollbackSubagentSpawnResult,
+        [],
+        ok
+    );
+    unary!(
+        on_subagent_ended,
+        on_subagent_ended,
+        "OnSubagentEnded",
+        pb::OnSubagentEndedRequest,
+        pb::OnSubagentEndedResult,
+        [],
+        ok
+    );
+
+    pub async fn assemble(
+        &self,
+        mut req: pb::AssembleRequest,
+        call: &Call,
+    ) -> Result<pb::AssembleResult, EngineCallError> {
+        project!(req, self.accepted(), [session_key, prompt, runtime_settings, runtime_context, host]);
+        let history = req.messages.clone();
+        let r = self
+            .run("Assemble", call, |mut c, t| async move {
+                let mut r = Request::new(req);
+                r.set_timeout(t);
+                c.assemble(r).await.map(tonic::Response::into_inner).map_err(|s| failure("Assemble", s, t))
+            })
+            .await?;
+        validate::result::assemble(&r, &history).map_err(|v| violation("Assemble", v))?;
+        Ok(r)
+    }
+
+    /// Compact: the whole stream is one safety window. Progress goes to
+    /// `progress` as it arrives; exactly one terminal event must end it.
+    pub async fn compact(
+        &self,
+        mut req: pb::CompactRequest,
+        call: &Call,
+        progress: &ProgressFn<'_>,
+    ) -> Result<CompactReply, EngineCallError> {
+        project!(req, self.accepted(), [session_target, runtime_settings, runtime_context, host]);
+        const M: &str = "Compact";
+        if call.cancel.is_cancelled() {
+            return Err(EngineCallError::Cancelled);
+        }
+        let timeout = self.budget(M, call);
+        let deadline = Instant::now() + timeout;
+        // Progress crosses from the call's task through a channel.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut client = self.client.clone();
+        let task = tokio::spawn(async move {
+            let mut r = Request::new(req);
+            r.set_timeout(timeout);
+            let mut stream = client.compact(r).await.map_err(|s| failure(M, s, timeout))?.into_inner();
+            let mut terminal = None;
+            while let Some(event) = stream.next().await {
+                let event = event.map_err(|s| failure(M, s, timeout))?;
+                if terminal.is_some() {
+                    return Err(violation(M, "an event came after the terminal event"));
+                }
+                match event.event {
+                    Some(Event::Progress(p)) => {
+                        let _ = tx.send(p);
+                    }
+                    Some(Event::Result(r)) => terminal = Some(CompactReply::Done(r)),
+                    Some(Event::DelegateToHost(d)) => terminal = Some(CompactReply::DelegateToHost(d)),
+                    None => return Err(violation(M, "an event with nothing set")),
+                }
+            }
+            terminal.ok_or_else(|| violation(M, "the stream ended without a result or delegate_to_host"))
+        });
+        let _abort = AbortOnDrop(task.abort_handle());
+        tokio::pin!(task);
+        loop {
+            tokio::select! {
+                Some(p) = rx.recv() => progress(p),
+                r = &mut task => {
+                    while let Ok(p) = rx.try_recv() {
+                        progress(p);
+                    }
+                    let reply = match r {
+                        Ok(r) => r?,
+                        Err(e) if e.is_panic() => return Err(EngineCallError::Failed { method: M, code: Code::Internal, detail: "the client task panicked on the engine's reply".into() }),
+                        Err(_) => return Err(EngineCallError::Cancelled),
+                    };
+                    if let CompactReply::Done(r) = &reply
+                        && r.compacted
+                        && !r.ok
+                    {
+                        return Err(violation(M, "result says compacted but not ok"));
+                    }
+                    return Ok(reply);
+                }
+                () = tokio::time::sleep_until(deadline) => return Err(EngineCallError::DeadlineExceeded { method: M, after: timeout }),
+                () = call.cancel.cancelled() => return Err(EngineCallError::Cancelled),
+            }
+        }
+    }
+}
