@@ -95,6 +95,8 @@ pub struct Bound<E> {
     server: Server<E>,
     listener: Listener,
     local: Endpoint,
+    reporter: tonic_health::server::HealthReporter,
+    health: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
 }
 
 impl<E: ContextEngine> Server<E> {
@@ -128,11 +130,22 @@ impl<E: ContextEngine> Server<E> {
                 (Listener::Unix(l, path.clone()), endpoint.clone())
             }
         };
-        Ok(Bound { server: self, listener, local })
+        let reporter = tonic_health::server::HealthReporter::new();
+        reporter.set_service_status(ENGINE_SERVICE, ServingStatus::Serving).await;
+        let health = tonic_health::pb::health_server::HealthServer::new(
+            tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
+        );
+        Ok(Bound { server: self, listener, local, reporter, health })
     }
 }
 
 impl<E: ContextEngine> Bound<E> {
+    /// The health reporter: an engine can report NOT_SERVING itself (a lost
+    /// backend, say) and SERVING again; the server also flips it on drain.
+    pub fn health_reporter(&self) -> tonic_health::server::HealthReporter {
+        self.reporter.clone()
+    }
+
     /// The address actually bound (port 0 resolved).
     pub fn local_endpoint(&self) -> &Endpoint {
         &self.local
@@ -141,8 +154,7 @@ impl<E: ContextEngine> Bound<E> {
     /// Serves until `shutdown` resolves, then reports NOT_SERVING, stops
     /// accepting, and gives in-flight calls the drain timeout to finish.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), tonic::transport::Error> {
-        let (reporter, health) = tonic_health::server::health_reporter();
-        reporter.set_service_status(ENGINE_SERVICE, ServingStatus::Serving).await;
+        let (reporter, health) = (self.reporter, self.health);
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)

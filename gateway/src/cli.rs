@@ -417,7 +417,26 @@ pub async fn serve(
     tracing::info!(%addr, ?metrics, state_dir = %cfg.state_dir.display(), provider = ?cfg.models.provider, "ctxgate serving");
     println!("listening on {addr}");
     let _ = std::io::stdout().flush();
-    crate::server::run(cfg, listeners, shutdown_signal()).await.map_err(|e| CliError(e.to_string()))
+    // SIGHUP re-reads the config file and applies its engine settings.
+    let (reload_tx, reloads) = tokio::sync::mpsc::channel(1);
+    let (path, overrides) = (config.clone(), cfg.clone());
+    tokio::spawn(async move {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+        while hup.recv().await.is_some() {
+            match Config::load(path.as_deref(), |k| std::env::var(k).ok()) {
+                Ok(mut next) => {
+                    // Listen address and state dir cannot change without a restart.
+                    next.gateway.listen.clone_from(&overrides.gateway.listen);
+                    next.state_dir.clone_from(&overrides.state_dir);
+                    let _ = reload_tx.send(next).await;
+                }
+                Err(e) => tracing::error!(error = %e, "config reload failed; keeping the running configuration"),
+            }
+        }
+    });
+    crate::server::run_with_reloads(cfg, listeners, shutdown_signal(), reloads)
+        .await
+        .map_err(|e| CliError(e.to_string()))
 }
 
 async fn shutdown_signal() {

@@ -79,6 +79,18 @@ impl tonic::service::Interceptor for Auth {
 /// Serves until `shutdown` resolves; then reports NOT_SERVING, cancels
 /// running turns and compactions, and drains.
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+    let (_keep, reloads) = tokio::sync::mpsc::channel(1);
+    run_with_reloads(config, listeners, shutdown, reloads).await
+}
+
+/// [`run`], applying every configuration received on `reloads` to the
+/// engines (new clients, quarantines cleared, the slot re-resolved).
+pub async fn run_with_reloads(
+    config: Config,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+    mut reloads: tokio::sync::mpsc::Receiver<Config>,
+) -> Result<(), ServeError> {
     let config = Arc::new(config);
     let store = SqliteStore::open(&config.state_dir)
         .map_err(|e| ServeError::Store { dir: config.state_dir.display().to_string(), message: e.to_string() })?;
@@ -88,6 +100,14 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
     let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
     core.set_host_endpoint(config.host_endpoint(bound));
 
+    let reloader = {
+        let core = core.clone();
+        tokio::spawn(async move {
+            while let Some(next) = reloads.recv().await {
+                core.reload_engines(&next);
+            }
+        })
+    };
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -135,6 +155,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
             tokio::time::timeout(Duration::from_secs(10), &mut serving).await.unwrap_or(Ok(()))
         }
     };
+    reloader.abort();
     metrics_stop.cancel();
     if let Some(t) = metrics_task {
         t.await.map_err(|e| ServeError::Metrics(std::io::Error::other(e)))?.map_err(ServeError::Metrics)?;

@@ -31,6 +31,9 @@ pub struct EngineProcess {
     child: Child,
     /// What the engine printed after `listening on`, as a client endpoint.
     pub endpoint: String,
+    /// Every later stdout line (fixtures report events there).
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    line_added: std::sync::Arc<tokio::sync::Notify>,
 }
 
 /// How long an engine may take to print `listening on` (the Python engine
@@ -56,9 +59,34 @@ impl EngineProcess {
             .strip_prefix("listening on ")
             .ok_or_else(|| std::io::Error::other(format!("unexpected first line {line:?}")))?;
         let endpoint = if addr.starts_with("unix://") { addr.to_owned() } else { format!("http://{addr}") };
-        // Anything else the engine prints goes nowhere (it must print nothing).
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        Ok(Self { child, endpoint })
+        let (store, added) = (
+            std::sync::Arc::<std::sync::Mutex<Vec<String>>>::default(),
+            std::sync::Arc::new(tokio::sync::Notify::new()),
+        );
+        let (s, a) = (store.clone(), added.clone());
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                s.lock().unwrap_or_else(|e| e.into_inner()).push(line);
+                a.notify_waiters();
+            }
+        });
+        Ok(Self { child, endpoint, lines: store, line_added: added })
+    }
+
+    /// The first later stdout line starting with `prefix`, waiting up to
+    /// `within` for it.
+    pub async fn wait_line(&self, prefix: &str, within: Duration) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let added = self.line_added.notified();
+            if let Some(l) = self.lines.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|l| l.starts_with(prefix))
+            {
+                return Some(l.clone());
+            }
+            if tokio::time::timeout_at(deadline, added).await.is_err() {
+                return None;
+            }
+        }
     }
 
     /// The process id.
@@ -88,6 +116,7 @@ pub struct TestGateway {
     pub endpoint: String,
     pub client: ctxgate_proto::gateway::gateway_client::GatewayClient<tonic::transport::Channel>,
     pub metrics: Option<std::net::SocketAddr>,
+    reloads: tokio::sync::mpsc::Sender<ctxgate::config::Config>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<Result<(), ctxgate::server::ServeError>>,
     _state: tempfile::TempDir,
@@ -102,13 +131,24 @@ impl TestGateway {
         let addr = listeners.api.local_addr().expect("addr");
         let metrics = listeners.metrics.as_ref().map(|l| l.local_addr().expect("addr"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(ctxgate::server::run(config, listeners, async {
-            let _ = stopped.await;
-        }));
+        let (reloads, reload_rx) = tokio::sync::mpsc::channel(1);
+        let task = tokio::spawn(ctxgate::server::run_with_reloads(
+            config,
+            listeners,
+            async {
+                let _ = stopped.await;
+            },
+            reload_rx,
+        ));
         let endpoint = format!("http://{addr}");
         let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).expect("uri").connect_lazy();
         let client = ctxgate_proto::gateway::gateway_client::GatewayClient::new(channel);
-        Self { endpoint, client, metrics, stop: Some(stop), task, _state: state }
+        Self { endpoint, client, metrics, reloads, stop: Some(stop), task, _state: state }
+    }
+
+    /// Applies `config` to the engines, as SIGHUP does for `ctxgate serve`.
+    pub async fn reload(&self, config: ctxgate::config::Config) {
+        self.reloads.send(config).await.expect("the gateway runs");
     }
 
     pub async fn stop(mut self) {

@@ -69,7 +69,10 @@ pub async fn monitor(engine: Arc<Guarded>, stop: CancellationToken) {
                             Some(Ok(r)) => engine.set_health(status_health(r.status)),
                             // NOT_FOUND: the engine does not know the service name.
                             Some(Err(s)) if s.code() == Code::NotFound => { engine.set_health(Health::NotServing); break; }
-                            _ => { engine.set_health(Health::Unreachable); break; }
+                            // A broken stream may be a blip: reconnect first;
+                            // only a failed reconnect marks it unreachable (so a
+                            // call failing at the same moment names the operation).
+                            _ => break,
                         },
                         () = readmit_if_due(&engine, &stop) => {}
                         () = stop.cancelled() => return,

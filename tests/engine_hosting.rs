@@ -1,0 +1,415 @@
+//! The gateway hosting real engine processes: the window engine, the Python
+//! engine, and the fault fixture that crashes, hangs, reports NOT_SERVING,
+//! answers garbage or oversized replies, or compacts slowly. Every fault
+//! must end in the documented outcome, with the quarantine naming the
+//! operation and no transcript entry lost.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use ctxgate::config::{Config, EngineEntry, ProviderKind};
+use ctxgate_proto::gateway::{self as api, turn_event::Event};
+use ctxgate_proto::pb::transcript_entry::Entry;
+use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, repo_root};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+fn session(key: &str) -> Option<api::SessionRef> {
+    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
+}
+
+async fn fault_engine(faults: &str) -> EngineProcess {
+    EngineProcess::start(bin("ctxgate-fault-engine"), &["--listen", "127.0.0.1:0", "--fault", faults]).await.unwrap()
+}
+
+fn hosting(id: &str, endpoint: &str, timeouts: &[(&str, f64)]) -> Config {
+    let mut c = Config::default();
+    let entry = EngineEntry {
+        endpoint: endpoint.into(),
+        timeouts: timeouts.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect::<BTreeMap<_, _>>(),
+        ..EngineEntry::default()
+    };
+    c.plugins.entries.insert(id.into(), entry);
+    c.plugins.slots.context_engine = Some(id.into());
+    c
+}
+
+async fn status(g: &TestGateway) -> api::StatusResult {
+    g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner()
+}
+
+async fn engine_status(g: &TestGateway, id: &str) -> api::EngineStatus {
+    status(g).await.engines.into_iter().find(|e| e.id == id).unwrap()
+}
+
+/// Polls Status (bounded) until `ok` holds for the engine.
+async fn wait_engine(
+    g: &TestGateway,
+    id: &str,
+    what: &str,
+    ok: impl Fn(&api::EngineStatus) -> bool,
+) -> api::EngineStatus {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let e = engine_status(g, id).await;
+        if ok(&e) {
+            return e;
+        }
+        assert!(Instant::now() < deadline, "engine {id} never became {what}: {e:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn attached(g: &TestGateway, id: &str) {
+    wait_engine(g, id, "attached", |e| e.quarantine.is_none() && !e.name.is_empty()).await;
+}
+
+async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
+    let req = api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None };
+    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        events.push(e.unwrap().event.unwrap());
+    }
+    events
+}
+
+fn selected(events: &[Event]) -> &api::EngineSelected {
+    events.iter().find_map(|e| if let Event::EngineSelected(s) = e { Some(s) } else { None }).unwrap()
+}
+
+fn completed(events: &[Event]) -> bool {
+    matches!(events.last(), Some(Event::Completed(_)))
+}
+
+async fn messages(g: &TestGateway, key: &str) -> Vec<String> {
+    let req = api::GetTranscriptRequest { session: session(key), visible_only: false };
+    g.client
+        .clone()
+        .get_transcript(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .filter_map(|e| {
+            if let Some(Entry::Message(m)) = e.entry { Some(ctxgate::provider::message_text(&m)) } else { None }
+        })
+        .collect()
+}
+
+fn quarantine_of(e: &api::EngineStatus) -> (&str, &str) {
+    let q = e.quarantine.as_ref().unwrap();
+    (q.operation.as_str(), q.reason.as_str())
+}
+
+#[tokio::test]
+async fn turns_run_through_the_window_engine_as_a_real_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().to_str().unwrap().to_owned();
+    let engine = EngineProcess::start(
+        bin("ctxgate-engine-window"),
+        &["--listen", "127.0.0.1:0", "--state-dir", &state, "--keep-turns", "2"],
+    )
+    .await
+    .unwrap();
+    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
+    attached(&g, "window").await;
+    for i in 0..6 {
+        let events = run_turn(&g, "w", &format!("Turn {i}: look at module_{i}.rs please")).await;
+        assert!(completed(&events), "{events:?}");
+        assert_eq!(selected(&events).engine_id, "window");
+        assert_eq!(selected(&events).reason, "configured");
+    }
+    // Manual compaction goes to the engine, which owns it; progress streams through.
+    let mut stream = g
+        .client
+        .clone()
+        .compact(api::CompactSessionRequest { session: session("w"), custom_instructions: None })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut progress = 0;
+    let mut done = None;
+    while let Some(e) = stream.next().await {
+        match e.unwrap().event.unwrap() {
+            api::compaction_event::Event::Progress(_) => progress += 1,
+            api::compaction_event::Event::Done(d) => done = Some(d),
+            api::compaction_event::Event::Started(_) => {}
+        }
+    }
+    let done = done.unwrap();
+    assert!(done.compacted && done.entry_id.is_none(), "engine-owned: reported, transcript untouched: {done:?}");
+    assert!(progress >= 1, "the engine's progress reached the client");
+    assert_eq!(messages(&g, "w").await.len(), 12, "every message is still in the transcript");
+
+    let e = engine_status(&g, "window").await;
+    assert_eq!(e.health, "SERVING");
+    assert!(e.quarantine.is_none());
+    let assemble = e.methods.iter().find(|m| m.method == "Assemble").unwrap();
+    assert_eq!((assemble.calls, assemble.failures), (6, 0));
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn turns_run_through_the_python_engine() {
+    let engine =
+        EngineProcess::start(repo_root().join("engines/python/run.sh"), &["--listen", "127.0.0.1:0"]).await.unwrap();
+    let g = TestGateway::start(hosting("py", &engine.endpoint, &[])).await;
+    attached(&g, "py").await;
+    let events = run_turn(&g, "p", "hello from a polyglot test").await;
+    assert!(completed(&events), "{events:?}");
+    assert_eq!(selected(&events).engine_id, "py-recency");
+    let e = engine_status(&g, "py").await;
+    assert!(e.quarantine.is_none(), "{e:?}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn an_engine_that_crashes_mid_call_is_quarantined_and_the_turn_completes_on_legacy() {
+    let engine = fault_engine("crash-on-assemble").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let events = run_turn(&g, "c", "first question").await;
+    assert!(completed(&events), "same-call fallback answers the turn: {events:?}");
+    let e = wait_engine(&g, "fault", "quarantined", |e| e.quarantine.is_some()).await;
+    assert_eq!(quarantine_of(&e).0, "Assemble", "{e:?}");
+    // The next turn degrades to legacy before it starts, with one warning.
+    let events = run_turn(&g, "c", "second question").await;
+    assert!(completed(&events));
+    assert_eq!(selected(&events).engine_id, "legacy");
+    assert!(
+        events.iter().any(
+            |e| matches!(e, Event::Warning(w) if w.message.contains("degraded to \"legacy\" for this logical turn"))
+        )
+    );
+    assert_eq!(messages(&g, "c").await.len(), 4, "nothing lost");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_hanging_call_times_out_falls_back_and_the_engine_sees_the_cancel() {
+    let engine = fault_engine("hang").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 0.3)])).await;
+    attached(&g, "fault").await;
+    let events = run_turn(&g, "h", "are you there?").await;
+    assert!(completed(&events), "{events:?}");
+    let e = engine_status(&g, "fault").await;
+    let (op, reason) = quarantine_of(&e);
+    assert_eq!(op, "Assemble");
+    assert!(reason.contains("did not answer"), "{reason}");
+    assert!(
+        engine.wait_line("event cancelled Assemble", Duration::from_secs(5)).await.is_some(),
+        "the engine saw the deadline"
+    );
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn garbage_and_oversized_replies_are_contract_violations() {
+    for (fault, expect) in [("garbage", "broke the contract"), ("oversized", "OutOfRange")] {
+        let engine = fault_engine(fault).await;
+        let mut config = hosting("fault", &engine.endpoint, &[]);
+        config.plugins.entries.get_mut("fault").unwrap().max_message_bytes = 256 * 1024;
+        let g = TestGateway::start(config).await;
+        attached(&g, "fault").await;
+        let events = run_turn(&g, "g", "tell me something").await;
+        assert!(completed(&events), "{fault}: {events:?}");
+        let e = engine_status(&g, "fault").await;
+        let (op, reason) = quarantine_of(&e);
+        assert_eq!(op, "Assemble", "{fault}");
+        assert!(reason.contains(expect), "{fault}: {reason}");
+        assert_eq!(messages(&g, "g").await.len(), 2);
+        g.stop().await;
+    }
+}
+
+#[tokio::test]
+async fn not_serving_quarantines_and_serving_again_readmits_within_two_seconds() {
+    let engine = fault_engine("").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let kill = |sig: &str| {
+        std::process::Command::new("kill").arg(format!("-{sig}")).arg(engine.pid().to_string()).status().unwrap()
+    };
+    kill("USR1");
+    let e = wait_engine(&g, "fault", "quarantined", |e| e.quarantine.is_some()).await;
+    assert_eq!(quarantine_of(&e).0, "health");
+    assert_eq!(e.health, "NOT_SERVING");
+    let events = run_turn(&g, "n", "hi").await;
+    assert_eq!(selected(&events).engine_id, "legacy");
+
+    let back = Instant::now();
+    kill("USR2");
+    wait_engine(&g, "fault", "re-admitted", |e| e.quarantine.is_none()).await;
+    let took = back.elapsed();
+    eprintln!("re-admitted {took:?} after reporting SERVING again");
+    assert!(took < Duration::from_secs(2), "re-admission took {took:?}");
+    let events = run_turn(&g, "n", "hi again").await;
+    assert_eq!(selected(&events).engine_id, "fault", "the first call after re-admission is a trial, and it passes");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn an_operator_readmit_lifts_a_quarantine() {
+    let engine = fault_engine("garbage").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    run_turn(&g, "r", "x").await;
+    assert!(engine_status(&g, "fault").await.quarantine.is_some());
+    let r = g
+        .client
+        .clone()
+        .readmit_engine(api::ReadmitEngineRequest { engine_id: "fault".into() })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.readmitted);
+    assert!(engine_status(&g, "fault").await.quarantine.is_none());
+    let e = g.client.clone().readmit_engine(api::ReadmitEngineRequest { engine_id: "nope".into() }).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    g.stop().await;
+}
+
+fn unix_us() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_micros()
+}
+
+#[tokio::test]
+async fn a_client_cancel_reaches_the_engine_within_50ms_and_never_quarantines() {
+    let engine = fault_engine("hang").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 60.0)])).await;
+    attached(&g, "fault").await;
+    let req = api::RunTurnRequest { session: session("a"), message: "wait for me".into(), system_prompt: None };
+    let stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    engine.wait_line("event assemble", Duration::from_secs(10)).await.unwrap();
+    let cancelled_at = unix_us();
+    drop(stream);
+    let line =
+        engine.wait_line("event cancelled Assemble", Duration::from_secs(5)).await.expect("the engine saw the cancel");
+    let seen_at: u128 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    let delay_ms = seen_at.saturating_sub(cancelled_at) as f64 / 1000.0;
+    eprintln!("the engine saw the client's cancel after {delay_ms:.2} ms");
+    assert!(delay_ms < 50.0, "{delay_ms} ms");
+    let e = engine_status(&g, "fault").await;
+    assert!(e.quarantine.is_none(), "an abort is never the engine's fault: {e:?}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_hung_compact_returns_within_the_timeout_plus_100ms_and_quarantines() {
+    let engine = fault_engine("hang").await;
+    let mut config = hosting("fault", &engine.endpoint, &[]);
+    config.agents.defaults.compaction.timeout_seconds = 1;
+    let g = TestGateway::start(config).await;
+    attached(&g, "fault").await;
+    // A session to compact (assemble hangs too: give the turn a short deadline).
+    g.client.clone().new_session(api::SessionRef { agent_id: String::new(), session_key: "k".into() }).await.unwrap();
+    let started = Instant::now();
+    let mut stream = g
+        .client
+        .clone()
+        .compact(api::CompactSessionRequest { session: session("k"), custom_instructions: None })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut status = None;
+    while let Some(e) = stream.next().await {
+        if let Err(s) = e {
+            status = Some(s);
+        }
+    }
+    let took = started.elapsed();
+    eprintln!("the hung Compact returned after {took:?} (timeout 1 s)");
+    assert_eq!(status.unwrap().code(), Code::DeadlineExceeded);
+    assert!(took < Duration::from_millis(1100), "{took:?}");
+    let e = engine_status(&g, "fault").await;
+    assert_eq!(quarantine_of(&e).0, "Compact");
+    assert!(engine.wait_line("event cancelled Compact", Duration::from_secs(5)).await.is_some());
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_failing_engine_compaction_in_overflow_recovery_falls_back_to_built_in() {
+    let fake = FakeOpenAi::start().await;
+    let engine = fault_engine("compact-fails").await;
+    let mut config = hosting("fault", &engine.endpoint, &[]);
+    config.models.provider = ProviderKind::Openai;
+    config.models.base_url = fake.base_url.clone();
+    config.models.model = "gpt-test".into();
+    config.models.context_window = 4_000;
+    config.models.max_output_tokens = 256;
+    config.agents.defaults.compaction.reserve_tokens = Some(500);
+    config.agents.defaults.compaction.keep_recent_tokens = 200;
+    let g = TestGateway::start(config).await;
+    attached(&g, "fault").await;
+    for i in 0..5 {
+        assert!(completed(&run_turn(&g, "o", &format!("turn {i} about file_{i}.rs {}", "words ".repeat(40))).await));
+    }
+    fake.turns([Reply::Overflow, Reply::Overflow, Reply::Text("made it".into())]);
+    let events = run_turn(&g, "o", "the overflowing question").await;
+    assert!(matches!(events.last(), Some(Event::Completed(c)) if c.text == "made it"), "{events:?}");
+    assert!(events.iter().any(|e| matches!(e, Event::Warning(w) if w.message.contains("overflow compaction failed"))));
+    assert!(
+        events.iter().any(|e| matches!(e, Event::CompactionDone(d) if d.compacted && d.entry_id.is_some())),
+        "the second attempt used built-in compaction: {events:?}"
+    );
+    assert_eq!(quarantine_of(&engine_status(&g, "fault").await).0, "Compact");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_missing_host_capability_degrades_the_turn_with_openclaws_message() {
+    let engine = fault_engine("needs-threads").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let events = run_turn(&g, "t", "hi").await;
+    assert!(completed(&events));
+    assert_eq!(selected(&events).engine_id, "legacy");
+    let warning =
+        events.iter().find_map(|e| if let Event::Warning(w) = e { Some(w.message.clone()) } else { None }).unwrap();
+    assert!(warning.contains("Context engine \"fault\" cannot run operation \"agent-run\" on ctxgate embedded runner. Missing host capabilities: thread-bootstrap-projection."), "{warning}");
+    assert!(engine_status(&g, "fault").await.quarantine.is_none(), "not a failure: no quarantine");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_grant_reads_only_its_own_session_and_dies_with_its_call() {
+    let engine = fault_engine("grant-probe").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    run_turn(&g, "gp", "first").await;
+    let events = run_turn(&g, "gp", "second").await;
+    assert!(completed(&events));
+    // Reads stop at the current-turn fence: 3 of the 4 entries written so far.
+    let own = engine.wait_line("event grant-own", Duration::from_secs(5)).await.unwrap();
+    assert!(own.starts_with("event grant-own 0 ") || own.starts_with("event grant-own 2 "), "{own}");
+    let other = engine.wait_line("event grant-other", Duration::from_secs(5)).await.unwrap();
+    assert!(other.starts_with("event grant-other PermissionDenied"), "{other}");
+    let after = engine.wait_line("event grant-after", Duration::from_secs(5)).await.unwrap();
+    assert!(after.starts_with("event grant-after Unauthenticated"), "a revoked grant is refused: {after}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn removing_the_selected_entry_on_reload_resets_the_slot_to_legacy() {
+    let engine = fault_engine("").await;
+    let config = hosting("fault", &engine.endpoint, &[]);
+    let g = TestGateway::start(config.clone()).await;
+    attached(&g, "fault").await;
+    assert_eq!(status(&g).await.selected_engine, "fault");
+    let mut without = config;
+    without.plugins.entries.clear();
+    g.reload(without).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while status(&g).await.selected_engine != "legacy" {
+        assert!(Instant::now() < deadline, "the reload never applied");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let events = run_turn(&g, "rl", "hi").await;
+    assert_eq!(selected(&events).engine_id, "legacy");
+    g.stop().await;
+}

@@ -1,0 +1,214 @@
+//! A context engine that fails on purpose, for the gateway's hosting tests.
+//! Built on the SDK (so health, reflection and validation are real); the
+//! faults are chosen with `--fault a,b,…`:
+//!
+//! - `crash-on-assemble`: the process exits in the middle of Assemble.
+//! - `hang`: Assemble and Compact wait until the caller cancels.
+//! - `garbage`: Assemble answers a tool result without its call.
+//! - `oversized`: Assemble answers a ~1 MiB message.
+//! - `slow-compact`: Compact streams progress every 50 ms for 1 s.
+//! - `compact-fails`: Compact answers INTERNAL.
+//! - `needs-threads`: requires the "thread-bootstrap-projection" capability.
+//! - `grant-probe`: Assemble tests its grant (own session, another session,
+//!   after the call ended).
+//!
+//! SIGUSR1 reports NOT_SERVING, SIGUSR2 SERVING. After the `listening on`
+//! line it prints `event <what> <detail> <unix µs>` lines the tests read.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::Parser;
+use ctxgate_engine_sdk::pb::{self, host_client::HostClient};
+use ctxgate_engine_sdk::testkit::msg;
+use ctxgate_engine_sdk::{CallContext, CompactOutcome, ContextEngine, EngineError, Progress, ServeArgs, Server};
+use tonic_health::ServingStatus;
+
+#[derive(Parser)]
+struct Args {
+    #[command(flatten)]
+    serve: ServeArgs,
+    /// Comma-separated faults (see the file's docs).
+    #[arg(long, default_value = "")]
+    fault: String,
+}
+
+fn now_us() -> u128 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros())
+}
+
+fn event(what: &str, detail: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "event {what} {detail} {}", now_us());
+    let _ = out.flush();
+}
+
+struct Fault {
+    faults: HashSet<String>,
+}
+
+impl Fault {
+    fn has(&self, f: &str) -> bool {
+        self.faults.contains(f)
+    }
+}
+
+/// Never answers. A watcher spawned on the call's token reports when the
+/// cancel arrives (the SDK drops the method's own future at that moment).
+async fn hang(ctx: &CallContext, method: &'static str) -> EngineError {
+    let token = ctx.cancellation().clone();
+    tokio::spawn(async move {
+        token.cancelled().await;
+        event("cancelled", method);
+    });
+    std::future::pending::<()>().await;
+    EngineError::Cancelled
+}
+
+async fn probe_grants(ctx: &CallContext, session_id: &str, access: Option<pb::HostAccess>) {
+    let Some(host) = ctx.host() else {
+        event("grant", "none");
+        return;
+    };
+    let own =
+        host.read_transcript(ctx, false).await.map(|e| e.len().to_string()).unwrap_or_else(|e| format!("error:{e}"));
+    event("grant-own", &own);
+    // Forge a request for another session with the same token.
+    let Some(access) = access else { return };
+    let mut raw = HostClient::new(ctxgate_engine_sdk::connect(&access.endpoint).expect("host endpoint"));
+    let token = access.grant.map(|g| g.token).unwrap_or_default();
+    let other = pb::ReadTranscriptRequest {
+        grant: token.clone(),
+        session_id: format!("{session_id}-other"),
+        ..Default::default()
+    };
+    let code = match raw.read_transcript(other).await {
+        Ok(_) => "ok".to_owned(),
+        Err(s) => format!("{:?}", s.code()),
+    };
+    event("grant-other", &code);
+    // Keep the token and try again once the call is over.
+    let session_id = session_id.to_owned();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let late = pb::ReadTranscriptRequest { grant: token, session_id, ..Default::default() };
+        let code = match raw.read_transcript(late).await {
+            Ok(_) => "ok".to_owned(),
+            Err(s) => format!("{:?}", s.code()),
+        };
+        event("grant-after", &code);
+    });
+}
+
+impl ContextEngine for Fault {
+    async fn get_info(&self, _ctx: &CallContext) -> Result<pb::EngineInfo, EngineError> {
+        let host_requirements = if self.has("needs-threads") {
+            vec![pb::HostRequirement {
+                operation: "agent-run".into(),
+                required_capabilities: vec!["thread-bootstrap-projection".into()],
+                unsupported_message: Some("Run it under a harness with persistent threads.".into()),
+            }]
+        } else {
+            vec![]
+        };
+        Ok(pb::EngineInfo {
+            id: "fault".into(),
+            name: "Fault fixture".into(),
+            version: "0".into(),
+            contract_version: "1.0".into(),
+            host_requirements,
+            implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact"].map(String::from).to_vec(),
+            ..Default::default()
+        })
+    }
+
+    async fn ingest(&self, _ctx: &CallContext, _req: pb::IngestRequest) -> Result<pb::IngestResult, EngineError> {
+        Ok(pb::IngestResult { ingested: true })
+    }
+
+    async fn assemble(&self, ctx: &CallContext, req: pb::AssembleRequest) -> Result<pb::AssembleResult, EngineError> {
+        event("assemble", &req.session_id);
+        if self.has("crash-on-assemble") {
+            std::process::exit(3);
+        }
+        if self.has("hang") {
+            return Err(hang(ctx, "Assemble").await);
+        }
+        if self.has("grant-probe") {
+            probe_grants(ctx, &req.session_id, req.host.clone()).await;
+        }
+        let mut messages = req.messages;
+        if self.has("garbage") {
+            messages.insert(0, msg::tool_result("orphan", "no-such-call", "?"));
+        }
+        if self.has("oversized") {
+            messages.push(msg::assistant("huge", &"x".repeat(1_000_000)));
+        }
+        Ok(pb::AssembleResult {
+            estimated_tokens: ctxgate_engine_sdk::estimate::messages_tokens(&messages),
+            messages,
+            ..Default::default()
+        })
+    }
+
+    async fn compact(
+        &self,
+        ctx: &CallContext,
+        _req: pb::CompactRequest,
+        progress: Progress,
+    ) -> Result<CompactOutcome, EngineError> {
+        if self.has("hang") {
+            return Err(hang(ctx, "Compact").await);
+        }
+        if self.has("compact-fails") {
+            return Err(EngineError::Internal("compaction exploded".into()));
+        }
+        if self.has("slow-compact") {
+            for i in 0..20 {
+                progress.report("thinking", i, 20, format!("step {i}")).await?;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            return Ok(CompactOutcome::Done(pb::CompactResult {
+                ok: true,
+                compacted: true,
+                summary: Some("fault summary".into()),
+                tokens_before: 100,
+                tokens_after: Some(10),
+                ..Default::default()
+            }));
+        }
+        Ok(CompactOutcome::DelegateToHost(pb::DelegateToHost {
+            reason: Some("built-in is fine".into()),
+            custom_instructions: None,
+        }))
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let faults = args.fault.split(',').filter(|f| !f.is_empty()).map(str::to_owned).collect();
+    let bound = Server::new(Fault { faults }).drain_timeout(Duration::from_secs(1)).bind(&args.serve.listen).await?;
+    println!("listening on {}", bound.local_endpoint());
+    std::io::stdout().flush()?;
+    let reporter = bound.health_reporter();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let (Ok(mut down), Ok(mut up)) = (signal(SignalKind::user_defined1()), signal(SignalKind::user_defined2()))
+        else {
+            return;
+        };
+        loop {
+            let status = tokio::select! {
+                _ = down.recv() => ServingStatus::NotServing,
+                _ = up.recv() => ServingStatus::Serving,
+            };
+            reporter.set_service_status(ctxgate_engine_sdk::proto::ENGINE_SERVICE, status).await;
+            reporter.set_service_status("", status).await;
+            event("health", &format!("{status:?}"));
+        }
+    });
+    bound.serve(ctxgate_engine_sdk::shutdown_signal()).await?;
+    Ok(())
+}
