@@ -64,6 +64,21 @@ pub enum Command {
         #[command(subcommand)]
         command: SessionsCommand,
     },
+    /// Context engines: list them, or lift a quarantine.
+    Engines {
+        #[command(subcommand)]
+        command: EnginesCommand,
+    },
+    /// Check the configured context engine before running: reachable,
+    /// contract valid, host requirements met. --fix resets the slot when
+    /// no configured host can run the engine.
+    Doctor {
+        /// The JSON5 config file to check (and, with --fix, to edit).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long)]
+        fix: bool,
+    },
     /// The gateway's model, engines and sessions.
     Status {
         #[command(flatten)]
@@ -97,6 +112,24 @@ pub enum SessionsCommand {
         full: bool,
         #[arg(long)]
         json: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum EnginesCommand {
+    /// Engines with health, quarantine and per-method counters.
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lift an engine's quarantine now; its next call is a trial.
+    Readmit {
+        #[command(flatten)]
+        conn: Conn,
+        /// The engine id (its plugins.entries key).
+        id: String,
     },
 }
 
@@ -373,11 +406,28 @@ fn entry_json(e: &ctxgate_proto::pb::TranscriptEntry) -> serde_json::Value {
     }
 }
 
+fn engine_json(e: &api::EngineStatus) -> serde_json::Value {
+    json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health,
+        "quarantine": e.quarantine.as_ref().map(|q| json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms})),
+        "methods": e.methods.iter().map(|m| json!({"method": m.method, "calls": m.calls, "failures": m.failures, "timeouts": m.timeouts, "fallbacks": m.fallbacks})).collect::<Vec<_>>()})
+}
+
+fn print_engine(e: &api::EngineStatus) {
+    let q =
+        e.quarantine.as_ref().map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
+    println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
+    for m in &e.methods {
+        println!(
+            "      {:<22} {:>6} calls {:>4} failed {:>4} timed out {:>4} fell back",
+            m.method, m.calls, m.failures, m.timeouts, m.fallbacks
+        );
+    }
+}
+
 pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
     let s = connect(conn).await?.get_status(api::StatusRequest {}).await.map_err(explain)?.into_inner();
     if as_json {
-        let engines: Vec<_> = s.engines.iter().map(|e| json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health,
-            "quarantine": e.quarantine.as_ref().map(|q| json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms}))})).collect();
+        let engines: Vec<_> = s.engines.iter().map(engine_json).collect();
         let v = json!({"version": s.version, "model_provider": s.model_provider, "model": s.model, "context_window": s.context_window,
             "selected_engine": s.selected_engine, "engines": engines, "sessions": s.sessions, "turns_in_flight": s.turns_in_flight});
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -387,13 +437,40 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
     println!("model:    {} ({}), {}-token window", s.model, s.model_provider, s.context_window);
     println!("engine:   {}", s.selected_engine);
     for e in &s.engines {
-        let q = e
-            .quarantine
-            .as_ref()
-            .map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
-        println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
+        print_engine(e);
     }
     println!("sessions: {} active, {} turns running", s.sessions, s.turns_in_flight);
+    Ok(())
+}
+
+pub async fn engines(cmd: EnginesCommand) -> Result<(), CliError> {
+    match cmd {
+        EnginesCommand::Ls { conn, json } => {
+            let s = connect(&conn).await?.get_status(api::StatusRequest {}).await.map_err(explain)?.into_inner();
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&s.engines.iter().map(engine_json).collect::<Vec<_>>())
+                        .unwrap_or_default()
+                );
+            } else {
+                println!("selected: {}", s.selected_engine);
+                s.engines.iter().for_each(print_engine);
+            }
+        }
+        EnginesCommand::Readmit { conn, id } => {
+            let r = connect(&conn)
+                .await?
+                .readmit_engine(api::ReadmitEngineRequest { engine_id: id.clone() })
+                .await
+                .map_err(explain)?;
+            if r.into_inner().readmitted {
+                println!("Engine {id:?} re-admitted; its next call is a trial.");
+            } else {
+                println!("Engine {id:?} was not quarantined.");
+            }
+        }
+    }
     Ok(())
 }
 

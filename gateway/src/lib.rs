@@ -6,6 +6,7 @@ pub mod cli;
 pub mod compaction;
 pub mod config;
 pub mod core;
+pub mod doctor;
 pub mod engines;
 pub mod host;
 pub mod metrics;

@@ -14,6 +14,8 @@ async fn main() -> ExitCode {
         Command::Compact { conn, session, instructions } => cli::compact(&conn, &session, instructions).await,
         Command::Sessions { command } => cli::sessions(command).await,
         Command::Status { conn, json } => cli::status(&conn, json).await,
+        Command::Engines { command } => cli::engines(command).await,
+        Command::Doctor { config, fix } => ctxgate::doctor::run(config.as_deref(), fix).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

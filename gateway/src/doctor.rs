@@ -1,0 +1,127 @@
+//! `ctxgate doctor`: checks the configured context engine without running
+//! the gateway — reachable, contract valid, healthy, and runnable on every
+//! configured host — and reports in OpenClaw's wording. `--fix` removes the
+//! slot override only when every host is incompatible.
+
+use std::path::Path;
+use std::time::Duration;
+
+use ctxgate_proto::ENGINE_SERVICE;
+use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
+
+use crate::cli::CliError;
+use crate::config::Config;
+use crate::engines::remote::Remote;
+use crate::engines::{Call, EMBEDDED_HOST_CAPABILITIES, EMBEDDED_HOST_LABEL, check_host_requirements};
+
+const SLOT: &str = "plugins.slots.contextEngine";
+
+/// Runs the checks; `Err` when something needs attention (exit 1).
+pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> {
+    let config = Config::load(config_path, |k| std::env::var(k).ok()).map_err(|e| CliError(e.to_string()))?;
+    let Some(slot) =
+        config.plugins.slots.context_engine.as_deref().map(str::trim).filter(|s| !matches!(*s, "" | "legacy" | "none"))
+    else {
+        println!("{SLOT}: the default \"legacy\" engine; nothing to check.");
+        return Ok(());
+    };
+    let Some(entry) = config.plugins.entries.get(slot) else {
+        return warn(format!(
+            "- {SLOT}: could not inspect context engine \"{slot}\" host requirements because it is not registered (no plugins.entries.{slot}); turns use \"legacy\"."
+        ));
+    };
+    if !entry.enabled || config.plugins.deny.iter().any(|d| d == slot) {
+        return warn(format!("- {SLOT}: context engine \"{slot}\" is disabled or denied; turns use \"legacy\"."));
+    }
+    let remote = Remote::new(slot, entry, config.compaction_timeout()).map_err(CliError)?;
+    let info = match tokio::time::timeout(Duration::from_secs(10), remote.attach(&Call::default())).await {
+        Ok(Ok(info)) => info,
+        Ok(Err(e)) => {
+            return warn(format!(
+                "- {SLOT}: could not inspect context engine \"{slot}\" host requirements because it failed to attach at {}: {e}",
+                entry.endpoint
+            ));
+        }
+        Err(_) => {
+            return warn(format!(
+                "- {SLOT}: could not inspect context engine \"{slot}\": no answer from {} within 10 s",
+                entry.endpoint
+            ));
+        }
+    };
+    println!(
+        "{SLOT}: \"{slot}\" is {} {} (contract {}) at {}.",
+        info.name, info.version, info.contract_version, entry.endpoint
+    );
+    let health = HealthClient::new(remote.channel()).check(HealthCheckRequest { service: ENGINE_SERVICE.into() }).await;
+    match health {
+        Ok(r) if r.get_ref().status == ServingStatus::Serving as i32 => println!("health: SERVING"),
+        Ok(r) => println!("- health: {:?}; the gateway would quarantine it", r.get_ref().status),
+        Err(s) if s.code() == tonic::Code::Unimplemented => println!("health: no health service (counted as healthy)"),
+        Err(s) => println!("- health: check failed: {}", s.message()),
+    }
+    // ctxgate has one agent-run host today: the embedded managed driver.
+    let hosts = [(EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES[..], "agents.defaults")];
+    let problems: Vec<String> = hosts
+        .iter()
+        .filter_map(|(label, caps, paths)| {
+            check_host_requirements(&info, "agent-run", label, caps).err().map(|m| {
+                let m = m.replacen(
+                    &format!("cannot run operation \"agent-run\" on {label}"),
+                    &format!("is incompatible with {label} ({paths})"),
+                    1,
+                );
+                format!(
+                    "- {SLOT}: {}",
+                    m.replacen(&format!("Context engine \"{}\"", info.id), &format!("context engine \"{slot}\""), 1)
+                )
+            })
+        })
+        .collect();
+    if problems.is_empty() {
+        println!("host requirements: met by {EMBEDDED_HOST_LABEL}.");
+        return Ok(());
+    }
+    for p in &problems {
+        println!("{p}");
+    }
+    if problems.len() < hosts.len() {
+        return warn(format!(
+            "- Some configured runtimes support context engine \"{slot}\" and others do not; doctor will not rewrite the global contextEngine slot automatically."
+        ));
+    }
+    if !fix {
+        return warn(format!(
+            "- Run \"ctxgate doctor --fix\" to remove the {SLOT} override and restore the default \"legacy\", or configure a compatible runtime/harness for agent runs."
+        ));
+    }
+    let Some(path) = config_path else {
+        return warn(format!("- {SLOT} comes from the environment or defaults, not a file: nothing to fix here."));
+    };
+    reset_slot(path)?;
+    println!(
+        "Reset {SLOT} to the default \"legacy\" because context engine \"{slot}\" is incompatible with every configured agent-run host."
+    );
+    Ok(())
+}
+
+fn warn(message: String) -> Result<(), CliError> {
+    println!("{message}");
+    Err(CliError("the context engine needs attention (see above)".into()))
+}
+
+/// Removes the slot from the config file, keeping a `.bak` copy. The file
+/// is rewritten as JSON (valid JSON5; comments are not kept — the backup has them).
+fn reset_slot(path: &Path) -> Result<(), CliError> {
+    let io = |e: std::io::Error| CliError(format!("{}: {e}", path.display()));
+    let text = std::fs::read_to_string(path).map_err(io)?;
+    let mut v: serde_json::Value = json5::from_str(&text).map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+    if let Some(slots) = v.pointer_mut("/plugins/slots").and_then(|s| s.as_object_mut()) {
+        slots.remove("contextEngine");
+    }
+    let backup = path.with_extension("json5.bak");
+    std::fs::write(&backup, &text).map_err(io)?;
+    let out = serde_json::to_string_pretty(&v).map_err(|e| CliError(e.to_string()))?;
+    std::fs::write(path, out + "\n").map_err(io)?;
+    Ok(())
+}
