@@ -25,6 +25,8 @@ impl From<CoreError> for Status {
             CoreError::CompactionFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Aborted => Status::cancelled("aborted"),
             CoreError::NoEngine(_) => Status::not_found(e.to_string()),
+            CoreError::Precondition(_) => Status::failed_precondition(e.to_string()),
+            CoreError::EngineFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Store(StoreError::NoSession(_)) => Status::not_found("the session no longer exists"),
             CoreError::Store(StoreError::Backend(detail)) => {
                 // Internal detail goes to the log, not to clients.
@@ -186,6 +188,30 @@ impl Gateway for Api {
             sessions: c.store.count_sessions().await.map_err(CoreError::from)?,
             turns_in_flight: c.turns_in_flight(),
         }))
+    }
+
+    async fn spawn_subagent(
+        &self,
+        req: Request<api::SpawnSubagentRequest>,
+    ) -> Result<Response<api::SpawnSubagentResult>, Status> {
+        let cancel = self.core.call_token();
+        let _guard = cancel.clone().drop_guard();
+        Ok(Response::new(self.core.spawn_subagent(req.into_inner(), cancel).await?))
+    }
+
+    async fn end_subagent(
+        &self,
+        req: Request<api::EndSubagentRequest>,
+    ) -> Result<Response<api::EndSubagentResult>, Status> {
+        let r = req.into_inner();
+        let (agent, key) = session_ref(r.child.as_ref())?;
+        let cancel = self.core.call_token();
+        let _guard = cancel.clone().drop_guard();
+        let ended = self.core.end_subagent(&agent, &key, &r.reason, cancel).await?;
+        if !ended {
+            return Err(CoreError::NoSession(key).into());
+        }
+        Ok(Response::new(api::EndSubagentResult { ended }))
     }
 
     async fn readmit_engine(

@@ -108,6 +108,19 @@ pub async fn run_with_reloads(
             }
         })
     };
+    // Subagents whose ttl ran out are ended with reason "swept".
+    let sweeper = {
+        let core = core.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                tick.tick().await;
+                if let Err(e) = core.sweep_subagents().await {
+                    tracing::warn!(error = %e, "subagent sweep failed");
+                }
+            }
+        })
+    };
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -156,6 +169,7 @@ pub async fn run_with_reloads(
         }
     };
     reloader.abort();
+    sweeper.abort();
     metrics_stop.cancel();
     if let Some(t) = metrics_task {
         t.await.map_err(|e| ServeError::Metrics(std::io::Error::other(e)))?.map_err(ServeError::Metrics)?;

@@ -85,6 +85,22 @@ pub trait Store: Send + Sync + 'static {
         session_id: &str,
         replacements: Vec<(String, AgentMessage)>,
     ) -> Result<RewriteOutcome, StoreError>;
+    /// Records a live subagent.
+    async fn add_subagent(&self, s: Subagent) -> Result<(), StoreError>;
+    /// Removes and returns a subagent record.
+    async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError>;
+    /// Subagents whose ttl ended before `now_ms`.
+    async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError>;
+}
+
+/// A live subagent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subagent {
+    pub agent_id: String,
+    pub child_key: String,
+    pub parent_key: String,
+    pub rollback_token: Option<String>,
+    pub expires_at_ms: Option<i64>,
 }
 
 /// What a rewrite did (OpenClaw's TranscriptRewriteResult).
@@ -116,6 +132,14 @@ CREATE TABLE IF NOT EXISTS entries (
     body       BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_by_session ON entries (session_id, seq);
+CREATE TABLE IF NOT EXISTS subagents (
+    agent_id       TEXT NOT NULL,
+    child_key      TEXT NOT NULL,
+    parent_key     TEXT NOT NULL,
+    rollback_token TEXT,
+    expires_at_ms  INTEGER,
+    PRIMARY KEY (agent_id, child_key)
+);
 ";
 
 const KIND_MESSAGE: i64 = 1;
@@ -196,6 +220,16 @@ fn create(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Session> {
         params![s.session_id, s.agent_id, s.session_key, s.created_at_ms],
     )?;
     Ok(s)
+}
+
+fn read_subagent(r: &rusqlite::Row<'_>) -> rusqlite::Result<Subagent> {
+    Ok(Subagent {
+        agent_id: r.get(0)?,
+        child_key: r.get(1)?,
+        parent_key: r.get(2)?,
+        rollback_token: r.get(3)?,
+        expires_at_ms: r.get(4)?,
+    })
 }
 
 fn decode(body: &[u8]) -> rusqlite::Result<pb::TranscriptEntry> {
@@ -463,6 +497,46 @@ impl Store for SqliteStore {
                 rewritten_entries: rewritten,
                 reason: String::new(),
             })
+        })
+        .await
+    }
+
+    async fn add_subagent(&self, a: Subagent) -> Result<(), StoreError> {
+        self.run(move |c| {
+            c.execute(
+                "INSERT OR REPLACE INTO subagents (agent_id, child_key, parent_key, rollback_token, expires_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![a.agent_id, a.child_key, a.parent_key, a.rollback_token, a.expires_at_ms],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError> {
+        let (agent, key) = (agent.to_owned(), child_key.to_owned());
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let s = tx
+                .query_row(
+                    "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents WHERE agent_id = ?1 AND child_key = ?2",
+                    params![agent, key],
+                    read_subagent,
+                )
+                .optional()?;
+            tx.execute("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2", params![agent, key])?;
+            tx.commit()?;
+            Ok(s)
+        })
+        .await
+    }
+
+    async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
+        self.run(move |c| {
+            let mut stmt = c.prepare(
+                "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= ?1",
+            )?;
+            let rows = stmt.query_map([now_ms], read_subagent)?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
         })
         .await
     }

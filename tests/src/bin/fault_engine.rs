@@ -11,6 +11,7 @@
 //! - `needs-threads`: requires the "thread-bootstrap-projection" capability.
 //! - `grant-probe`: Assemble tests its grant (own session, another session,
 //!   after the call ended).
+//! - `slow-prepare`: PrepareSubagentSpawn takes 300 ms.
 //!
 //! SIGUSR1 reports NOT_SERVING, SIGUSR2 SERVING. After the `listening on`
 //! line it prints `event <what> <detail> <unix µs>` lines the tests read.
@@ -118,7 +119,16 @@ impl ContextEngine for Fault {
             version: "0".into(),
             contract_version: "1.0".into(),
             host_requirements,
-            implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact"].map(String::from).to_vec(),
+            implemented_methods: [
+                "GetInfo",
+                "Ingest",
+                "Assemble",
+                "Compact",
+                "PrepareSubagentSpawn",
+                "RollbackSubagentSpawn",
+            ]
+            .map(String::from)
+            .to_vec(),
             ..Default::default()
         })
     }
@@ -150,6 +160,30 @@ impl ContextEngine for Fault {
             messages,
             ..Default::default()
         })
+    }
+
+    async fn prepare_subagent_spawn(
+        &self,
+        _ctx: &CallContext,
+        req: pb::PrepareSubagentSpawnRequest,
+    ) -> Result<pb::PrepareSubagentSpawnResult, EngineError> {
+        event("prepare", &req.child_session_key);
+        if self.has("slow-prepare") {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        Ok(pb::PrepareSubagentSpawnResult {
+            prepared: true,
+            rollback_token: Some(format!("tok-{}", req.child_session_key)),
+        })
+    }
+
+    async fn rollback_subagent_spawn(
+        &self,
+        _ctx: &CallContext,
+        req: pb::RollbackSubagentSpawnRequest,
+    ) -> Result<pb::RollbackSubagentSpawnResult, EngineError> {
+        event("rollback", &req.rollback_token);
+        Ok(pb::RollbackSubagentSpawnResult {})
     }
 
     async fn compact(
