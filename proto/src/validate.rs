@@ -83,39 +83,58 @@ pub fn content_bytes(message: &AgentMessage) -> usize {
         .sum()
 }
 
-/// One well-formed message: id, known role, parts set, tool ids present,
-/// content within [`MAX_MESSAGE_CONTENT_BYTES`].
-pub fn message(m: &AgentMessage, field: &str) -> Result {
-    id(&m.id, &format!("{field}.id"))?;
+impl Violation {
+    /// The same violation at `field` (replacing the path).
+    fn at(mut self, field: String) -> Self {
+        self.field = field;
+        self
+    }
+
+    /// The same violation under `parent` (`parent.field`).
+    fn under(self, parent: &str) -> Self {
+        let field = format!("{parent}.{}", self.field);
+        self.at(field)
+    }
+}
+
+/// The checks of one message with paths relative to it. Nothing is
+/// allocated unless something is wrong: this runs on every message of every
+/// request and reply.
+fn check_message(m: &AgentMessage) -> Result {
+    id(&m.id, "id")?;
     match Role::try_from(m.role) {
-        Ok(Role::Unspecified) => return Err(Violation::invalid(format!("{field}.role"), "is required")),
-        Err(_) => {
-            return Err(Violation::invalid(format!("{field}.role"), format!("unknown role {}", m.role)));
-        }
+        Ok(Role::Unspecified) => return Err(Violation::invalid("role", "is required")),
+        Err(_) => return Err(Violation::invalid("role", format!("unknown role {}", m.role))),
         Ok(_) => {}
     }
     for (i, p) in m.content.iter().enumerate() {
-        let at = format!("{field}.content[{i}]");
+        let at = |rest: &str| format!("content[{i}]{rest}");
         match &p.part {
-            None => return Err(Violation::invalid(at, "has no part set")),
+            None => return Err(Violation::invalid(at(""), "has no part set")),
             Some(Part::ToolCall(c)) => {
-                id(&c.id, &format!("{at}.tool_call.id"))?;
+                id(&c.id, "").map_err(|v| v.at(at(".tool_call.id")))?;
                 if c.name.trim().is_empty() {
-                    return Err(Violation::invalid(format!("{at}.tool_call.name"), "is required"));
+                    return Err(Violation::invalid(at(".tool_call.name"), "is required"));
                 }
             }
-            Some(Part::ToolResult(r)) => id(&r.tool_call_id, &format!("{at}.tool_result.tool_call_id"))?,
+            Some(Part::ToolResult(r)) => id(&r.tool_call_id, "").map_err(|v| v.at(at(".tool_result.tool_call_id")))?,
             Some(_) => {}
         }
     }
     let size = content_bytes(m);
     if size > MAX_MESSAGE_CONTENT_BYTES {
         return Err(Violation::too_large(
-            format!("{field}.content"),
+            "content",
             format!("is {size} bytes, the limit is {MAX_MESSAGE_CONTENT_BYTES}"),
         ));
     }
     Ok(())
+}
+
+/// One well-formed message: id, known role, parts set, tool ids present,
+/// content within [`MAX_MESSAGE_CONTENT_BYTES`].
+pub fn message(m: &AgentMessage, field: &str) -> Result {
+    check_message(m).map_err(|v| v.under(field))
 }
 
 /// A list of well-formed messages with unique ids, at most [`MAX_MESSAGES`].
@@ -125,10 +144,9 @@ pub fn messages(list: &[AgentMessage], field: &str) -> Result {
     }
     let mut seen = HashSet::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
-        let at = format!("{field}[{i}]");
-        message(m, &at)?;
+        check_message(m).map_err(|v| v.under(&format!("{field}[{i}]")))?;
         if !seen.insert(m.id.as_str()) {
-            return Err(Violation::invalid(format!("{at}.id"), format!("duplicates message id {:?}", m.id)));
+            return Err(Violation::invalid(format!("{field}[{i}].id"), format!("duplicates message id {:?}", m.id)));
         }
     }
     Ok(())
@@ -287,10 +305,11 @@ pub mod result {
         Ok(())
     }
 
-    /// An assemble result for `request_messages`: messages present when there
-    /// was history, well-formed, and no tool result split from its call.
-    pub fn assemble(r: &pb::AssembleResult, request_messages: &[AgentMessage]) -> Result {
-        if r.messages.is_empty() && !request_messages.is_empty() {
+    /// An assemble result for a request of `request_messages` messages:
+    /// messages present when there was history, well-formed, and no tool
+    /// result split from its call.
+    pub fn assemble(r: &pb::AssembleResult, request_messages: usize) -> Result {
+        if r.messages.is_empty() && request_messages > 0 {
             return Err(Violation::invalid("messages", "is empty although the request had history"));
         }
         messages(&r.messages, "messages")?;

@@ -264,7 +264,7 @@ impl Remote {
         call: &Call,
     ) -> Result<pb::AssembleResult, EngineCallError> {
         project!(req, self.accepted(), [session_key, prompt, runtime_settings, runtime_context, host]);
-        let history = req.messages.clone();
+        let history = req.messages.len();
         let r = self
             .run("Assemble", call, |mut c, t| async move {
                 let mut r = Request::new(req);
@@ -272,7 +272,7 @@ impl Remote {
                 c.assemble(r).await.map(tonic::Response::into_inner).map_err(|s| failure("Assemble", s, t))
             })
             .await?;
-        validate::result::assemble(&r, &history).map_err(|v| violation("Assemble", v))?;
+        validate::result::assemble(&r, history).map_err(|v| violation("Assemble", v))?;
         Ok(r)
     }
 
