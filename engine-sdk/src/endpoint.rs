@@ -15,6 +15,8 @@ use crate::limits::MAX_GRPC_MESSAGE_BYTES;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
     Tcp(SocketAddr),
+    /// A host name and port, resolved when connecting (containers, meshes).
+    Host(String, u16),
     Unix(PathBuf),
 }
 
@@ -41,7 +43,13 @@ impl FromStr for Endpoint {
         } else {
             hostport.to_owned()
         };
-        hostport.parse().map(Self::Tcp).map_err(|_| bad())
+        if let Ok(addr) = hostport.parse() {
+            return Ok(Self::Tcp(addr));
+        }
+        let (host, port) = hostport.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let valid = !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+        if valid { Ok(Self::Host(host.to_owned(), port)) } else { Err(bad()) }
     }
 }
 
@@ -50,6 +58,7 @@ impl std::fmt::Display for Endpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Tcp(addr) => write!(f, "{addr}"),
+            Self::Host(host, port) => write!(f, "{host}:{port}"),
             Self::Unix(path) => write!(f, "unix://{}", path.display()),
         }
     }
@@ -78,6 +87,7 @@ pub fn channel(endpoint: &Endpoint) -> Channel {
     };
     match endpoint {
         Endpoint::Tcp(addr) => base(format!("http://{addr}")).connect_lazy(),
+        Endpoint::Host(host, port) => base(format!("http://{host}:{port}")).connect_lazy(),
         Endpoint::Unix(path) => {
             let path = path.clone();
             base("http://[::]:0".to_owned()).connect_with_connector_lazy(tower::service_fn(move |_| {
@@ -105,7 +115,9 @@ mod tests {
         assert_eq!("[::1]:9".parse::<Endpoint>().unwrap().to_string(), "[::1]:9");
         assert_eq!("localhost:7".parse::<Endpoint>().unwrap().to_string(), "127.0.0.1:7");
         assert_eq!("unix:///tmp/e.sock".parse::<Endpoint>().unwrap().to_string(), "unix:///tmp/e.sock");
+        assert_eq!("http://engine-window:7401".parse::<Endpoint>().unwrap(), Endpoint::Host("engine-window".into(), 7401));
         assert!("ftp://x".parse::<Endpoint>().is_err());
+        assert!("http://bad host:1".parse::<Endpoint>().is_err());
         assert!("unix://".parse::<Endpoint>().is_err());
     }
 }

@@ -122,6 +122,11 @@ impl<E: ContextEngine> Server<E> {
                 let local = Endpoint::Tcp(l.local_addr()?);
                 (Listener::Tcp(l), local)
             }
+            Endpoint::Host(host, port) => {
+                let l = tokio::net::TcpListener::bind((host.as_str(), *port)).await?;
+                let local = Endpoint::Tcp(l.local_addr()?);
+                (Listener::Tcp(l), local)
+            }
             Endpoint::Unix(path) => {
                 if tokio::fs::metadata(path).await.is_ok() {
                     tokio::fs::remove_file(path).await?;

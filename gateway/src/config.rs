@@ -507,7 +507,7 @@ mod tests {
     #[test]
     fn the_documented_examples_load() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples");
-        for name in ["small-window.json5", "openai.json5"] {
+        for name in ["small-window.json5", "openai.json5", "remote-window.json5", "compose.json5"] {
             Config::load(Some(&dir.join(name)), |_| None).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
     }
