@@ -115,7 +115,10 @@ mod tests {
         assert_eq!("[::1]:9".parse::<Endpoint>().unwrap().to_string(), "[::1]:9");
         assert_eq!("localhost:7".parse::<Endpoint>().unwrap().to_string(), "127.0.0.1:7");
         assert_eq!("unix:///tmp/e.sock".parse::<Endpoint>().unwrap().to_string(), "unix:///tmp/e.sock");
-        assert_eq!("http://engine-window:7401".parse::<Endpoint>().unwrap(), Endpoint::Host("engine-window".into(), 7401));
+        assert_eq!(
+            "http://engine-window:7401".parse::<Endpoint>().unwrap(),
+            Endpoint::Host("engine-window".into(), 7401)
+        );
         assert!("ftp://x".parse::<Endpoint>().is_err());
         assert!("http://bad host:1".parse::<Endpoint>().is_err());
         assert!("unix://".parse::<Endpoint>().is_err());
