@@ -13,7 +13,7 @@ use ctxgate::config::{Config, EngineEntry, ProviderKind};
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
-use ctxgate_tests::{EngineProcess, TestGateway, bin, repo_root};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, compact_to_end, repo_root};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -309,19 +309,7 @@ async fn a_hung_compact_returns_within_the_timeout_plus_100ms_and_quarantines() 
     // A session to compact (assemble hangs too: give the turn a short deadline).
     g.client.clone().new_session(api::SessionRef { agent_id: String::new(), session_key: "k".into() }).await.unwrap();
     let started = Instant::now();
-    let mut stream = g
-        .client
-        .clone()
-        .compact(api::CompactSessionRequest { session: session("k"), custom_instructions: None })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut status = None;
-    while let Some(e) = stream.next().await {
-        if let Err(s) = e {
-            status = Some(s);
-        }
-    }
+    let (_, status) = compact_to_end(&g.client, "k").await;
     let took = started.elapsed();
     eprintln!("the hung Compact returned after {took:?} (timeout 1 s)");
     assert_eq!(status.unwrap().code(), Code::DeadlineExceeded);

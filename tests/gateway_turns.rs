@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use ctxgate::config::{Config, ProviderKind};
 use ctxgate_proto::gateway::{self as api, compaction_event, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
-use ctxgate_tests::TestGateway;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
+use ctxgate_tests::{TestGateway, compact_to_end};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -123,20 +123,7 @@ async fn a_hanging_summary_call_is_cut_at_the_safety_timeout() {
     let entries_before = branch(&g, "s").await.len();
 
     let started = Instant::now();
-    let mut stream = g
-        .client
-        .clone()
-        .compact(api::CompactSessionRequest { session: session("s"), custom_instructions: None })
-        .await
-        .unwrap()
-        .into_inner();
-    let mut status = None;
-    while let Some(e) = stream.next().await {
-        if let Err(s) = e {
-            status = Some(s);
-            break;
-        }
-    }
+    let (_, status) = compact_to_end(&g.client, "s").await;
     eprintln!("compaction returned after {:?} (timeout 1 s)", started.elapsed());
     let status = status.expect("the compaction fails");
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");

@@ -158,3 +158,26 @@ impl TestGateway {
         let _ = (&mut self.task).await;
     }
 }
+
+/// Runs a manual Compact of session `key` to its end: the events, and the
+/// status that ended the stream if it failed.
+pub async fn compact_to_end(
+    client: &ctxgate_proto::gateway::gateway_client::GatewayClient<tonic::transport::Channel>,
+    key: &str,
+) -> (Vec<ctxgate_proto::gateway::CompactionEvent>, Option<tonic::Status>) {
+    use tokio_stream::StreamExt;
+    let session = Some(ctxgate_proto::gateway::SessionRef { agent_id: String::new(), session_key: key.into() });
+    let req = ctxgate_proto::gateway::CompactSessionRequest { session, custom_instructions: None };
+    let mut stream = match client.clone().compact(req).await {
+        Ok(s) => s.into_inner(),
+        Err(status) => return (Vec::new(), Some(status)),
+    };
+    let mut events = Vec::new();
+    while let Some(e) = stream.next().await {
+        match e {
+            Ok(e) => events.push(e),
+            Err(status) => return (events, Some(status)),
+        }
+    }
+    (events, None)
+}
