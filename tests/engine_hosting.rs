@@ -13,7 +13,7 @@ use ctxgate::config::{Config, EngineEntry, ProviderKind};
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
-use ctxgate_tests::{EngineProcess, TestGateway, bin, compact_to_end, repo_root};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, compact_to_end, metrics_text, repo_root};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -116,7 +116,9 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
     )
     .await
     .unwrap();
-    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
+    let mut config = hosting("window", &engine.endpoint, &[]);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    let g = TestGateway::start(config).await;
     attached(&g, "window").await;
     for i in 0..6 {
         let events = run_turn(&g, "w", &format!("Turn {i}: look at module_{i}.rs please")).await;
@@ -145,6 +147,13 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
     assert!(done.compacted && done.entry_id.is_none(), "engine-owned: reported, transcript untouched: {done:?}");
     assert!(progress >= 1, "the engine's progress reached the client");
     assert_eq!(messages(&g, "w").await.len(), 12, "every message is still in the transcript");
+    // The engine summarised through the host's model, with its grant.
+    let metrics = metrics_text(g.metrics.unwrap()).await;
+    assert!(
+        metrics.contains("ctxgate_host_llm_calls_total{engine=\"window\",operation=\"context-engine.compaction\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("ctxgate_engine_calls_total{engine=\"window\",method=\"Assemble\"} 6"), "{metrics}");
 
     let e = engine_status(&g, "window").await;
     assert_eq!(e.health, "SERVING");
@@ -550,5 +559,33 @@ async fn a_spawn_that_fails_after_preparation_is_rolled_back() {
         engine.wait_line("event rollback tok-kid", Duration::from_secs(5)).await.is_some(),
         "the preparation was rolled back"
     );
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn host_params_an_engine_does_not_accept_are_not_sent() {
+    let engine = fault_engine("accepts-nothing").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    assert!(completed(&run_turn(&g, "hp", "hi").await));
+    let line = engine.wait_line("event params", Duration::from_secs(5)).await.unwrap();
+    assert!(line.starts_with("event params key=no prompt=no settings=no context=no host=no "), "{line}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn maintenance_rewrites_become_a_new_branch_and_the_old_one_stays() {
+    let engine = fault_engine("maintain-rewrite").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    assert!(completed(&run_turn(&g, "m", "please rewrite me").await));
+    engine.wait_line("event maintain", Duration::from_secs(5)).await.unwrap();
+    let texts = messages(&g, "m").await;
+    assert_eq!(texts.len(), 2);
+    assert_eq!(texts[0], "rewritten", "the active branch has the replacement");
+    let info = g.client.clone().get_session(sref("m")).await.unwrap().into_inner();
+    let stored = g.client.clone().list_sessions(api::ListSessionsRequest::default()).await.unwrap().into_inner();
+    assert_eq!(info.entries, 2, "the active branch");
+    assert_eq!(stored.sessions[0].entries, 4, "the old branch is kept for audit");
     g.stop().await;
 }

@@ -11,7 +11,7 @@ use ctxgate::config::{Config, ProviderKind};
 use ctxgate_proto::gateway::{self as api, compaction_event, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
-use ctxgate_tests::{TestGateway, compact_to_end};
+use ctxgate_tests::{TestGateway, compact_to_end, metrics_text};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -310,16 +310,6 @@ async fn a_configured_token_is_required_and_metrics_count_turns() {
     assert!(metrics.contains("ctxgate_turns_total{outcome=\"completed\"} 1"), "{metrics}");
     assert!(metrics.contains("ctxgate_turn_duration_seconds_count 1"), "{metrics}");
     g.stop().await;
-}
-
-/// GET /metrics with a bare HTTP/1.0 request.
-async fn metrics_text(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.unwrap();
-    out
 }
 
 #[tokio::test]

@@ -181,3 +181,13 @@ pub async fn compact_to_end(
     }
     (events, None)
 }
+
+/// `GET /metrics` with a bare HTTP/1.0 request.
+pub async fn metrics_text(addr: std::net::SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("metrics endpoint");
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).await.expect("read");
+    out
+}

@@ -12,6 +12,10 @@
 //! - `grant-probe`: Assemble tests its grant (own session, another session,
 //!   after the call ended).
 //! - `slow-prepare`: PrepareSubagentSpawn takes 300 ms.
+//! - `accepts-nothing`: declares `accepted_host_params = []` and reports
+//!   which host params Assemble still received.
+//! - `maintain-rewrite`: Maintain replaces the session's first message
+//!   (found through the Host service) with the text "rewritten".
 //!
 //! SIGUSR1 reports NOT_SERVING, SIGUSR2 SERVING. After the `listening on`
 //! line it prints `event <what> <detail> <unix µs>` lines the tests read.
@@ -113,22 +117,19 @@ impl ContextEngine for Fault {
         } else {
             vec![]
         };
+        let mut methods =
+            vec!["GetInfo", "Ingest", "Assemble", "Compact", "PrepareSubagentSpawn", "RollbackSubagentSpawn"];
+        if self.has("maintain-rewrite") {
+            methods.push("Maintain");
+        }
         Ok(pb::EngineInfo {
             id: "fault".into(),
             name: "Fault fixture".into(),
             version: "0".into(),
             contract_version: "1.0".into(),
+            accepted_host_params: self.has("accepts-nothing").then(pb::AcceptedHostParams::default),
             host_requirements,
-            implemented_methods: [
-                "GetInfo",
-                "Ingest",
-                "Assemble",
-                "Compact",
-                "PrepareSubagentSpawn",
-                "RollbackSubagentSpawn",
-            ]
-            .map(String::from)
-            .to_vec(),
+            implemented_methods: methods.into_iter().map(String::from).collect(),
             ..Default::default()
         })
     }
@@ -145,6 +146,18 @@ impl ContextEngine for Fault {
         if self.has("hang") {
             return Err(hang(ctx, "Assemble").await);
         }
+        if self.has("accepts-nothing") {
+            let got = |b: bool| if b { "yes" } else { "no" };
+            let seen = format!(
+                "key={} prompt={} settings={} context={} host={}",
+                got(req.session_key.is_some()),
+                got(req.prompt.is_some()),
+                got(req.runtime_settings.is_some()),
+                got(req.runtime_context.is_some()),
+                got(req.host.is_some())
+            );
+            event("params", &seen);
+        }
         if self.has("grant-probe") {
             probe_grants(ctx, &req.session_id, req.host.clone()).await;
         }
@@ -158,6 +171,26 @@ impl ContextEngine for Fault {
         Ok(pb::AssembleResult {
             estimated_tokens: ctxgate_engine_sdk::estimate::messages_tokens(&messages),
             messages,
+            ..Default::default()
+        })
+    }
+
+    async fn maintain(&self, ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {
+        if !self.has("maintain-rewrite") {
+            return Err(EngineError::Unimplemented("Maintain"));
+        }
+        let Some(host) = ctx.host() else { return Ok(pb::MaintainResult::default()) };
+        let entries = host.read_transcript(ctx, false).await?;
+        let first = entries.into_iter().find_map(|e| match e.entry {
+            Some(pb::transcript_entry::Entry::Message(m)) if msg::text_of(&m) != "rewritten" => Some(m),
+            _ => None,
+        });
+        let Some(first) = first else { return Ok(pb::MaintainResult::default()) };
+        event("maintain", &req.session_id);
+        let new = msg::user(&first.id, "rewritten");
+        Ok(pb::MaintainResult {
+            replacements: vec![pb::TranscriptReplacement { entry_id: first.id.clone(), message: Some(new) }],
+            changed: true,
             ..Default::default()
         })
     }
