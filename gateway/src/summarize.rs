@@ -245,7 +245,12 @@ pub fn extractive(previous: Option<&str>, messages: &[AgentMessage]) -> String {
             if any_of(sentence, &["todo", "need to", "next step", "still have to", "remaining", "follow up", "later"]) {
                 add(HEADINGS[1], line.clone());
             }
-            if any_of(sentence, &["must", "never", "always", "do not", "don't", "only use", "required", "not allowed"])
+            // Rules come from the people and the system, not from the model's echo.
+            if !assistant
+                && any_of(
+                    sentence,
+                    &["must", "never", "always", "do not", "don't", "only use", "required", "not allowed"],
+                )
             {
                 add(HEADINGS[2], line.clone());
             }
