@@ -115,6 +115,8 @@ impl Drop for SessionGuard<'_> {
 /// The engine a turn (or a manual compaction) runs with: pinned once
 /// chosen, so a turn is never replayed on another engine.
 struct Lease {
+    /// The registry id (`plugins.entries` key) or "legacy".
+    key: String,
     engine: Arc<dyn Engine>,
     info: pb::EngineInfo,
     /// The degradation warning, when the configured engine could not take it.
@@ -284,8 +286,13 @@ impl Core {
     /// needs, else legacy with one warning.
     fn lease(&self, operation: &str) -> Lease {
         let registry = self.registry();
-        let legacy =
-            |degraded| Lease { engine: registry.legacy(), info: registry.legacy.info(), degraded, remote: false };
+        let legacy = |degraded| Lease {
+            key: LEGACY_ID.into(),
+            engine: registry.legacy(),
+            info: registry.legacy.info(),
+            degraded,
+            remote: false,
+        };
         let Some(g) = registry.selected() else { return legacy(None) };
         let reason = if let Some(q) = g.quarantine_record() {
             Some(format!("it is quarantined after failing during {}: {}", q.operation, q.reason))
@@ -302,7 +309,7 @@ impl Core {
                 tracing::warn!("{warning}");
                 legacy(Some(warning))
             }
-            None => Lease { engine: g.clone(), info: g.info(), degraded: None, remote: true },
+            None => Lease { key: g.id().to_owned(), engine: g.clone(), info: g.info(), degraded: None, remote: true },
         }
     }
 
@@ -553,6 +560,20 @@ impl Core {
 
         let system = req.system_prompt.as_deref();
         let budget = self.token_budget(system);
+        // Durable engines get earlier turns first; a turn the engine has not
+        // accepted blocks this session only.
+        if lease.remote && crate::engines::durable(&lease.info) {
+            let waiting = self.drain_commits(&session.session_id, cancel).await?;
+            if waiting > 0 {
+                return Ok(Some(failed(
+                    "engine_backlog",
+                    format!(
+                        "The context engine \"{}\" has not accepted {waiting} earlier turn(s) of this session yet; they are retried in the background. Try again shortly.",
+                        lease.key
+                    ),
+                )));
+            }
+        }
         self.bootstrap_if_new(&lease, session, &admitted_id, budget, &call).await;
         let sink = |e: api::compaction_event::Event| {
             let mapped = match e {
@@ -654,8 +675,9 @@ impl Core {
             };
             match result {
                 Ok(reply) => {
-                    let done =
-                        self.finalize(&lease, session, &turn_id, reply, rendered, budget, events, cancel).await?;
+                    let done = self
+                        .finalize(&lease, session, &turn_id, &admitted[0], reply, rendered, budget, events, cancel)
+                        .await?;
                     self.schedule_background_maintenance(lease, session.clone(), budget);
                     return Ok(Some(done));
                 }
@@ -753,6 +775,7 @@ impl Core {
         lease: &Lease,
         session: &Session,
         turn_id: &str,
+        admitted: &pb::TranscriptEntry,
         reply: crate::provider::ChatResponse,
         mut history: Vec<AgentMessage>,
         budget: u64,
@@ -762,10 +785,28 @@ impl Core {
         let mut m = text_message(Role::Assistant, reply.text.clone());
         m.usage = Some(reply.usage);
         m.metadata.insert("model".into(), self.provider.model().into());
-        let stored = self
-            .store
-            .append(&session.session_id, vec![NewEntry { turn_id: turn_id.into(), entry: Entry::Message(m) }])
-            .await?;
+        let entry = NewEntry { turn_id: turn_id.into(), entry: Entry::Message(m) };
+        if lease.remote && crate::engines::durable(&lease.info) {
+            // Durable: the reply and the turn's commit are stored together,
+            // then delivered; the engine gets no after-turn or ingest for it.
+            let draft = self.commit_draft(lease, session, turn_id, admitted, history.len());
+            let stored = self.store.append_with_commit(&session.session_id, vec![entry], draft).await?;
+            let waiting = self.drain_commits(&session.session_id, cancel).await?;
+            if waiting > 0 {
+                let _ = events.send(event(api::turn_event::Event::Warning(api::Warning {
+                    message: "the context engine has not accepted this turn yet; it stays queued and is retried".into(),
+                })));
+            }
+            if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
+                self.maintain(lease, session, pb::MaintainReason::Turn, budget, &Call::new(cancel.clone())).await;
+            }
+            return Ok(api::turn_event::Event::Completed(api::Completed {
+                entry_id: stored[0].id.clone(),
+                text: reply.text,
+                usage: Some(reply.usage),
+            }));
+        }
+        let stored = self.store.append(&session.session_id, vec![entry]).await?;
         // Everything before the admitted user message existed before the prompt.
         let pre_prompt = history.len().saturating_sub(1) as u64;
         if let Some(Entry::Message(reply_message)) = stored[0].entry.clone() {
@@ -820,6 +861,83 @@ impl Core {
             text: reply.text,
             usage: Some(reply.usage),
         }))
+    }
+
+    /// The CommitTurn of a durable turn, before its reply is appended.
+    fn commit_draft(
+        &self,
+        lease: &Lease,
+        session: &Session,
+        turn_id: &str,
+        admitted: &pb::TranscriptEntry,
+        rendered: usize,
+    ) -> crate::store::CommitDraft {
+        let anchor = pb::TranscriptEntryAnchor {
+            agent_id: session.agent_id.clone(),
+            session_id: session.session_id.clone(),
+            session_key: session.session_key.clone(),
+            store_path: String::new(),
+            generation: 0,
+            entry_id: admitted.id.clone(),
+            raw_seq: admitted.seq,
+            effective_parent_id: admitted.parent_id.clone(),
+            active_message_position: rendered.saturating_sub(1) as u64,
+            idempotency_key: None,
+        };
+        let message = match &admitted.entry {
+            Some(Entry::Message(m)) => vec![m.clone()],
+            _ => vec![],
+        };
+        crate::store::CommitDraft {
+            engine_id: lease.key.clone(),
+            request: pb::CommitTurnRequest {
+                advancement_key: turn_id.into(),
+                admission: Some(pb::TranscriptTurnAdmission {
+                    anchor: Some(anchor),
+                    logical_turn_id: turn_id.into(),
+                    role: Role::User as i32,
+                }),
+                terminal: None,
+                messages: message,
+                session_id: session.session_id.clone(),
+                session_key: Some(session.session_key.clone()),
+                session_target: Some(target(session)),
+                ..Default::default()
+            },
+        }
+    }
+
+    /// Delivers the session's queued commits in order; returns how many
+    /// still wait (the engine is out of service or refused one).
+    async fn drain_commits(&self, session_id: &str, cancel: &CancellationToken) -> Result<usize, CoreError> {
+        let pending = self.store.pending_commits(session_id).await?;
+        let registry = self.registry();
+        let mut delivered = 0;
+        for p in &pending {
+            let Some(engine) = registry.get(&p.engine_id).filter(|g| !g.is_quarantined()) else { break };
+            match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
+                Ok(_) => {
+                    self.store.complete_commit(session_id, &p.request.advancement_key).await?;
+                    delivered += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(session = session_id, key = %p.request.advancement_key, error = %e, "commit not accepted; it stays queued");
+                    break;
+                }
+            }
+        }
+        Ok(pending.len() - delivered)
+    }
+
+    /// One pass of the outbox, round-robin across sessions: each session
+    /// with queued commits gets a turn at draining (under its lock).
+    pub async fn drain_outbox(&self) -> Result<(), CoreError> {
+        for session_id in self.store.sessions_with_pending_commits().await? {
+            let cancel = self.call_token();
+            let _guard = self.enter(&session_id, &cancel).await;
+            self.drain_commits(&session_id, &cancel).await?;
+        }
+        Ok(())
     }
 
     // --- compaction --------------------------------------------------------

@@ -108,7 +108,8 @@ pub async fn run_with_reloads(
             }
         })
     };
-    // Subagents whose ttl ran out are ended with reason "swept".
+    // Subagents whose ttl ran out are ended with reason "swept"; queued
+    // durable-turn commits are retried.
     let sweeper = {
         let core = core.clone();
         tokio::spawn(async move {
@@ -117,6 +118,10 @@ pub async fn run_with_reloads(
                 tick.tick().await;
                 if let Err(e) = core.sweep_subagents().await {
                     tracing::warn!(error = %e, "subagent sweep failed");
+                }
+                // Durable turns an engine has not accepted yet are retried here.
+                if let Err(e) = core.drain_outbox().await {
+                    tracing::warn!(error = %e, "outbox drain failed");
                 }
             }
         })

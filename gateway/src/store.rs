@@ -85,12 +85,44 @@ pub trait Store: Send + Sync + 'static {
         session_id: &str,
         replacements: Vec<(String, AgentMessage)>,
     ) -> Result<RewriteOutcome, StoreError>;
+    /// Appends a durable turn's last entries and queues its CommitTurn in
+    /// the same transaction: a stored reply always has its commit queued.
+    /// The draft's terminal anchor and messages are completed from the
+    /// appended entries.
+    async fn append_with_commit(
+        &self,
+        session_id: &str,
+        entries: Vec<NewEntry>,
+        draft: CommitDraft,
+    ) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// The session's queued commits, oldest first.
+    async fn pending_commits(&self, session_id: &str) -> Result<Vec<PendingCommit>, StoreError>;
+    /// Sessions with queued commits, the longest-waiting first.
+    async fn sessions_with_pending_commits(&self) -> Result<Vec<String>, StoreError>;
+    /// Removes a delivered commit.
+    async fn complete_commit(&self, session_id: &str, advancement_key: &str) -> Result<(), StoreError>;
     /// Records a live subagent.
     async fn add_subagent(&self, s: Subagent) -> Result<(), StoreError>;
     /// Removes and returns a subagent record.
     async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError>;
     /// Subagents whose ttl ended before `now_ms`.
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError>;
+}
+
+/// A durable turn's commit before its last entries are appended.
+#[derive(Debug, Clone)]
+pub struct CommitDraft {
+    pub engine_id: String,
+    /// Admission, the messages so far (the admitted user message onwards),
+    /// session fields; the store adds the terminal anchor and the new messages.
+    pub request: pb::CommitTurnRequest,
+}
+
+/// A queued commit.
+#[derive(Debug, Clone)]
+pub struct PendingCommit {
+    pub engine_id: String,
+    pub request: pb::CommitTurnRequest,
 }
 
 /// A live subagent.
@@ -132,6 +164,14 @@ CREATE TABLE IF NOT EXISTS entries (
     body       BLOB NOT NULL
 );
 CREATE INDEX IF NOT EXISTS entries_by_session ON entries (session_id, seq);
+CREATE TABLE IF NOT EXISTS outbox (
+    session_id      TEXT NOT NULL,
+    advancement_key TEXT NOT NULL,
+    engine_id       TEXT NOT NULL,
+    payload         BLOB NOT NULL,
+    created_at_ms   INTEGER NOT NULL,
+    PRIMARY KEY (session_id, advancement_key)
+);
 CREATE TABLE IF NOT EXISTS subagents (
     agent_id       TEXT NOT NULL,
     child_key      TEXT NOT NULL,
@@ -232,6 +272,52 @@ fn read_subagent(r: &rusqlite::Row<'_>) -> rusqlite::Result<Subagent> {
     })
 }
 
+/// Appends entries to the session's active branch inside `tx`.
+fn append_in(
+    tx: &rusqlite::Transaction<'_>,
+    session_id: &str,
+    entries: Vec<NewEntry>,
+) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    let (mut parent, mut seq): (Option<String>, i64) = tx
+        .query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [session_id], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()?
+        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
+    let mut out = Vec::with_capacity(entries.len());
+    for e in entries {
+        let id = new_id();
+        let (kind, entry) = match e.entry {
+            Entry::Message(mut m) => {
+                // A stored message's id is its entry id: engines key
+                // idempotency and rewrites by it.
+                m.id = id.clone();
+                (KIND_MESSAGE, Entry::Message(m))
+            }
+            c @ Entry::Compaction(_) => (KIND_COMPACTION, c),
+        };
+        let stored = pb::TranscriptEntry {
+            id: id.clone(),
+            parent_id: parent.clone(),
+            seq: seq as u64,
+            turn_id: e.turn_id,
+            entry: Some(entry),
+        };
+        tx.execute(
+            "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![id, session_id, parent, seq, kind, stored.encode_to_vec()],
+        )?;
+        parent = Some(id);
+        seq += 1;
+        out.push(stored);
+    }
+    tx.execute(
+        "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
+        params![session_id, parent, seq],
+    )?;
+    Ok(out)
+}
+
 fn decode(body: &[u8]) -> rusqlite::Result<pb::TranscriptEntry> {
     pb::TranscriptEntry::decode(body)
         .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, Box::new(e)))
@@ -312,45 +398,77 @@ impl Store for SqliteStore {
         let session_id = session_id.to_owned();
         self.run(move |c| {
             let tx = c.transaction()?;
-            let (mut parent, mut seq): (Option<String>, i64) = tx
-                .query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [&session_id], |r| {
-                    Ok((r.get(0)?, r.get(1)?))
-                })
-                .optional()?
-                .ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
-            let mut out = Vec::with_capacity(entries.len());
-            for e in entries {
-                let id = new_id();
-                let (kind, entry) = match e.entry {
-                    Entry::Message(mut m) => {
-                        // A stored message's id is its entry id: engines key
-                        // idempotency and rewrites by it.
-                        m.id = id.clone();
-                        (KIND_MESSAGE, Entry::Message(m))
-                    }
-                    c @ Entry::Compaction(_) => (KIND_COMPACTION, c),
-                };
-                let stored = pb::TranscriptEntry {
-                    id: id.clone(),
-                    parent_id: parent.clone(),
-                    seq: seq as u64,
-                    turn_id: e.turn_id,
-                    entry: Some(entry),
-                };
-                tx.execute(
-                    "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![id, session_id, parent, seq, kind, stored.encode_to_vec()],
-                )?;
-                parent = Some(id);
-                seq += 1;
-                out.push(stored);
+            let out = append_in(&tx, &session_id, entries)?;
+            tx.commit()?;
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn append_with_commit(
+        &self,
+        session_id: &str,
+        entries: Vec<NewEntry>,
+        draft: CommitDraft,
+    ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let out = append_in(&tx, &session_id, entries)?;
+            let mut req = draft.request;
+            if let Some(last) = out.last() {
+                let mut terminal = req.admission.as_ref().and_then(|a| a.anchor.clone()).unwrap_or_default();
+                terminal.entry_id = last.id.clone();
+                terminal.raw_seq = last.seq;
+                terminal.effective_parent_id = last.parent_id.clone();
+                terminal.active_message_position += (req.messages.len() + out.len()) as u64 - 1;
+                req.terminal = Some(terminal);
             }
+            req.messages.extend(out.iter().filter_map(|e| match &e.entry {
+                Some(Entry::Message(m)) => Some(m.clone()),
+                _ => None,
+            }));
             tx.execute(
-                "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
-                params![session_id, parent, seq],
+                "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![session_id, req.advancement_key, draft.engine_id, req.encode_to_vec(), now_ms()],
             )?;
             tx.commit()?;
             Ok(out)
+        })
+        .await
+    }
+
+    async fn pending_commits(&self, session_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.run(move |c| {
+            let mut stmt =
+                c.prepare_cached("SELECT engine_id, payload FROM outbox WHERE session_id = ?1 ORDER BY rowid")?;
+            let rows = stmt.query_map([&session_id], |r| {
+                let body: Vec<u8> = r.get(1)?;
+                let request = pb::CommitTurnRequest::decode(body.as_slice()).map_err(|e| {
+                    rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e))
+                })?;
+                Ok(PendingCommit { engine_id: r.get(0)?, request })
+            })?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn sessions_with_pending_commits(&self) -> Result<Vec<String>, StoreError> {
+        self.run(|c| {
+            let mut stmt = c.prepare("SELECT session_id FROM outbox GROUP BY session_id ORDER BY MIN(rowid)")?;
+            let rows = stmt.query_map([], |r| r.get(0))?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn complete_commit(&self, session_id: &str, advancement_key: &str) -> Result<(), StoreError> {
+        let (s, k) = (session_id.to_owned(), advancement_key.to_owned());
+        self.run(move |c| {
+            c.execute("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2", params![s, k])?;
+            Ok(())
         })
         .await
     }

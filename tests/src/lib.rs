@@ -73,6 +73,11 @@ impl EngineProcess {
         Ok(Self { child, endpoint, lines: store, line_added: added })
     }
 
+    /// Every later stdout line so far that starts with `prefix`.
+    pub fn lines_starting(&self, prefix: &str) -> Vec<String> {
+        self.lines.lock().unwrap_or_else(|e| e.into_inner()).iter().filter(|l| l.starts_with(prefix)).cloned().collect()
+    }
+
     /// The first later stdout line starting with `prefix`, waiting up to
     /// `within` for it.
     pub async fn wait_line(&self, prefix: &str, within: Duration) -> Option<String> {

@@ -322,6 +322,15 @@ impl Engine for Guarded {
             .await
     }
 
+    async fn commit_turn(&self, req: pb::CommitTurnRequest, call: &Call) -> R<pb::CommitTurnResult> {
+        let n = req.encoded_len();
+        // No legacy answer exists for a commit: the turn stays queued.
+        self.guard("CommitTurn", true, n, self.remote.commit_turn(req, call), async {
+            Err(EngineCallError::Quarantined)
+        })
+        .await
+    }
+
     async fn maintain(&self, req: pb::MaintainRequest, call: &Call) -> R<pb::MaintainResult> {
         let n = req.encoded_len();
         self.guard("Maintain", false, n, self.remote.maintain(req.clone(), call), self.legacy.maintain(req, call)).await

@@ -111,6 +111,14 @@ impl Engine for Legacy {
         Ok(pb::AfterTurnResult {})
     }
 
+    async fn commit_turn(
+        &self,
+        _req: pb::CommitTurnRequest,
+        _call: &Call,
+    ) -> Result<pb::CommitTurnResult, EngineCallError> {
+        Err(EngineCallError::Unimplemented("CommitTurn"))
+    }
+
     async fn maintain(&self, _req: pb::MaintainRequest, _call: &Call) -> Result<pb::MaintainResult, EngineCallError> {
         Ok(pb::MaintainResult { reason: Some(DOWNGRADED.into()), ..Default::default() })
     }

@@ -95,6 +95,9 @@ pub trait Engine: Send + Sync + 'static {
     async fn assemble(&self, req: pb::AssembleRequest, call: &Call) -> R<pb::AssembleResult>;
     async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply>;
     async fn after_turn(&self, req: pb::AfterTurnRequest, call: &Call) -> R<pb::AfterTurnResult>;
+    /// A durable turn's commit. Never answered by a fallback: a commit the
+    /// engine did not accept stays queued.
+    async fn commit_turn(&self, req: pb::CommitTurnRequest, call: &Call) -> R<pb::CommitTurnResult>;
     async fn maintain(&self, req: pb::MaintainRequest, call: &Call) -> R<pb::MaintainResult>;
     async fn prepare_subagent_spawn(
         &self,
@@ -107,6 +110,16 @@ pub trait Engine: Send + Sync + 'static {
         call: &Call,
     ) -> R<pb::RollbackSubagentSpawnResult>;
     async fn on_subagent_ended(&self, req: pb::OnSubagentEndedRequest, call: &Call) -> R<pb::OnSubagentEndedResult>;
+}
+
+/// Whether turns on this engine go through the durable outbox: it declares
+/// both transcript semantics and implements CommitTurn (OpenClaw's
+/// `supportsContextEngineDurableTurnAdvancement` plus the fence).
+pub fn durable(info: &pb::EngineInfo) -> bool {
+    let sem = info.transcript_semantics.unwrap_or_default();
+    sem.current_turn_fence == pb::CurrentTurnFence::BeforeCurrentTurnEntryV1 as i32
+        && sem.turn_advancement_idempotency == pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32
+        && info.implemented_methods.iter().any(|m| m == "CommitTurn")
 }
 
 /// Host capabilities of the managed driver (`ctxgate-embedded`).

@@ -16,6 +16,9 @@
 //!   which host params Assemble still received.
 //! - `maintain-rewrite`: Maintain replaces the session's first message
 //!   (found through the Host service) with the text "rewritten".
+//! - `durable`: declares both transcript semantics and implements
+//!   CommitTurn (idempotent per key); `commit-fails-first` makes the first
+//!   commit answer UNAVAILABLE.
 //!
 //! SIGUSR1 reports NOT_SERVING, SIGUSR2 SERVING. After the `listening on`
 //! line it prints `event <what> <detail> <unix µs>` lines the tests read.
@@ -51,6 +54,8 @@ fn event(what: &str, detail: &str) {
 
 struct Fault {
     faults: HashSet<String>,
+    committed: std::sync::Mutex<HashSet<String>>,
+    commits_tried: std::sync::atomic::AtomicU32,
 }
 
 impl Fault {
@@ -122,12 +127,20 @@ impl ContextEngine for Fault {
         if self.has("maintain-rewrite") {
             methods.push("Maintain");
         }
+        let transcript_semantics = self.has("durable").then(|| {
+            methods.push("CommitTurn");
+            pb::TranscriptSemantics {
+                current_turn_fence: pb::CurrentTurnFence::BeforeCurrentTurnEntryV1 as i32,
+                turn_advancement_idempotency: pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32,
+            }
+        });
         Ok(pb::EngineInfo {
             id: "fault".into(),
             name: "Fault fixture".into(),
             version: "0".into(),
             contract_version: "1.0".into(),
             accepted_host_params: self.has("accepts-nothing").then(pb::AcceptedHostParams::default),
+            transcript_semantics,
             host_requirements,
             implemented_methods: methods.into_iter().map(String::from).collect(),
             ..Default::default()
@@ -173,6 +186,33 @@ impl ContextEngine for Fault {
             messages,
             ..Default::default()
         })
+    }
+
+    async fn commit_turn(
+        &self,
+        _ctx: &CallContext,
+        req: pb::CommitTurnRequest,
+    ) -> Result<pb::CommitTurnResult, EngineError> {
+        if !self.has("durable") {
+            return Err(EngineError::Unimplemented("CommitTurn"));
+        }
+        let n = self.commits_tried.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if n == 0 && self.has("commit-fails-first") {
+            event("commit-refused", &req.advancement_key);
+            return Err(EngineError::Host {
+                operation: "CommitTurn",
+                status: tonic::Status::unavailable("backend down"),
+            });
+        }
+        let fresh = self.committed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.advancement_key.clone());
+        let terminal = req.terminal.as_ref().map(|t| t.entry_id.clone()).unwrap_or_default();
+        let last = req.messages.last().map(|m| m.id.clone()).unwrap_or_default();
+        event(
+            "commit",
+            &format!("{} messages={} terminal_is_last={}", req.advancement_key, req.messages.len(), terminal == last),
+        );
+        let status = if fresh { pb::CommitStatus::Committed } else { pb::CommitStatus::Duplicate };
+        Ok(pb::CommitTurnResult { status: status as i32 })
     }
 
     async fn maintain(&self, ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {
@@ -256,7 +296,8 @@ impl ContextEngine for Fault {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let faults = args.fault.split(',').filter(|f| !f.is_empty()).map(str::to_owned).collect();
-    let bound = Server::new(Fault { faults }).drain_timeout(Duration::from_secs(1)).bind(&args.serve.listen).await?;
+    let fault = Fault { faults, committed: Default::default(), commits_tried: Default::default() };
+    let bound = Server::new(fault).drain_timeout(Duration::from_secs(1)).bind(&args.serve.listen).await?;
     println!("listening on {}", bound.local_endpoint());
     std::io::stdout().flush()?;
     let reporter = bound.health_reporter();
