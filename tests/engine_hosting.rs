@@ -645,3 +645,17 @@ async fn a_refused_commit_stays_queued_and_is_delivered_once_the_engine_is_back(
     assert_eq!(messages(&g, "q").await.len(), 6, "nothing lost");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn an_engine_without_a_health_service_counts_as_healthy() {
+    let engine = EngineProcess::start(bin("ctxgate-broken-engine"), &["--listen", "127.0.0.1:0", "--honest-info"])
+        .await
+        .unwrap();
+    let g = TestGateway::start(hosting("bare", &engine.endpoint, &[])).await;
+    let e = wait_engine(&g, "bare", "attached", |e| e.quarantine.is_none() && !e.name.is_empty()).await;
+    assert_eq!(e.health, "SERVING (no health service)");
+    let events = run_turn(&g, "b", "hello").await;
+    assert!(completed(&events), "{events:?}");
+    assert_eq!(selected(&events).engine_id, "broken");
+    g.stop().await;
+}

@@ -14,7 +14,11 @@ use ctxgate_engine_sdk::pb::{self, content_part::Part, context_engine_server as 
 use ctxgate_engine_sdk::{Endpoint, ServeArgs};
 use tonic::{Request, Response, Status};
 
-struct Broken;
+struct Broken {
+    /// `--honest-info`: a valid GetInfo, so a gateway attaches it (the
+    /// fixture for "no health service at all counts as healthy").
+    honest_info: bool,
+}
 
 type Unary<T> = Result<Response<T>, Status>;
 type Events = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CompactEvent, Status>> + Send>>;
@@ -26,6 +30,15 @@ fn unimplemented<T>() -> Unary<T> {
 #[tonic::async_trait]
 impl raw::ContextEngine for Broken {
     async fn get_info(&self, _: Request<pb::GetInfoRequest>) -> Unary<pb::EngineInfo> {
+        if self.honest_info {
+            return Ok(Response::new(pb::EngineInfo {
+                id: "broken".into(),
+                name: "Broken fixture (honest info)".into(),
+                contract_version: "1.0".into(),
+                implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact"].map(String::from).to_vec(),
+                ..Default::default()
+            }));
+        }
         Ok(Response::new(pb::EngineInfo {
             id: "broken".into(),
             name: "  ".into(),
@@ -116,6 +129,8 @@ impl raw::ContextEngine for Broken {
 struct Args {
     #[command(flatten)]
     serve: ServeArgs,
+    #[arg(long)]
+    honest_info: bool,
 }
 
 #[tokio::main]
@@ -127,7 +142,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     println!("listening on {}", listener.local_addr()?);
     tonic::transport::Server::builder()
-        .add_service(raw::ContextEngineServer::new(Broken).max_decoding_message_size(16 << 20))
+        .add_service(
+            raw::ContextEngineServer::new(Broken { honest_info: args.honest_info }).max_decoding_message_size(16 << 20),
+        )
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await?;
     Ok(())
