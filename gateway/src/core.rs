@@ -933,6 +933,17 @@ impl Core {
     /// with queued commits gets a turn at draining (under its lock).
     pub async fn drain_outbox(&self) -> Result<(), CoreError> {
         for session_id in self.store.sessions_with_pending_commits().await? {
+            // A session with a turn running drains at that turn's start; do
+            // not stall every other session's pass behind it.
+            let busy = self
+                .running
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&session_id)
+                .is_some_and(|r| r.cancel.is_some());
+            if busy {
+                continue;
+            }
             let cancel = self.call_token();
             let _guard = self.enter(&session_id, &cancel).await;
             self.drain_commits(&session_id, &cancel).await?;
