@@ -1,0 +1,203 @@
+//! Compaction: manual, or inside a turn; the engine's own or the built-in
+//! one it delegates to, in one safety window.
+
+use super::*;
+
+impl Core {
+    // --- compaction --------------------------------------------------------
+
+    /// Manual compaction (`/compact`): target=threshold, force.
+    pub async fn compact_session(
+        &self,
+        req: api::CompactSessionRequest,
+        sink: &CompactionSink<'_>,
+        cancel: CancellationToken,
+    ) -> Result<(), CoreError> {
+        let (agent, key) = session_ref(req.session.as_ref())?;
+        let session = self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))?;
+        let _guard = self.enter(&session.session_id, &cancel).await;
+        let lease = self.lease("manual-compact");
+        self.compact(&lease, &session, "manual", None, req.custom_instructions, sink, &cancel).await.map(|_| ())
+    }
+
+    /// Runs the engine's compaction — or the built-in one it delegates to —
+    /// inside one safety window. Built-in results become a compaction entry
+    /// in the transcript; an engine that compacts itself keeps its own
+    /// state, and the transcript stays whole. The caller holds the session
+    /// lock.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn compact(
+        &self,
+        lease: &Lease,
+        session: &Session,
+        trigger: &str,
+        budget: Option<u64>,
+        instructions: Option<String>,
+        sink: &CompactionSink<'_>,
+        cancel: &CancellationToken,
+    ) -> Result<api::CompactionDone, CoreError> {
+        use api::compaction_event::Event as C;
+        let started = Instant::now();
+        let window_end = started + self.config.compaction_timeout();
+        let visible = self.visible(&session.session_id).await?;
+        let tokens_before = visible.tokens();
+        sink(C::Started(api::CompactionStarted { trigger: trigger.into(), tokens_before }));
+        let target_kind = if budget.is_some() { pb::CompactionTarget::Budget } else { pb::CompactionTarget::Threshold };
+        let call = Call::new(cancel.clone()).with_deadline(window_end);
+        let grant = self.grant(lease, session, None, Some(window_end));
+        let (force_reason, preflight) = match trigger {
+            "manual" => (Some("manual".to_owned()), None),
+            "proactive" => (Some("preflight_required".to_owned()), Some("tokens".to_owned())),
+            _ => (None, None),
+        };
+        let request = pb::CompactRequest {
+            session_id: session.session_id.clone(),
+            session_key: session.session_key.clone(),
+            agent_id: Some(session.agent_id.clone()),
+            session_target: Some(target(session)),
+            token_budget: budget,
+            force: true,
+            current_token_count: Some(tokens_before),
+            compaction_target: target_kind as i32,
+            custom_instructions: instructions.clone(),
+            runtime_settings: Some(self.runtime_settings(lease, budget.unwrap_or_default(), None)),
+            runtime_context: Some(pb::RuntimeContext {
+                force_reason,
+                preflight_compaction_trigger: preflight,
+                ..self.runtime_context(session, budget.unwrap_or_default(), tokens_before)
+            }),
+            host: grant.as_ref().map(|g| g.access.clone()),
+        };
+        let progress = |p: pb::CompactProgress| {
+            sink(C::Progress(api::CompactionProgress {
+                stage: p.stage,
+                done: p.done,
+                total: p.total,
+                message: p.message,
+            }));
+        };
+        let reply = lease.engine.compact(request, &call, &progress).await;
+        drop(grant);
+        let result = match reply {
+            Ok(CompactReply::DelegateToHost(d)) => {
+                let instructions = d.custom_instructions.or(instructions);
+                self.builtin(&visible, budget, instructions, sink, cancel, window_end).await
+            }
+            Ok(CompactReply::Done(r)) => {
+                // The engine compacted its own state: report it; the
+                // transcript keeps every entry.
+                let outcome = if r.ok && r.compacted { "compacted" } else { "kept" };
+                self.metrics.compaction_finished(trigger, outcome, started.elapsed(), None);
+                let done = api::CompactionDone {
+                    compacted: r.ok && r.compacted,
+                    reason: r.reason,
+                    tokens_before: if r.tokens_before > 0 { r.tokens_before } else { tokens_before },
+                    tokens_after: r.tokens_after.unwrap_or(tokens_before),
+                    entry_id: None,
+                    summary_chars: r.summary.map_or(0, |s| s.chars().count() as u32),
+                };
+                sink(C::Done(done.clone()));
+                return Ok(done);
+            }
+            Err(EngineCallError::Cancelled) => Err(CompactionError::Cancelled),
+            Err(EngineCallError::DeadlineExceeded { after, .. }) => Err(CompactionError::Timeout(after)),
+            Err(e) => Err(CompactionError::Model(ModelError::Unavailable(e.to_string()))),
+        };
+        let done = match result {
+            Ok(Outcome::Compacted { summary, first_kept_entry_id, tokens_before, tokens_after }) => {
+                let entry = pb::CompactionEntry {
+                    summary: summary.clone(),
+                    first_kept_entry_id,
+                    tokens_before,
+                    tokens_after: Some(tokens_after),
+                };
+                let stored = self
+                    .store
+                    .append(
+                        &session.session_id,
+                        vec![NewEntry { turn_id: format!("compaction:{trigger}"), entry: Entry::Compaction(entry) }],
+                    )
+                    .await?;
+                self.metrics.compaction_finished(
+                    trigger,
+                    "compacted",
+                    started.elapsed(),
+                    Some((tokens_before, tokens_after)),
+                );
+                api::CompactionDone {
+                    compacted: true,
+                    reason: None,
+                    tokens_before,
+                    tokens_after,
+                    entry_id: Some(stored[0].id.clone()),
+                    summary_chars: summary.chars().count() as u32,
+                }
+            }
+            Ok(Outcome::Kept { reason, tokens_before }) => {
+                self.metrics.compaction_finished(trigger, "kept", started.elapsed(), None);
+                api::CompactionDone {
+                    compacted: false,
+                    reason: Some(reason),
+                    tokens_before,
+                    tokens_after: tokens_before,
+                    entry_id: None,
+                    summary_chars: 0,
+                }
+            }
+            Err(e) => {
+                let (outcome, err) = match e {
+                    CompactionError::Cancelled => ("aborted", CoreError::Aborted),
+                    CompactionError::Timeout(_) => {
+                        ("timeout", CoreError::CompactionTimeout(format!("{e}; history kept as it was")))
+                    }
+                    CompactionError::Model(_) => {
+                        ("failed", CoreError::CompactionFailed(format!("{e}; history kept as it was")))
+                    }
+                };
+                self.metrics.compaction_finished(trigger, outcome, started.elapsed(), None);
+                return Err(err);
+            }
+        };
+        sink(C::Done(done.clone()));
+        Ok(done)
+    }
+
+    /// Built-in compaction, each model request bounded by the safety
+    /// timeout but never past the end of the caller's window.
+    pub(super) async fn builtin(
+        &self,
+        visible: &Visible,
+        budget: Option<u64>,
+        instructions: Option<String>,
+        sink: &CompactionSink<'_>,
+        cancel: &CancellationToken,
+        window_end: Instant,
+    ) -> Result<Outcome, CompactionError> {
+        let c = &self.config.agents.defaults.compaction;
+        let left = window_end.saturating_duration_since(Instant::now());
+        let settings = compaction::Settings {
+            keep_recent_tokens: c.keep_recent_tokens,
+            recent_turns_preserve: c.recent_turns_preserve,
+            chunk_tokens: (self.config.models.context_window / 2).clamp(1_000, 30_000),
+            request_timeout: self.config.compaction_timeout().min(left.max(Duration::from_millis(1))),
+            quality_guard: c.quality_guard.enabled,
+            max_retries: c.quality_guard.max_retries,
+            strict_identifiers: c.identifier_policy == IdentifierPolicy::Strict,
+        };
+        let input = compaction::Input {
+            previous_summary: visible.summary.as_ref().map(|(_, c)| c.summary.clone()),
+            messages: visible.messages.clone(),
+            token_budget: budget,
+            instructions,
+        };
+        let mut progress = |done, total, message| {
+            sink(api::compaction_event::Event::Progress(api::CompactionProgress {
+                stage: "summarising".into(),
+                done,
+                total,
+                message,
+            }));
+        };
+        compaction::compact(input, self.summarizer.as_ref(), &settings, cancel, &mut progress).await
+    }
+}
