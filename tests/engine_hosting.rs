@@ -659,3 +659,30 @@ async fn an_engine_without_a_health_service_counts_as_healthy() {
     assert_eq!(selected(&events).engine_id, "broken");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_malformed_trailer_that_panics_tonic_is_one_failed_call() {
+    let engine = EngineProcess::start(bin("ctxgate-trailer-engine"), &[]).await.unwrap();
+    let g = TestGateway::start(hosting("trailers", &engine.endpoint, &[])).await;
+    // The attach and the health checks fail (tonic panics decoding the
+    // trailer inside their tasks); the engine stays out of service.
+    let e = wait_engine(&g, "trailers", "seen unhealthy", |e| e.health != "UNKNOWN").await;
+    assert!(e.quarantine.is_some(), "{e:?}");
+    // The gateway itself keeps working: turns run on legacy.
+    for i in 0..3 {
+        let events = run_turn(&g, "t", &format!("hello {i}")).await;
+        assert!(completed(&events), "{events:?}");
+        assert_eq!(selected(&events).engine_id, "legacy");
+    }
+    assert_eq!(status(&g).await.selected_engine, "trailers");
+    // Forced back in by an operator, a real call hits the trailer too: one
+    // failed call, answered by legacy, quarantine naming it.
+    g.client.clone().readmit_engine(api::ReadmitEngineRequest { engine_id: "trailers".into() }).await.unwrap();
+    let events = run_turn(&g, "t", "one more").await;
+    assert!(completed(&events), "{events:?}");
+    let e = engine_status(&g, "trailers").await;
+    let (op, reason) = quarantine_of(&e);
+    assert_eq!(op, "Bootstrap", "the turn's first call to it: {e:?}");
+    assert!(reason.contains("panicked"), "{reason}");
+    g.stop().await;
+}

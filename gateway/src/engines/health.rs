@@ -3,14 +3,20 @@
 //! unimplemented, healthy when there is no health service at all — with
 //! reconnect backoff, and re-admission once the engine is SERVING again
 //! and its penalty is served.
+//!
+//! Every health RPC runs in a task of its own: tonic panics on some
+//! malformed replies (a non-base64 `grpc-status-details-bin` trailer), and
+//! such an engine must read as unhealthy, not kill its monitor.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use ctxgate_proto::ENGINE_SERVICE;
+use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
+use tonic::transport::Channel;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
 use super::Call;
@@ -24,6 +30,63 @@ const CHECK_INTERVAL: Duration = Duration::from_millis(500);
 
 fn status_health(status: i32) -> Health {
     if status == ServingStatus::Serving as i32 { Health::Serving } else { Health::NotServing }
+}
+
+/// How a Watch session ended.
+enum WatchEnd {
+    /// The engine has no Watch (or no health service): poll Check.
+    Unimplemented,
+    /// The stream broke, or never started: reconnect after a backoff.
+    Broken,
+    /// The engine does not know its own service name.
+    NotFound,
+}
+
+/// Aborts a spawned health RPC when the monitor moves on.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// One Watch call, forwarding every status it reports to `seen`.
+async fn watch(channel: Channel, seen: mpsc::UnboundedSender<Health>) -> WatchEnd {
+    let req = HealthCheckRequest { service: ENGINE_SERVICE.into() };
+    let mut stream = match HealthClient::new(channel).watch(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) if s.code() == Code::Unimplemented => return WatchEnd::Unimplemented,
+        Err(s) if s.code() == Code::NotFound => return WatchEnd::NotFound,
+        Err(_) => return WatchEnd::Broken,
+    };
+    loop {
+        match stream.next().await {
+            Some(Ok(r)) => {
+                let _ = seen.send(status_health(r.status));
+            }
+            Some(Err(s)) if s.code() == Code::NotFound => return WatchEnd::NotFound,
+            // A broken stream may be a blip: reconnect first; only a failed
+            // reconnect marks it unreachable (so a call failing at the same
+            // moment names the operation).
+            _ => return WatchEnd::Broken,
+        }
+    }
+}
+
+/// One Check call, in its own task.
+async fn check(channel: Channel) -> Health {
+    let task = tokio::spawn(async move {
+        match HealthClient::new(channel).check(HealthCheckRequest { service: ENGINE_SERVICE.into() }).await {
+            Ok(r) => status_health(r.into_inner().status),
+            Err(s) if s.code() == Code::Unimplemented => Health::NoHealthService,
+            Err(s) if s.code() == Code::NotFound => Health::NotServing,
+            Err(_) => Health::Unreachable,
+        }
+    });
+    let _abort = AbortOnDrop(task.abort_handle());
+    // A panic inside tonic is a broken engine.
+    task.await.unwrap_or(Health::Unreachable)
 }
 
 /// Re-attaches (GetInfo is re-validated after every reconnect) and lifts
@@ -57,53 +120,49 @@ async fn readmit_if_due(engine: &Guarded, stop: &CancellationToken) {
 pub async fn monitor(engine: Arc<Guarded>, stop: CancellationToken) {
     let mut backoff = BACKOFF_START;
     while !stop.is_cancelled() {
-        let mut health = HealthClient::new(engine.remote.channel());
-        let watch = health.watch(HealthCheckRequest { service: ENGINE_SERVICE.into() }).await;
-        match watch {
-            Ok(stream) => {
-                backoff = BACKOFF_START;
-                let mut stream = stream.into_inner();
-                loop {
-                    tokio::select! {
-                        item = stream.next() => match item {
-                            Some(Ok(r)) => engine.set_health(status_health(r.status)),
-                            // NOT_FOUND: the engine does not know the service name.
-                            Some(Err(s)) if s.code() == Code::NotFound => { engine.set_health(Health::NotServing); break; }
-                            // A broken stream may be a blip: reconnect first;
-                            // only a failed reconnect marks it unreachable (so a
-                            // call failing at the same moment names the operation).
-                            _ => break,
-                        },
-                        () = readmit_if_due(&engine, &stop) => {}
-                        () = stop.cancelled() => return,
-                    }
-                }
-            }
-            Err(s) if s.code() == Code::Unimplemented => {
-                // No Watch: poll Check; no health service at all counts as healthy.
-                loop {
-                    let h = match health.check(HealthCheckRequest { service: ENGINE_SERVICE.into() }).await {
-                        Ok(r) => status_health(r.into_inner().status),
-                        Err(s) if s.code() == Code::Unimplemented => Health::NoHealthService,
-                        Err(s) if s.code() == Code::NotFound => Health::NotServing,
-                        Err(_) => Health::Unreachable,
-                    };
+        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        let session = tokio::spawn(watch(engine.remote.channel(), seen_tx));
+        let _abort = AbortOnDrop(session.abort_handle());
+        let mut session = Box::pin(session);
+        let end = loop {
+            tokio::select! {
+                Some(h) = seen.recv() => {
+                    backoff = BACKOFF_START;
                     engine.set_health(h);
-                    if h == Health::Unreachable {
-                        break;
-                    }
-                    tokio::select! {
-                        () = tokio::time::sleep(CHECK_INTERVAL) => {}
-                        () = readmit_if_due(&engine, &stop) => {}
-                        () = stop.cancelled() => return,
-                    }
                 }
+                end = &mut session => break end.unwrap_or(WatchEnd::Broken),
+                () = readmit_if_due(&engine, &stop) => {}
+                () = stop.cancelled() => return,
             }
-            Err(_) => engine.set_health(Health::Unreachable),
+        };
+        // Statuses the session sent just before it ended.
+        while let Ok(h) = seen.try_recv() {
+            engine.set_health(h);
+        }
+        match end {
+            WatchEnd::NotFound => engine.set_health(Health::NotServing),
+            WatchEnd::Broken => {}
+            WatchEnd::Unimplemented => loop {
+                // No Watch: poll Check; no health service at all counts as healthy.
+                let h = check(engine.remote.channel()).await;
+                engine.set_health(h);
+                if h == Health::Unreachable {
+                    break;
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(CHECK_INTERVAL) => {}
+                    () = readmit_if_due(&engine, &stop) => {}
+                    () = stop.cancelled() => return,
+                }
+            },
         }
         tokio::select! {
             () = tokio::time::sleep(backoff) => {}
             () = stop.cancelled() => return,
+        }
+        // A Watch that cannot even start again means the engine is gone.
+        if matches!(end, WatchEnd::Broken) && check(engine.remote.channel()).await == Health::Unreachable {
+            engine.set_health(Health::Unreachable);
         }
         backoff = (backoff * 2).min(BACKOFF_MAX);
     }
