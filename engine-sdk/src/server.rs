@@ -289,6 +289,7 @@ impl<E: ContextEngine> EngineService<E> {
         let ctx = self.context(req.metadata(), host(msg));
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
         let fut = call(self.engine.clone(), ctx, req.into_inner());
+        let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", method));
         let task = tokio::spawn(async move {
             tokio::select! {
                 r = fut => r,

@@ -19,7 +19,9 @@ impl Core {
         let _guard = self.enter(&session.session_id, &cancel).await;
         let started = std::time::Instant::now();
         self.metrics.turns_in_flight.inc();
-        let outcome = self.turn(&session, req, &events, &cancel).await;
+        // One span per turn: every engine call and model request nests in it.
+        let span = tracing::info_span!("turn", agent = %agent, session = %session.session_id, key = %key);
+        let outcome = tracing::Instrument::instrument(self.turn(&session, req, &events, &cancel), span).await;
         self.metrics.turns_in_flight.dec();
         let label = match &outcome {
             Ok(Some(api::turn_event::Event::Failed(f))) => f.reason.clone(),

@@ -119,7 +119,10 @@ impl Remote {
             return Err(EngineCallError::Cancelled);
         }
         let timeout = self.budget(method, call);
-        let task = tokio::spawn(f(self.client.clone(), timeout));
+        // One span per engine call, carried into its task.
+        let span =
+            tracing::debug_span!("engine_call", engine = %self.id, method, timeout_ms = timeout.as_millis() as u64);
+        let task = tokio::spawn(tracing::Instrument::instrument(f(self.client.clone(), timeout), span));
         let _abort = AbortOnDrop(task.abort_handle());
         tokio::select! {
             r = tokio::time::timeout(timeout, task) => match r {
@@ -294,27 +297,32 @@ impl Remote {
         // Progress crosses from the call's task through a channel.
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut client = self.client.clone();
-        let task = tokio::spawn(async move {
-            let mut r = Request::new(req);
-            r.set_timeout(timeout);
-            let mut stream = client.compact(r).await.map_err(|s| failure(M, s, timeout))?.into_inner();
-            let mut terminal = None;
-            while let Some(event) = stream.next().await {
-                let event = event.map_err(|s| failure(M, s, timeout))?;
-                if terminal.is_some() {
-                    return Err(violation(M, "an event came after the terminal event"));
-                }
-                match event.event {
-                    Some(Event::Progress(p)) => {
-                        let _ = tx.send(p);
+        let span =
+            tracing::debug_span!("engine_call", engine = %self.id, method = M, timeout_ms = timeout.as_millis() as u64);
+        let task = tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                let mut r = Request::new(req);
+                r.set_timeout(timeout);
+                let mut stream = client.compact(r).await.map_err(|s| failure(M, s, timeout))?.into_inner();
+                let mut terminal = None;
+                while let Some(event) = stream.next().await {
+                    let event = event.map_err(|s| failure(M, s, timeout))?;
+                    if terminal.is_some() {
+                        return Err(violation(M, "an event came after the terminal event"));
                     }
-                    Some(Event::Result(r)) => terminal = Some(CompactReply::Done(r)),
-                    Some(Event::DelegateToHost(d)) => terminal = Some(CompactReply::DelegateToHost(d)),
-                    None => return Err(violation(M, "an event with nothing set")),
+                    match event.event {
+                        Some(Event::Progress(p)) => {
+                            let _ = tx.send(p);
+                        }
+                        Some(Event::Result(r)) => terminal = Some(CompactReply::Done(r)),
+                        Some(Event::DelegateToHost(d)) => terminal = Some(CompactReply::DelegateToHost(d)),
+                        None => return Err(violation(M, "an event with nothing set")),
+                    }
                 }
-            }
-            terminal.ok_or_else(|| violation(M, "the stream ended without a result or delegate_to_host"))
-        });
+                terminal.ok_or_else(|| violation(M, "the stream ended without a result or delegate_to_host"))
+            },
+            span,
+        ));
         let _abort = AbortOnDrop(task.abort_handle());
         tokio::pin!(task);
         loop {
