@@ -64,6 +64,8 @@ pub trait Store: Send + Sync + 'static {
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError>;
     async fn list_sessions(&self, agent: Option<&str>, include_archived: bool)
     -> Result<Vec<SessionStats>, StoreError>;
+    /// Archives the key's active session without starting a new one.
+    async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError>;
     /// Deletes every session of the key with its entries.
     async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError>;
     /// Appends entries to the session's active branch, atomically.
@@ -375,6 +377,18 @@ impl Store for SqliteStore {
                 Ok(SessionStats { session: read_session(r)?, entries: r.get(5)?, compactions: r.get(6)? })
             })?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let n = c.execute(
+                "UPDATE sessions SET state = 'archived' WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'",
+                params![agent, key],
+            )?;
+            Ok(n > 0)
         })
         .await
     }

@@ -176,7 +176,7 @@ impl Core {
             }
             pb::SubagentEndReason::Swept => {
                 // An expired child is archived, never deleted: nothing is lost.
-                self.store.replace_session(agent, child_key, true).await?;
+                self.store.archive_session(agent, child_key).await?;
             }
             _ => {}
         }
