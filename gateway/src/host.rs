@@ -132,25 +132,18 @@ impl Host for HostService {
         if r.limit > 0 {
             entries.truncate(r.limit as usize);
         }
-        let chunks: Vec<Result<pb::TranscriptChunk, Status>> = entries
+        let mut chunks: Vec<pb::TranscriptChunk> = entries
             .chunks(CHUNK_ENTRIES)
-            .map(|c| {
-                Ok(pb::TranscriptChunk {
-                    entries: c.to_vec(),
-                    next_cursor: c.last().map(|e| e.id.clone()).unwrap_or_default(),
-                })
+            .map(|c| pb::TranscriptChunk {
+                entries: c.to_vec(),
+                next_cursor: c.last().map(|e| e.id.clone()).unwrap_or_default(),
             })
             .collect();
-        let n = chunks.len();
         // The last chunk's cursor is blank: nothing follows.
-        let chunks = chunks.into_iter().enumerate().map(move |(i, c)| {
-            c.map(|mut c| {
-                if i + 1 == n {
-                    c.next_cursor.clear();
-                }
-                c
-            })
-        });
+        if let Some(last) = chunks.last_mut() {
+            last.next_cursor.clear();
+        }
+        let chunks = chunks.into_iter().map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 
