@@ -98,6 +98,44 @@ impl Grants {
     }
 }
 
+/// What one ReadTranscript returns: the entries before the current-turn
+/// fence, after `cursor`, at most `limit` (0: all), in chunks. A chunk's
+/// cursor resumes after it; the last one's is blank unless `limit` cut
+/// entries off.
+fn page(
+    mut entries: Vec<pb::TranscriptEntry>,
+    fence_before: Option<&str>,
+    cursor: &str,
+    limit: u32,
+) -> Result<Vec<pb::TranscriptChunk>, Status> {
+    // The current-turn fence: a pre-turn read never sees the admitted message.
+    if let Some(at) = fence_before.and_then(|f| entries.iter().position(|e| e.id == f)) {
+        entries.truncate(at);
+    }
+    if !cursor.is_empty() {
+        let after = entries
+            .iter()
+            .position(|e| e.id == cursor)
+            .ok_or_else(|| Status::invalid_argument("cursor: unknown entry"))?;
+        entries.drain(..=after);
+    }
+    let more = limit > 0 && entries.len() > limit as usize;
+    if more {
+        entries.truncate(limit as usize);
+    }
+    let mut chunks: Vec<pb::TranscriptChunk> = entries
+        .chunks(CHUNK_ENTRIES)
+        .map(|c| pb::TranscriptChunk {
+            entries: c.to_vec(),
+            next_cursor: c.last().map(|e| e.id.clone()).unwrap_or_default(),
+        })
+        .collect();
+    if let Some(last) = chunks.last_mut().filter(|_| !more) {
+        last.next_cursor.clear();
+    }
+    Ok(chunks)
+}
+
 pub struct HostService {
     pub core: Arc<Core>,
 }
@@ -115,34 +153,8 @@ impl Host for HostService {
         ctxgate_proto::validate::id(&r.session_id, "session_id")?;
         let scope = self.core.grants.authorise(&r.grant, Some(&r.session_id), READ_TRANSCRIPT)?;
         let branch = self.core.store.branch(&r.session_id).await.map_err(crate::core::CoreError::from)?;
-        let mut entries = if r.visible_only { crate::api::visible_entries(&branch) } else { branch };
-        // The current-turn fence: a pre-turn read never sees the admitted message.
-        if let Some(fence) = &scope.fence_before
-            && let Some(at) = entries.iter().position(|e| &e.id == fence)
-        {
-            entries.truncate(at);
-        }
-        if !r.cursor.is_empty() {
-            let after = entries
-                .iter()
-                .position(|e| e.id == r.cursor)
-                .ok_or_else(|| Status::invalid_argument("cursor: unknown entry"))?;
-            entries.drain(..=after);
-        }
-        if r.limit > 0 {
-            entries.truncate(r.limit as usize);
-        }
-        let mut chunks: Vec<pb::TranscriptChunk> = entries
-            .chunks(CHUNK_ENTRIES)
-            .map(|c| pb::TranscriptChunk {
-                entries: c.to_vec(),
-                next_cursor: c.last().map(|e| e.id.clone()).unwrap_or_default(),
-            })
-            .collect();
-        // The last chunk's cursor is blank: nothing follows.
-        if let Some(last) = chunks.last_mut() {
-            last.next_cursor.clear();
-        }
+        let entries = if r.visible_only { crate::api::visible_entries(&branch) } else { branch };
+        let chunks = page(entries, scope.fence_before.as_deref(), &r.cursor, r.limit)?;
         let chunks = chunks.into_iter().map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
@@ -205,5 +217,39 @@ impl Host for HostService {
                 session_key: scope.session_key,
             }),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entries(n: usize) -> Vec<pb::TranscriptEntry> {
+        (0..n).map(|i| pb::TranscriptEntry { id: format!("e{i}"), seq: i as u64 + 1, ..Default::default() }).collect()
+    }
+
+    fn ids(chunks: &[pb::TranscriptChunk]) -> Vec<String> {
+        chunks.iter().flat_map(|c| c.entries.iter().map(|e| e.id.clone())).collect()
+    }
+
+    #[test]
+    fn the_fence_hides_the_admitted_entry_and_what_follows() {
+        let c = page(entries(5), Some("e3"), "", 0).unwrap();
+        assert_eq!(ids(&c), ["e0", "e1", "e2"]);
+        assert_eq!(c.last().unwrap().next_cursor, "", "nothing follows");
+    }
+
+    #[test]
+    fn a_cursor_and_a_limit_page_through_everything() {
+        let first = page(entries(300), None, "", 200).unwrap();
+        assert_eq!(first.len(), 2, "chunks of {CHUNK_ENTRIES}");
+        assert_eq!(ids(&first).len(), 200);
+        let cursor = first.last().unwrap().next_cursor.clone();
+        assert_eq!(cursor, "e199", "more follows: the cursor resumes after the page");
+        let rest = page(entries(300), None, &cursor, 200).unwrap();
+        assert_eq!(ids(&rest).first().map(String::as_str), Some("e200"));
+        assert_eq!(ids(&rest).len(), 100);
+        assert_eq!(rest.last().unwrap().next_cursor, "");
+        assert_eq!(page(entries(3), None, "nope", 0).unwrap_err().code(), tonic::Code::InvalidArgument);
     }
 }
