@@ -43,14 +43,14 @@ pub struct Api {
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
-/// A stream over `rx` that fires `cancel` when the client drops it (client
-/// cancel, disconnect): the work behind it stops.
+/// `stream`, firing `cancel` when the client drops it (client cancel,
+/// disconnect): the work behind it stops.
 fn guarded<T: Send + 'static>(
-    rx: mpsc::UnboundedReceiver<Result<T, Status>>,
+    stream: impl Stream<Item = Result<T, Status>> + Send + 'static,
     cancel: tokio_util::sync::CancellationToken,
 ) -> EventStream<T> {
     let guard = cancel.drop_guard();
-    Box::pin(UnboundedReceiverStream::new(rx).map(move |item| {
+    Box::pin(stream.map(move |item| {
         let _keep = &guard;
         item
     }))
@@ -64,27 +64,20 @@ impl Gateway for Api {
         let req = req.into_inner();
         validate_turn(&req)?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let (etx, mut erx) = mpsc::unbounded_channel();
+        let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<Status>();
         let cancel = self.core.call_token();
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
-            let forward = {
-                let tx = tx.clone();
-                tokio::spawn(async move {
-                    while let Some(e) = erx.recv().await {
-                        if tx.send(Ok(e)).is_err() {
-                            break;
-                        }
-                    }
-                })
-            };
-            let r = core.run_turn(req, etx, work).await;
-            let _ = forward.await;
-            if let Err(e) = r {
-                let _ = tx.send(Err(Status::from(e)));
+            if let Err(e) = core.run_turn(req, tx, work).await {
+                let _ = failed_tx.send(Status::from(e));
             }
         });
-        Ok(Response::new(guarded(rx, cancel)))
+        // The events, then — once every sender is gone — the error that
+        // ended the turn early, if one did.
+        let events = UnboundedReceiverStream::new(rx).map(Ok);
+        let failure = futures_util::stream::once(failed_rx);
+        let failure = futures_util::StreamExt::filter_map(failure, |r| std::future::ready(r.ok().map(Err)));
+        Ok(Response::new(guarded(events.chain(failure), cancel)))
     }
 
     type CompactStream = EventStream<api::CompactionEvent>;
@@ -103,7 +96,7 @@ impl Gateway for Api {
                 let _ = tx.send(Err(Status::from(e)));
             }
         });
-        Ok(Response::new(guarded(rx, cancel)))
+        Ok(Response::new(guarded(UnboundedReceiverStream::new(rx), cancel)))
     }
 
     async fn abort(&self, req: Request<api::AbortRequest>) -> Result<Response<api::AbortResult>, Status> {
