@@ -692,6 +692,25 @@ mod tests {
         }
     }
 
+    /// A store in a temp dir with one session for key "k".
+    async fn fixture() -> (tempfile::TempDir, SqliteStore, Session) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        (dir, store, s)
+    }
+
+    fn compaction(summary: &str, first_kept: &str) -> NewEntry {
+        NewEntry {
+            turn_id: "c".into(),
+            entry: Entry::Compaction(CompactionEntry {
+                summary: summary.into(),
+                first_kept_entry_id: first_kept.into(),
+                ..Default::default()
+            }),
+        }
+    }
+
     fn user(text: &str) -> NewEntry {
         let m = AgentMessage {
             role: Role::User as i32,
@@ -703,21 +722,12 @@ mod tests {
 
     #[tokio::test]
     async fn append_chains_entries_and_branch_reads_them_back_in_order() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path()).unwrap();
-        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        let (_dir, store, s) = fixture().await;
         let a = store.append(&s.session_id, vec![user("one"), user("two")]).await.unwrap();
         assert_eq!(a[1].parent_id.as_deref(), Some(a[0].id.as_str()));
         let Some(Entry::Message(m)) = &a[0].entry else { panic!() };
         assert_eq!(m.id, a[0].id, "message id is the entry id");
-        let c = NewEntry {
-            turn_id: "t".into(),
-            entry: Entry::Compaction(CompactionEntry {
-                summary: "s".into(),
-                first_kept_entry_id: a[1].id.clone(),
-                ..Default::default()
-            }),
-        };
+        let c = compaction("s", &a[1].id);
         store.append(&s.session_id, vec![c]).await.unwrap();
         let b = store.branch(&s.session_id).await.unwrap();
         assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
@@ -727,9 +737,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path()).unwrap();
-        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        let (_dir, store, s) = fixture().await;
         let check = |b: Vec<pb::TranscriptEntry>, t: Vec<pb::TranscriptEntry>| {
             assert_eq!(crate::transcript::visible(&b), crate::transcript::visible(&t));
             assert!(t.len() <= b.len());
@@ -742,14 +750,7 @@ mod tests {
             ids.extend(added.into_iter().map(|e| e.id));
             // Keep the last 3 messages, then once keep nothing at all.
             let first_kept = if round == 2 { String::new() } else { ids[ids.len() - 3].clone() };
-            let c = NewEntry {
-                turn_id: "c".into(),
-                entry: Entry::Compaction(CompactionEntry {
-                    summary: format!("s{round}"),
-                    first_kept_entry_id: first_kept,
-                    ..Default::default()
-                }),
-            };
+            let c = compaction(&format!("s{round}"), &first_kept);
             store.append(&s.session_id, vec![c]).await.unwrap();
             store.append(&s.session_id, vec![user("after")]).await.unwrap();
             let (b, t) = (store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
@@ -760,18 +761,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_rewrite_branches_keeps_the_old_branch_and_remaps_summaries() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path()).unwrap();
-        let s = store.session("main", "k", true).await.unwrap().unwrap();
+        let (_dir, store, s) = fixture().await;
         let a = store.append(&s.session_id, vec![user("one"), user(&"big ".repeat(100)), user("three")]).await.unwrap();
-        let c = NewEntry {
-            turn_id: "c".into(),
-            entry: Entry::Compaction(CompactionEntry {
-                summary: "s".into(),
-                first_kept_entry_id: a[1].id.clone(),
-                ..Default::default()
-            }),
-        };
+        let c = compaction("s", &a[1].id);
         store.append(&s.session_id, vec![c]).await.unwrap();
         let old = store.branch(&s.session_id).await.unwrap();
 
