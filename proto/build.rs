@@ -9,6 +9,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "contextengine/v1/engine.proto",
         "contextengine/v1/host.proto",
         "ctxgate/v1/gateway.proto",
+        "ctxgate/v1/harness.proto",
     ];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");

@@ -68,7 +68,8 @@ async fn attached(g: &TestGateway, id: &str) {
 }
 
 async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
-    let req = api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None };
+    let req =
+        api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
     let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
     let mut events = Vec::new();
     while let Some(e) = stream.next().await {
@@ -292,7 +293,12 @@ async fn a_client_cancel_reaches_the_engine_within_50ms_and_never_quarantines() 
     let engine = fault_engine("hang").await;
     let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 60.0)])).await;
     attached(&g, "fault").await;
-    let req = api::RunTurnRequest { session: session("a"), message: "wait for me".into(), system_prompt: None };
+    let req = api::RunTurnRequest {
+        session: session("a"),
+        message: "wait for me".into(),
+        system_prompt: None,
+        ..Default::default()
+    };
     let stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
     engine.wait_line("event assemble", Duration::from_secs(10)).await.unwrap();
     let cancelled_at = unix_us();

@@ -141,6 +141,7 @@ async fn churn(url: String, key: String, acked: Arc<Mutex<Acknowledged>>) {
             session: sref(&key),
             message: format!("{key} turn {i}: {}", "load ".repeat(80)),
             system_prompt: None,
+            ..Default::default()
         };
         let Ok(resp) = c.run_turn(req).await else { return };
         let mut stream = resp.into_inner();
@@ -211,7 +212,12 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
         on_disk.extend(t.entries.into_iter().map(|e| e.id));
         // The visible history reads and the session takes new turns.
         c.get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: true }).await.unwrap();
-        let req = api::RunTurnRequest { session: sref(key), message: "still there?".into(), system_prompt: None };
+        let req = api::RunTurnRequest {
+            session: sref(key),
+            message: "still there?".into(),
+            system_prompt: None,
+            ..Default::default()
+        };
         let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
         assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))), "{key}");
     }

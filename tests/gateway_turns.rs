@@ -32,7 +32,8 @@ fn openai_config(fake: &FakeOpenAi) -> Config {
 }
 
 async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Result<Vec<Event>, tonic::Status> {
-    let req = api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None };
+    let req =
+        api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
     let mut stream = g.client.clone().run_turn(req).await?.into_inner();
     let mut events = Vec::new();
     while let Some(e) = stream.next().await {
@@ -140,7 +141,12 @@ async fn a_client_cancel_mid_turn_stops_the_model_call_and_keeps_the_transcript_
     seed(&g, "s", 1).await;
     fake.turns([Reply::Hang("thinking".into())]);
 
-    let req = api::RunTurnRequest { session: session("s"), message: "a slow question".into(), system_prompt: None };
+    let req = api::RunTurnRequest {
+        session: session("s"),
+        message: "a slow question".into(),
+        system_prompt: None,
+        ..Default::default()
+    };
     let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
     while let Some(e) = stream.next().await {
         if matches!(e.unwrap().event, Some(Event::ModelDelta(_))) {
@@ -169,7 +175,12 @@ async fn abort_stops_a_running_turn_without_blaming_anyone() {
     let fake = FakeOpenAi::start().await;
     let g = TestGateway::start(openai_config(&fake)).await;
     fake.turns([Reply::Hang("working".into())]);
-    let req = api::RunTurnRequest { session: session("a"), message: "long task".into(), system_prompt: None };
+    let req = api::RunTurnRequest {
+        session: session("a"),
+        message: "long task".into(),
+        system_prompt: None,
+        ..Default::default()
+    };
     let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
     while let Some(e) = stream.next().await {
         if matches!(e.unwrap().event, Some(Event::ModelDelta(_))) {
@@ -260,8 +271,12 @@ async fn a_long_offline_conversation_is_compacted_and_shows_its_summary() {
 async fn bad_input_gets_clear_errors() {
     let g = TestGateway::start(Config::default()).await;
     let mut c = g.client.clone();
-    let turn =
-        |key: &str, msg: String| api::RunTurnRequest { session: session(key), message: msg, system_prompt: None };
+    let turn = |key: &str, msg: String| api::RunTurnRequest {
+        session: session(key),
+        message: msg,
+        system_prompt: None,
+        ..Default::default()
+    };
 
     let e = c.run_turn(turn("s", "   ".into())).await.err().unwrap();
     assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "message: is empty"));
@@ -302,7 +317,8 @@ async fn a_configured_token_is_required_and_metrics_count_turns() {
         r.metadata_mut().insert("authorization", token.clone());
         Ok(r)
     });
-    let req = api::RunTurnRequest { session: session("s"), message: "hi".into(), system_prompt: None };
+    let req =
+        api::RunTurnRequest { session: session("s"), message: "hi".into(), system_prompt: None, ..Default::default() };
     let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
     assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
 

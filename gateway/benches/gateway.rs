@@ -37,6 +37,7 @@ async fn one_turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str) {
         session: sref(key),
         message: "How is the build going today?".into(),
         system_prompt: None,
+        ..Default::default()
     };
     let mut s = c.run_turn(req).await.unwrap().into_inner();
     while let Some(e) = s.next().await {

@@ -1,5 +1,6 @@
-//! The client API (`ctxgate.v1.Gateway`) over the turn core, and the one
-//! mapping from core errors to gRPC statuses.
+//! The client API (`ctxgate.v1.Gateway`) over the turn core: proto in,
+//! core types out and back, and the one mapping from core errors to gRPC
+//! statuses (the harness adapter uses it too).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,9 +12,9 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::core::{Core, CoreError, session_ref, validate_turn};
-use crate::store::StoreError;
-use crate::transcript;
+use crate::core::types::{BusyPolicy, CompactionDone, CompactionEvent, Failure, TurnEvent};
+use crate::core::{BusyError, Core, CoreError, ManagedTurn, TurnEnd, session_ref};
+use crate::store::{Session, StoreError};
 
 impl From<CoreError> for Status {
     fn from(e: CoreError) -> Self {
@@ -23,9 +24,10 @@ impl From<CoreError> for Status {
             CoreError::NoSession(_) => Status::not_found(format!("{e}; start one with `ctxgate chat --session KEY`")),
             CoreError::CompactionTimeout(_) => Status::deadline_exceeded(e.to_string()),
             CoreError::CompactionFailed(_) => Status::unavailable(e.to_string()),
-            CoreError::Aborted => Status::cancelled("aborted"),
+            CoreError::Aborted | CoreError::Busy(BusyError::Cancelled) => Status::cancelled("aborted"),
             CoreError::NoEngine(_) => Status::not_found(e.to_string()),
-            CoreError::Precondition(_) => Status::failed_precondition(e.to_string()),
+            CoreError::Precondition(_) | CoreError::Busy(BusyError::Busy) => Status::failed_precondition(e.to_string()),
+            CoreError::Busy(BusyError::QueueFull(_)) => Status::resource_exhausted(e.to_string()),
             CoreError::EngineFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Store(StoreError::NoSession(_)) => Status::not_found("the session no longer exists"),
             CoreError::Store(StoreError::Backend(detail)) => {
@@ -37,15 +39,97 @@ impl From<CoreError> for Status {
     }
 }
 
+/// The busy policy a client asked for (unset: enqueue).
+pub(crate) fn busy_policy(p: i32, field: &str) -> Result<BusyPolicy, CoreError> {
+    match api::BusyPolicy::try_from(p) {
+        Ok(api::BusyPolicy::Unspecified | api::BusyPolicy::Enqueue) => Ok(BusyPolicy::Enqueue),
+        Ok(api::BusyPolicy::Reject) => Ok(BusyPolicy::Reject),
+        Ok(api::BusyPolicy::Interrupt) => Ok(BusyPolicy::Interrupt),
+        Err(_) => Err(CoreError::invalid(field, format!("unknown busy policy {p}"))),
+    }
+}
+
+pub(crate) fn session_fields(r: Option<&api::SessionRef>) -> Result<(&str, &str), CoreError> {
+    let r = r.ok_or_else(|| CoreError::invalid("session", "is required"))?;
+    Ok((&r.agent_id, &r.session_key))
+}
+
+pub(crate) fn compaction_done(d: CompactionDone) -> api::CompactionDone {
+    api::CompactionDone {
+        compacted: d.compacted,
+        reason: d.reason,
+        tokens_before: d.tokens_before,
+        tokens_after: d.tokens_after,
+        entry_id: d.entry_id,
+        summary_chars: d.summary_chars,
+    }
+}
+
+/// The three compaction events, whichever stream they go to.
+pub(crate) enum Compaction {
+    Started(api::CompactionStarted),
+    Progress(api::CompactionProgress),
+    Done(api::CompactionDone),
+}
+
+pub(crate) fn compaction(e: CompactionEvent) -> Compaction {
+    match e {
+        CompactionEvent::Started { trigger, tokens_before } => {
+            Compaction::Started(api::CompactionStarted { trigger: trigger.as_str().into(), tokens_before })
+        }
+        CompactionEvent::Progress { stage, done, total, message } => {
+            Compaction::Progress(api::CompactionProgress { stage, done, total, message })
+        }
+        CompactionEvent::Done(d) => Compaction::Done(compaction_done(d)),
+    }
+}
+
+pub(crate) fn failed(f: Failure) -> api::Failed {
+    api::Failed { reason: f.reason.as_str().into(), message: f.message }
+}
+
+/// A turn event as `RunTurn` reports it (a degrade warning comes first, as
+/// its own event).
+fn turn_events(e: TurnEvent) -> Vec<api::turn_event::Event> {
+    use api::turn_event::Event as E;
+    match e {
+        TurnEvent::Admitted { session_id, turn_id, entry_ids } => {
+            let entry_id = entry_ids.last().cloned().unwrap_or_default();
+            vec![E::Admitted(api::Admitted { session_id, turn_id, entry_id, entry_ids })]
+        }
+        TurnEvent::EngineSelected { engine_id, selection, warning } => {
+            let selected = E::EngineSelected(api::EngineSelected {
+                engine_id,
+                reason: selection.as_str().into(),
+                warning: warning.clone(),
+            });
+            match warning {
+                Some(message) => vec![E::Warning(api::Warning { message }), selected],
+                None => vec![selected],
+            }
+        }
+        TurnEvent::Assembled { messages, estimated_tokens, token_budget, attempt } => {
+            vec![E::Assembled(api::Assembled { messages, estimated_tokens, token_budget, attempt })]
+        }
+        TurnEvent::ModelDelta(text) => vec![E::ModelDelta(api::ModelDelta { text })],
+        TurnEvent::Compaction(c) => vec![match compaction(c) {
+            Compaction::Started(s) => E::CompactionStarted(s),
+            Compaction::Progress(p) => E::CompactionProgress(p),
+            Compaction::Done(d) => E::CompactionDone(d),
+        }],
+        TurnEvent::Warning(message) => vec![E::Warning(api::Warning { message })],
+    }
+}
+
 pub struct Api {
     pub core: Arc<Core>,
 }
 
-type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+pub(crate) type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// `stream`, firing `cancel` when the client drops it (client cancel,
 /// disconnect): the work behind it stops.
-fn guarded<T: Send + 'static>(
+pub(crate) fn guarded<T: Send + 'static>(
     stream: impl Stream<Item = Result<T, Status>> + Send + 'static,
     cancel: tokio_util::sync::CancellationToken,
 ) -> EventStream<T> {
@@ -56,43 +140,77 @@ fn guarded<T: Send + 'static>(
     }))
 }
 
+impl Api {
+    async fn session_info(&self, s: &Session) -> Result<api::SessionInfo, CoreError> {
+        let (entries, compactions, visible_tokens) = self.core.session_counts(s).await?;
+        Ok(api::SessionInfo {
+            agent_id: s.agent_id.clone(),
+            session_key: s.session_key.clone(),
+            session_id: s.session_id.clone(),
+            state: s.state.clone(),
+            created_at_unix_ms: s.created_at_ms,
+            entries,
+            compactions,
+            visible_tokens,
+        })
+    }
+
+    async fn session(&self, r: Option<&api::SessionRef>) -> Result<Session, CoreError> {
+        let (agent, key) = session_fields(r)?;
+        self.core.session(agent, key).await
+    }
+}
+
 #[tonic::async_trait]
 impl Gateway for Api {
     type RunTurnStream = EventStream<api::TurnEvent>;
 
     async fn run_turn(&self, req: Request<api::RunTurnRequest>) -> Result<Response<Self::RunTurnStream>, Status> {
-        let req = req.into_inner();
-        validate_turn(&req)?;
+        let r = req.into_inner();
+        let (agent, key) = session_fields(r.session.as_ref())?;
+        let busy = busy_policy(r.busy_policy, "busy_policy")?;
+        let turn = ManagedTurn::new(agent, key, r.message, r.system_prompt, busy)?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<Status>();
         let cancel = self.core.call_token();
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
-            if let Err(e) = core.run_turn(req, tx, work).await {
-                let _ = failed_tx.send(Status::from(e));
-            }
+            let sink = tx.clone();
+            let events: crate::core::types::EventSink = Arc::new(move |e| {
+                for event in turn_events(e) {
+                    let _ = sink.send(Ok(api::TurnEvent { event: Some(event) }));
+                }
+            });
+            let last = match core.run_managed(turn, events, work).await {
+                Ok(TurnEnd::Completed { entry_id, text, usage }) => {
+                    Ok(api::turn_event::Event::Completed(api::Completed { entry_id, text, usage: Some(usage) }))
+                }
+                Ok(TurnEnd::Failed(f)) => Ok(api::turn_event::Event::Failed(failed(f))),
+                Err(e) => Err(Status::from(e)),
+            };
+            let _ = tx.send(last.map(|event| api::TurnEvent { event: Some(event) }));
         });
-        // The events, then — once every sender is gone — the error that
-        // ended the turn early, if one did.
-        let events = UnboundedReceiverStream::new(rx).map(Ok);
-        let failure = futures_util::stream::once(failed_rx);
-        let failure = futures_util::StreamExt::filter_map(failure, |r| std::future::ready(r.ok().map(Err)));
-        Ok(Response::new(guarded(events.chain(failure), cancel)))
+        Ok(Response::new(guarded(UnboundedReceiverStream::new(rx), cancel)))
     }
 
     type CompactStream = EventStream<api::CompactionEvent>;
 
     async fn compact(&self, req: Request<api::CompactSessionRequest>) -> Result<Response<Self::CompactStream>, Status> {
         let req = req.into_inner();
-        self.core.session(req.session.as_ref()).await?;
+        let session = self.session(req.session.as_ref()).await?;
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = self.core.call_token();
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
+            use api::compaction_event::Event as C;
             let sink = |e| {
-                let _ = tx.send(Ok(api::CompactionEvent { event: Some(e) }));
+                let event = match compaction(e) {
+                    Compaction::Started(s) => C::Started(s),
+                    Compaction::Progress(p) => C::Progress(p),
+                    Compaction::Done(d) => C::Done(d),
+                };
+                let _ = tx.send(Ok(api::CompactionEvent { event: Some(event) }));
             };
-            if let Err(e) = core.compact_session(req, &sink, work).await {
+            if let Err(e) = core.compact_session(&session, req.custom_instructions, &sink, work).await {
                 let _ = tx.send(Err(Status::from(e)));
             }
         });
@@ -100,7 +218,8 @@ impl Gateway for Api {
     }
 
     async fn abort(&self, req: Request<api::AbortRequest>) -> Result<Response<api::AbortResult>, Status> {
-        let (agent, key) = session_ref(req.get_ref().session.as_ref())?;
+        let (agent, key) = session_fields(req.get_ref().session.as_ref())?;
+        let (agent, key) = session_ref(agent, key)?;
         Ok(Response::new(api::AbortResult { aborted: self.core.abort(&agent, &key).await? }))
     }
 
@@ -109,8 +228,7 @@ impl Gateway for Api {
         req: Request<api::ListSessionsRequest>,
     ) -> Result<Response<api::ListSessionsResult>, Status> {
         let r = req.into_inner();
-        let stats =
-            self.core.store.list_sessions(r.agent_id.as_deref(), r.include_archived).await.map_err(CoreError::from)?;
+        let stats = self.core.list_sessions(r.agent_id.as_deref(), r.include_archived).await?;
         let sessions = stats
             .into_iter()
             .map(|s| api::SessionInfo {
@@ -128,8 +246,8 @@ impl Gateway for Api {
     }
 
     async fn get_session(&self, req: Request<api::SessionRef>) -> Result<Response<api::SessionInfo>, Status> {
-        let s = self.core.session(Some(req.get_ref())).await?;
-        Ok(Response::new(self.core.session_info(&s).await?))
+        let s = self.session(Some(req.get_ref())).await?;
+        Ok(Response::new(self.session_info(&s).await?))
     }
 
     async fn get_transcript(
@@ -137,34 +255,29 @@ impl Gateway for Api {
         req: Request<api::GetTranscriptRequest>,
     ) -> Result<Response<api::GetTranscriptResult>, Status> {
         let r = req.into_inner();
-        let s = self.core.session(r.session.as_ref()).await?;
-        let branch = self.core.store.branch(&s.session_id).await.map_err(CoreError::from)?;
-        let entries = if r.visible_only { visible_entries(&branch) } else { branch };
-        Ok(Response::new(api::GetTranscriptResult { session: Some(self.core.session_info(&s).await?), entries }))
+        let s = self.session(r.session.as_ref()).await?;
+        let entries = self.core.transcript(&s.session_id, r.visible_only).await?;
+        Ok(Response::new(api::GetTranscriptResult { session: Some(self.session_info(&s).await?), entries }))
     }
 
     async fn new_session(&self, req: Request<api::SessionRef>) -> Result<Response<api::SessionInfo>, Status> {
-        let (agent, key) = session_ref(Some(req.get_ref()))?;
-        let s = self.core.store.replace_session(&agent, &key, false).await.map_err(CoreError::from)?;
-        Ok(Response::new(self.core.session_info(&s).await?))
+        let r = req.get_ref();
+        let s = self.core.replace_session(&r.agent_id, &r.session_key, false).await?;
+        Ok(Response::new(self.session_info(&s).await?))
     }
 
     async fn reset_session(&self, req: Request<api::SessionRef>) -> Result<Response<api::SessionInfo>, Status> {
-        let (agent, key) = session_ref(Some(req.get_ref()))?;
-        let s = self.core.store.replace_session(&agent, &key, true).await.map_err(CoreError::from)?;
-        Ok(Response::new(self.core.session_info(&s).await?))
+        let r = req.get_ref();
+        let s = self.core.replace_session(&r.agent_id, &r.session_key, true).await?;
+        Ok(Response::new(self.session_info(&s).await?))
     }
 
     async fn delete_session(
         &self,
         req: Request<api::SessionRef>,
     ) -> Result<Response<api::DeleteSessionResult>, Status> {
-        let (agent, key) = session_ref(Some(req.get_ref()))?;
-        self.core.abort(&agent, &key).await?;
-        let n = self.core.store.delete_sessions(&agent, &key).await.map_err(CoreError::from)?;
-        if n == 0 {
-            return Err(CoreError::NoSession(key).into());
-        }
+        let r = req.get_ref();
+        let n = self.core.delete_sessions(&r.agent_id, &r.session_key).await?;
         Ok(Response::new(api::DeleteSessionResult { deleted_sessions: n }))
     }
 
@@ -173,12 +286,12 @@ impl Gateway for Api {
         let registry = c.registry();
         Ok(Response::new(api::StatusResult {
             version: env!("CARGO_PKG_VERSION").into(),
-            model_provider: format!("{:?}", c.config.models.provider).to_lowercase(),
-            model: c.provider.model().into(),
-            context_window: c.config.models.context_window,
+            model_provider: c.provider_name(),
+            model: c.model_id().into(),
+            context_window: c.config().models.context_window,
             selected_engine: registry.selected_id().into(),
             engines: registry.status(),
-            sessions: c.store.count_sessions().await.map_err(CoreError::from)?,
+            sessions: c.count_sessions().await?,
             turns_in_flight: c.turns_in_flight(),
         }))
     }
@@ -187,9 +300,13 @@ impl Gateway for Api {
         &self,
         req: Request<api::SpawnSubagentRequest>,
     ) -> Result<Response<api::SpawnSubagentResult>, Status> {
+        let r = req.into_inner();
+        let parent = self.session(r.parent.as_ref()).await?;
         let cancel = self.core.call_token();
         let _guard = cancel.clone().drop_guard();
-        Ok(Response::new(self.core.spawn_subagent(req.into_inner(), cancel).await?))
+        let (child, engine_prepared) =
+            self.core.spawn_subagent(&parent, &r.child_session_key, &r.context_mode, r.ttl_ms, cancel).await?;
+        Ok(Response::new(api::SpawnSubagentResult { child: Some(self.session_info(&child).await?), engine_prepared }))
     }
 
     async fn end_subagent(
@@ -197,7 +314,8 @@ impl Gateway for Api {
         req: Request<api::EndSubagentRequest>,
     ) -> Result<Response<api::EndSubagentResult>, Status> {
         let r = req.into_inner();
-        let (agent, key) = session_ref(r.child.as_ref())?;
+        let (agent, key) = session_fields(r.child.as_ref())?;
+        let (agent, key) = session_ref(agent, key)?;
         let cancel = self.core.call_token();
         let _guard = cancel.clone().drop_guard();
         let ended = self.core.end_subagent(&agent, &key, &r.reason, cancel).await?;
@@ -215,15 +333,4 @@ impl Gateway for Api {
         let readmitted = self.core.registry().readmit(&id).ok_or(CoreError::NoEngine(id))?;
         Ok(Response::new(api::ReadmitEngineResult { readmitted }))
     }
-}
-
-/// The entries behind the visible history, in the order the model sees
-/// them: the latest compaction entry, then the kept and later messages.
-pub(crate) fn visible_entries(
-    branch: &[ctxgate_proto::pb::TranscriptEntry],
-) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
-    let v = transcript::visible(branch);
-    let kept: std::collections::HashSet<&str> = v.messages.iter().map(|m| m.id.as_str()).collect();
-    let summary = v.summary.as_ref().and_then(|(id, _)| branch.iter().find(|e| &e.id == id));
-    summary.into_iter().chain(branch.iter().filter(|e| kept.contains(e.id.as_str()))).cloned().collect()
 }

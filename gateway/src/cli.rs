@@ -252,7 +252,8 @@ pub async fn chat(conn: &Conn, session: &SessionArg, one: Option<String>) -> Res
 
 async fn turn(client: &mut Client, session: &SessionArg, message: String) -> Result<(), CliError> {
     use api::turn_event::Event;
-    let req = api::RunTurnRequest { session: Some(session.as_ref()), message, system_prompt: None };
+    let req =
+        api::RunTurnRequest { session: Some(session.as_ref()), message, system_prompt: None, ..Default::default() };
     let mut stream = client.run_turn(req).await.map_err(explain)?.into_inner();
     let mut out = std::io::stdout();
     while let Some(e) = stream.next().await {

@@ -46,6 +46,7 @@ pub struct GatewaySection {
     /// address (127.0.0.1 when listening on all interfaces). Set it when
     /// engines run in other containers.
     pub host_endpoint: Option<String>,
+    pub limits: LimitsSection,
 }
 
 impl Default for GatewaySection {
@@ -55,7 +56,23 @@ impl Default for GatewaySection {
             metrics_listen: String::new(),
             auth: AuthSection::default(),
             host_endpoint: None,
+            limits: LimitsSection::default(),
         }
+    }
+}
+
+/// `gateway.limits`: what clients may hold at once.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct LimitsSection {
+    /// Turns that may wait behind a session's running turn (busy policy
+    /// enqueue); one more is RESOURCE_EXHAUSTED.
+    pub queued_turns_per_session: usize,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self { queued_turns_per_session: 8 }
     }
 }
 
@@ -307,6 +324,9 @@ impl Config {
             && e.parse::<ctxgate_engine_sdk::Endpoint>().is_err()
         {
             return Err(invalid("gateway.hostEndpoint", format!("{e:?}: expected http://HOST:PORT or unix:///PATH")));
+        }
+        if self.gateway.limits.queued_turns_per_session > 10_000 {
+            return Err(invalid("gateway.limits.queuedTurnsPerSession", "is over 10000"));
         }
         if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));

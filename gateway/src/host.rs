@@ -1,100 +1,26 @@
-//! The `Host` service engines call back (`contextengine.v1.Host`), and the
-//! grants that scope every callback: one session, the call's operations,
-//! and the call's deadline. A grant is revoked the moment its engine call
-//! returns, so no engine can act on a session outside a call for it.
+//! The `Host` service engines call back (`contextengine.v1.Host`). Every
+//! callback needs a live grant ([`crate::grants`]) for its session and
+//! operation.
 
-use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::Arc;
 
 use ctxgate_proto::pb::{self, host_server::Host};
-use tokio::time::Instant;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::core::Core;
+use crate::grants::{GrantError, HostOperation};
 use crate::provider::ChatRequest;
 
-pub const READ_TRANSCRIPT: &str = "read_transcript";
-pub const LLM_COMPLETE: &str = "llm_complete";
-
-/// What a grant allows.
-#[derive(Debug, Clone)]
-pub struct Scope {
-    pub engine_id: String,
-    pub session_id: String,
-    pub session_key: String,
-    pub operations: Vec<&'static str>,
-    /// Pre-turn reads (bootstrap, assemble) end before this entry: the
-    /// admitted user message of the current turn.
-    pub fence_before: Option<String>,
-}
-
-struct Live {
-    scope: Scope,
-    expires: Instant,
-}
-
-/// Live grants by token.
-#[derive(Default)]
-pub struct Grants {
-    live: Mutex<HashMap<String, Live>>,
-}
-
-/// A live grant; dropping it revokes the token.
-pub struct GrantGuard {
-    grants: Arc<Grants>,
-    token: String,
-    pub access: pb::HostAccess,
-}
-
-impl Drop for GrantGuard {
-    fn drop(&mut self) {
-        self.grants.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
-    }
-}
-
-impl Grants {
-    /// Issues a grant for `scope` that expires after `ttl`.
-    pub fn issue(self: &Arc<Self>, endpoint: &str, scope: Scope, ttl: Duration) -> GrantGuard {
-        let token = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
-        let expires_at = SystemTime::now() + ttl;
-        let grant = pb::Grant {
-            token: token.clone(),
-            session_id: scope.session_id.clone(),
-            operations: scope.operations.iter().map(|o| (*o).to_owned()).collect(),
-            expires_at_unix_ms: expires_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
-        };
-        self.live
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(token.clone(), Live { scope, expires: Instant::now() + ttl });
-        GrantGuard {
-            grants: self.clone(),
-            token,
-            access: pb::HostAccess { endpoint: endpoint.to_owned(), grant: Some(grant) },
+impl From<GrantError> for Status {
+    fn from(e: GrantError) -> Self {
+        match e {
+            GrantError::Missing | GrantError::Unknown => Status::unauthenticated(e.to_string()),
+            GrantError::Expired | GrantError::OtherSession | GrantError::NotAllowed(_) => {
+                Status::permission_denied(e.to_string())
+            }
         }
-    }
-
-    /// The scope of a live token allowing `operation` on `session_id`.
-    pub fn authorise(&self, token: &str, session_id: Option<&str>, operation: &str) -> Result<Scope, Status> {
-        if token.is_empty() {
-            return Err(Status::unauthenticated("grant: is required"));
-        }
-        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        // Unknown and revoked look the same on purpose.
-        let g = live.get(token).ok_or_else(|| Status::unauthenticated("grant: unknown, revoked or expired"))?;
-        if Instant::now() >= g.expires {
-            return Err(Status::permission_denied("grant: expired"));
-        }
-        if session_id.is_some_and(|s| s != g.scope.session_id) {
-            return Err(Status::permission_denied("grant: not valid for that session"));
-        }
-        if !g.scope.operations.contains(&operation) {
-            return Err(Status::permission_denied(format!("grant: does not allow {operation}")));
-        }
-        Ok(g.scope.clone())
     }
 }
 
@@ -151,9 +77,8 @@ impl Host for HostService {
     async fn read_transcript(&self, req: Request<pb::ReadTranscriptRequest>) -> Result<Response<Chunks>, Status> {
         let r = req.into_inner();
         ctxgate_proto::validate::id(&r.session_id, "session_id")?;
-        let scope = self.core.grants.authorise(&r.grant, Some(&r.session_id), READ_TRANSCRIPT)?;
-        let branch = self.core.store.branch(&r.session_id).await.map_err(crate::core::CoreError::from)?;
-        let entries = if r.visible_only { crate::api::visible_entries(&branch) } else { branch };
+        let scope = self.core.authorise(&r.grant, Some(&r.session_id), HostOperation::ReadTranscript)?;
+        let entries = self.core.transcript(&r.session_id, r.visible_only).await?;
         let chunks = page(entries, scope.fence_before.as_deref(), &r.cursor, r.limit)?;
         let chunks = chunks.into_iter().map(Ok);
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
@@ -164,7 +89,7 @@ impl Host for HostService {
         req: Request<pb::LlmCompleteRequest>,
     ) -> Result<Response<pb::LlmCompleteResult>, Status> {
         let r = req.into_inner();
-        let scope = self.core.grants.authorise(&r.grant, None, LLM_COMPLETE)?;
+        let scope = self.core.authorise(&r.grant, None, HostOperation::LlmComplete)?;
         if r.messages.is_empty() {
             return Err(Status::invalid_argument("messages: is required"));
         }
@@ -189,24 +114,24 @@ impl Host for HostService {
                 ..Default::default()
             });
         }
-        tracing::info!(engine = %scope.engine_id, session = %scope.session_id, purpose = %r.purpose, "host model call for a context engine");
-        self.core.metrics.host_llm_call(&scope.engine_id, &r.purpose);
-        let max = self.core.config.models.max_output_tokens;
         let chat = ChatRequest {
             system: r.system_prompt.clone(),
             messages,
-            max_tokens: r.max_tokens.map_or(max, |m| u64::from(m).min(max)),
+            max_tokens: r.max_tokens.map_or(u64::MAX, u64::from),
         };
         // The engine dropping its call drops this future, and the guard
         // cancels the model request with it.
         let cancel = self.core.call_token();
         let _cancel_on_drop = cancel.clone().drop_guard();
-        let reply =
-            self.core.provider.complete(chat, None, &cancel).await.map_err(|e| Status::unavailable(e.to_string()))?;
+        let reply = self
+            .core
+            .complete_for_engine(&scope, &r.purpose, chat, &cancel)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
         Ok(Response::new(pb::LlmCompleteResult {
             text: reply.text,
-            provider: format!("{:?}", self.core.config.models.provider).to_lowercase(),
-            model: self.core.provider.model().into(),
+            provider: self.core.provider_name(),
+            model: self.core.model_id().into(),
             response_model: None,
             stop_reason: None,
             agent_id: String::new(),

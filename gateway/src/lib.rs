@@ -8,6 +8,8 @@ pub mod config;
 pub mod core;
 pub mod doctor;
 pub mod engines;
+pub mod grants;
+pub mod harness;
 pub mod host;
 pub mod metrics;
 pub mod provider;

@@ -16,6 +16,12 @@ pub struct Outcome {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DriverOutcome {
+    pub driver: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct Trigger {
     pub trigger: String,
 }
@@ -50,6 +56,7 @@ pub struct TriggerOutcome {
 pub struct Metrics {
     registry: Arc<Registry>,
     pub turns: Family<Outcome, Counter>,
+    pub turns_by_driver: Family<DriverOutcome, Counter>,
     pub turn_seconds: Histogram,
     pub turns_in_flight: Gauge,
     pub compactions: Family<TriggerOutcome, Counter>,
@@ -75,13 +82,15 @@ impl Default for Metrics {
     fn default() -> Self {
         let mut r = Registry::with_prefix("ctxgate");
         let turns = Family::<Outcome, Counter>::default();
+        let turns_by_driver = Family::<DriverOutcome, Counter>::default();
         let turn_seconds = seconds();
         let turns_in_flight = Gauge::default();
         let compactions = Family::<TriggerOutcome, Counter>::default();
         let compaction_seconds = Family::<Trigger, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         let compaction_tokens_before = Counter::default();
         let compaction_tokens_after = Counter::default();
-        r.register("turns", "Managed turns by outcome", turns.clone());
+        r.register("turns", "Turns by outcome", turns.clone());
+        r.register("turns_by_driver", "Turns by driver (managed, harness) and outcome", turns_by_driver.clone());
         r.register("turn_duration_seconds", "Managed turn duration", turn_seconds.clone());
         r.register("turns_in_flight", "Turns running now", turns_in_flight.clone());
         r.register("compactions", "Compactions by trigger and outcome", compactions.clone());
@@ -121,6 +130,7 @@ impl Default for Metrics {
         Self {
             registry: Arc::new(r),
             turns,
+            turns_by_driver,
             turn_seconds,
             turns_in_flight,
             compactions,
@@ -141,8 +151,9 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    pub fn turn_finished(&self, outcome: &str, took: Duration) {
+    pub fn turn_finished(&self, driver: &str, outcome: &str, took: Duration) {
         self.turns.get_or_create(&Outcome { outcome: outcome.into() }).inc();
+        self.turns_by_driver.get_or_create(&DriverOutcome { driver: driver.into(), outcome: outcome.into() }).inc();
         self.turn_seconds.observe(took.as_secs_f64());
     }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ctxgate_proto::gateway::gateway_server::GatewayServer;
+use ctxgate_proto::gateway::harness_server::HarnessServer;
 use tokio::net::TcpListener;
 use tonic::{Request, Status};
 use tonic_health::ServingStatus;
@@ -14,11 +15,13 @@ use tonic_health::ServingStatus;
 use crate::api::Api;
 use crate::config::Config;
 use crate::core::Core;
+use crate::harness::HarnessApi;
 use crate::host::HostService;
 use crate::metrics::Metrics;
 use crate::store::SqliteStore;
 
 pub const GATEWAY_SERVICE: &str = "ctxgate.v1.Gateway";
+pub const HARNESS_SERVICE: &str = "ctxgate.v1.Harness";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -128,14 +131,20 @@ pub async fn run_with_reloads(
     };
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
+    reporter.set_service_status(HARNESS_SERVICE, ServingStatus::Serving).await;
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(ctxgate_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()
         .expect("the descriptor sets are valid");
-    let api = GatewayServer::with_interceptor(
-        Api { core: core.clone() },
-        Auth(config.gateway.auth.token.as_deref().map(Arc::from)),
+    let auth = Auth(config.gateway.auth.token.as_deref().map(Arc::from));
+    let api = GatewayServer::with_interceptor(Api { core: core.clone() }, auth.clone());
+    // A harness request carries whole messages (1 MiB of content each).
+    let harness = tonic::service::interceptor::InterceptedService::new(
+        HarnessServer::new(HarnessApi { core: core.clone() })
+            .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
+        auth,
     );
 
     let metrics_stop = tokio_util::sync::CancellationToken::new();
@@ -152,6 +161,7 @@ pub async fn run_with_reloads(
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
+        .add_service(harness)
         // Engines call back with grants, not the client token.
         .add_service(
             ctxgate_proto::pb::host_server::HostServer::new(HostService { core: core.clone() })
@@ -168,6 +178,7 @@ pub async fn run_with_reloads(
         () = &mut shutdown => {
             tracing::info!("shutting down: cancelling running turns, draining");
             reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::NotServing).await;
+            reporter.set_service_status(HARNESS_SERVICE, ServingStatus::NotServing).await;
             core.shutdown();
             let _ = stop_tx.send(());
             tokio::time::timeout(Duration::from_secs(10), &mut serving).await.unwrap_or(Ok(()))

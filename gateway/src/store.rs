@@ -87,16 +87,28 @@ pub trait Store: Send + Sync + 'static {
         session_id: &str,
         replacements: Vec<(String, AgentMessage)>,
     ) -> Result<RewriteOutcome, StoreError>;
-    /// Appends a durable turn's last entries and queues its CommitTurn in
-    /// the same transaction: a stored reply always has its commit queued.
-    /// The draft's terminal anchor and messages are completed from the
-    /// appended entries.
-    async fn append_with_commit(
+    /// Appends a turn's admitted entries and records the turn as open, in
+    /// one transaction. A turn that is never closed (the gateway died) is
+    /// rewound when the store is next opened, as an abort is.
+    async fn open_turn(
         &self,
         session_id: &str,
+        turn_id: &str,
         entries: Vec<NewEntry>,
-        draft: CommitDraft,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// Closes the session's open turn (see [`TurnClose`]); returns the
+    /// entries appended by an accepting close.
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// Records the thread-bootstrap projection delivered to `host_id` for a
+    /// session; true when it differs from the one recorded before (the
+    /// host must re-inject).
+    async fn record_projection(
+        &self,
+        session_id: &str,
+        host_id: &str,
+        epoch: &str,
+        fingerprint: &str,
+    ) -> Result<bool, StoreError>;
     /// The session's queued commits, oldest first.
     async fn pending_commits(&self, session_id: &str) -> Result<Vec<PendingCommit>, StoreError>;
     /// Sessions with queued commits, the longest-waiting first.
@@ -111,13 +123,27 @@ pub trait Store: Send + Sync + 'static {
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError>;
 }
 
-/// A durable turn's commit before its last entries are appended.
+/// A durable turn's commit before the turn is closed.
 #[derive(Debug, Clone)]
 pub struct CommitDraft {
     pub engine_id: String,
-    /// Admission, the messages so far (the admitted user message onwards),
-    /// session fields; the store adds the terminal anchor and the new messages.
+    /// Admission and session fields; the store adds the terminal anchor and
+    /// the turn's messages (the closed range admission..terminal).
     pub request: pb::CommitTurnRequest,
+}
+
+/// How a turn closes. Built once per turn: not worth a box.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub enum TurnClose {
+    /// Append `entries` (the last ones, e.g. the managed reply) and queue
+    /// the durable commit, in one transaction: a stored reply always has
+    /// its commit queued.
+    Accept { entries: Vec<NewEntry>, commit: Option<CommitDraft> },
+    /// Aborted or failed: the active leaf goes back to the admitted entry,
+    /// so the turn's own messages leave the branch (they stay in the tree).
+    /// Compaction entries written during the turn are carried over.
+    Rewind,
 }
 
 /// A queued commit.
@@ -174,6 +200,19 @@ CREATE TABLE IF NOT EXISTS outbox (
     created_at_ms   INTEGER NOT NULL,
     PRIMARY KEY (session_id, advancement_key)
 );
+CREATE TABLE IF NOT EXISTS projections (
+    session_id  TEXT NOT NULL REFERENCES sessions (session_id) ON DELETE CASCADE,
+    host_id     TEXT NOT NULL,
+    epoch       TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    PRIMARY KEY (session_id, host_id)
+);
+CREATE TABLE IF NOT EXISTS open_turns (
+    session_id     TEXT PRIMARY KEY REFERENCES sessions (session_id) ON DELETE CASCADE,
+    turn_id        TEXT NOT NULL,
+    first_entry_id TEXT NOT NULL,
+    anchor_id      TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS subagents (
     agent_id       TEXT NOT NULL,
     child_key      TEXT NOT NULL,
@@ -205,13 +244,14 @@ fn new_id() -> String {
 impl SqliteStore {
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
         std::fs::create_dir_all(dir).map_err(|e| StoreError::Backend(format!("{}: {e}", dir.display())))?;
-        let conn = Connection::open(dir.join("ctxgate.sqlite"))?;
+        let mut conn = Connection::open(dir.join("ctxgate.sqlite"))?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         // FULL: an acknowledged message survives a power cut, not just a crash.
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        recover_open_turns(&mut conn)?;
         Ok(Self { conn: Arc::new(Mutex::new(conn)) })
     }
 
@@ -325,6 +365,113 @@ fn decode(body: &[u8]) -> rusqlite::Result<pb::TranscriptEntry> {
         .map_err(|e| rusqlite::Error::FromSqlConversionFailure(0, rusqlite::types::Type::Blob, Box::new(e)))
 }
 
+/// The active branch from its leaf back to (and including) `stop`, newest
+/// first; the whole branch when `stop` is not on it.
+fn branch_back_to(
+    tx: &rusqlite::Transaction<'_>,
+    session_id: &str,
+    stop: &str,
+) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    let leaf: Option<String> =
+        tx.query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [session_id], |r| r.get(0))?;
+    let mut stmt = tx.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+    let mut out = Vec::new();
+    let mut next = leaf;
+    while let Some(id) = next {
+        let e = stmt.query_row([&id], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+        next = e.parent_id.clone();
+        let done = e.id == stop;
+        out.push(e);
+        if done {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Queues a closed durable turn's commit: the messages from the first
+/// admitted entry to the leaf, and the leaf as the terminal anchor.
+fn queue_commit_in(tx: &rusqlite::Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
+    let first: String =
+        tx.query_row("SELECT first_entry_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))?;
+    let mut range = branch_back_to(tx, session_id, &first)?;
+    range.reverse();
+    let mut req = draft.request;
+    req.messages = range
+        .iter()
+        .filter_map(|e| match &e.entry {
+            Some(Entry::Message(m)) => Some(m.clone()),
+            _ => None,
+        })
+        .collect();
+    if let Some(last) = range.last() {
+        let mut terminal = req.admission.as_ref().and_then(|a| a.anchor.clone()).unwrap_or_default();
+        terminal.entry_id = last.id.clone();
+        terminal.raw_seq = last.seq;
+        terminal.effective_parent_id = last.parent_id.clone();
+        terminal.active_message_position += req.messages.len().saturating_sub(1) as u64;
+        req.terminal = Some(terminal);
+    }
+    tx.execute(
+        "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![session_id, req.advancement_key, draft.engine_id, req.encode_to_vec(), now_ms()],
+    )?;
+    Ok(())
+}
+
+/// Rewinds the session's open turn (if any): the leaf goes back to the
+/// turn's anchor (its last admitted entry). Compaction entries made during
+/// the turn are copied onto the anchor unless they keep from a message the
+/// rewind drops; everything stays in the tree.
+fn rewind_in(tx: &rusqlite::Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
+    let anchor: Option<String> = tx
+        .query_row("SELECT anchor_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))
+        .optional()?;
+    tx.execute("DELETE FROM open_turns WHERE session_id = ?1", [session_id])?;
+    let Some(anchor) = anchor else { return Ok(()) };
+    let mut tail = branch_back_to(tx, session_id, &anchor)?;
+    if tail.last().map(|e| e.id.as_str()) != Some(anchor.as_str()) {
+        // The branch no longer holds the anchor (rewritten meanwhile): leave it.
+        return Ok(());
+    }
+    tail.pop();
+    tail.reverse();
+    let dropped: std::collections::HashSet<&str> =
+        tail.iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).map(|e| e.id.as_str()).collect();
+    if dropped.is_empty() {
+        return Ok(());
+    }
+    let carried: Vec<NewEntry> = tail
+        .iter()
+        .filter_map(|e| match &e.entry {
+            Some(Entry::Compaction(cmp)) if !dropped.contains(cmp.first_kept_entry_id.as_str()) => {
+                Some(NewEntry { turn_id: e.turn_id.clone(), entry: Entry::Compaction(cmp.clone()) })
+            }
+            _ => None,
+        })
+        .collect();
+    tx.execute("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1", params![session_id, anchor])?;
+    append_in(tx, session_id, carried)?;
+    Ok(())
+}
+
+/// Turns left open by a gateway that died end as aborted ones do.
+fn recover_open_turns(conn: &mut Connection) -> Result<(), StoreError> {
+    let tx = conn.transaction()?;
+    let open: Vec<String> = {
+        let mut stmt = tx.prepare("SELECT session_id FROM open_turns")?;
+        stmt.query_map([], |r| r.get(0))?.collect::<rusqlite::Result<_>>()?
+    };
+    for session_id in &open {
+        rewind_in(&tx, session_id)?;
+    }
+    tx.commit()?;
+    if !open.is_empty() {
+        tracing::info!(turns = open.len(), "turns left open by the last run were rewound");
+    }
+    Ok(())
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn session(&self, agent: &str, key: &str, create_missing: bool) -> Result<Option<Session>, StoreError> {
@@ -419,35 +566,80 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn append_with_commit(
+    async fn open_turn(
         &self,
         session_id: &str,
+        turn_id: &str,
         entries: Vec<NewEntry>,
-        draft: CommitDraft,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
-        let session_id = session_id.to_owned();
+        let (session_id, turn_id) = (session_id.to_owned(), turn_id.to_owned());
         self.run(move |c| {
             let tx = c.transaction()?;
             let out = append_in(&tx, &session_id, entries)?;
-            let mut req = draft.request;
-            if let Some(last) = out.last() {
-                let mut terminal = req.admission.as_ref().and_then(|a| a.anchor.clone()).unwrap_or_default();
-                terminal.entry_id = last.id.clone();
-                terminal.raw_seq = last.seq;
-                terminal.effective_parent_id = last.parent_id.clone();
-                terminal.active_message_position += (req.messages.len() + out.len()) as u64 - 1;
-                req.terminal = Some(terminal);
-            }
-            req.messages.extend(out.iter().filter_map(|e| match &e.entry {
-                Some(Entry::Message(m)) => Some(m.clone()),
-                _ => None,
-            }));
+            let (Some(first), Some(last)) = (out.first(), out.last()) else {
+                return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
+            };
             tx.execute(
-                "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![session_id, req.advancement_key, draft.engine_id, req.encode_to_vec(), now_ms()],
+                "INSERT OR REPLACE INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
+                params![session_id, turn_id, first.id, last.id],
             )?;
             tx.commit()?;
             Ok(out)
+        })
+        .await
+    }
+
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let out = match close {
+                TurnClose::Rewind => {
+                    rewind_in(&tx, &session_id)?;
+                    Vec::new()
+                }
+                TurnClose::Accept { entries, commit } => {
+                    let out = append_in(&tx, &session_id, entries)?;
+                    if let Some(draft) = commit {
+                        queue_commit_in(&tx, &session_id, draft)?;
+                    }
+                    tx.execute("DELETE FROM open_turns WHERE session_id = ?1", [&session_id])?;
+                    out
+                }
+            };
+            tx.commit()?;
+            Ok(out)
+        })
+        .await
+    }
+
+    async fn record_projection(
+        &self,
+        session_id: &str,
+        host_id: &str,
+        epoch: &str,
+        fingerprint: &str,
+    ) -> Result<bool, StoreError> {
+        let (session_id, host_id, epoch, fingerprint) =
+            (session_id.to_owned(), host_id.to_owned(), epoch.to_owned(), fingerprint.to_owned());
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let before: Option<(String, String)> = tx
+                .query_row(
+                    "SELECT epoch, fingerprint FROM projections WHERE session_id = ?1 AND host_id = ?2",
+                    params![session_id, host_id],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            let changed = before.as_ref() != Some(&(epoch.clone(), fingerprint.clone()));
+            if changed {
+                tx.execute(
+                    "INSERT OR REPLACE INTO projections (session_id, host_id, epoch, fingerprint) VALUES (?1, ?2, ?3, ?4)",
+                    params![session_id, host_id, epoch, fingerprint],
+                )?;
+            }
+            tx.commit()?;
+            Ok(changed)
         })
         .await
     }

@@ -65,6 +65,15 @@ impl Visible {
     }
 }
 
+/// The entries behind the visible history, in the order the model sees
+/// them: the latest compaction entry, then the kept and later messages.
+pub fn visible_entries(branch: &[pb::TranscriptEntry]) -> Vec<pb::TranscriptEntry> {
+    let v = visible(branch);
+    let kept: std::collections::HashSet<&str> = v.messages.iter().map(|m| m.id.as_str()).collect();
+    let summary = v.summary.as_ref().and_then(|(id, _)| branch.iter().find(|e| &e.id == id));
+    summary.into_iter().chain(branch.iter().filter(|e| kept.contains(e.id.as_str()))).cloned().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

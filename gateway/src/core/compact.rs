@@ -6,18 +6,19 @@ use super::*;
 impl Core {
     // --- compaction --------------------------------------------------------
 
-    /// Manual compaction (`/compact`): target=threshold, force.
+    /// Manual compaction (`/compact`): target=threshold, force. Waits for
+    /// a running turn of the session (the caller's cancel ends the wait).
     pub async fn compact_session(
         &self,
-        req: api::CompactSessionRequest,
+        session: &Session,
+        instructions: Option<String>,
         sink: &CompactionSink<'_>,
         cancel: CancellationToken,
-    ) -> Result<(), CoreError> {
-        let (agent, key) = session_ref(req.session.as_ref())?;
-        let session = self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))?;
-        let _guard = self.enter(&session.session_id, &cancel).await;
-        let lease = self.lease("manual-compact");
-        self.compact(&lease, &session, "manual", None, req.custom_instructions, sink, &cancel).await.map(|_| ())
+    ) -> Result<CompactionDone, CoreError> {
+        let _guard = self.enter(&session.session_id, &cancel).await?;
+        let host = HostProfile::embedded();
+        let lease = self.lease(Operation::ManualCompact, &host, self.provider_model(), Unmet::Degrade)?;
+        self.compact(&lease, session, Trigger::Manual, None, instructions, sink, &cancel).await
     }
 
     /// Runs the engine's compaction — or the built-in one it delegates to —
@@ -30,25 +31,24 @@ impl Core {
         &self,
         lease: &Lease,
         session: &Session,
-        trigger: &str,
+        trigger: Trigger,
         budget: Option<u64>,
         instructions: Option<String>,
         sink: &CompactionSink<'_>,
         cancel: &CancellationToken,
-    ) -> Result<api::CompactionDone, CoreError> {
-        use api::compaction_event::Event as C;
+    ) -> Result<CompactionDone, CoreError> {
         let started = Instant::now();
         let window_end = started + self.config.compaction_timeout();
         let visible = self.visible(&session.session_id).await?;
         let tokens_before = visible.tokens();
-        sink(C::Started(api::CompactionStarted { trigger: trigger.into(), tokens_before }));
+        sink(CompactionEvent::Started { trigger, tokens_before });
         let target_kind = if budget.is_some() { pb::CompactionTarget::Budget } else { pb::CompactionTarget::Threshold };
         let call = Call::new(cancel.clone()).with_deadline(window_end);
         let grant = self.grant(lease, session, None, Some(window_end));
         let (force_reason, preflight) = match trigger {
-            "manual" => (Some("manual".to_owned()), None),
-            "proactive" => (Some("preflight_required".to_owned()), Some("tokens".to_owned())),
-            _ => (None, None),
+            Trigger::Manual => (Some("manual".to_owned()), None),
+            Trigger::Proactive => (Some("preflight_required".to_owned()), Some("tokens".to_owned())),
+            Trigger::Overflow | Trigger::Timeout => (None, None),
         };
         let request = pb::CompactRequest {
             session_id: session.session_id.clone(),
@@ -64,31 +64,26 @@ impl Core {
             runtime_context: Some(pb::RuntimeContext {
                 force_reason,
                 preflight_compaction_trigger: preflight,
-                ..self.runtime_context(session, budget.unwrap_or_default(), tokens_before)
+                ..self.runtime_context(lease, session, budget.unwrap_or_default(), tokens_before)
             }),
             host: grant.as_ref().map(|g| g.access.clone()),
         };
         let progress = |p: pb::CompactProgress| {
-            sink(C::Progress(api::CompactionProgress {
-                stage: p.stage,
-                done: p.done,
-                total: p.total,
-                message: p.message,
-            }));
+            sink(CompactionEvent::Progress { stage: p.stage, done: p.done, total: p.total, message: p.message });
         };
         let reply = lease.engine.compact(request, &call, &progress).await;
         drop(grant);
         let result = match reply {
             Ok(CompactReply::DelegateToHost(d)) => {
                 let instructions = d.custom_instructions.or(instructions);
-                self.builtin(&visible, budget, instructions, sink, cancel, window_end).await
+                self.builtin(lease, &visible, budget, instructions, sink, cancel, window_end).await
             }
             Ok(CompactReply::Done(r)) => {
                 // The engine compacted its own state: report it; the
                 // transcript keeps every entry.
                 let outcome = if r.ok && r.compacted { "compacted" } else { "kept" };
-                self.metrics.compaction_finished(trigger, outcome, started.elapsed(), None);
-                let done = api::CompactionDone {
+                self.metrics.compaction_finished(trigger.as_str(), outcome, started.elapsed(), None);
+                let done = CompactionDone {
                     compacted: r.ok && r.compacted,
                     reason: r.reason,
                     tokens_before: if r.tokens_before > 0 { r.tokens_before } else { tokens_before },
@@ -96,7 +91,7 @@ impl Core {
                     entry_id: None,
                     summary_chars: r.summary.map_or(0, |s| s.chars().count() as u32),
                 };
-                sink(C::Done(done.clone()));
+                sink(CompactionEvent::Done(done.clone()));
                 return Ok(done);
             }
             Err(EngineCallError::Cancelled) => Err(CompactionError::Cancelled),
@@ -104,7 +99,7 @@ impl Core {
             Err(e) => Err(CompactionError::Model(ModelError::Unavailable(e.to_string()))),
         };
         let done = match result {
-            Ok(Outcome::Compacted { summary, first_kept_entry_id, tokens_before, tokens_after }) => {
+            Ok(compaction::Outcome::Compacted { summary, first_kept_entry_id, tokens_before, tokens_after }) => {
                 let entry = pb::CompactionEntry {
                     summary: summary.clone(),
                     first_kept_entry_id,
@@ -119,12 +114,12 @@ impl Core {
                     )
                     .await?;
                 self.metrics.compaction_finished(
-                    trigger,
+                    trigger.as_str(),
                     "compacted",
                     started.elapsed(),
                     Some((tokens_before, tokens_after)),
                 );
-                api::CompactionDone {
+                CompactionDone {
                     compacted: true,
                     reason: None,
                     tokens_before,
@@ -133,9 +128,9 @@ impl Core {
                     summary_chars: summary.chars().count() as u32,
                 }
             }
-            Ok(Outcome::Kept { reason, tokens_before }) => {
-                self.metrics.compaction_finished(trigger, "kept", started.elapsed(), None);
-                api::CompactionDone {
+            Ok(compaction::Outcome::Kept { reason, tokens_before }) => {
+                self.metrics.compaction_finished(trigger.as_str(), "kept", started.elapsed(), None);
+                CompactionDone {
                     compacted: false,
                     reason: Some(reason),
                     tokens_before,
@@ -154,31 +149,33 @@ impl Core {
                         ("failed", CoreError::CompactionFailed(format!("{e}; history kept as it was")))
                     }
                 };
-                self.metrics.compaction_finished(trigger, outcome, started.elapsed(), None);
+                self.metrics.compaction_finished(trigger.as_str(), outcome, started.elapsed(), None);
                 return Err(err);
             }
         };
-        sink(C::Done(done.clone()));
+        sink(CompactionEvent::Done(done.clone()));
         Ok(done)
     }
 
     /// Built-in compaction, each model request bounded by the safety
     /// timeout but never past the end of the caller's window.
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn builtin(
         &self,
+        lease: &Lease,
         visible: &Visible,
         budget: Option<u64>,
         instructions: Option<String>,
         sink: &CompactionSink<'_>,
         cancel: &CancellationToken,
         window_end: Instant,
-    ) -> Result<Outcome, CompactionError> {
+    ) -> Result<compaction::Outcome, CompactionError> {
         let c = &self.config.agents.defaults.compaction;
         let left = window_end.saturating_duration_since(Instant::now());
         let settings = compaction::Settings {
             keep_recent_tokens: c.keep_recent_tokens,
             recent_turns_preserve: c.recent_turns_preserve,
-            chunk_tokens: (self.config.models.context_window / 2).clamp(1_000, 30_000),
+            chunk_tokens: (lease.model.context_window / 2).clamp(1_000, 30_000),
             request_timeout: self.config.compaction_timeout().min(left.max(Duration::from_millis(1))),
             quality_guard: c.quality_guard.enabled,
             max_retries: c.quality_guard.max_retries,
@@ -191,12 +188,7 @@ impl Core {
             instructions,
         };
         let mut progress = |done, total, message| {
-            sink(api::compaction_event::Event::Progress(api::CompactionProgress {
-                stage: "summarising".into(),
-                done,
-                total,
-                message,
-            }));
+            sink(CompactionEvent::Progress { stage: "summarising".into(), done, total, message });
         };
         compaction::compact(input, self.summarizer.as_ref(), &settings, cancel, &mut progress).await
     }

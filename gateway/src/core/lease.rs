@@ -6,26 +6,38 @@ use super::*;
 impl Core {
     // --- engines ---------------------------------------------------------
 
-    /// Chooses the engine for one operation ("agent-run", "manual-compact"):
-    /// the configured one if it is in service and the host has what it
-    /// needs, else legacy with one warning.
-    pub(super) fn lease(&self, operation: &str) -> Lease {
+    /// Chooses the engine for one operation: the configured one if it is in
+    /// service and `host` has what it needs; else legacy with one warning
+    /// (a quarantine always degrades; unmet host requirements degrade or,
+    /// with [`Unmet::FailClosed`], refuse with OpenClaw's message).
+    pub(super) fn lease(
+        &self,
+        operation: Operation,
+        host: &HostProfile,
+        model: ModelSpec,
+        unmet: Unmet,
+    ) -> Result<Lease, CoreError> {
         let registry = self.registry();
-        let legacy = |degraded| Lease {
-            key: LEGACY_ID.into(),
-            engine: registry.legacy(),
-            info: registry.legacy.info(),
+        let lease = |key: String, engine: Arc<dyn Engine>, info, degraded, remote| Lease {
+            key,
+            engine,
+            info,
             degraded,
-            remote: false,
+            remote,
+            host: host.clone(),
+            model: model.clone(),
         };
-        let Some(g) = registry.selected() else { return legacy(None) };
+        let legacy = |degraded| lease(LEGACY_ID.into(), registry.legacy(), registry.legacy.info(), degraded, false);
+        let Some(g) = registry.selected() else { return Ok(legacy(None)) };
         let reason = if let Some(q) = g.quarantine_record() {
             Some(format!("it is quarantined after failing during {}: {}", q.operation, q.reason))
         } else {
-            let info = g.info();
-            check_host_requirements(&info, operation, EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES).err()
+            match check_host_requirements(&g.info(), operation.as_str(), &host.label, &host.capability_names()) {
+                Err(m) if unmet == Unmet::FailClosed => return Err(CoreError::Precondition(m)),
+                r => r.err(),
+            }
         };
-        match reason {
+        Ok(match reason {
             Some(reason) => {
                 let id = g.id();
                 let warning = format!(
@@ -34,11 +46,12 @@ impl Core {
                 tracing::warn!("{warning}");
                 legacy(Some(warning))
             }
-            None => Lease { key: g.id().to_owned(), engine: g.clone(), info: g.info(), degraded: None, remote: true },
-        }
+            None => lease(g.id().to_owned(), g.clone(), g.info(), None, true),
+        })
     }
 
     /// A grant for one engine call on `session`, expiring with the call.
+    /// The host model is granted only to hosts with runtime-llm-complete.
     pub(super) fn grant(
         &self,
         lease: &Lease,
@@ -51,11 +64,15 @@ impl Core {
             return None;
         }
         let ttl = deadline.map_or(GRANT_TTL, |d| d.saturating_duration_since(Instant::now()));
+        let mut operations = vec![HostOperation::ReadTranscript];
+        if lease.host.has(Capability::RuntimeLlmComplete) {
+            operations.push(HostOperation::LlmComplete);
+        }
         let scope = Scope {
             engine_id: lease.info.id.clone(),
             session_id: session.session_id.clone(),
             session_key: session.session_key.clone(),
-            operations: vec![READ_TRANSCRIPT, LLM_COMPLETE],
+            operations,
             fence_before: fence_before.map(str::to_owned),
         };
         Some(self.grants.issue(endpoint, scope, ttl))
@@ -68,7 +85,7 @@ impl Core {
         budget: u64,
         degraded: Option<pb::ReasonCode>,
     ) -> pb::RuntimeSettings {
-        let model = self.provider.model().to_owned();
+        let model = lease.model.id.clone();
         let mode = match (degraded, lease.degraded.is_some()) {
             (Some(_), _) => pb::RuntimeMode::Degraded,
             (None, true) => pb::RuntimeMode::Fallback,
@@ -76,18 +93,14 @@ impl Core {
         };
         let source =
             if lease.info.id == LEGACY_ID { pb::SelectionSource::Default } else { pb::SelectionSource::Configured };
+        let harness_id = lease.host.id.strip_prefix("agent-harness:").map(str::to_owned);
         pb::RuntimeSettings {
             schema_version: 1,
-            runtime: Some(pb::RuntimeInfo {
-                host: "ctxgate".into(),
-                mode: mode as i32,
-                harness_id: None,
-                runtime_id: None,
-            }),
+            runtime: Some(pb::RuntimeInfo { host: "ctxgate".into(), mode: mode as i32, harness_id, runtime_id: None }),
             model: Some(pb::ModelSelection {
                 requested: Some(model.clone()),
                 resolved: Some(model),
-                provider: Some(format!("{:?}", self.config.models.provider).to_lowercase()),
+                provider: Some(lease.model.provider.clone()).filter(|p| !p.is_empty()),
                 family: None,
             }),
             context_engine_selection: Some(pb::EngineSelection {
@@ -95,12 +108,12 @@ impl Core {
                 source: source as i32,
             }),
             execution_host: Some(pb::ExecutionHost {
-                id: Some(crate::engines::EMBEDDED_HOST_ID.into()),
-                label: Some(EMBEDDED_HOST_LABEL.into()),
+                id: Some(lease.host.id.clone()),
+                label: Some(lease.host.label.clone()),
             }),
             limits: Some(pb::Limits {
                 prompt_token_budget: Some(budget),
-                max_output_tokens: Some(self.config.models.max_output_tokens),
+                max_output_tokens: Some(lease.model.max_output_tokens),
             }),
             diagnostics: Some(pb::Diagnostics {
                 fallback_reason: if lease.degraded.is_some() { pb::ReasonCode::RuntimeUnavailable as i32 } else { 0 },
@@ -109,20 +122,26 @@ impl Core {
         }
     }
 
-    pub(super) fn runtime_context(&self, session: &Session, budget: u64, current: u64) -> pb::RuntimeContext {
+    pub(super) fn runtime_context(
+        &self,
+        lease: &Lease,
+        session: &Session,
+        budget: u64,
+        current: u64,
+    ) -> pb::RuntimeContext {
         pb::RuntimeContext {
             token_budget: Some(budget),
             current_token_count: Some(current),
             transcript_storage: pb::TranscriptStorage::Sqlite as i32,
             session_target: Some(target(session)),
-            provider: Some(format!("{:?}", self.config.models.provider).to_lowercase()),
-            model_id: Some(self.provider.model().into()),
+            provider: Some(lease.model.provider.clone()).filter(|p| !p.is_empty()),
+            model_id: Some(lease.model.id.clone()),
             ..Default::default()
         }
     }
 
     /// Bootstrap (then maintain(bootstrap)) a session the remote engine has
-    /// not seen in this process.
+    /// not seen in this process, for hosts with the bootstrap capability.
     pub(super) async fn bootstrap_if_new(
         &self,
         lease: &Lease,
@@ -131,7 +150,7 @@ impl Core {
         budget: u64,
         call: &Call,
     ) {
-        if !lease.remote {
+        if !lease.remote || !lease.host.has(Capability::Bootstrap) {
             return;
         }
         let key = (lease.info.id.clone(), session.session_id.clone());
@@ -145,7 +164,7 @@ impl Core {
             session_target: Some(target(session)),
             session_file: session.session_key.clone(),
             runtime_settings: Some(self.runtime_settings(lease, budget, None)),
-            runtime_context: Some(self.runtime_context(session, budget, 0)),
+            runtime_context: Some(self.runtime_context(lease, session, budget, 0)),
             host: grant.as_ref().map(|g| g.access.clone()),
         };
         match lease.engine.bootstrap(req, call).await {
@@ -166,7 +185,7 @@ impl Core {
     ) {
         // Runs after every turn: an engine that does not list Maintain (the
         // legacy one included) is not asked for an UNIMPLEMENTED each time.
-        if !lease.info.implemented_methods.iter().any(|m| m == "Maintain") {
+        if !lease.info.implemented_methods.iter().any(|m| m == "Maintain") || !lease.host.has(Capability::Maintain) {
             return;
         }
         let grant = self.grant(lease, session, None, call.deadline);
@@ -179,7 +198,7 @@ impl Core {
             runtime_settings: Some(self.runtime_settings(lease, budget, None)),
             runtime_context: Some(pb::RuntimeContext {
                 allow_deferred_compaction_execution: call.deadline.is_none() && reason == pb::MaintainReason::Turn,
-                ..self.runtime_context(session, budget, 0)
+                ..self.runtime_context(lease, session, budget, 0)
             }),
             host: grant.as_ref().map(|g| g.access.clone()),
         };
@@ -200,13 +219,19 @@ impl Core {
         }
     }
 
-    /// After a turn, for engines that ask for it: maintain(turn) on the
-    /// session's background lane — one run at a time, plus one coalesced
-    /// follow-up — cancelled on shutdown. (Foreground maintenance runs in
-    /// `finalize`.)
-    pub(super) fn schedule_background_maintenance(self: &Arc<Self>, lease: Lease, session: Session, budget: u64) {
+    /// After a turn: maintain(turn) in the foreground, or — for engines that
+    /// ask for it — on the session's background lane: one run at a time,
+    /// plus one coalesced follow-up, each under the session's lock (so it
+    /// never rewrites a branch a turn is writing), cancelled on shutdown.
+    pub(super) async fn maintain_after_turn(
+        self: &Arc<Self>,
+        lease: &Lease,
+        session: &Session,
+        budget: u64,
+        call: &Call,
+    ) {
         if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
-            return;
+            return self.maintain(lease, session, pb::MaintainReason::Turn, budget, call).await;
         }
         {
             let mut lanes = self.maintenance.lock().unwrap_or_else(|e| e.into_inner());
@@ -216,11 +241,13 @@ impl Core {
             }
             lanes.insert(session.session_id.clone(), false);
         }
-        let core = self.clone();
+        let (core, lease, session) = (self.clone(), lease.clone(), session.clone());
         let stop = self.shutdown.child_token();
         tokio::spawn(async move {
             loop {
-                core.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
+                if let Ok(_guard) = core.enter(&session.session_id, &stop).await {
+                    core.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
+                }
                 let mut lanes = core.maintenance.lock().unwrap_or_else(|e| e.into_inner());
                 match lanes.get_mut(&session.session_id) {
                     Some(again) if *again && !stop.is_cancelled() => *again = false,
@@ -231,12 +258,5 @@ impl Core {
                 }
             }
         });
-    }
-
-    /// Waits until the session has no background maintenance running.
-    pub async fn maintenance_idle(&self, session_id: &str) {
-        while self.maintenance.lock().unwrap_or_else(|e| e.into_inner()).contains_key(session_id) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
     }
 }

@@ -1,46 +1,52 @@
-//! The turn core: managed turns and compaction for one gateway, independent
-//! of the API that drives them. Events go out through a channel; the caller
-//! going away cancels the work.
+//! The turn core: one turn lifecycle ([`Turn`]) with two drivers (the
+//! managed `RunTurn` loop and an external harness), compaction, subagents
+//! and durable turns, independent of the APIs that drive them. The core
+//! speaks its own types ([`types`]) and the engine contract; the client
+//! protos stay in the adapters.
 
 mod compact;
 mod lease;
+mod managed;
 mod outbox;
+mod sessions;
 mod subagents;
 mod turn;
+pub mod types;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
-use ctxgate_proto::gateway as api;
 use ctxgate_proto::pb::{self, AgentMessage, ContentPart, Role, content_part::Part, transcript_entry::Entry};
 use ctxgate_proto::{estimate, limits};
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::compaction::{self, CompactionError, Outcome};
+use crate::compaction::{self, CompactionError};
 use crate::config::{Config, IdentifierPolicy, ProviderKind};
 use crate::engines::registry::Registry;
-use crate::engines::{
-    Call, CompactReply, EMBEDDED_HOST_CAPABILITIES, EMBEDDED_HOST_LABEL, Engine, EngineCallError, LEGACY_ID,
-    check_host_requirements,
-};
-use crate::host::{GrantGuard, Grants, LLM_COMPLETE, READ_TRANSCRIPT, Scope};
+use crate::engines::{Call, CompactReply, Engine, EngineCallError, LEGACY_ID, check_host_requirements};
+use crate::grants::{GrantError, GrantGuard, Grants, HostOperation, Scope};
 use crate::metrics::Metrics;
-use crate::provider::{ChatRequest, ModelError, ModelProvider};
-use crate::store::{NewEntry, Session, Store, StoreError, Subagent};
+use crate::provider::{ChatRequest, ChatResponse, ModelError, ModelProvider};
+use crate::store::{NewEntry, Session, SessionStats, Store, StoreError, Subagent};
 use crate::summarize::{Extractive, ModelSummarizer, Summarizer};
 use crate::transcript::{self, Visible};
 
-/// Errors the API maps to statuses (before a turn is admitted, and for
-/// every non-turn call).
+pub use managed::{ManagedTurn, TurnEnd};
+pub use sessions::BusyError;
+use sessions::{SessionGuard, SessionLocks};
+pub use turn::{Begun, Finished, StepError, Turn};
+use types::*;
+
+/// Errors the API maps to statuses (before a turn is admitted, for a
+/// harness step, and for every non-turn call).
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
     #[error("{field}: {problem}")]
-    Invalid { field: &'static str, problem: String },
+    Invalid { field: String, problem: String },
     #[error("{field}: {problem}")]
-    TooLarge { field: &'static str, problem: String },
+    TooLarge { field: String, problem: String },
     #[error("no session with key {0:?}")]
     NoSession(String),
     #[error("compaction timed out: {0}")]
@@ -56,10 +62,31 @@ pub enum CoreError {
     #[error("{0}")]
     EngineFailed(String),
     #[error(transparent)]
+    Busy(#[from] BusyError),
+    #[error(transparent)]
     Store(#[from] StoreError),
 }
 
-/// Overflow compactions before the gateway tries truncating tool results.
+impl CoreError {
+    pub fn invalid(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self::Invalid { field: field.into(), problem: problem.into() }
+    }
+
+    pub fn too_large(field: impl Into<String>, problem: impl Into<String>) -> Self {
+        Self::TooLarge { field: field.into(), problem: problem.into() }
+    }
+}
+
+impl From<ctxgate_proto::validate::Violation> for CoreError {
+    fn from(v: ctxgate_proto::validate::Violation) -> Self {
+        match v.kind {
+            ctxgate_proto::validate::ViolationKind::Invalid => Self::Invalid { field: v.field, problem: v.problem },
+            ctxgate_proto::validate::ViolationKind::TooLarge => Self::TooLarge { field: v.field, problem: v.problem },
+        }
+    }
+}
+
+/// Overflow compactions before the gateway gives up on compacting.
 const MAX_OVERFLOW_COMPACTIONS: u32 = 3;
 const MAX_TIMEOUT_COMPACTIONS: u32 = 2;
 /// Timeout recovery only compacts when the prompt is above this share of the budget.
@@ -69,57 +96,32 @@ const TRUNCATED_TOOL_RESULT_CHARS: usize = 2_000;
 /// How long a host grant lives when the call has no tighter deadline.
 const GRANT_TTL: Duration = Duration::from_secs(600);
 
-/// Where compaction events go: to a turn's event stream or a Compact stream.
-pub type CompactionSink<'a> = dyn Fn(api::compaction_event::Event) + Send + Sync + 'a;
+/// Where compaction events go: to a turn's events or a Compact stream.
+pub type CompactionSink<'a> = dyn Fn(CompactionEvent) + Send + Sync + 'a;
 
 pub struct Core {
-    pub config: Arc<Config>,
-    pub store: Arc<dyn Store>,
-    pub provider: Arc<dyn ModelProvider>,
-    pub metrics: Metrics,
-    pub grants: Arc<Grants>,
+    config: Arc<Config>,
+    store: Arc<dyn Store>,
+    provider: Arc<dyn ModelProvider>,
+    metrics: Metrics,
+    grants: Arc<Grants>,
     registry: RwLock<Arc<Registry>>,
     /// Where engines reach the Host service (set once the API is bound).
     host_endpoint: OnceLock<String>,
     summarizer: Arc<dyn Summarizer>,
-    /// Per session: serialises its turns and compactions, and holds the
-    /// token that Abort fires.
-    running: Mutex<HashMap<String, Running>>,
+    /// One turn or compaction at a time per session, and Abort.
+    sessions: Arc<SessionLocks>,
     /// (engine, session) pairs bootstrapped by this process.
     bootstrapped: Mutex<HashSet<(String, String)>>,
     /// Background maintenance: sessions with a run going, and whether a
     /// follow-up is queued.
-    maintenance: Arc<Mutex<HashMap<String, bool>>>,
+    maintenance: Arc<Mutex<std::collections::HashMap<String, bool>>>,
     shutdown: CancellationToken,
-}
-
-struct Running {
-    lock: Arc<tokio::sync::Mutex<()>>,
-    cancel: Option<CancellationToken>,
-}
-
-/// Holds a session's lock; registers the work's cancel token for Abort.
-struct SessionGuard<'a> {
-    core: &'a Core,
-    session_id: String,
-    _lock: tokio::sync::OwnedMutexGuard<()>,
-}
-
-impl Drop for SessionGuard<'_> {
-    fn drop(&mut self) {
-        let mut running = self.core.running.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(r) = running.get_mut(&self.session_id) {
-            r.cancel = None;
-            // Only the map and this guard hold the lock: nobody waits, forget it.
-            if Arc::strong_count(&r.lock) <= 2 {
-                running.remove(&self.session_id);
-            }
-        }
-    }
 }
 
 /// The engine a turn (or a manual compaction) runs with: pinned once
 /// chosen, so a turn is never replayed on another engine.
+#[derive(Clone)]
 struct Lease {
     /// The registry id (`plugins.entries` key) or "legacy".
     key: String,
@@ -128,60 +130,53 @@ struct Lease {
     /// The degradation warning, when the configured engine could not take it.
     degraded: Option<String>,
     remote: bool,
+    /// Who runs the operation, and against which model.
+    host: HostProfile,
+    model: ModelSpec,
+}
+
+impl Lease {
+    fn selection(&self) -> Selection {
+        match (&self.degraded, self.remote) {
+            (Some(_), _) => Selection::Degraded,
+            (None, true) => Selection::Configured,
+            (None, false) => Selection::Default,
+        }
+    }
+}
+
+/// What to do when the configured engine's host requirements are not met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unmet {
+    /// Serve the operation on legacy, with OpenClaw's degrade warning.
+    Degrade,
+    /// Refuse it before anything is admitted (harness turns, spawns).
+    FailClosed,
+}
+
+fn now_unix_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
 fn text_message(role: Role, text: String) -> AgentMessage {
     AgentMessage {
         role: role as i32,
         content: vec![ContentPart { part: Some(Part::Text(text)) }],
-        created_at_unix_ms: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64),
+        created_at_unix_ms: now_unix_ms(),
         ..Default::default()
     }
 }
 
-fn event(e: api::turn_event::Event) -> api::TurnEvent {
-    api::TurnEvent { event: Some(e) }
-}
-
-fn failed(reason: &str, message: impl Into<String>) -> api::turn_event::Event {
-    api::turn_event::Event::Failed(api::Failed { reason: reason.into(), message: message.into() })
-}
-
-fn aborted() -> api::turn_event::Event {
-    failed("aborted", "The turn was aborted.")
-}
-
-/// Validates a turn request; returns (agent, key).
-pub fn validate_turn(req: &api::RunTurnRequest) -> Result<(String, String), CoreError> {
-    let at = session_ref(req.session.as_ref())?;
-    if req.message.trim().is_empty() {
-        return Err(CoreError::Invalid { field: "message", problem: "is empty".into() });
-    }
-    if req.message.len() > limits::MAX_MESSAGE_CONTENT_BYTES {
-        return Err(CoreError::TooLarge {
-            field: "message",
-            problem: format!("is {} bytes, the limit is {}", req.message.len(), limits::MAX_MESSAGE_CONTENT_BYTES),
-        });
-    }
-    Ok(at)
-}
-
 /// Validates a session reference; returns (agent, key).
-pub fn session_ref(r: Option<&api::SessionRef>) -> Result<(String, String), CoreError> {
-    let r = r.ok_or(CoreError::Invalid { field: "session", problem: "is required".into() })?;
-    let key = r.session_key.trim();
+pub fn session_ref(agent_id: &str, session_key: &str) -> Result<(String, String), CoreError> {
+    let key = session_key.trim();
     if key.is_empty() {
-        return Err(CoreError::Invalid { field: "session.session_key", problem: "is required".into() });
+        return Err(CoreError::invalid("session.session_key", "is required"));
     }
-    if key.len() > limits::MAX_ID_BYTES || r.agent_id.len() > limits::MAX_ID_BYTES {
-        return Err(CoreError::TooLarge {
-            field: "session",
-            problem: format!("ids are limited to {} bytes", limits::MAX_ID_BYTES),
-        });
+    if key.len() > limits::MAX_ID_BYTES || agent_id.len() > limits::MAX_ID_BYTES {
+        return Err(CoreError::too_large("session", format!("ids are limited to {} bytes", limits::MAX_ID_BYTES)));
     }
-    let agent = if r.agent_id.trim().is_empty() { "main" } else { r.agent_id.trim() };
+    let agent = if agent_id.trim().is_empty() { "main" } else { agent_id.trim() };
     Ok((agent.to_owned(), key.to_owned()))
 }
 
@@ -203,11 +198,15 @@ impl Core {
             registry,
             host_endpoint: OnceLock::new(),
             summarizer,
-            running: Mutex::default(),
+            sessions: Arc::default(),
             bootstrapped: Mutex::default(),
             maintenance: Arc::default(),
             shutdown: CancellationToken::new(),
         }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
     }
 
     /// Where engines call the Host service back (set once, after binding).
@@ -241,69 +240,121 @@ impl Core {
     }
 
     pub fn turns_in_flight(&self) -> u32 {
-        self.running.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|r| r.cancel.is_some()).count() as u32
+        self.sessions.running() as u32
     }
 
-    /// Waits for the session's lock, then registers `cancel` for Abort.
-    async fn enter(&self, session_id: &str, cancel: &CancellationToken) -> SessionGuard<'_> {
-        let lock = {
-            let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-            running
-                .entry(session_id.to_owned())
-                .or_insert_with(|| Running { lock: Arc::default(), cancel: None })
-                .lock
-                .clone()
-        };
-        let guard = lock.lock_owned().await;
-        if let Some(r) = self.running.lock().unwrap_or_else(|e| e.into_inner()).get_mut(session_id) {
-            r.cancel = Some(cancel.clone());
+    /// The gateway's own model, as a turn sees it.
+    fn provider_model(&self) -> ModelSpec {
+        ModelSpec {
+            id: self.provider.model().to_owned(),
+            provider: self.provider_name(),
+            context_window: self.config.models.context_window,
+            reserve_tokens: self.config.reserve_tokens(),
+            max_output_tokens: self.config.models.max_output_tokens,
         }
-        SessionGuard { core: self, session_id: session_id.to_owned(), _lock: guard }
+    }
+
+    pub fn provider_name(&self) -> String {
+        format!("{:?}", self.config.models.provider).to_lowercase()
+    }
+
+    pub fn model_id(&self) -> &str {
+        self.provider.model()
+    }
+
+    /// The reply reserve for a model with `window` tokens: the configured
+    /// `reserveTokens`, else a quarter of the window up to 16 384.
+    pub fn reserve_for(&self, window: u64) -> u64 {
+        self.config.agents.defaults.compaction.reserve_tokens.unwrap_or_else(|| (window / 4).min(16_384))
+    }
+
+    /// Waits for the session (Enqueue: the caller's cancel ends the wait)
+    /// for work that is not a turn: manual compaction, the outbox.
+    async fn enter(&self, session_id: &str, cancel: &CancellationToken) -> Result<SessionGuard, CoreError> {
+        Ok(self.sessions.enter(session_id, cancel, BusyPolicy::Enqueue, None).await?)
     }
 
     /// Fires the running turn's or compaction's token. True if one ran.
     pub async fn abort(&self, agent: &str, key: &str) -> Result<bool, CoreError> {
         let Some(s) = self.store.session(agent, key, false).await? else { return Ok(false) };
-        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(match running.get(&s.session_id).and_then(|r| r.cancel.as_ref()) {
-            Some(c) => {
-                c.cancel();
-                true
-            }
-            None => false,
-        })
-    }
-
-    fn token_budget(&self, system: Option<&str>) -> u64 {
-        let m = &self.config.models;
-        m.context_window
-            .saturating_sub(self.config.reserve_tokens())
-            .saturating_sub(system.map_or(0, estimate::text_tokens))
+        Ok(self.sessions.abort(&s.session_id))
     }
 
     async fn visible(&self, session_id: &str) -> Result<Visible, CoreError> {
         Ok(transcript::visible(&self.store.visible_tail(session_id).await?))
     }
+
     // --- sessions ------------------------------------------------------------
 
-    pub async fn session_info(&self, s: &Session) -> Result<api::SessionInfo, CoreError> {
-        let branch = self.store.branch(&s.session_id).await?;
-        let compactions = branch.iter().filter(|e| matches!(e.entry, Some(Entry::Compaction(_)))).count() as u32;
-        Ok(api::SessionInfo {
-            agent_id: s.agent_id.clone(),
-            session_key: s.session_key.clone(),
-            session_id: s.session_id.clone(),
-            state: s.state.clone(),
-            created_at_unix_ms: s.created_at_ms,
-            entries: branch.len() as u32,
-            compactions,
-            visible_tokens: transcript::visible(&branch).tokens(),
-        })
+    pub async fn session(&self, agent: &str, key: &str) -> Result<Session, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))
     }
 
-    pub async fn session(&self, r: Option<&api::SessionRef>) -> Result<Session, CoreError> {
-        let (agent, key) = session_ref(r)?;
-        self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))
+    /// A session's branch, or only the entries behind its visible history.
+    pub async fn transcript(
+        &self,
+        session_id: &str,
+        visible_only: bool,
+    ) -> Result<Vec<pb::TranscriptEntry>, CoreError> {
+        let branch = self.store.branch(session_id).await?;
+        Ok(if visible_only { transcript::visible_entries(&branch) } else { branch })
+    }
+
+    /// Entries on the branch, compactions among them, and visible tokens.
+    pub async fn session_counts(&self, s: &Session) -> Result<(u32, u32, u64), CoreError> {
+        let branch = self.store.branch(&s.session_id).await?;
+        let compactions = branch.iter().filter(|e| matches!(e.entry, Some(Entry::Compaction(_)))).count() as u32;
+        Ok((branch.len() as u32, compactions, transcript::visible(&branch).tokens()))
+    }
+
+    pub async fn list_sessions(
+        &self,
+        agent: Option<&str>,
+        include_archived: bool,
+    ) -> Result<Vec<SessionStats>, CoreError> {
+        Ok(self.store.list_sessions(agent, include_archived).await?)
+    }
+
+    /// `/new` (archive = false) or `/reset` (archive = true).
+    pub async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        Ok(self.store.replace_session(&agent, &key, archive).await?)
+    }
+
+    /// Aborts what runs and deletes every session of the key.
+    pub async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        self.abort(&agent, &key).await?;
+        match self.store.delete_sessions(&agent, &key).await? {
+            0 => Err(CoreError::NoSession(key)),
+            n => Ok(n),
+        }
+    }
+
+    pub async fn count_sessions(&self) -> Result<u32, CoreError> {
+        Ok(self.store.count_sessions().await?)
+    }
+
+    // --- host callbacks ------------------------------------------------------
+
+    /// The scope of a host callback's grant.
+    pub fn authorise(&self, token: &str, session_id: Option<&str>, op: HostOperation) -> Result<Scope, GrantError> {
+        self.grants.authorise(token, session_id, op)
+    }
+
+    /// A model request on an engine's behalf (Host.LlmComplete).
+    pub async fn complete_for_engine(
+        &self,
+        scope: &Scope,
+        purpose: &str,
+        mut chat: ChatRequest,
+        cancel: &CancellationToken,
+    ) -> Result<ChatResponse, ModelError> {
+        tracing::info!(engine = %scope.engine_id, session = %scope.session_id, purpose, "host model call for a context engine");
+        self.metrics.host_llm_call(&scope.engine_id, purpose);
+        chat.max_tokens = chat.max_tokens.min(self.config.models.max_output_tokens);
+        self.provider.complete(chat, None, cancel).await
     }
 }
 

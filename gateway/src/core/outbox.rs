@@ -4,14 +4,16 @@
 use super::*;
 
 impl Core {
-    /// The CommitTurn of a durable turn, before its reply is appended.
+    /// The CommitTurn of a durable turn before it closes; the store adds
+    /// the turn's messages and its terminal anchor. `position` is the
+    /// admitted message's index in the visible history.
     pub(super) fn commit_draft(
         &self,
         lease: &Lease,
         session: &Session,
         turn_id: &str,
         admitted: &pb::TranscriptEntry,
-        rendered: usize,
+        position: u64,
     ) -> crate::store::CommitDraft {
         let anchor = pb::TranscriptEntryAnchor {
             agent_id: session.agent_id.clone(),
@@ -22,12 +24,8 @@ impl Core {
             entry_id: admitted.id.clone(),
             raw_seq: admitted.seq,
             effective_parent_id: admitted.parent_id.clone(),
-            active_message_position: rendered.saturating_sub(1) as u64,
+            active_message_position: position,
             idempotency_key: None,
-        };
-        let message = match &admitted.entry {
-            Some(Entry::Message(m)) => vec![m.clone()],
-            _ => vec![],
         };
         crate::store::CommitDraft {
             engine_id: lease.key.clone(),
@@ -39,7 +37,7 @@ impl Core {
                     role: Role::User as i32,
                 }),
                 terminal: None,
-                messages: message,
+                messages: Vec::new(),
                 session_id: session.session_id.clone(),
                 session_key: Some(session.session_key.clone()),
                 session_target: Some(target(session)),
@@ -76,17 +74,11 @@ impl Core {
         for session_id in self.store.sessions_with_pending_commits().await? {
             // A session with a turn running drains at that turn's start; do
             // not stall every other session's pass behind it.
-            let busy = self
-                .running
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&session_id)
-                .is_some_and(|r| r.cancel.is_some());
-            if busy {
+            if self.sessions.is_busy(&session_id) {
                 continue;
             }
             let cancel = self.call_token();
-            let _guard = self.enter(&session_id, &cancel).await;
+            let _guard = self.enter(&session_id, &cancel).await?;
             self.drain_commits(&session_id, &cancel).await?;
         }
         Ok(())

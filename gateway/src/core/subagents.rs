@@ -5,61 +5,41 @@ use super::*;
 impl Core {
     // --- subagents ------------------------------------------------------------
 
-    /// Spawns a subagent session: the engine prepares (fails closed), then
-    /// the gateway creates the child; a failure after preparation rolls the
-    /// engine back.
+    /// Spawns a subagent session of `parent`: the engine prepares (fails
+    /// closed), then the gateway creates the child; a failure after
+    /// preparation rolls the engine back. Returns the child and whether the
+    /// engine prepared anything.
     pub async fn spawn_subagent(
         &self,
-        req: api::SpawnSubagentRequest,
+        parent: &Session,
+        child_key: &str,
+        context_mode: &str,
+        ttl_ms: Option<u64>,
         cancel: CancellationToken,
-    ) -> Result<api::SpawnSubagentResult, CoreError> {
-        let parent = self.session(req.parent.as_ref()).await?;
-        let child_key = req.child_session_key.trim().to_owned();
+    ) -> Result<(Session, bool), CoreError> {
+        let child_key = child_key.trim().to_owned();
         if child_key.is_empty() {
-            return Err(CoreError::Invalid { field: "child_session_key", problem: "is required".into() });
+            return Err(CoreError::invalid("child_session_key", "is required"));
         }
         if child_key.len() > limits::MAX_ID_BYTES {
-            return Err(CoreError::TooLarge {
-                field: "child_session_key",
-                problem: format!("is over {} bytes", limits::MAX_ID_BYTES),
-            });
+            return Err(CoreError::too_large("child_session_key", format!("is over {} bytes", limits::MAX_ID_BYTES)));
         }
         if child_key == parent.session_key {
-            return Err(CoreError::Invalid {
-                field: "child_session_key",
-                problem: "must differ from the parent's key".into(),
-            });
+            return Err(CoreError::invalid("child_session_key", "must differ from the parent's key"));
         }
-        let mode = match req.context_mode.as_str() {
+        let mode = match context_mode {
             "" | "isolated" => pb::SubagentContextMode::Isolated,
             "fork" => pb::SubagentContextMode::Fork,
-            other => {
-                return Err(CoreError::Invalid {
-                    field: "context_mode",
-                    problem: format!("{other:?}: expected isolated or fork"),
-                });
-            }
+            other => return Err(CoreError::invalid("context_mode", format!("{other:?}: expected isolated or fork"))),
         };
         if self.store.session(&parent.agent_id, &child_key, false).await?.is_some() {
             return Err(CoreError::Precondition(format!("session key {child_key:?} is already in use")));
         }
-        let lease = self.lease("subagent-spawn");
         // Spawning fails closed: an engine that cannot run here refuses.
-        if lease.degraded.is_some() {
-            let registry = self.registry();
-            if let Some(g) = registry.selected()
-                && let Err(m) = check_host_requirements(
-                    &g.info(),
-                    "subagent-spawn",
-                    EMBEDDED_HOST_LABEL,
-                    &EMBEDDED_HOST_CAPABILITIES,
-                )
-            {
-                return Err(CoreError::Precondition(m));
-            }
-        }
+        let host = HostProfile::embedded();
+        let lease = self.lease(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::FailClosed)?;
         let call = Call::new(cancel);
-        let grant = self.grant(&lease, &parent, None, None);
+        let grant = self.grant(&lease, parent, None, None);
         let prep = pb::PrepareSubagentSpawnRequest {
             parent_session_key: parent.session_key.clone(),
             child_session_key: child_key.clone(),
@@ -68,7 +48,7 @@ impl Core {
             parent_session_file: Some(parent.session_key.clone()),
             child_session_id: None,
             child_session_file: Some(child_key.clone()),
-            ttl_ms: req.ttl_ms,
+            ttl_ms,
             host: grant.as_ref().map(|g| g.access.clone()),
         };
         let prepared = match lease.engine.prepare_subagent_spawn(prep, &call).await {
@@ -77,12 +57,9 @@ impl Core {
             Err(e) => return Err(CoreError::EngineFailed(format!("Context engine subagent preparation failed: {e}"))),
         };
         drop(grant);
-        let created = self.create_child(&parent, &child_key, mode, &req, &prepared).await;
+        let created = self.create_child(parent, &child_key, mode, ttl_ms, &prepared).await;
         match created {
-            Ok(child) => Ok(api::SpawnSubagentResult {
-                child: Some(self.session_info(&child).await?),
-                engine_prepared: prepared.prepared,
-            }),
+            Ok(child) => Ok((child, prepared.prepared)),
             Err(e) => {
                 if let Some(token) = prepared.rollback_token {
                     let rb = pb::RollbackSubagentSpawnRequest { rollback_token: token, child_session_key: child_key };
@@ -95,12 +72,12 @@ impl Core {
         }
     }
 
-    pub(super) async fn create_child(
+    async fn create_child(
         &self,
         parent: &Session,
         child_key: &str,
         mode: pb::SubagentContextMode,
-        req: &api::SpawnSubagentRequest,
+        ttl_ms: Option<u64>,
         prepared: &pb::PrepareSubagentSpawnResult,
     ) -> Result<Session, CoreError> {
         // The key was free before the engine prepared; taken since, the spawn fails.
@@ -121,10 +98,7 @@ impl Core {
                 history.into_iter().map(|m| NewEntry { turn_id: "fork".into(), entry: Entry::Message(m) }).collect();
             self.store.append(&child.session_id, entries).await?;
         }
-        let expires_at_ms = req.ttl_ms.map(|t| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
-                + t as i64
-        });
+        let expires_at_ms = ttl_ms.map(|t| now_unix_ms() + t as i64);
         self.store
             .add_subagent(Subagent {
                 agent_id: parent.agent_id.clone(),
@@ -152,14 +126,15 @@ impl Core {
             "swept" => pb::SubagentEndReason::Swept,
             "released" => pb::SubagentEndReason::Released,
             other => {
-                return Err(CoreError::Invalid {
-                    field: "reason",
-                    problem: format!("{other:?}: expected deleted, completed, swept or released"),
-                });
+                return Err(CoreError::invalid(
+                    "reason",
+                    format!("{other:?}: expected deleted, completed, swept or released"),
+                ));
             }
         };
         let Some(_record) = self.store.take_subagent(agent, child_key).await? else { return Ok(false) };
-        let lease = self.lease("subagent-spawn");
+        let host = HostProfile::embedded();
+        let lease = self.lease(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::Degrade)?;
         let req = pb::OnSubagentEndedRequest {
             child_session_key: child_key.into(),
             reason: r as i32,
@@ -185,9 +160,7 @@ impl Core {
 
     /// Ends every subagent whose ttl has run out (reason "swept").
     pub async fn sweep_subagents(&self) -> Result<usize, CoreError> {
-        let now =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
-        let expired = self.store.expired_subagents(now).await?;
+        let expired = self.store.expired_subagents(now_unix_ms()).await?;
         let mut n = 0;
         for s in expired {
             if self.end_subagent(&s.agent_id, &s.child_key, "swept", self.call_token()).await? {

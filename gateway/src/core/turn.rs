@@ -1,356 +1,602 @@
-//! A managed turn: admission, lease, proactive compaction, assemble,
-//! pre-prompt check, model call, overflow and timeout recovery, finalize.
+//! The turn as one lifecycle value. Both drivers — the managed `RunTurn`
+//! loop and an external harness — run a turn through these steps, and only
+//! these: `begin` (session, busy policy, lease, host requirements,
+//! admission, the outbox, bootstrap, proactive compaction) → `assemble`
+//! before every model call → `append` what the model and tools produced →
+//! `overflow`/`recover`/`compact` → `finish`. Dropping an open turn is an
+//! abort.
+
+use std::collections::HashSet;
+
+use tracing::Instrument;
 
 use super::*;
 
-impl Core {
-    // --- turns -----------------------------------------------------------
+/// What `begin` gives back. Built once per turn: not worth a box.
+#[allow(clippy::large_enum_variant)]
+pub enum Begun {
+    Open(Turn),
+    /// Admitted, then failed before anything ran (the engine's outbox is
+    /// blocked); the turn is closed already.
+    Failed(Failure),
+}
 
-    /// Runs one managed turn; every event goes to `events`. Errors are
-    /// returned only before admission; after it, the outcome is an event.
-    pub async fn run_turn(
+/// How a step failed.
+#[derive(Debug)]
+pub enum StepError {
+    /// The request is refused (bad input, out of order, a store failure);
+    /// the API answers with its status.
+    Refused(CoreError),
+    /// The turn cannot go on; the driver ends it with this failure.
+    Failed(Failure),
+}
+
+impl From<CoreError> for StepError {
+    fn from(e: CoreError) -> Self {
+        Self::Refused(e)
+    }
+}
+
+impl From<StoreError> for StepError {
+    fn from(e: StoreError) -> Self {
+        Self::Refused(e.into())
+    }
+}
+
+/// A closed turn.
+#[derive(Debug)]
+pub struct Finished {
+    /// Entries the close appended (the managed reply).
+    pub entries: Vec<pb::TranscriptEntry>,
+    /// Accepted turns: the engine holds the turn now (false: it waits in
+    /// the durable outbox, or the engine is legacy).
+    pub engine_committed: bool,
+}
+
+pub struct Turn {
+    core: Arc<Core>,
+    session: Session,
+    lease: Lease,
+    turn_id: String,
+    admitted: Vec<pb::TranscriptEntry>,
+    driver: Driver,
+    system_prompt_tokens: u64,
+    /// The user messages' text (AssembleRequest.prompt).
+    prompt: String,
+    available_tools: Vec<String>,
+    events: EventSink,
+    cancel: CancellationToken,
+    call: Call,
+    /// Tool calls appended in this turn, and those a result answered.
+    tool_calls: HashSet<String>,
+    answered: HashSet<String>,
+    contexts: u32,
+    overflow_compactions: u32,
+    proactive_done: bool,
+    /// Why the runtime is degraded (RuntimeSettings.diagnostics).
+    degraded: Option<pb::ReasonCode>,
+    started: std::time::Instant,
+    span: tracing::Span,
+    /// Held while the turn is open; `None` once closed.
+    guard: Option<SessionGuard>,
+}
+
+impl Core {
+    /// Begins a turn: waits for the session under the spec's busy policy
+    /// (a cancel while waiting leaves no trace), leases the engine (host
+    /// requirements: the managed driver degrades, a harness fails closed
+    /// before admission), admits the user messages, delivers the session's
+    /// queued durable commits, bootstraps and compacts proactively.
+    pub async fn begin(
         self: &Arc<Self>,
-        req: api::RunTurnRequest,
-        events: mpsc::UnboundedSender<api::TurnEvent>,
+        spec: TurnSpec,
+        events: EventSink,
         cancel: CancellationToken,
-    ) -> Result<(), CoreError> {
-        let (agent, key) = validate_turn(&req)?;
-        let session = self.store.session(&agent, &key, true).await?.ok_or(CoreError::NoSession(key.clone()))?;
-        let _guard = self.enter(&session.session_id, &cancel).await;
-        let started = std::time::Instant::now();
+    ) -> Result<Begun, CoreError> {
+        let session = self
+            .store
+            .session(&spec.agent_id, &spec.session_key, true)
+            .await?
+            .ok_or_else(|| CoreError::NoSession(spec.session_key.clone()))?;
+        let limit = self.config.gateway.limits.queued_turns_per_session;
+        let guard = self.sessions.enter(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
+        let unmet = match spec.driver {
+            Driver::Managed => Unmet::Degrade,
+            Driver::Harness => Unmet::FailClosed,
+        };
+        let lease = self.lease(Operation::AgentRun, &spec.host, spec.model, unmet)?;
+
+        // Admission: the user messages are durable before anything else runs.
+        let turn_id = uuid::Uuid::new_v4().simple().to_string();
+        let prompt = spec.user_messages.iter().map(crate::provider::message_text).collect::<Vec<_>>().join("\n");
+        let entries = spec
+            .user_messages
+            .into_iter()
+            .map(|m| NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(m) })
+            .collect();
+        let admitted = self.store.open_turn(&session.session_id, &turn_id, entries).await?;
         self.metrics.turns_in_flight.inc();
         // One span per turn: every engine call and model request nests in it.
-        let span = tracing::info_span!("turn", agent = %agent, session = %session.session_id, key = %key);
-        let outcome = tracing::Instrument::instrument(self.turn(&session, req, &events, &cancel), span).await;
-        self.metrics.turns_in_flight.dec();
-        let label = match &outcome {
-            Ok(Some(api::turn_event::Event::Failed(f))) => f.reason.clone(),
-            Ok(_) => "completed".into(),
-            Err(_) => "error".into(),
+        let span = tracing::info_span!("turn", driver = spec.driver.as_str(), agent = %session.agent_id,
+            session = %session.session_id, key = %session.session_key);
+        let turn = Turn {
+            core: self.clone(),
+            session,
+            lease,
+            turn_id,
+            admitted,
+            driver: spec.driver,
+            system_prompt_tokens: spec.system_prompt_tokens,
+            prompt,
+            available_tools: spec.available_tools,
+            events,
+            call: Call::new(cancel.clone()),
+            cancel,
+            tool_calls: HashSet::new(),
+            answered: HashSet::new(),
+            contexts: 0,
+            overflow_compactions: 0,
+            proactive_done: false,
+            degraded: None,
+            started: std::time::Instant::now(),
+            span: span.clone(),
+            guard: Some(guard),
         };
-        self.metrics.turn_finished(&label, started.elapsed());
-        if let Some(last) = outcome? {
-            let _ = events.send(event(last));
-        }
-        Ok(())
+        turn.start().instrument(span).await
     }
+}
 
-    /// The turn after validation; returns the terminal event.
-    pub(super) async fn turn(
-        self: &Arc<Self>,
-        session: &Session,
-        req: api::RunTurnRequest,
-        events: &mpsc::UnboundedSender<api::TurnEvent>,
-        cancel: &CancellationToken,
-    ) -> Result<Option<api::turn_event::Event>, CoreError> {
-        use api::turn_event::Event as E;
-        // A client that went away stops reading; the cancel token tells the work.
-        let send = |e: E| {
-            let _ = events.send(event(e));
-        };
-        // Admission: the user message is durable before anything else runs.
-        let turn_id = uuid::Uuid::new_v4().simple().to_string();
-        let user =
-            NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(text_message(Role::User, req.message.clone())) };
-        let admitted = self.store.append(&session.session_id, vec![user]).await?;
-        let admitted_id = admitted[0].id.clone();
-        send(E::Admitted(api::Admitted {
-            session_id: session.session_id.clone(),
-            turn_id: turn_id.clone(),
-            entry_id: admitted_id.clone(),
-        }));
-
-        // Engine selection: the lease is pinned from here on.
-        let lease = self.lease("agent-run");
-        let reason = match &lease.degraded {
-            Some(w) => {
-                send(E::Warning(api::Warning { message: w.clone() }));
-                "degraded".to_owned()
-            }
-            None if lease.remote => "configured".to_owned(),
-            None => "default".to_owned(),
-        };
-        send(E::EngineSelected(api::EngineSelected { engine_id: lease.info.id.clone(), reason }));
-        let call = Call::new(cancel.clone());
-
-        let system = req.system_prompt.as_deref();
-        let budget = self.token_budget(system);
+impl Turn {
+    async fn start(mut self) -> Result<Begun, CoreError> {
+        (self.events)(TurnEvent::Admitted {
+            session_id: self.session.session_id.clone(),
+            turn_id: self.turn_id.clone(),
+            entry_ids: self.admitted.iter().map(|e| e.id.clone()).collect(),
+        });
+        (self.events)(TurnEvent::EngineSelected {
+            engine_id: self.lease.info.id.clone(),
+            selection: self.lease.selection(),
+            warning: self.lease.degraded.clone(),
+        });
         // Durable engines get earlier turns first; a turn the engine has not
         // accepted blocks this session only.
-        if lease.remote && crate::engines::durable(&lease.info) {
-            let waiting = self.drain_commits(&session.session_id, cancel).await?;
+        if self.lease.remote && crate::engines::durable(&self.lease.info) {
+            let waiting = self.core.drain_commits(&self.session.session_id, &self.cancel).await?;
             if waiting > 0 {
-                return Ok(Some(failed(
-                    "engine_backlog",
+                let failure = Failure::new(
+                    FailureReason::EngineBacklog,
                     format!(
                         "The context engine \"{}\" has not accepted {waiting} earlier turn(s) of this session yet; they are retried in the background. Try again shortly.",
-                        lease.key
+                        self.lease.key
                     ),
-                )));
+                );
+                self.close(Outcome::Failed(failure.clone()), Vec::new()).await?;
+                return Ok(Begun::Failed(failure));
             }
         }
-        self.bootstrap_if_new(&lease, session, &admitted_id, budget, &call).await;
-        let sink = |e: api::compaction_event::Event| {
-            let mapped = match e {
-                api::compaction_event::Event::Started(s) => E::CompactionStarted(s),
-                api::compaction_event::Event::Progress(p) => E::CompactionProgress(p),
-                api::compaction_event::Event::Done(d) => E::CompactionDone(d),
-            };
-            let _ = events.send(event(mapped));
-        };
+        let budget = self.budget(0);
+        let fence = self.admitted[0].id.clone();
+        self.core.bootstrap_if_new(&self.lease, &self.session, &fence, budget, &self.call).await;
 
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
         // Engines that own compaction are judged by what they assemble.
-        let window = self.config.models.context_window;
-        let threshold = window - (window / 4).min(20_000);
-        let mut visible = self.visible(&session.session_id).await?;
-        let mut proactive_done = false;
-        if !lease.info.owns_compaction && visible.tokens() >= threshold {
-            proactive_done = true;
-            if let Err(e) = self.compact(&lease, session, "proactive", Some(budget), None, &sink, cancel).await {
-                if cancel.is_cancelled() {
-                    return Ok(Some(aborted()));
-                }
-                send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
+        if !self.lease.info.owns_compaction
+            && self.core.visible(&self.session.session_id).await?.tokens() >= self.threshold()
+        {
+            self.proactive_done = true;
+            if let Err(f) = self.recover(Trigger::Proactive).await {
+                self.close(Outcome::Aborted, Vec::new()).await?;
+                return Ok(Begun::Failed(f));
             }
-            visible = self.visible(&session.session_id).await?;
         }
+        Ok(Begun::Open(self))
+    }
 
-        let (mut overflow_compactions, mut timeout_compactions, mut truncated) = (0, 0, false);
-        let mut degraded_reason = None;
-        for attempt in 1.. {
-            if cancel.is_cancelled() {
-                return Ok(Some(aborted()));
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    pub fn turn_id(&self) -> &str {
+        &self.turn_id
+    }
+
+    pub fn host(&self) -> &HostProfile {
+        &self.lease.host
+    }
+
+    pub fn cancel(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Whether the engine owns compaction (the managed precheck skips).
+    pub fn engine_owns_compaction(&self) -> bool {
+        self.lease.info.owns_compaction
+    }
+
+    /// Tokens the assembled history may take: window − reserve − rendered
+    /// system prompt − `pending`.
+    pub fn budget(&self, pending: u64) -> u64 {
+        let m = &self.lease.model;
+        m.context_window
+            .saturating_sub(m.reserve_tokens)
+            .saturating_sub(self.system_prompt_tokens)
+            .saturating_sub(pending)
+    }
+
+    fn threshold(&self) -> u64 {
+        let window = self.lease.model.context_window;
+        window - (window / 4).min(20_000)
+    }
+
+    fn emit(&self, e: TurnEvent) {
+        (self.events)(e);
+    }
+
+    fn aborted(&self) -> StepError {
+        StepError::Failed(Failure::aborted())
+    }
+
+    /// The context for the next model call: the engine assembles the
+    /// visible history (which holds everything appended so far) within the
+    /// budget left by `pending`, the messages the caller will show after it.
+    /// Engines owning compaction that assemble past the proactive threshold
+    /// compact once and assemble again.
+    pub async fn assemble(&mut self, pending: &[AgentMessage], field: &str) -> Result<Context, StepError> {
+        let span = self.span.clone();
+        self.assemble_inner(pending, field).instrument(span).await
+    }
+
+    async fn assemble_inner(&mut self, pending: &[AgentMessage], field: &str) -> Result<Context, StepError> {
+        if !self.lease.host.has(Capability::AssembleBeforePrompt) {
+            return Err(CoreError::Precondition(format!(
+                "this turn is capture-only: host \"{}\" lacks the capability \"{}\"",
+                self.lease.host.id,
+                Capability::AssembleBeforePrompt.as_str()
+            ))
+            .into());
+        }
+        self.check_pending(pending, field)?;
+        let budget = self.budget(estimate::messages_tokens(pending));
+        loop {
+            if self.cancel.is_cancelled() {
+                return Err(self.aborted());
             }
-            let rendered = visible.render();
+            let rendered = self.core.visible(&self.session.session_id).await?.render();
             let pre_assembly_tokens = estimate::messages_tokens(&rendered);
-            let grant = self.grant(&lease, session, Some(&admitted_id), None);
-            let assembled = lease
-                .engine
-                .assemble(
-                    pb::AssembleRequest {
-                        session_id: session.session_id.clone(),
-                        session_key: Some(session.session_key.clone()),
-                        messages: rendered.clone(),
-                        token_budget: Some(budget),
-                        prompt: Some(req.message.clone()),
-                        model: Some(self.provider.model().to_owned()),
-                        runtime_settings: Some(self.runtime_settings(&lease, budget, degraded_reason)),
-                        runtime_context: Some(self.runtime_context(session, budget, pre_assembly_tokens)),
-                        host: grant.as_ref().map(|g| g.access.clone()),
-                        ..Default::default()
-                    },
-                    &call,
-                )
-                .await;
+            let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
+            let request = pb::AssembleRequest {
+                session_id: self.session.session_id.clone(),
+                session_key: Some(self.session.session_key.clone()),
+                messages: rendered,
+                token_budget: Some(budget),
+                available_tools: self.available_tools.clone(),
+                prompt: Some(self.prompt.clone()),
+                model: Some(self.lease.model.id.clone()),
+                runtime_settings: Some(self.core.runtime_settings(&self.lease, budget, self.degraded)),
+                runtime_context: Some(self.core.runtime_context(
+                    &self.lease,
+                    &self.session,
+                    budget,
+                    pre_assembly_tokens,
+                )),
+                host: grant.as_ref().map(|g| g.access.clone()),
+                ..Default::default()
+            };
+            let assembled = self.lease.engine.assemble(request, &self.call).await;
             drop(grant);
             let assembled = match assembled {
                 Ok(a) => a,
-                Err(EngineCallError::Cancelled) => return Ok(Some(aborted())),
+                Err(EngineCallError::Cancelled) => return Err(self.aborted()),
                 Err(e) => {
-                    return Ok(Some(failed(
-                        "engine_error",
+                    return Err(StepError::Failed(Failure::new(
+                        FailureReason::EngineError,
                         format!("The context engine could not assemble the prompt: {e}."),
                     )));
                 }
             };
-            let mut messages = assembled.messages;
-            if let Some(addition) = assembled.system_prompt_addition.as_deref().filter(|a| !a.trim().is_empty()) {
-                messages.insert(0, text_message(Role::System, addition.to_owned()));
-            }
-            if truncated {
-                truncate_tool_results(&mut messages);
-            }
-            let estimated = estimate::messages_tokens(&messages);
-            send(E::Assembled(api::Assembled {
-                messages: messages.len() as u32,
-                estimated_tokens: estimated,
-                token_budget: budget,
-                attempt,
-            }));
-            if lease.info.owns_compaction && !proactive_done && estimated >= threshold {
-                proactive_done = true;
-                if let Err(e) = self.compact(&lease, session, "proactive", Some(budget), None, &sink, cancel).await {
-                    send(E::Warning(api::Warning { message: format!("proactive compaction failed: {e}") }));
-                }
-                visible = self.visible(&session.session_id).await?;
+            let addition = assembled.system_prompt_addition.filter(|a| !a.trim().is_empty());
+            let estimated_tokens =
+                estimate::messages_tokens(&assembled.messages) + addition.as_deref().map_or(0, estimate::text_tokens);
+            if self.lease.info.owns_compaction && !self.proactive_done && estimated_tokens >= self.threshold() {
+                self.proactive_done = true;
+                self.recover(Trigger::Proactive).await.map_err(StepError::Failed)?;
                 continue;
             }
+            let projection = self.projection(assembled.projection).await?;
+            self.contexts += 1;
+            return Ok(Context {
+                messages: assembled.messages,
+                system_prompt_addition: addition,
+                estimated_tokens,
+                pre_assembly_tokens,
+                may_overflow: assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32,
+                budget,
+                projection,
+                sequence: self.contexts,
+            });
+        }
+    }
 
-            // Pre-prompt check: a prompt over budget is an overflow without
-            // spending a model call. Engines owning compaction skip it unless
-            // they say the pre-assembly history may overflow.
-            let may_overflow = assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32;
-            let checked = if may_overflow { estimated.max(pre_assembly_tokens) } else { estimated };
-            let precheck = !lease.info.owns_compaction || may_overflow;
-            let result = if precheck && checked > budget {
-                Err(ModelError::ContextOverflow(format!("the prompt is {checked} tokens, the budget {budget}")))
-            } else {
-                self.call_model(system, messages, events, cancel).await
-            };
-            match result {
-                Ok(reply) => {
-                    let done = self
-                        .finalize(&lease, session, &turn_id, &admitted[0], reply, rendered, budget, events, cancel)
-                        .await?;
-                    self.schedule_background_maintenance(lease, session.clone(), budget);
-                    return Ok(Some(done));
-                }
-                Err(ModelError::Cancelled) => return Ok(Some(aborted())),
-                Err(ModelError::ContextOverflow(why)) => {
-                    degraded_reason = Some(pb::ReasonCode::ContextOverflow);
-                    if overflow_compactions < MAX_OVERFLOW_COMPACTIONS {
-                        overflow_compactions += 1;
-                        // A failing engine is quarantined inside; the next
-                        // attempts then use built-in compaction.
-                        if let Err(e) =
-                            self.compact(&lease, session, "overflow", Some(budget), None, &sink, cancel).await
-                        {
-                            if cancel.is_cancelled() {
-                                return Ok(Some(aborted()));
-                            }
-                            send(E::Warning(api::Warning { message: format!("overflow compaction failed: {e}") }));
+    /// A thread-bootstrap projection, for hosts that keep threads: the
+    /// epoch is recorded per session and host, so the host knows when to
+    /// re-inject (reference §1.8). Anything else is per-turn projection.
+    async fn projection(&self, p: Option<pb::ContextProjection>) -> Result<Option<Projection>, StepError> {
+        let Some(p) = p.filter(|p| p.mode == pb::ProjectionMode::ThreadBootstrap as i32) else { return Ok(None) };
+        if !self.lease.host.has(Capability::ThreadBootstrapProjection) {
+            return Ok(None);
+        }
+        let epoch = p.epoch.as_deref().map(str::trim).unwrap_or_default();
+        if epoch.is_empty() {
+            self.emit(TurnEvent::Warning(format!(
+                "context engine \"{}\" asked for thread_bootstrap projection without an epoch; using per-turn projection",
+                self.lease.info.id
+            )));
+            return Ok(None);
+        }
+        let fingerprint = p.fingerprint.as_deref().map(str::trim).unwrap_or_default();
+        let limit = limits::MAX_ID_BYTES;
+        if epoch.len() > limit || fingerprint.len() > limit {
+            self.emit(TurnEvent::Warning(format!(
+                "context engine \"{}\" sent a projection epoch or fingerprint over {limit} bytes; using per-turn projection",
+                self.lease.info.id
+            )));
+            return Ok(None);
+        }
+        let reinject = self
+            .core
+            .store
+            .record_projection(&self.session.session_id, &self.lease.host.id, epoch, fingerprint)
+            .await?;
+        Ok(Some(Projection { epoch: epoch.to_owned(), fingerprint: fingerprint.to_owned(), reinject }))
+    }
+
+    /// Pending messages obey the append rules, without being stored.
+    fn check_pending(&self, pending: &[AgentMessage], field: &str) -> Result<(), CoreError> {
+        self.check_turn_messages(pending, field).map(|_| ())
+    }
+
+    /// Checks messages a caller adds to this turn: assistant or tool roles,
+    /// well formed and within the size limits, tool call ids new to the
+    /// turn, every tool result answering a call of this turn (earlier, or
+    /// before it in `list`) that no result answered yet. Returns the calls
+    /// and answers `list` adds.
+    fn check_turn_messages(
+        &self,
+        list: &[AgentMessage],
+        field: &str,
+    ) -> Result<(HashSet<String>, HashSet<String>), CoreError> {
+        if list.len() > limits::MAX_MESSAGES {
+            return Err(CoreError::too_large(
+                field,
+                format!("has {} messages, the limit is {}", list.len(), limits::MAX_MESSAGES),
+            ));
+        }
+        let (mut calls, mut answers) = (HashSet::new(), HashSet::new());
+        for (i, m) in list.iter().enumerate() {
+            let at = format!("{field}[{i}]");
+            let role = Role::try_from(m.role).unwrap_or(Role::Unspecified);
+            if !matches!(role, Role::Assistant | Role::Tool) {
+                return Err(CoreError::invalid(format!("{at}.role"), "must be ROLE_ASSISTANT or ROLE_TOOL"));
+            }
+            if m.content.is_empty() {
+                return Err(CoreError::invalid(format!("{at}.content"), "is empty"));
+            }
+            // Ids are the gateway's (entry ids): check the rest with a stand-in.
+            let probe = AgentMessage { id: "m".into(), ..m.clone() };
+            ctxgate_proto::validate::message(&probe, &at)?;
+            for (j, p) in m.content.iter().enumerate() {
+                let part = format!("{at}.content[{j}]");
+                match &p.part {
+                    Some(Part::ToolCall(c)) => {
+                        if role != Role::Assistant {
+                            return Err(CoreError::invalid(
+                                format!("{part}.tool_call"),
+                                "only assistant messages call tools",
+                            ));
                         }
-                        visible = self.visible(&session.session_id).await?;
-                    } else if !truncated {
-                        truncated = true;
-                        send(E::Warning(api::Warning {
-                            message: "still over the context window: truncating large tool results for this turn"
-                                .into(),
-                        }));
-                    } else {
-                        return Ok(Some(failed(
-                            "context_overflow",
-                            format!(
-                                "The conversation does not fit the model's context window even after {MAX_OVERFLOW_COMPACTIONS} compactions ({why}). Run /compact with instructions to summarise harder, or /new to start a fresh session."
-                            ),
-                        )));
-                    }
-                }
-                Err(ModelError::Timeout(after)) => {
-                    let share = estimated as f64 / budget.max(1) as f64;
-                    if timeout_compactions < MAX_TIMEOUT_COMPACTIONS && share > TIMEOUT_COMPACTION_SHARE {
-                        timeout_compactions += 1;
-                        degraded_reason = Some(pb::ReasonCode::ProviderTimeout);
-                        if let Err(e) =
-                            self.compact(&lease, session, "timeout", Some(budget), None, &sink, cancel).await
-                        {
-                            send(E::Warning(api::Warning { message: format!("timeout compaction failed: {e}") }));
+                        if self.tool_calls.contains(&c.id) || !calls.insert(c.id.clone()) {
+                            return Err(CoreError::invalid(
+                                format!("{part}.tool_call.id"),
+                                format!("{:?} is already a tool call of this turn", c.id),
+                            ));
                         }
-                        visible = self.visible(&session.session_id).await?;
-                    } else {
-                        return Ok(Some(failed(
-                            "model_timeout",
-                            format!(
-                                "The model did not answer within {after:?}. Try again, or /compact to make the prompt smaller."
-                            ),
-                        )));
                     }
-                }
-                Err(e) => {
-                    return Ok(Some(failed(
-                        "model_error",
-                        format!("The model call failed: {e}. Check the gateway's model settings and try again."),
-                    )));
+                    Some(Part::ToolResult(r)) => {
+                        let id = &r.tool_call_id;
+                        if !self.tool_calls.contains(id) && !calls.contains(id) {
+                            return Err(CoreError::invalid(
+                                format!("{part}.tool_result.tool_call_id"),
+                                format!("{id:?} is not a tool call of this turn"),
+                            ));
+                        }
+                        if self.answered.contains(id) || !answers.insert(id.clone()) {
+                            return Err(CoreError::invalid(
+                                format!("{part}.tool_result.tool_call_id"),
+                                format!("tool call {id:?} already has a result"),
+                            ));
+                        }
+                    }
+                    Some(_) if role == Role::Tool => {
+                        return Err(CoreError::invalid(part, "a tool message carries tool results only"));
+                    }
+                    _ => {}
                 }
             }
         }
-        unreachable!("the attempt loop returns")
+        Ok((calls, answers))
     }
 
-    pub(super) async fn call_model(
-        &self,
-        system: Option<&str>,
-        messages: Vec<AgentMessage>,
-        events: &mpsc::UnboundedSender<api::TurnEvent>,
-        cancel: &CancellationToken,
-    ) -> Result<crate::provider::ChatResponse, ModelError> {
-        let (dtx, mut drx) = mpsc::channel::<String>(64);
-        let events = events.clone();
-        let forward = tokio::spawn(async move {
-            while let Some(text) = drx.recv().await {
-                let _ = events.send(event(api::turn_event::Event::ModelDelta(api::ModelDelta { text })));
+    /// Appends what the model and tools produced; durable when it returns.
+    /// Returns the entry ids, in order.
+    pub async fn append(&mut self, messages: Vec<AgentMessage>, field: &str) -> Result<Vec<String>, StepError> {
+        if messages.is_empty() {
+            return Err(CoreError::invalid(field, "is required").into());
+        }
+        let (calls, answers) = self.check_turn_messages(&messages, field)?;
+        let entries = messages
+            .into_iter()
+            .map(|mut m| {
+                if m.created_at_unix_ms == 0 {
+                    m.created_at_unix_ms = now_unix_ms();
+                }
+                NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }
+            })
+            .collect();
+        let stored = self.core.store.append(&self.session.session_id, entries).await?;
+        self.tool_calls.extend(calls);
+        self.answered.extend(answers);
+        Ok(stored.into_iter().map(|e| e.id).collect())
+    }
+
+    /// Compaction inside the turn (force, target=budget) after `trigger`
+    /// said the prompt is too large: a failure is a warning and the turn
+    /// goes on; only an abort ends it.
+    pub async fn recover(&mut self, trigger: Trigger) -> Result<(), Failure> {
+        let span = self.span.clone();
+        async {
+            let budget = self.budget(0);
+            let events = self.events.clone();
+            let sink = move |e| events(TurnEvent::Compaction(e));
+            let result =
+                self.core.compact(&self.lease, &self.session, trigger, Some(budget), None, &sink, &self.cancel).await;
+            if self.cancel.is_cancelled() {
+                return Err(Failure::aborted());
             }
-        });
-        let req = ChatRequest {
-            system: system.map(str::to_owned),
-            messages,
-            max_tokens: self.config.models.max_output_tokens,
+            if let Err(e) = result {
+                self.emit(TurnEvent::Warning(format!("{trigger} compaction failed: {e}")));
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The model rejected the prompt as too long: compacts, at most
+    /// [`MAX_OVERFLOW_COMPACTIONS`] times a turn. `Ok(false)`: no
+    /// compaction is left to try.
+    pub async fn overflow(&mut self) -> Result<bool, Failure> {
+        self.degraded = Some(pb::ReasonCode::ContextOverflow);
+        if self.overflow_compactions >= MAX_OVERFLOW_COMPACTIONS {
+            return Ok(false);
+        }
+        self.overflow_compactions += 1;
+        self.recover(Trigger::Overflow).await?;
+        Ok(true)
+    }
+
+    /// Notes a model timeout for the runtime settings the engine sees next.
+    pub fn note_timeout(&mut self) {
+        self.degraded = Some(pb::ReasonCode::ProviderTimeout);
+    }
+
+    /// Manual compaction mid-turn (target=threshold).
+    pub async fn compact(&mut self, instructions: Option<String>) -> Result<CompactionDone, CoreError> {
+        let span = self.span.clone();
+        let events = self.events.clone();
+        let sink = move |e| events(TurnEvent::Compaction(e));
+        self.core
+            .compact(&self.lease, &self.session, Trigger::Manual, None, instructions, &sink, &self.cancel)
+            .instrument(span)
+            .await
+    }
+
+    /// Ends the turn. Accepted: `last` (the managed reply; a harness has
+    /// appended everything already) is appended and the engine is told —
+    /// CommitTurn through the outbox for durable engines (queued in the
+    /// same transaction), else after-turn (or Ingest) for hosts with that
+    /// capability — then maintain. Aborted or failed: nothing reaches the
+    /// engine, and the turn's own messages leave the active branch.
+    pub async fn finish(mut self, outcome: Outcome, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {
+        let span = self.span.clone();
+        self.close(outcome, last).instrument(span).await
+    }
+
+    async fn close(&mut self, outcome: Outcome, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {
+        let Some(guard) = self.guard.take() else {
+            return Err(CoreError::Precondition("the turn has ended".into()));
         };
-        let r = self.provider.complete(req, Some(dtx), cancel).await;
-        let _ = forward.await;
-        r
+        let result = match &outcome {
+            Outcome::Accepted => self.accept(last).await,
+            Outcome::Aborted | Outcome::Failed(_) => self
+                .core
+                .store
+                .close_turn(&self.session.session_id, crate::store::TurnClose::Rewind)
+                .await
+                .map(|_| Finished { entries: Vec::new(), engine_committed: false })
+                .map_err(CoreError::from),
+        };
+        let label = if result.is_ok() { outcome.label() } else { "error" };
+        self.core.metrics.turns_in_flight.dec();
+        self.core.metrics.turn_finished(self.driver.as_str(), label, self.started.elapsed());
+        drop(guard);
+        result
     }
 
-    /// Appends the reply and tells the engine (after-turn, or ingest for
-    /// engines without it); returns the Completed event.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) async fn finalize(
-        &self,
-        lease: &Lease,
-        session: &Session,
-        turn_id: &str,
-        admitted: &pb::TranscriptEntry,
-        reply: crate::provider::ChatResponse,
-        mut history: Vec<AgentMessage>,
-        budget: u64,
-        events: &mpsc::UnboundedSender<api::TurnEvent>,
-        cancel: &CancellationToken,
-    ) -> Result<api::turn_event::Event, CoreError> {
-        let mut m = text_message(Role::Assistant, reply.text.clone());
-        m.usage = Some(reply.usage);
-        m.metadata.insert("model".into(), self.provider.model().into());
-        let entry = NewEntry { turn_id: turn_id.into(), entry: Entry::Message(m) };
-        if lease.remote && crate::engines::durable(&lease.info) {
-            // Durable: the reply and the turn's commit are stored together,
-            // then delivered; the engine gets no after-turn or ingest for it.
-            let draft = self.commit_draft(lease, session, turn_id, admitted, history.len());
-            let stored = self.store.append_with_commit(&session.session_id, vec![entry], draft).await?;
-            let waiting = self.drain_commits(&session.session_id, cancel).await?;
+    async fn accept(&mut self, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {
+        let (core, lease, session) = (self.core.clone(), self.lease.clone(), self.session.clone());
+        let durable = lease.remote && crate::engines::durable(&lease.info);
+        let commit = if durable {
+            let position = self.position_in(&core.visible(&session.session_id).await?.render());
+            Some(core.commit_draft(&lease, &session, &self.turn_id, &self.admitted[0], position as u64))
+        } else {
+            None
+        };
+        let entries =
+            last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
+        let stored =
+            core.store.close_turn(&session.session_id, crate::store::TurnClose::Accept { entries, commit }).await?;
+        let budget = self.budget(0);
+        let engine_committed = if durable {
+            // The engine gets no after-turn or ingest for a durable turn.
+            let waiting = core.drain_commits(&session.session_id, &self.cancel).await?;
             if waiting > 0 {
-                let _ = events.send(event(api::turn_event::Event::Warning(api::Warning {
-                    message: "the context engine has not accepted this turn yet; it stays queued and is retried".into(),
-                })));
+                self.emit(TurnEvent::Warning(
+                    "the context engine has not accepted this turn yet; it stays queued and is retried".into(),
+                ));
             }
-            if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
-                self.maintain(lease, session, pb::MaintainReason::Turn, budget, &Call::new(cancel.clone())).await;
-            }
-            return Ok(api::turn_event::Event::Completed(api::Completed {
-                entry_id: stored[0].id.clone(),
-                text: reply.text,
-                usage: Some(reply.usage),
-            }));
-        }
-        let stored = self.store.append(&session.session_id, vec![entry]).await?;
+            waiting == 0
+        } else if lease.host.has(Capability::AfterTurn) {
+            self.after_turn(budget).await? && lease.remote
+        } else {
+            false
+        };
+        core.maintain_after_turn(&lease, &session, budget, &self.call).await;
+        Ok(Finished { entries: stored, engine_committed })
+    }
+
+    /// Where the turn's first admitted message sits in `history`.
+    fn position_in(&self, history: &[AgentMessage]) -> usize {
+        let first = &self.admitted[0].id;
+        history.iter().position(|m| &m.id == first).unwrap_or(history.len().saturating_sub(1))
+    }
+
+    /// after-turn with the visible history, or Ingest of the turn's
+    /// messages for engines without it. True when the engine took it.
+    async fn after_turn(&self, budget: u64) -> Result<bool, CoreError> {
+        let (core, lease, session) = (&self.core, &self.lease, &self.session);
+        let history = core.visible(&session.session_id).await?.render();
         // Everything before the admitted user message existed before the prompt.
-        let pre_prompt = history.len().saturating_sub(1) as u64;
-        if let Some(Entry::Message(reply_message)) = stored[0].entry.clone() {
-            history.push(reply_message);
-        }
-        let new_messages: Vec<AgentMessage> = history[pre_prompt as usize..].to_vec();
-        let call = Call::new(cancel.clone());
-        let grant = self.grant(lease, session, None, None);
+        let pre_prompt = self.position_in(&history);
+        let new_messages: Vec<AgentMessage> = history[pre_prompt..].to_vec();
+        let grant = core.grant(lease, session, None, None);
         let tokens = estimate::messages_tokens(&history);
         let after = pb::AfterTurnRequest {
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),
             session_target: Some(target(session)),
             session_file: session.session_key.clone(),
-            pre_prompt_message_count: pre_prompt,
+            pre_prompt_message_count: pre_prompt as u64,
             messages: history,
             token_budget: Some(budget),
-            runtime_settings: Some(self.runtime_settings(lease, budget, None)),
-            runtime_context: Some(self.runtime_context(session, budget, tokens)),
+            runtime_settings: Some(core.runtime_settings(lease, budget, None)),
+            runtime_context: Some(core.runtime_context(lease, session, budget, tokens)),
             host: grant.as_ref().map(|g| g.access.clone()),
             ..Default::default()
         };
-        let warn = |e: EngineCallError| {
-            let _ = events.send(event(api::turn_event::Event::Warning(api::Warning {
-                message: format!("after-turn failed: {e}"),
-            })));
-        };
-        match lease.engine.after_turn(after, &call).await {
-            Ok(_) | Err(EngineCallError::Cancelled) => {}
+        let warn = |e: EngineCallError| self.emit(TurnEvent::Warning(format!("after-turn failed: {e}")));
+        match lease.engine.after_turn(after, &self.call).await {
+            Ok(_) => return Ok(true),
+            Err(EngineCallError::Cancelled) => {}
             // Without after-turn, the engine learns the turn through Ingest.
             Err(EngineCallError::Unimplemented(_)) => {
                 for message in new_messages {
@@ -360,21 +606,36 @@ impl Core {
                         message: Some(message),
                         is_heartbeat: false,
                     };
-                    if let Err(e) = lease.engine.ingest(req, &call).await {
+                    if let Err(e) = lease.engine.ingest(req, &self.call).await {
                         warn(e);
-                        break;
+                        return Ok(false);
                     }
                 }
+                return Ok(true);
             }
             Err(e) => warn(e),
         }
-        if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
-            self.maintain(lease, session, pb::MaintainReason::Turn, budget, &call).await;
-        }
-        Ok(api::turn_event::Event::Completed(api::Completed {
-            entry_id: stored[0].id.clone(),
-            text: reply.text,
-            usage: Some(reply.usage),
-        }))
+        Ok(false)
+    }
+}
+
+impl Drop for Turn {
+    /// An open turn dropped (stream gone, client cancel, a refused step) is
+    /// an abort: its messages leave the branch. The session stays held
+    /// until that is written, so the next turn starts after it.
+    fn drop(&mut self) {
+        let Some(guard) = self.guard.take() else { return };
+        self.cancel.cancel();
+        let metrics = self.core.metrics.clone();
+        metrics.turns_in_flight.dec();
+        metrics.turn_finished(self.driver.as_str(), Outcome::Aborted.label(), self.started.elapsed());
+        let (store, session_id) = (self.core.store.clone(), self.session.session_id.clone());
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            if let Err(e) = store.close_turn(&session_id, crate::store::TurnClose::Rewind).await {
+                tracing::error!(session = %session_id, error = %e, "rewinding an aborted turn failed");
+            }
+            drop(guard);
+        });
     }
 }

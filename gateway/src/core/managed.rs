@@ -1,0 +1,206 @@
+//! The managed driver (`RunTurn`): the gateway's own model loop over the
+//! turn's steps — assemble, the pre-prompt check, the model call, overflow
+//! and timeout recovery, then finish.
+
+use tracing::Instrument;
+
+use super::turn::StepError;
+use super::*;
+
+/// A validated managed turn request.
+#[derive(Debug, Clone)]
+pub struct ManagedTurn {
+    pub agent_id: String,
+    pub session_key: String,
+    pub message: String,
+    pub system_prompt: Option<String>,
+    pub busy: BusyPolicy,
+}
+
+impl ManagedTurn {
+    pub fn new(
+        agent_id: &str,
+        session_key: &str,
+        message: String,
+        system_prompt: Option<String>,
+        busy: BusyPolicy,
+    ) -> Result<Self, CoreError> {
+        let (agent_id, session_key) = session_ref(agent_id, session_key)?;
+        if message.trim().is_empty() {
+            return Err(CoreError::invalid("message", "is empty"));
+        }
+        if message.len() > limits::MAX_MESSAGE_CONTENT_BYTES {
+            return Err(CoreError::too_large(
+                "message",
+                format!("is {} bytes, the limit is {}", message.len(), limits::MAX_MESSAGE_CONTENT_BYTES),
+            ));
+        }
+        Ok(Self { agent_id, session_key, message, system_prompt, busy })
+    }
+}
+
+/// How a managed turn ended (its last event).
+#[derive(Debug, Clone)]
+pub enum TurnEnd {
+    Completed { entry_id: String, text: String, usage: pb::Usage },
+    Failed(Failure),
+}
+
+impl Core {
+    /// Runs one managed turn; its events go to `events`. An error is
+    /// returned only before admission (or for a store failure); after
+    /// admission the outcome is the returned [`TurnEnd`].
+    pub async fn run_managed(
+        self: &Arc<Self>,
+        req: ManagedTurn,
+        events: EventSink,
+        cancel: CancellationToken,
+    ) -> Result<TurnEnd, CoreError> {
+        let system = req.system_prompt.clone();
+        let spec = TurnSpec {
+            agent_id: req.agent_id,
+            session_key: req.session_key,
+            driver: Driver::Managed,
+            host: HostProfile::embedded(),
+            model: self.provider_model(),
+            user_messages: vec![text_message(Role::User, req.message)],
+            system_prompt_tokens: system.as_deref().map_or(0, estimate::text_tokens),
+            available_tools: Vec::new(),
+            busy: req.busy,
+        };
+        let turn = match self.begin(spec, events.clone(), cancel).await? {
+            Begun::Open(t) => t,
+            Begun::Failed(f) => return Ok(TurnEnd::Failed(f)),
+        };
+        let span = tracing::info_span!("managed", turn = %turn.turn_id());
+        self.model_loop(turn, system, events).instrument(span).await
+    }
+
+    async fn model_loop(
+        &self,
+        mut turn: Turn,
+        system: Option<String>,
+        events: EventSink,
+    ) -> Result<TurnEnd, CoreError> {
+        let (mut timeout_compactions, mut truncated) = (0, false);
+        for attempt in 1.. {
+            let ctx = match turn.assemble(&[], "messages").await {
+                Ok(c) => c,
+                Err(StepError::Failed(f)) => return fail(turn, f).await,
+                Err(StepError::Refused(e)) => return Err(e),
+            };
+            let mut messages = ctx.messages;
+            if let Some(addition) = ctx.system_prompt_addition {
+                messages.insert(0, text_message(Role::System, addition));
+            }
+            if truncated {
+                truncate_tool_results(&mut messages);
+            }
+            let estimated = estimate::messages_tokens(&messages);
+            events(TurnEvent::Assembled {
+                messages: messages.len() as u32,
+                estimated_tokens: estimated,
+                token_budget: ctx.budget,
+                attempt,
+            });
+            // Pre-prompt check: a prompt over budget is an overflow without
+            // spending a model call. Engines owning compaction skip it unless
+            // they say the pre-assembly history may overflow.
+            let checked = if ctx.may_overflow { estimated.max(ctx.pre_assembly_tokens) } else { estimated };
+            let precheck = !turn.engine_owns_compaction() || ctx.may_overflow;
+            let result = if precheck && checked > ctx.budget {
+                Err(ModelError::ContextOverflow(format!("the prompt is {checked} tokens, the budget {}", ctx.budget)))
+            } else {
+                self.call_model(system.as_deref(), messages, &events, turn.cancel()).await
+            };
+            match result {
+                Ok(reply) => {
+                    let mut m = text_message(Role::Assistant, reply.text.clone());
+                    m.usage = Some(reply.usage);
+                    m.metadata.insert("model".into(), self.provider.model().into());
+                    let finished = turn.finish(Outcome::Accepted, vec![m]).await?;
+                    let entry_id = finished.entries.first().map(|e| e.id.clone()).unwrap_or_default();
+                    return Ok(TurnEnd::Completed { entry_id, text: reply.text, usage: reply.usage });
+                }
+                Err(ModelError::Cancelled) => return fail(turn, Failure::aborted()).await,
+                Err(ModelError::ContextOverflow(why)) => match turn.overflow().await {
+                    Ok(true) => {}
+                    Ok(false) if !truncated => {
+                        truncated = true;
+                        events(TurnEvent::Warning(
+                            "still over the context window: truncating large tool results for this turn".into(),
+                        ));
+                    }
+                    Ok(false) => {
+                        let f = Failure::new(
+                            FailureReason::ContextOverflow,
+                            format!(
+                                "The conversation does not fit the model's context window even after {MAX_OVERFLOW_COMPACTIONS} compactions ({why}). Run /compact with instructions to summarise harder, or /new to start a fresh session."
+                            ),
+                        );
+                        return fail(turn, f).await;
+                    }
+                    Err(f) => return fail(turn, f).await,
+                },
+                Err(ModelError::Timeout(after)) => {
+                    let share = estimated as f64 / ctx.budget.max(1) as f64;
+                    if timeout_compactions < MAX_TIMEOUT_COMPACTIONS && share > TIMEOUT_COMPACTION_SHARE {
+                        timeout_compactions += 1;
+                        turn.note_timeout();
+                        if let Err(f) = turn.recover(Trigger::Timeout).await {
+                            return fail(turn, f).await;
+                        }
+                    } else {
+                        let f = Failure::new(
+                            FailureReason::ModelTimeout,
+                            format!(
+                                "The model did not answer within {after:?}. Try again, or /compact to make the prompt smaller."
+                            ),
+                        );
+                        return fail(turn, f).await;
+                    }
+                }
+                Err(e) => {
+                    let f = Failure::new(
+                        FailureReason::ModelError,
+                        format!("The model call failed: {e}. Check the gateway's model settings and try again."),
+                    );
+                    return fail(turn, f).await;
+                }
+            }
+        }
+        unreachable!("the attempt loop returns")
+    }
+
+    /// One model request, its streamed text forwarded as `ModelDelta`s.
+    async fn call_model(
+        &self,
+        system: Option<&str>,
+        messages: Vec<AgentMessage>,
+        events: &EventSink,
+        cancel: &CancellationToken,
+    ) -> Result<ChatResponse, ModelError> {
+        let (dtx, mut drx) = tokio::sync::mpsc::channel::<String>(64);
+        let events = events.clone();
+        let forward = tokio::spawn(async move {
+            while let Some(text) = drx.recv().await {
+                events(TurnEvent::ModelDelta(text));
+            }
+        });
+        let req = ChatRequest {
+            system: system.map(str::to_owned),
+            messages,
+            max_tokens: self.config.models.max_output_tokens,
+        };
+        let r = self.provider.complete(req, Some(dtx), cancel).await;
+        let _ = forward.await;
+        r
+    }
+}
+
+/// Ends the turn with `f` (aborted or failed) and reports it.
+async fn fail(turn: Turn, f: Failure) -> Result<TurnEnd, CoreError> {
+    let outcome = if f.reason == FailureReason::Aborted { Outcome::Aborted } else { Outcome::Failed(f.clone()) };
+    turn.finish(outcome, Vec::new()).await?;
+    Ok(TurnEnd::Failed(f))
+}

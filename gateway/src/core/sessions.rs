@@ -1,0 +1,196 @@
+//! One turn (or compaction) at a time per session: the session locks, the
+//! bounded queue behind a running turn, the busy policies, and Abort.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use tokio_util::sync::CancellationToken;
+
+use super::types::BusyPolicy;
+
+/// Why a session could not be entered.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BusyError {
+    #[error("session busy: a turn is running (busy policy reject)")]
+    Busy,
+    #[error("session busy: {0} turns already wait for this session (gateway.limits.queuedTurnsPerSession)")]
+    QueueFull(usize),
+    /// The caller went away (or was interrupted) while it waited.
+    #[error("cancelled while waiting for the session")]
+    Cancelled,
+}
+
+struct Slot {
+    lock: Arc<tokio::sync::Mutex<()>>,
+    /// The running work's token (Abort and interrupt fire it).
+    cancel: Option<CancellationToken>,
+    /// Turns waiting behind it (counted against the queue limit).
+    queued: usize,
+}
+
+/// The per-session locks. Shared (`Arc`) so a guard can outlive any borrow
+/// of the core: a harness turn holds its guard across many requests.
+#[derive(Default)]
+pub struct SessionLocks {
+    slots: Mutex<HashMap<String, Slot>>,
+}
+
+/// Holds a session: dropping it lets the next waiter in.
+pub struct SessionGuard {
+    locks: Arc<SessionLocks>,
+    session_id: String,
+    _lock: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = slots.get_mut(&self.session_id) {
+            s.cancel = None;
+            // Only the map and this guard hold the lock: nobody waits, forget it.
+            if Arc::strong_count(&s.lock) <= 2 && s.queued == 0 {
+                slots.remove(&self.session_id);
+            }
+        }
+    }
+}
+
+/// Takes a queued place back when the waiter stops waiting (entered,
+/// cancelled, or dropped).
+struct Queued<'a> {
+    locks: &'a SessionLocks,
+    session_id: &'a str,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(s) = slots.get_mut(self.session_id) {
+            s.queued = s.queued.saturating_sub(1);
+        }
+    }
+}
+
+impl SessionLocks {
+    /// Enters `session_id` under `policy`, registering `cancel` for Abort.
+    /// `queue_limit` bounds how many wait (for `Enqueue` and `Interrupt`);
+    /// `None` is for the gateway's own bounded work (the outbox, background
+    /// maintenance). A waiter whose `cancel` fires leaves at once, having
+    /// changed nothing.
+    pub async fn enter(
+        self: &Arc<Self>,
+        session_id: &str,
+        cancel: &CancellationToken,
+        policy: BusyPolicy,
+        queue_limit: Option<usize>,
+    ) -> Result<SessionGuard, BusyError> {
+        let lock = {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let slot = slots.entry(session_id.to_owned()).or_insert_with(|| Slot {
+                lock: Arc::default(),
+                cancel: None,
+                queued: 0,
+            });
+            match slot.lock.clone().try_lock_owned() {
+                Ok(guard) => {
+                    slot.cancel = Some(cancel.clone());
+                    return Ok(self.guard(session_id, guard));
+                }
+                Err(_) => match policy {
+                    BusyPolicy::Reject => return Err(BusyError::Busy),
+                    BusyPolicy::Enqueue | BusyPolicy::Interrupt => {
+                        if let Some(limit) = queue_limit
+                            && slot.queued >= limit
+                        {
+                            return Err(BusyError::QueueFull(slot.queued));
+                        }
+                        if policy == BusyPolicy::Interrupt
+                            && let Some(running) = &slot.cancel
+                        {
+                            running.cancel();
+                        }
+                        slot.queued += 1;
+                    }
+                },
+            }
+            slot.lock.clone()
+        };
+        let _queued = Queued { locks: self, session_id };
+        let guard = tokio::select! {
+            biased;
+            () = cancel.cancelled() => return Err(BusyError::Cancelled),
+            g = lock.lock_owned() => g,
+        };
+        if cancel.is_cancelled() {
+            return Err(BusyError::Cancelled);
+        }
+        if let Some(s) = self.slots.lock().unwrap_or_else(|e| e.into_inner()).get_mut(session_id) {
+            s.cancel = Some(cancel.clone());
+        }
+        Ok(self.guard(session_id, guard))
+    }
+
+    fn guard(self: &Arc<Self>, session_id: &str, lock: tokio::sync::OwnedMutexGuard<()>) -> SessionGuard {
+        SessionGuard { locks: self.clone(), session_id: session_id.to_owned(), _lock: lock }
+    }
+
+    /// Fires the running work's token. True if something ran.
+    pub fn abort(&self, session_id: &str) -> bool {
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        match slots.get(session_id).and_then(|s| s.cancel.as_ref()) {
+            Some(c) => {
+                c.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn is_busy(&self, session_id: &str) -> bool {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).get(session_id).is_some_and(|s| s.cancel.is_some())
+    }
+
+    /// Sessions with work running.
+    pub fn running(&self) -> usize {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|s| s.cancel.is_some()).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn policies_reject_queue_up_to_the_limit_and_interrupt() {
+        let locks = Arc::new(SessionLocks::default());
+        let first = CancellationToken::new();
+        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(1)).await.unwrap();
+        assert!(locks.is_busy("s"));
+        let e = locks.enter("s", &CancellationToken::new(), BusyPolicy::Reject, Some(1)).await.err();
+        assert_eq!(e, Some(BusyError::Busy));
+
+        // One may wait; the second waiter is refused at once.
+        let waiter_token = CancellationToken::new();
+        let (l, t) = (locks.clone(), waiter_token.clone());
+        let waiting = tokio::spawn(async move { l.enter("s", &t, BusyPolicy::Enqueue, Some(1)).await.map(|_| ()) });
+        while locks.slots.lock().unwrap().get("s").unwrap().queued == 0 {
+            tokio::task::yield_now().await;
+        }
+        let e = locks.enter("s", &CancellationToken::new(), BusyPolicy::Enqueue, Some(1)).await.err();
+        assert_eq!(e, Some(BusyError::QueueFull(1)));
+
+        // A waiter that is cancelled leaves and frees its place.
+        waiter_token.cancel();
+        assert_eq!(waiting.await.unwrap(), Err(BusyError::Cancelled));
+        assert_eq!(locks.slots.lock().unwrap().get("s").unwrap().queued, 0);
+
+        // Interrupt fires the running turn's token and gets in after it.
+        let (l, t) = (locks.clone(), CancellationToken::new());
+        let interrupting = tokio::spawn(async move { l.enter("s", &t, BusyPolicy::Interrupt, Some(1)).await.is_ok() });
+        first.cancelled().await;
+        drop(running);
+        assert!(interrupting.await.unwrap());
+        assert!(!locks.is_busy("s"), "the guard was dropped with the task");
+        assert!(locks.slots.lock().unwrap().is_empty(), "idle sessions are forgotten");
+    }
+}

@@ -1,0 +1,394 @@
+//! The harness API (`ctxgate.v1.Harness/DriveTurn`): an external agent
+//! runtime drives one turn per stream over the turn core's steps. This
+//! file only translates: requests are validated into core types, each one
+//! runs one step, and step results and turn events go back as
+//! `HarnessEvent`s, in order.
+
+use std::sync::Arc;
+
+use ctxgate_proto::gateway::{self as api, harness_event::Event as H, harness_request::Request as R};
+use ctxgate_proto::pb::{self, Role};
+use ctxgate_proto::{estimate, limits};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::api::{Compaction, EventStream, busy_policy, compaction, compaction_done, failed, guarded, session_fields};
+use crate::core::types::{
+    Capability, Context, Driver, EventSink, Failure, FailureReason, HostProfile, ModelSpec, Outcome, TurnEvent,
+    TurnSpec,
+};
+use crate::core::{Begun, Core, CoreError, StepError, Turn, session_ref};
+
+/// Longest host label and `end.reason` accepted.
+const MAX_LABEL_BYTES: usize = 1024;
+/// Most tool names a turn may declare.
+const MAX_TOOLS: usize = 1024;
+
+pub struct HarnessApi {
+    pub core: Arc<Core>,
+}
+
+type Out = mpsc::UnboundedSender<Result<api::HarnessEvent, Status>>;
+
+fn send(out: &Out, event: H) {
+    let _ = out.send(Ok(api::HarnessEvent { event: Some(event) }));
+}
+
+#[tonic::async_trait]
+impl api::harness_server::Harness for HarnessApi {
+    type DriveTurnStream = EventStream<api::HarnessEvent>;
+
+    async fn drive_turn(
+        &self,
+        req: Request<Streaming<api::HarnessRequest>>,
+    ) -> Result<Response<Self::DriveTurnStream>, Status> {
+        let requests = req.into_inner();
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cancel = self.core.call_token();
+        let (core, work) = (self.core.clone(), cancel.clone());
+        tokio::spawn(async move {
+            let mut driver = Drive { core, requests, out: tx.clone(), cancel: work };
+            if let Err(status) = driver.run().await {
+                let _ = tx.send(Err(status));
+            }
+        });
+        Ok(Response::new(guarded(UnboundedReceiverStream::new(rx), cancel)))
+    }
+}
+
+/// One DriveTurn stream.
+struct Drive {
+    core: Arc<Core>,
+    requests: Streaming<api::HarnessRequest>,
+    out: Out,
+    cancel: CancellationToken,
+}
+
+impl Drive {
+    /// The next request; `None` when the harness closed its side (or went away).
+    async fn next(&mut self) -> Result<Option<R>, Status> {
+        let message = tokio::select! {
+            () = self.cancel.cancelled() => return Ok(None),
+            m = self.requests.message() => m?,
+        };
+        match message {
+            None => Ok(None),
+            Some(api::HarnessRequest { request: None }) => Err(Status::invalid_argument("request: is required")),
+            Some(api::HarnessRequest { request: Some(r) }) => Ok(Some(r)),
+        }
+    }
+
+    fn sink(&self) -> EventSink {
+        let out = self.out.clone();
+        Arc::new(move |e| {
+            if let Some(event) = harness_event(e) {
+                send(&out, event);
+            }
+        })
+    }
+
+    async fn run(&mut self) -> Result<(), Status> {
+        let begin = match self.next().await? {
+            None => return Ok(()),
+            Some(R::Begin(b)) => b,
+            Some(other) => {
+                return Err(Status::failed_precondition(format!(
+                    "{}: the first request of a turn must be begin",
+                    request_name(&other)
+                )));
+            }
+        };
+        let spec = turn_spec(&self.core, begin)?;
+        let assembles = spec.host.has(Capability::AssembleBeforePrompt);
+        let mut turn = match self.core.begin(spec, self.sink(), self.cancel.clone()).await? {
+            Begun::Open(t) => t,
+            Begun::Failed(f) => {
+                send(&self.out, H::Failed(failed(f)));
+                send(
+                    &self.out,
+                    H::Ended(api::Ended { outcome: api::TurnOutcome::Failed as i32, engine_committed: false }),
+                );
+                return self.after_end().await;
+            }
+        };
+        if assembles && !self.context(&mut turn, Vec::new(), "begin").await? {
+            return Ok(());
+        }
+        loop {
+            // The harness going away before `end` drops the turn: an abort.
+            let Some(request) = self.next().await? else { return Ok(()) };
+            match request {
+                R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),
+                R::Assemble(a) => {
+                    if !self.context(&mut turn, a.pending, "assemble.pending").await? {
+                        return Ok(());
+                    }
+                }
+                R::Append(a) => match turn.append(a.messages, "append.messages").await {
+                    Ok(entry_ids) => send(&self.out, H::Appended(api::Appended { entry_ids })),
+                    Err(e) => {
+                        if !self.step_failed(e)? {
+                            return Ok(());
+                        }
+                    }
+                },
+                R::Overflow(o) => match turn.overflow().await {
+                    Ok(true) => {
+                        if !self.context(&mut turn, o.pending, "overflow.pending").await? {
+                            return Ok(());
+                        }
+                    }
+                    Ok(false) => {
+                        let f = Failure::new(
+                            FailureReason::ContextOverflow,
+                            "The conversation does not fit the model's context window even after 3 compactions. End the turn failed, or shorten what the model sees.",
+                        );
+                        send(&self.out, H::Failed(failed(f)));
+                    }
+                    Err(_) => return Ok(()),
+                },
+                R::Compact(c) => match turn.compact(c.custom_instructions).await {
+                    // The compaction's own events carried its `done`.
+                    Ok(_) => {}
+                    Err(CoreError::Aborted) => return Ok(()),
+                    Err(e) => send(
+                        &self.out,
+                        H::CompactionDone(compaction_done(crate::core::types::CompactionDone {
+                            reason: Some(e.to_string()),
+                            ..Default::default()
+                        })),
+                    ),
+                },
+                R::End(e) => {
+                    let outcome = outcome(&e)?;
+                    let label = e.outcome;
+                    let finished = turn.finish(outcome, Vec::new()).await?;
+                    send(
+                        &self.out,
+                        H::Ended(api::Ended { outcome: label, engine_committed: finished.engine_committed }),
+                    );
+                    return self.after_end().await;
+                }
+            }
+        }
+    }
+
+    /// Assembles and sends the context. False when the turn was aborted.
+    async fn context(&mut self, turn: &mut Turn, pending: Vec<pb::AgentMessage>, field: &str) -> Result<bool, Status> {
+        match turn.assemble(&pending, field).await {
+            Ok(ctx) => {
+                send(&self.out, H::Context(context(ctx)));
+                Ok(true)
+            }
+            Err(e) => self.step_failed(e),
+        }
+    }
+
+    /// A refused step ends the stream with its status; a failed one is a
+    /// `failed` event (the harness ends the turn). False: aborted.
+    fn step_failed(&self, e: StepError) -> Result<bool, Status> {
+        match e {
+            StepError::Refused(e) => Err(e.into()),
+            StepError::Failed(f) if f.reason == FailureReason::Aborted => Ok(false),
+            StepError::Failed(f) => {
+                send(&self.out, H::Failed(failed(f)));
+                Ok(true)
+            }
+        }
+    }
+
+    /// After `ended`: the harness closes its side; anything else is late.
+    async fn after_end(&mut self) -> Result<(), Status> {
+        match self.next().await? {
+            None => Ok(()),
+            Some(r) => Err(Status::failed_precondition(format!(
+                "{}: the turn has ended; start a new DriveTurn for the next turn",
+                request_name(&r)
+            ))),
+        }
+    }
+}
+
+fn request_name(r: &R) -> &'static str {
+    match r {
+        R::Begin(_) => "begin",
+        R::Assemble(_) => "assemble",
+        R::Append(_) => "append",
+        R::Overflow(_) => "overflow",
+        R::Compact(_) => "compact",
+        R::End(_) => "end",
+    }
+}
+
+fn outcome(e: &api::End) -> Result<Outcome, CoreError> {
+    if e.reason.len() > MAX_LABEL_BYTES {
+        return Err(CoreError::too_large("end.reason", format!("is over {MAX_LABEL_BYTES} bytes")));
+    }
+    Ok(match api::TurnOutcome::try_from(e.outcome) {
+        Ok(api::TurnOutcome::Accepted) => Outcome::Accepted,
+        Ok(api::TurnOutcome::Aborted) => Outcome::Aborted,
+        Ok(api::TurnOutcome::Failed) => Outcome::Failed(Failure::new(FailureReason::HarnessFailed, e.reason.clone())),
+        Ok(api::TurnOutcome::Unspecified) => return Err(CoreError::invalid("end.outcome", "is required")),
+        Err(_) => return Err(CoreError::invalid("end.outcome", format!("unknown outcome {}", e.outcome))),
+    })
+}
+
+/// A validated `begin`.
+fn turn_spec(core: &Core, b: api::Begin) -> Result<TurnSpec, CoreError> {
+    let (agent, key) =
+        session_fields(b.session.as_ref()).map_err(|_| CoreError::invalid("begin.session", "is required"))?;
+    let (agent_id, session_key) = session_ref(agent, key)?;
+    let host = host_profile(b.host)?;
+    let model = b.model.ok_or_else(|| CoreError::invalid("begin.model", "is required"))?;
+    if model.id.trim().is_empty() {
+        return Err(CoreError::invalid("begin.model.id", "is required"));
+    }
+    if model.id.len() > limits::MAX_ID_BYTES || model.provider.len() > limits::MAX_ID_BYTES {
+        return Err(CoreError::too_large("begin.model", format!("ids are limited to {} bytes", limits::MAX_ID_BYTES)));
+    }
+    if model.context_window == 0 {
+        return Err(CoreError::invalid("begin.model.context_window", "must be positive"));
+    }
+    let reserve =
+        if model.max_output_tokens > 0 { model.max_output_tokens } else { core.reserve_for(model.context_window) };
+    if reserve >= model.context_window {
+        return Err(CoreError::invalid("begin.model.max_output_tokens", "must be below context_window"));
+    }
+    let system_prompt_tokens = match (&b.system_prompt, b.system_prompt_tokens) {
+        (Some(p), _) if p.len() > limits::MAX_MESSAGE_CONTENT_BYTES => {
+            return Err(CoreError::too_large(
+                "begin.system_prompt",
+                format!("is {} bytes, the limit is {}", p.len(), limits::MAX_MESSAGE_CONTENT_BYTES),
+            ));
+        }
+        (Some(p), n) => estimate::text_tokens(p).max(n.unwrap_or(0)),
+        (None, n) => n.unwrap_or(0),
+    };
+    if b.available_tools.len() > MAX_TOOLS {
+        return Err(CoreError::too_large("begin.available_tools", format!("has over {MAX_TOOLS} names")));
+    }
+    for (i, t) in b.available_tools.iter().enumerate() {
+        ctxgate_proto::validate::id(t, &format!("begin.available_tools[{i}]"))?;
+    }
+    let user_messages = user_messages(b.user_messages)?;
+    Ok(TurnSpec {
+        agent_id,
+        session_key,
+        driver: Driver::Harness,
+        host,
+        model: ModelSpec {
+            id: model.id,
+            provider: model.provider,
+            context_window: model.context_window,
+            reserve_tokens: reserve,
+            max_output_tokens: reserve,
+        },
+        user_messages,
+        system_prompt_tokens,
+        available_tools: b.available_tools,
+        busy: busy_policy(b.busy_policy, "begin.busy_policy")?,
+    })
+}
+
+fn host_profile(h: Option<api::HostProfile>) -> Result<HostProfile, CoreError> {
+    let h = h.ok_or_else(|| CoreError::invalid("begin.host", "is required"))?;
+    let name = h.id.strip_prefix("agent-harness:").map(str::trim).unwrap_or_default();
+    if name.is_empty() {
+        return Err(CoreError::invalid("begin.host.id", format!("{:?}: expected \"agent-harness:<name>\"", h.id)));
+    }
+    if h.id.len() > limits::MAX_ID_BYTES || h.label.len() > MAX_LABEL_BYTES {
+        return Err(CoreError::too_large("begin.host", "the id or label is too long"));
+    }
+    let mut capabilities = Vec::new();
+    for (i, c) in h.capabilities.iter().enumerate() {
+        let cap = Capability::parse(c).ok_or_else(|| {
+            let known: Vec<&str> = Capability::ALL.iter().map(|c| c.as_str()).collect();
+            CoreError::invalid(
+                format!("begin.host.capabilities[{i}]"),
+                format!("unknown capability {c:?}; expected one of {}", known.join(", ")),
+            )
+        })?;
+        if !capabilities.contains(&cap) {
+            capabilities.push(cap);
+        }
+    }
+    let label = if h.label.trim().is_empty() { format!("agent harness \"{name}\"") } else { h.label };
+    Ok(HostProfile { id: h.id, label, capabilities })
+}
+
+fn user_messages(list: Vec<pb::AgentMessage>) -> Result<Vec<pb::AgentMessage>, CoreError> {
+    if list.is_empty() {
+        return Err(CoreError::invalid("begin.user_messages", "needs at least one message"));
+    }
+    if list.len() > limits::MAX_MESSAGES {
+        return Err(CoreError::too_large("begin.user_messages", format!("is over {} messages", limits::MAX_MESSAGES)));
+    }
+    list.into_iter()
+        .enumerate()
+        .map(|(i, mut m)| {
+            let at = format!("begin.user_messages[{i}]");
+            match Role::try_from(m.role) {
+                Ok(Role::User) => {}
+                Ok(Role::Unspecified) => m.role = Role::User as i32,
+                _ => return Err(CoreError::invalid(format!("{at}.role"), "must be ROLE_USER")),
+            }
+            if m.content.is_empty() {
+                return Err(CoreError::invalid(format!("{at}.content"), "is empty"));
+            }
+            // The gateway assigns ids (the entry ids): check the rest.
+            ctxgate_proto::validate::message(&pb::AgentMessage { id: "m".into(), ..m.clone() }, &at)?;
+            if m.content
+                .iter()
+                .any(|p| !matches!(p.part, Some(pb::content_part::Part::Text(_) | pb::content_part::Part::Image(_))))
+            {
+                return Err(CoreError::invalid(format!("{at}.content"), "a user message carries text and images only"));
+            }
+            if m.created_at_unix_ms == 0 {
+                m.created_at_unix_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as i64);
+            }
+            Ok(m)
+        })
+        .collect()
+}
+
+fn context(c: Context) -> api::Context {
+    api::Context {
+        messages: c.messages,
+        system_prompt_addition: c.system_prompt_addition,
+        estimated_tokens: c.estimated_tokens,
+        token_budget: c.budget,
+        projection: c.projection.map(|p| api::Projection {
+            mode: pb::ProjectionMode::ThreadBootstrap as i32,
+            epoch: p.epoch,
+            fingerprint: p.fingerprint,
+            reinject: p.reinject,
+        }),
+        sequence: c.sequence,
+    }
+}
+
+/// A turn event as the harness sees it (managed-only events are dropped).
+fn harness_event(e: TurnEvent) -> Option<H> {
+    Some(match e {
+        TurnEvent::Admitted { session_id, turn_id, entry_ids } => H::Admitted(api::Admitted {
+            session_id,
+            turn_id,
+            entry_id: entry_ids.last().cloned().unwrap_or_default(),
+            entry_ids,
+        }),
+        TurnEvent::EngineSelected { engine_id, selection, warning } => {
+            H::EngineSelected(api::EngineSelected { engine_id, reason: selection.as_str().into(), warning })
+        }
+        TurnEvent::Compaction(c) => match compaction(c) {
+            Compaction::Started(s) => H::CompactionStarted(s),
+            Compaction::Progress(p) => H::CompactionProgress(p),
+            Compaction::Done(d) => H::CompactionDone(d),
+        },
+        TurnEvent::Warning(message) => H::Warning(api::Warning { message }),
+        TurnEvent::Assembled { .. } | TurnEvent::ModelDelta(_) => return None,
+    })
+}
