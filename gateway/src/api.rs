@@ -293,6 +293,7 @@ impl Gateway for Api {
             engines: registry.status(),
             sessions: c.count_sessions().await?,
             turns_in_flight: c.turns_in_flight(),
+            turns_queued: c.turns_queued(),
         }))
     }
 

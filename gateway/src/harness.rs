@@ -67,10 +67,12 @@ struct Drive {
 }
 
 impl Drive {
-    /// The next request; `None` when the harness closed its side (or went away).
+    /// The next request; `None` when the harness closed its side. A cancel
+    /// (Abort, an interrupting turn, shutdown, or the client itself) ends
+    /// the stream as CANCELLED.
     async fn next(&mut self) -> Result<Option<R>, Status> {
         let message = tokio::select! {
-            () = self.cancel.cancelled() => return Ok(None),
+            () = self.cancel.cancelled() => return Err(aborted()),
             m = self.requests.message() => m?,
         };
         match message {
@@ -113,33 +115,21 @@ impl Drive {
                 return self.after_end().await;
             }
         };
-        if assembles && !self.context(&mut turn, Vec::new(), "begin").await? {
-            return Ok(());
+        if assembles {
+            self.context(&mut turn, Vec::new(), "begin").await?;
         }
         loop {
-            // The harness going away before `end` drops the turn: an abort.
-            let Some(request) = self.next().await? else { return Ok(()) };
+            // The harness closing its side before `end` drops the turn: an abort.
+            let Some(request) = self.next().await? else { return Err(aborted()) };
             match request {
                 R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),
-                R::Assemble(a) => {
-                    if !self.context(&mut turn, a.pending, "assemble.pending").await? {
-                        return Ok(());
-                    }
-                }
+                R::Assemble(a) => self.context(&mut turn, a.pending, "assemble.pending").await?,
                 R::Append(a) => match turn.append(a.messages, "append.messages").await {
                     Ok(entry_ids) => send(&self.out, H::Appended(api::Appended { entry_ids })),
-                    Err(e) => {
-                        if !self.step_failed(e)? {
-                            return Ok(());
-                        }
-                    }
+                    Err(e) => self.step_failed(e)?,
                 },
                 R::Overflow(o) => match turn.overflow().await {
-                    Ok(true) => {
-                        if !self.context(&mut turn, o.pending, "overflow.pending").await? {
-                            return Ok(());
-                        }
-                    }
+                    Ok(true) => self.context(&mut turn, o.pending, "overflow.pending").await?,
                     Ok(false) => {
                         let f = Failure::new(
                             FailureReason::ContextOverflow,
@@ -147,12 +137,12 @@ impl Drive {
                         );
                         send(&self.out, H::Failed(failed(f)));
                     }
-                    Err(_) => return Ok(()),
+                    Err(_) => return Err(aborted()),
                 },
                 R::Compact(c) => match turn.compact(c.custom_instructions).await {
                     // The compaction's own events carried its `done`.
                     Ok(_) => {}
-                    Err(CoreError::Aborted) => return Ok(()),
+                    Err(CoreError::Aborted) => return Err(aborted()),
                     Err(e) => send(
                         &self.out,
                         H::CompactionDone(compaction_done(crate::core::types::CompactionDone {
@@ -175,26 +165,27 @@ impl Drive {
         }
     }
 
-    /// Assembles and sends the context. False when the turn was aborted.
-    async fn context(&mut self, turn: &mut Turn, pending: Vec<pb::AgentMessage>, field: &str) -> Result<bool, Status> {
+    /// Assembles and sends the context.
+    async fn context(&mut self, turn: &mut Turn, pending: Vec<pb::AgentMessage>, field: &str) -> Result<(), Status> {
         match turn.assemble(&pending, field).await {
             Ok(ctx) => {
                 send(&self.out, H::Context(context(ctx)));
-                Ok(true)
+                Ok(())
             }
             Err(e) => self.step_failed(e),
         }
     }
 
-    /// A refused step ends the stream with its status; a failed one is a
-    /// `failed` event (the harness ends the turn). False: aborted.
-    fn step_failed(&self, e: StepError) -> Result<bool, Status> {
+    /// A refused step ends the stream with its status, an aborted one as
+    /// CANCELLED; a failed one is a `failed` event (the harness ends the
+    /// turn).
+    fn step_failed(&self, e: StepError) -> Result<(), Status> {
         match e {
             StepError::Refused(e) => Err(e.into()),
-            StepError::Failed(f) if f.reason == FailureReason::Aborted => Ok(false),
+            StepError::Failed(f) if f.reason == FailureReason::Aborted => Err(aborted()),
             StepError::Failed(f) => {
                 send(&self.out, H::Failed(failed(f)));
-                Ok(true)
+                Ok(())
             }
         }
     }
@@ -209,6 +200,10 @@ impl Drive {
             ))),
         }
     }
+}
+
+fn aborted() -> Status {
+    Status::cancelled("the turn was aborted (Abort, an interrupting turn, or shutdown)")
 }
 
 fn request_name(r: &R) -> &'static str {

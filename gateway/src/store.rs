@@ -984,6 +984,40 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_turn_left_open_by_a_crash_is_rewound_at_open_and_keeps_its_compactions() {
+        let (dir, store, s) = fixture().await;
+        store.append(&s.session_id, vec![user("before")]).await.unwrap();
+        let admitted = store.open_turn(&s.session_id, "t1", vec![user("question")]).await.unwrap();
+        let tool = NewEntry { turn_id: "t1".into(), entry: user("tool traffic").entry };
+        store.append(&s.session_id, vec![tool]).await.unwrap();
+        store.append(&s.session_id, vec![compaction("summary", &admitted[0].id)]).await.unwrap();
+        drop(store);
+
+        // The gateway died mid-turn: the next open rewinds it.
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let branch = store.branch(&s.session_id).await.unwrap();
+        let shape: Vec<String> = branch
+            .iter()
+            .map(|e| match &e.entry {
+                Some(Entry::Message(m)) => crate::provider::message_text(m),
+                Some(Entry::Compaction(c)) => format!("[{}]", c.summary),
+                None => String::new(),
+            })
+            .collect();
+        assert_eq!(shape, ["before", "question", "[summary]"], "the turn's message left, its summary stayed");
+        // Nothing is lost: the rewound entry is still in the tree.
+        let all: i64 = store.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
+        assert_eq!(all, 5);
+        // Closing an accepted turn moves nothing back.
+        store.open_turn(&s.session_id, "t2", vec![user("next")]).await.unwrap();
+        let closed = TurnClose::Accept { entries: vec![user("reply")], commit: None };
+        assert_eq!(store.close_turn(&s.session_id, closed).await.unwrap().len(), 1);
+        drop(store);
+        let store = SqliteStore::open(dir.path()).unwrap();
+        assert_eq!(store.branch(&s.session_id).await.unwrap().len(), 5);
+    }
+
+    #[tokio::test]
     async fn new_and_reset_start_fresh_sessions_and_delete_removes_all() {
         let dir = tempfile::tempdir().unwrap();
         let store = SqliteStore::open(dir.path()).unwrap();

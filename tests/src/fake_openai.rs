@@ -22,6 +22,10 @@ pub enum Reply {
     Overflow,
     /// Streams `first`, then nothing more, ever (until the client leaves).
     Hang(String),
+    /// An agent's model with two tools: after a user message it calls
+    /// `calculator` and `read_file`; after tool results it answers with
+    /// them. Decided by the request itself, so any number of turns work.
+    ToolLoop,
 }
 
 /// The two kinds of request the gateway makes.
@@ -113,6 +117,7 @@ impl FakeOpenAi {
 
     fn answer(&self, body: &str) -> Response {
         let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        let streaming = v.get("stream").and_then(|s| s.as_bool()).unwrap_or(false);
         let system = v.pointer("/messages/0/content").and_then(|c| c.as_str()).unwrap_or_default();
         let kind = if system.contains("You compact the history") { Kind::Summary } else { Kind::Turn };
         let prompt = v.pointer("/messages/1/content").and_then(|c| c.as_str()).unwrap_or_default().to_owned();
@@ -133,6 +138,14 @@ impl FakeOpenAi {
             })
         };
         match reply {
+            Reply::ToolLoop => tool_loop(&v),
+            Reply::Text(text) if !streaming => {
+                let body = serde_json::json!({
+                    "choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 105},
+                });
+                ([("content-type", "application/json")], body.to_string()).into_response()
+            }
             Reply::Overflow => (
                 StatusCode::BAD_REQUEST,
                 r#"{"error":{"message":"This model's maximum context length is 4096 tokens","type":"invalid_request_error","code":"context_length_exceeded"}}"#,
@@ -163,4 +176,38 @@ impl FakeOpenAi {
             }
         }
     }
+}
+
+/// The scripted tool-calling model (non-streaming chat completions).
+fn tool_loop(request: &serde_json::Value) -> Response {
+    let messages = request.get("messages").and_then(|m| m.as_array()).cloned().unwrap_or_default();
+    let last = messages.last().cloned().unwrap_or_default();
+    let n = messages.iter().filter(|m| m["role"] == "user").count();
+    let message = if last["role"] == "tool" {
+        // Answer with every tool result since the last user message.
+        let results: Vec<String> = messages
+            .iter()
+            .rev()
+            .take_while(|m| m["role"] != "user")
+            .filter(|m| m["role"] == "tool")
+            .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        serde_json::json!({"role": "assistant", "content": format!("Done: {}", results.join("; "))})
+    } else {
+        serde_json::json!({
+            "role": "assistant",
+            "content": null,
+            "tool_calls": [
+                {"id": format!("call_{n}_a"), "type": "function",
+                 "function": {"name": "calculator", "arguments": serde_json::json!({"expression": format!("{n} * 7 + 1")}).to_string()}},
+                {"id": format!("call_{n}_b"), "type": "function",
+                 "function": {"name": "read_file", "arguments": serde_json::json!({"path": "notes.txt"}).to_string()}},
+            ],
+        })
+    };
+    let body = serde_json::json!({
+        "choices": [{"message": message, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112},
+    });
+    ([("content-type", "application/json")], body.to_string()).into_response()
 }

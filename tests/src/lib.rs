@@ -3,6 +3,7 @@
 //! binaries, and a local OpenAI-compatible model server.
 
 pub mod fake_openai;
+pub mod harness;
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};

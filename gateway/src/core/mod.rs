@@ -243,6 +243,10 @@ impl Core {
         self.sessions.running() as u32
     }
 
+    pub fn turns_queued(&self) -> u32 {
+        self.sessions.queued() as u32
+    }
+
     /// The gateway's own model, as a turn sees it.
     fn provider_model(&self) -> ModelSpec {
         ModelSpec {

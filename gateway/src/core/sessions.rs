@@ -154,6 +154,11 @@ impl SessionLocks {
     pub fn running(&self) -> usize {
         self.slots.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|s| s.cancel.is_some()).count()
     }
+
+    /// Work waiting behind running work, over all sessions.
+    pub fn queued(&self) -> usize {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).values().map(|s| s.queued).sum()
+    }
 }
 
 #[cfg(test)]

@@ -4,6 +4,10 @@
 //!
 //! - `crash-on-assemble`: the process exits in the middle of Assemble.
 //! - `hang`: Assemble and Compact wait until the caller cancels.
+//! - `hang-on-tools`: Assemble waits until the caller cancels once the
+//!   history holds a tool result (mid tool loop).
+//! - `projection`: Assemble asks for thread_bootstrap projection, epoch
+//!   "e1" ("e2" once the prompt says "new epoch"), fingerprint "fp".
 //! - `garbage`: Assemble answers a tool result without its call.
 //! - `oversized`: Assemble answers a ~1 MiB message.
 //! - `slow-compact`: Compact streams progress every 50 ms for 1 s.
@@ -159,6 +163,20 @@ impl ContextEngine for Fault {
         if self.has("hang") {
             return Err(hang(ctx, "Assemble").await);
         }
+        let has_tool_result = req
+            .messages
+            .iter()
+            .any(|m| m.content.iter().any(|p| matches!(p.part, Some(pb::content_part::Part::ToolResult(_)))));
+        if self.has("hang-on-tools") && has_tool_result {
+            return Err(hang(ctx, "Assemble").await);
+        }
+        let projection = self.has("projection").then(|| pb::ContextProjection {
+            mode: pb::ProjectionMode::ThreadBootstrap as i32,
+            epoch: Some(
+                if req.prompt.as_deref().unwrap_or_default().contains("new epoch") { "e2" } else { "e1" }.into(),
+            ),
+            fingerprint: Some("fp".into()),
+        });
         if self.has("accepts-nothing") {
             let got = |b: bool| if b { "yes" } else { "no" };
             let seen = format!(
@@ -184,6 +202,7 @@ impl ContextEngine for Fault {
         Ok(pb::AssembleResult {
             estimated_tokens: ctxgate_engine_sdk::estimate::messages_tokens(&messages),
             messages,
+            projection,
             ..Default::default()
         })
     }

@@ -1,0 +1,515 @@
+//! Harness turns (`ctxgate.v1.Harness/DriveTurn`) through the real gateway
+//! (`server::run` in-process, real gRPC, real SQLite) and real engine
+//! processes: the tool loop, aborts, busy policies, capture-only hosts,
+//! host requirements, projection, overflow and bad input.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use ctxgate::config::{Config, EngineEntry};
+use ctxgate_proto::gateway::{self as api, harness_event::Event as H, harness_request::Request as R};
+use ctxgate_proto::pb::{Role, transcript_entry::Entry};
+use ctxgate_tests::harness::{Drive, begin, client, text, tool_call, tool_result};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
+use tokio_stream::StreamExt;
+use tonic::Code;
+
+fn sref(key: &str) -> Option<api::SessionRef> {
+    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
+}
+
+fn hosting(endpoint: &str) -> Config {
+    let mut c = Config::default();
+    let entry = EngineEntry { endpoint: endpoint.into(), timeouts: BTreeMap::new(), ..EngineEntry::default() };
+    c.plugins.entries.insert("engine".into(), entry);
+    c.plugins.slots.context_engine = Some("engine".into());
+    c
+}
+
+async fn fault_engine(faults: &str) -> EngineProcess {
+    EngineProcess::start(bin("ctxgate-fault-engine"), &["--listen", "127.0.0.1:0", "--fault", faults]).await.unwrap()
+}
+
+/// Polls Status (bounded) until the engine has attached.
+async fn attached(g: &TestGateway) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
+        if s.engines.iter().any(|e| e.id == "engine" && e.quarantine.is_none() && !e.name.is_empty()) {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the engine never attached: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn quarantined(g: &TestGateway) -> bool {
+    let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
+    s.engines.iter().any(|e| e.quarantine.is_some())
+}
+
+async fn branch(g: &TestGateway, key: &str) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
+    let req = api::GetTranscriptRequest { session: sref(key), visible_only: false };
+    match g.client.clone().get_transcript(req).await {
+        Ok(r) => r.into_inner().entries,
+        Err(s) if s.code() == Code::NotFound => Vec::new(),
+        Err(s) => panic!("{s}"),
+    }
+}
+
+/// (role, text-ish) of every message on the branch.
+async fn shape(g: &TestGateway, key: &str) -> Vec<(Role, String)> {
+    branch(g, key)
+        .await
+        .into_iter()
+        .filter_map(|e| match e.entry {
+            Some(Entry::Message(m)) => Some((Role::try_from(m.role).unwrap(), ctxgate::provider::message_text(&m))),
+            _ => None,
+        })
+        .collect()
+}
+
+fn status_of<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> tonic::Status {
+    r.expect_err("the request is refused")
+}
+
+/// One turn with a tool loop: context, tool call, result, context, answer.
+/// Returns the two contexts.
+async fn tool_turn(drive: &mut Drive, n: usize) -> (api::Context, api::Context) {
+    let first = drive.context().await.unwrap();
+    let id = format!("call-{n}");
+    drive.append(vec![tool_call(&id, "calculator", "{\"expression\":\"6*7\"}")]).await.unwrap();
+    drive.append(vec![tool_result(&id, "calculator", "42")]).await.unwrap();
+    let second = drive.assemble(vec![]).await.unwrap();
+    drive.append(vec![text(Role::Assistant, &format!("answer {n}: 42"))]).await.unwrap();
+    (first, second)
+}
+
+#[tokio::test]
+async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_commits_each_turn_once() {
+    let state = tempfile::tempdir().unwrap();
+    let engine = start_window(state.path(), &[]).await;
+    let mut config = hosting(&engine.endpoint);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    let g = TestGateway::start(config).await;
+    attached(&g).await;
+    let hc = client(&g.endpoint);
+    for n in 0..3 {
+        let mut drive = Drive::open(&hc, begin("loop", &format!("question {n}"))).await.unwrap();
+        let (first, second) = tool_turn(&mut drive, n).await;
+        assert_eq!((first.sequence, second.sequence), (1, 2));
+        // The second context holds the call and its result, in order, at the end.
+        let tail: Vec<String> =
+            second.messages.iter().rev().take(2).rev().map(ctxgate::provider::message_text).collect();
+        assert!(tail[0].contains(&format!("call-{n}")) && tail[1].contains("42"), "{tail:?}");
+        assert!(second.token_budget > 0 && second.token_budget <= 32_000 - 1_000);
+        let ended = drive.end(api::TurnOutcome::Accepted).await.unwrap();
+        assert!(ended.engine_committed, "the window engine took the turn");
+        let selected =
+            drive.seen.iter().find_map(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).unwrap();
+        assert_eq!((selected.engine_id.as_str(), selected.reason.as_str()), ("window", "configured"));
+    }
+    let got = shape(&g, "loop").await;
+    let roles: Vec<Role> = got.iter().map(|(r, _)| *r).collect();
+    assert_eq!(roles, [Role::User, Role::Assistant, Role::Tool, Role::Assistant].repeat(3), "{got:?}");
+
+    // The engine's own record: each turn committed once, every message once.
+    let ids: Vec<String> = branch(&g, "loop")
+        .await
+        .into_iter()
+        .filter_map(|e| matches!(e.entry, Some(Entry::Message(_))).then_some(e.id))
+        .collect();
+    let db = rusqlite::Connection::open(state.path().join("window.sqlite")).unwrap();
+    let commits: i64 = db.query_row("SELECT COUNT(*) FROM commits", [], |r| r.get(0)).unwrap();
+    assert_eq!(commits, 3);
+    let mut stmt = db.prepare("SELECT id FROM messages ORDER BY seq").unwrap();
+    let held: Vec<String> = stmt.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
+    assert_eq!(held, ids, "the engine holds each message once, in transcript order");
+    let metrics = metrics_text(g.metrics.unwrap()).await;
+    assert!(metrics.contains("ctxgate_turns_by_driver_total{driver=\"harness\",outcome=\"completed\"} 3"), "{metrics}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
+    let engine = fault_engine("hang-on-tools").await;
+    let g = TestGateway::start(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+    let hc = client(&g.endpoint);
+    let mut drive = Drive::open(&hc, begin("drop", "read my files")).await.unwrap();
+    drive.context().await.unwrap();
+    drive.append(vec![tool_call("c1", "read_file", "{\"path\":\"a\"}")]).await.unwrap();
+    drive.append(vec![tool_result("c1", "read_file", "contents")]).await.unwrap();
+    drive.send(R::Assemble(api::AssembleContext { pending: vec![] })).await;
+    // The engine is inside the second Assemble: leave.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while engine.lines_starting("event assemble").len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the second assemble never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    drop(drive);
+    engine.wait_line("event cancelled Assemble", Duration::from_secs(5)).await.expect("the engine saw the cancel");
+
+    // The next turn starts at once; the aborted one left only its user message.
+    let started = std::time::Instant::now();
+    let mut next = Drive::open(&hc, begin("drop", "next")).await.unwrap();
+    next.context().await.unwrap();
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    next.append(vec![text(Role::Assistant, "done")]).await.unwrap();
+    next.end(api::TurnOutcome::Accepted).await.unwrap();
+    let got = shape(&g, "drop").await;
+    assert_eq!(
+        got,
+        [(Role::User, "read my files".into()), (Role::User, "next".into()), (Role::Assistant, "done".into())],
+        "no assistant or tool entry of the aborted turn is on the branch"
+    );
+    assert!(!quarantined(&g).await, "an abort is never the engine's fault");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn an_explicit_abort_or_failed_end_never_reaches_the_engine_and_rewinds() {
+    let state = tempfile::tempdir().unwrap();
+    let engine = start_window(state.path(), &[]).await;
+    let g = TestGateway::start(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+    let hc = client(&g.endpoint);
+    for outcome in [api::TurnOutcome::Aborted, api::TurnOutcome::Failed] {
+        let mut drive = Drive::open(&hc, begin("ends", "try")).await.unwrap();
+        tool_turn(&mut drive, 0).await;
+        let ended = drive.end(outcome).await.unwrap();
+        assert_eq!(ended.outcome, outcome as i32);
+        assert!(!ended.engine_committed);
+    }
+    let got = shape(&g, "ends").await;
+    assert_eq!(got, [(Role::User, "try".into()), (Role::User, "try".into())]);
+    let db = rusqlite::Connection::open(state.path().join("window.sqlite")).unwrap();
+    let commits: i64 = db.query_row("SELECT COUNT(*) FROM commits", [], |r| r.get(0)).unwrap();
+    assert_eq!(commits, 0, "aborted and failed turns never advance engine state");
+    g.stop().await;
+}
+
+/// A harness turn that holds session `key` open (begun, not ended).
+async fn hold(hc: &api::harness_client::HarnessClient<tonic::transport::Channel>, key: &str) -> Drive {
+    let mut d = Drive::open(hc, begin(key, "holding")).await.unwrap();
+    d.context().await.unwrap();
+    d
+}
+
+fn run_req(key: &str, text: &str, busy: api::BusyPolicy) -> api::RunTurnRequest {
+    api::RunTurnRequest { session: sref(key), message: text.into(), system_prompt: None, busy_policy: busy as i32 }
+}
+
+async fn run_to_end(g: &TestGateway, req: api::RunTurnRequest) -> Result<Vec<api::turn_event::Event>, tonic::Status> {
+    run_to_end_owned(g.client.clone(), req).await
+}
+
+async fn run_to_end_owned(
+    mut client: api::gateway_client::GatewayClient<tonic::transport::Channel>,
+    req: api::RunTurnRequest,
+) -> Result<Vec<api::turn_event::Event>, tonic::Status> {
+    let mut s = client.run_turn(req).await?.into_inner();
+    let mut out = Vec::new();
+    while let Some(e) = s.next().await {
+        out.push(e?.event.unwrap());
+    }
+    Ok(out)
+}
+
+#[tokio::test]
+async fn busy_policy_reject_refuses_a_second_turn_at_once() {
+    let g = TestGateway::start(Config::default()).await;
+    let hc = client(&g.endpoint);
+    let mut holder = hold(&hc, "busy").await;
+    let s = status_of(run_to_end(&g, run_req("busy", "me too", api::BusyPolicy::Reject)).await);
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains("session busy"), "{s:?}");
+    let mut b = begin("busy", "me too");
+    b.busy_policy = api::BusyPolicy::Reject as i32;
+    let s = status_of(Drive::open(&hc, b).await.unwrap().context().await);
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    holder.end(api::TurnOutcome::Accepted).await.unwrap();
+    assert_eq!(shape(&g, "busy").await, [(Role::User, "holding".into())], "rejected turns left nothing");
+    g.stop().await;
+}
+
+/// Waits (bounded) until the gateway reports `n` queued turns.
+async fn queued(g: &TestGateway, n: u32) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
+        if s.turns_queued == n {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{} queued, never {n}", s.turns_queued);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn busy_policy_enqueue_waits_in_a_bounded_queue_and_a_cancelled_waiter_leaves_no_trace() {
+    let mut config = Config::default();
+    config.gateway.limits.queued_turns_per_session = 1;
+    let g = TestGateway::start(config).await;
+    let hc = client(&g.endpoint);
+    let mut holder = hold(&hc, "q").await;
+
+    // One waits; a second is refused at once: the queue holds one.
+    let waiting = g.client.clone().run_turn(run_req("q", "queued then cancelled", api::BusyPolicy::Enqueue)).await;
+    let waiting = waiting.unwrap().into_inner();
+    queued(&g, 1).await;
+    let full = status_of(run_to_end(&g, run_req("q", "one too many", api::BusyPolicy::Enqueue)).await);
+    assert_eq!(full.code(), Code::ResourceExhausted);
+    assert!(full.message().contains("queuedTurnsPerSession"), "{full:?}");
+    // The queued turn's client leaves before it starts: its place is free.
+    drop(waiting);
+    queued(&g, 0).await;
+    let next =
+        tokio::spawn(run_to_end_owned(g.client.clone(), run_req("q", "after the holder", api::BusyPolicy::Enqueue)));
+    queued(&g, 1).await;
+    holder.end(api::TurnOutcome::Accepted).await.unwrap();
+    let events = next.await.unwrap().unwrap();
+    assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
+    let texts: Vec<String> = shape(&g, "q").await.into_iter().map(|(_, t)| t).collect();
+    assert_eq!(texts[..2], ["holding".to_owned(), "after the holder".to_owned()], "{texts:?}");
+    assert!(!texts.iter().any(|t| t.contains("cancelled") || t.contains("too many")), "{texts:?}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn busy_policy_interrupt_aborts_the_running_turn_then_runs() {
+    let g = TestGateway::start(Config::default()).await;
+    let hc = client(&g.endpoint);
+    let mut holder = hold(&hc, "int").await;
+    holder.append(vec![tool_call("c", "calculator", "{}")]).await.unwrap();
+    let events = run_to_end(&g, run_req("int", "stop that", api::BusyPolicy::Interrupt)).await.unwrap();
+    assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
+    let s = loop {
+        match holder.next().await {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the interrupted stream ended without a status"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(s.code(), Code::Cancelled, "{s:?}");
+    let roles: Vec<(Role, String)> = shape(&g, "int").await;
+    assert_eq!(roles[0], (Role::User, "holding".into()));
+    assert_eq!(roles[1], (Role::User, "stop that".into()), "the interrupted turn's tool call left the branch");
+    assert_eq!(roles.len(), 3);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_capture_only_host_records_and_finalizes_but_never_assembles() {
+    let state = tempfile::tempdir().unwrap();
+    let engine = start_window(state.path(), &[]).await;
+    let g = TestGateway::start(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+    let hc = client(&g.endpoint);
+    let capture = |key: &str, user: &str| {
+        let mut b = begin(key, user);
+        b.host.as_mut().unwrap().capabilities = vec!["after-turn".into()];
+        b
+    };
+    let mut d = Drive::open(&hc, capture("cap", "hello")).await.unwrap();
+    d.until(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).await.unwrap();
+    d.append(vec![text(Role::Assistant, "hi there")]).await.unwrap();
+    let ended = d.end(api::TurnOutcome::Accepted).await.unwrap();
+    assert!(ended.engine_committed);
+    assert!(!d.seen.iter().any(|e| matches!(e, H::Context(_))), "capture-only: no context: {:?}", d.seen);
+
+    let mut d = Drive::open(&hc, capture("cap", "again")).await.unwrap();
+    let s = status_of(d.assemble(vec![]).await);
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains("assemble-before-prompt"), "{s:?}");
+    let got = shape(&g, "cap").await;
+    assert_eq!(got[..2], [(Role::User, "hello".into()), (Role::Assistant, "hi there".into())]);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn missing_host_capabilities_fail_closed_before_admission_with_openclaws_message() {
+    let engine = fault_engine("needs-threads").await;
+    let g = TestGateway::start(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+    let hc = client(&g.endpoint);
+    let s = status_of(Drive::open(&hc, begin("threads", "hi")).await.unwrap().context().await);
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(
+        s.message().starts_with("Context engine \"fault\" cannot run operation \"agent-run\" on agent harness \"test\". Missing host capabilities: thread-bootstrap-projection. Required capabilities: thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Run it under a harness with persistent threads."),
+        "{s:?}"
+    );
+    assert!(shape(&g, "threads").await.is_empty(), "nothing was admitted");
+    assert!(!quarantined(&g).await);
+
+    let mut b = begin("threads", "hi");
+    b.host.as_mut().unwrap().capabilities.push("thread-bootstrap-projection".into());
+    let mut d = Drive::open(&hc, b).await.unwrap();
+    d.context().await.unwrap();
+    let sel = d.seen.iter().find_map(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).unwrap();
+    assert_eq!(sel.engine_id, "fault");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn thread_bootstrap_projection_says_when_to_reinject() {
+    let engine = fault_engine("projection").await;
+    let g = TestGateway::start(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+    let hc = client(&g.endpoint);
+    let with_threads = |user: &str| {
+        let mut b = begin("proj", user);
+        b.host.as_mut().unwrap().capabilities.push("thread-bootstrap-projection".into());
+        b
+    };
+    let mut seen = Vec::new();
+    for user in ["one", "two", "a new epoch please"] {
+        let mut d = Drive::open(&hc, with_threads(user)).await.unwrap();
+        let p = d.context().await.unwrap().projection.unwrap();
+        seen.push((p.epoch.clone(), p.reinject));
+        d.append(vec![text(Role::Assistant, "ok")]).await.unwrap();
+        d.end(api::TurnOutcome::Accepted).await.unwrap();
+    }
+    assert_eq!(seen, [("e1".into(), true), ("e1".into(), false), ("e2".into(), true)]);
+    // A host without the capability gets per-turn projection.
+    let mut d = Drive::open(&hc, begin("proj", "plain")).await.unwrap();
+    assert!(d.context().await.unwrap().projection.is_none());
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn overflow_compacts_and_answers_a_new_context_then_fails_clearly() {
+    let mut config = Config::default();
+    config.agents.defaults.compaction.keep_recent_tokens = 200;
+    let g = TestGateway::start(config).await;
+    let hc = client(&g.endpoint);
+    for i in 0..6 {
+        let mut d = Drive::open(&hc, begin("big", &format!("turn {i}: {}", "words ".repeat(150)))).await.unwrap();
+        d.context().await.unwrap();
+        d.append(vec![text(Role::Assistant, &format!("reply {i}: {}", "more ".repeat(150)))]).await.unwrap();
+        d.end(api::TurnOutcome::Accepted).await.unwrap();
+    }
+    let mut d = Drive::open(&hc, begin("big", "and now?")).await.unwrap();
+    let before = d.context().await.unwrap();
+    d.send(R::Overflow(api::Overflow { observed_tokens: Some(40_000), pending: vec![] })).await;
+    let after = d.context().await.unwrap();
+    assert!(
+        after.estimated_tokens < before.estimated_tokens,
+        "{} -> {}",
+        before.estimated_tokens,
+        after.estimated_tokens
+    );
+    assert!(d.seen.iter().any(|e| matches!(e, H::CompactionStarted(s) if s.trigger == "overflow")));
+    assert!(d.seen.iter().any(|e| matches!(e, H::CompactionDone(x) if x.compacted)));
+    for _ in 0..2 {
+        d.send(R::Overflow(api::Overflow::default())).await;
+        d.context().await.unwrap();
+    }
+    d.send(R::Overflow(api::Overflow::default())).await;
+    let f = d.until(|e| if let H::Failed(f) = e { Some(f.clone()) } else { None }).await.unwrap();
+    assert_eq!(f.reason, "context_overflow");
+    let ended = d.end(api::TurnOutcome::Failed).await.unwrap();
+    assert_eq!(ended.outcome, api::TurnOutcome::Failed as i32);
+
+    // A manual compaction mid-turn: its events, then done.
+    let mut d = Drive::open(&hc, begin("big", "compact please")).await.unwrap();
+    d.context().await.unwrap();
+    d.send(R::Compact(api::CompactNow { custom_instructions: Some("keep file names".into()) })).await;
+    let done = d.until(|e| if let H::CompactionDone(x) = e { Some(x.clone()) } else { None }).await.unwrap();
+    assert!(d.seen.iter().any(|e| matches!(e, H::CompactionStarted(s) if s.trigger == "manual")));
+    assert!(done.tokens_before > 0);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
+    let g = TestGateway::start(Config::default()).await;
+    let hc = client(&g.endpoint);
+    let refused = |r: R| {
+        let hc = hc.clone();
+        async move {
+            let mut d = Drive::open_with(&hc, r).await.unwrap();
+            loop {
+                match d.next().await {
+                    Ok(Some(_)) => continue,
+                    Ok(None) => panic!("accepted: {:?}", d.seen),
+                    Err(s) => return s,
+                }
+            }
+        }
+    };
+    let s = refused(R::Assemble(api::AssembleContext::default())).await;
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().starts_with("assemble: the first request"), "{s:?}");
+
+    let mut b = begin("bad", "hi");
+    b.host.as_mut().unwrap().capabilities.push("time-travel".into());
+    let s = refused(R::Begin(b)).await;
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(s.message().starts_with("begin.host.capabilities[6]: unknown capability \"time-travel\""), "{s:?}");
+
+    let mut b = begin("bad", "hi");
+    b.model.as_mut().unwrap().context_window = 0;
+    let s = refused(R::Begin(b)).await;
+    assert_eq!((s.code(), s.message()), (Code::InvalidArgument, "begin.model.context_window: must be positive"));
+
+    let mut b = begin("bad", "hi");
+    b.host.as_mut().unwrap().id = "my-harness".into();
+    assert!(refused(R::Begin(b)).await.message().starts_with("begin.host.id:"));
+    let mut b = begin("bad", "hi");
+    b.user_messages.clear();
+    assert!(refused(R::Begin(b)).await.message().starts_with("begin.user_messages:"));
+    assert!(shape(&g, "bad").await.is_empty(), "refused begins admit nothing");
+
+    // In a turn: a result without its call, an oversized message.
+    let mut d = Drive::open(&hc, begin("bad", "hi")).await.unwrap();
+    d.context().await.unwrap();
+    let s = status_of(d.append(vec![tool_result("nope", "calculator", "1")]).await);
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert_eq!(
+        s.message(),
+        "append.messages[0].content[0].tool_result.tool_call_id: \"nope\" is not a tool call of this turn"
+    );
+    let mut d = Drive::open(&hc, begin("bad", "hi again")).await.unwrap();
+    d.context().await.unwrap();
+    let s = status_of(d.append(vec![text(Role::Assistant, &"x".repeat(1024 * 1024 + 1))]).await);
+    assert_eq!(s.code(), Code::ResourceExhausted);
+    assert!(s.message().starts_with("append.messages[0].content:"), "{s:?}");
+    let mut d = Drive::open(&hc, begin("bad", "roles")).await.unwrap();
+    d.context().await.unwrap();
+    let s = status_of(d.append(vec![text(Role::User, "sneaky")]).await);
+    assert_eq!(s.message(), "append.messages[0].role: must be ROLE_ASSISTANT or ROLE_TOOL");
+    let users: Vec<(Role, String)> = shape(&g, "bad").await;
+    assert_eq!(
+        users,
+        [(Role::User, "hi".into()), (Role::User, "hi again".into()), (Role::User, "roles".into())],
+        "refused appends stored nothing"
+    );
+
+    // After end: append and a second end are refused; nothing changes.
+    for late in [
+        R::Append(api::Append { messages: vec![text(Role::Assistant, "late")] }),
+        R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() }),
+    ] {
+        let mut d = Drive::open(&hc, begin("late", "hi")).await.unwrap();
+        d.context().await.unwrap();
+        d.append(vec![text(Role::Assistant, "answer")]).await.unwrap();
+        d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
+        d.send(late).await;
+        d.until(|e| matches!(e, H::Ended(_)).then_some(())).await.unwrap();
+        let s = loop {
+            match d.next().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("a request after end was accepted"),
+                Err(s) => break s,
+            }
+        };
+        assert_eq!(s.code(), Code::FailedPrecondition);
+        assert!(s.message().contains("the turn has ended"), "{s:?}");
+    }
+    let texts: Vec<String> = shape(&g, "late").await.into_iter().map(|(_, t)| t).collect();
+    assert_eq!(texts, ["hi", "answer", "hi", "answer"]);
+    g.stop().await;
+}
