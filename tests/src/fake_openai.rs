@@ -23,7 +23,8 @@ pub enum Reply {
     /// Streams `first`, then nothing more, ever (until the client leaves).
     Hang(String),
     /// An agent's model with two tools: after a user message it calls
-    /// `calculator` and `read_file`; after tool results it answers with
+    /// `calculator` (`N * 7 + 1`, N the first number in the user's message)
+    /// and `read_file` (`notes.txt`); after tool results it answers with
     /// them. Decided by the request itself, so any number of turns work.
     ToolLoop,
 }
@@ -182,7 +183,10 @@ impl FakeOpenAi {
 fn tool_loop(request: &serde_json::Value) -> Response {
     let messages = request.get("messages").and_then(|m| m.as_array()).cloned().unwrap_or_default();
     let last = messages.last().cloned().unwrap_or_default();
-    let n = messages.iter().filter(|m| m["role"] == "user").count();
+    // The first number of the newest user message (the turn's own question).
+    let asked = messages.iter().rev().find(|m| m["role"] == "user").and_then(|m| m["content"].as_str()).unwrap_or("");
+    let n: u64 =
+        asked.split(|c: char| !c.is_ascii_digit()).find(|w| !w.is_empty()).and_then(|w| w.parse().ok()).unwrap_or(0);
     let message = if last["role"] == "tool" {
         // Answer with every tool result since the last user message.
         let results: Vec<String> = messages
