@@ -286,13 +286,7 @@ async fn busy_policy_interrupt_aborts_the_running_turn_then_runs() {
     holder.append(vec![tool_call("c", "calculator", "{}")]).await.unwrap();
     let events = run_to_end(&g, run_req("int", "stop that", api::BusyPolicy::Interrupt)).await.unwrap();
     assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
-    let s = loop {
-        match holder.next().await {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the interrupted stream ended without a status"),
-            Err(s) => break s,
-        }
-    };
+    let s = holder.status().await;
     assert_eq!(s.code(), Code::Cancelled, "{s:?}");
     let roles: Vec<(Role, String)> = shape(&g, "int").await;
     assert_eq!(roles[0], (Role::User, "holding".into()));
@@ -429,16 +423,7 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     let hc = client(&g.endpoint);
     let refused = |r: R| {
         let hc = hc.clone();
-        async move {
-            let mut d = Drive::open_with(&hc, r).await.unwrap();
-            loop {
-                match d.next().await {
-                    Ok(Some(_)) => continue,
-                    Ok(None) => panic!("accepted: {:?}", d.seen),
-                    Err(s) => return s,
-                }
-            }
-        }
+        async move { Drive::open_with(&hc, r).await.unwrap().status().await }
     };
     let s = refused(R::Assemble(api::AssembleContext::default())).await;
     assert_eq!(s.code(), Code::FailedPrecondition);
@@ -499,13 +484,7 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
         d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
         d.send(late).await;
         d.until(|e| matches!(e, H::Ended(_)).then_some(())).await.unwrap();
-        let s = loop {
-            match d.next().await {
-                Ok(Some(_)) => continue,
-                Ok(None) => panic!("a request after end was accepted"),
-                Err(s) => break s,
-            }
-        };
+        let s = d.status().await;
         assert_eq!(s.code(), Code::FailedPrecondition);
         assert!(s.message().contains("the turn has ended"), "{s:?}");
     }

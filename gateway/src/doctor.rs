@@ -11,8 +11,9 @@ use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus,
 
 use crate::cli::CliError;
 use crate::config::Config;
+use crate::core::types::HostProfile;
 use crate::engines::remote::Remote;
-use crate::engines::{Call, EMBEDDED_HOST_CAPABILITIES, EMBEDDED_HOST_LABEL, check_host_requirements};
+use crate::engines::{Call, check_host_requirements};
 
 const SLOT: &str = "plugins.slots.contextEngine";
 
@@ -60,12 +61,15 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
         Err(s) if s.code() == tonic::Code::Unimplemented => println!("health: no health service (counted as healthy)"),
         Err(s) => println!("- health: check failed: {}", s.message()),
     }
-    // ctxgate has one agent-run host today: the embedded managed driver.
-    let hosts = [(EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES[..], "agents.defaults")];
+    // The configured agent-run host is the embedded managed driver;
+    // harnesses declare their own profile per turn.
+    let embedded = HostProfile::embedded();
+    let hosts = [(&embedded, "agents.defaults")];
     let problems: Vec<String> = hosts
         .iter()
-        .filter_map(|(label, caps, paths)| {
-            check_host_requirements(&info, "agent-run", label, caps).err().map(|m| {
+        .filter_map(|(host, paths)| {
+            let label = &host.label;
+            check_host_requirements(&info, "agent-run", host).err().map(|m| {
                 let m = m.replacen(
                     &format!("cannot run operation \"agent-run\" on {label}"),
                     &format!("is incompatible with {label} ({paths})"),
@@ -79,7 +83,7 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
         })
         .collect();
     if problems.is_empty() {
-        println!("host requirements: met by {EMBEDDED_HOST_LABEL}.");
+        println!("host requirements: met by {}.", embedded.label);
         return Ok(());
     }
     for p in &problems {

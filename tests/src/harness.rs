@@ -136,6 +136,18 @@ impl Drive {
         }
     }
 
+    /// Reads on until the stream ends with an error status; panics if it
+    /// ends cleanly.
+    pub async fn status(&mut self) -> tonic::Status {
+        loop {
+            match self.next().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => panic!("the stream ended without an error: {:?}", self.seen),
+                Err(s) => return s,
+            }
+        }
+    }
+
     pub async fn context(&mut self) -> Result<api::Context, tonic::Status> {
         self.until(|e| if let H::Context(c) = e { Some(c.clone()) } else { None }).await
     }

@@ -32,7 +32,7 @@ impl Core {
         let reason = if let Some(q) = g.quarantine_record() {
             Some(format!("it is quarantined after failing during {}: {}", q.operation, q.reason))
         } else {
-            match check_host_requirements(&g.info(), operation.as_str(), &host.label, &host.capability_names()) {
+            match check_host_requirements(&g.info(), operation.as_str(), host) {
                 Err(m) if unmet == Unmet::FailClosed => return Err(CoreError::Precondition(m)),
                 r => r.err(),
             }

@@ -14,6 +14,8 @@ use ctxgate_proto::pb;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::core::types::HostProfile;
+
 pub use legacy::{LEGACY_ID, Legacy, sanitise};
 
 /// What every engine call carries from its caller.
@@ -122,20 +124,10 @@ pub fn durable(info: &pb::EngineInfo) -> bool {
         && info.implemented_methods.iter().any(|m| m == "CommitTurn")
 }
 
-/// Host capabilities of the managed driver (`ctxgate-embedded`).
-pub const EMBEDDED_HOST_ID: &str = "ctxgate-embedded";
-pub const EMBEDDED_HOST_LABEL: &str = "ctxgate embedded runner";
-pub const EMBEDDED_HOST_CAPABILITIES: [&str; 6] =
-    ["bootstrap", "assemble-before-prompt", "after-turn", "maintain", "compact", "runtime-llm-complete"];
-
 /// Checks `info`'s requirements for `operation` against a host; the error
 /// is OpenClaw's message, word for word in shape.
-pub fn check_host_requirements(
-    info: &pb::EngineInfo,
-    operation: &str,
-    host_label: &str,
-    host_caps: &[&str],
-) -> Result<(), String> {
+pub fn check_host_requirements(info: &pb::EngineInfo, operation: &str, host: &HostProfile) -> Result<(), String> {
+    let (host_label, host_caps) = (host.label.as_str(), host.capability_names());
     let Some(req) = info.host_requirements.iter().find(|r| r.operation == operation) else { return Ok(()) };
     let missing: Vec<&str> =
         req.required_capabilities.iter().map(String::as_str).filter(|c| !host_caps.contains(c)).collect();
@@ -171,19 +163,14 @@ mod tests {
             }],
             ..Default::default()
         };
-        let err =
-            check_host_requirements(&info, "agent-run", EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES).unwrap_err();
+        let embedded = HostProfile::embedded();
+        let err = check_host_requirements(&info, "agent-run", &embedded).unwrap_err();
         assert_eq!(
             err,
             "Context engine \"lossless\" cannot run operation \"agent-run\" on ctxgate embedded runner. Missing host capabilities: thread-bootstrap-projection. Required capabilities: compact, thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Use the Codex harness."
         );
-        assert!(
-            check_host_requirements(&info, "manual-compact", EMBEDDED_HOST_LABEL, &EMBEDDED_HOST_CAPABILITIES).is_ok()
-        );
-        assert!(
-            check_host_requirements(&info, "agent-run", "a bare host", &[])
-                .unwrap_err()
-                .contains("Host capabilities: (none).")
-        );
+        assert!(check_host_requirements(&info, "manual-compact", &embedded).is_ok());
+        let bare = HostProfile { id: "agent-harness:bare".into(), label: "a bare host".into(), capabilities: vec![] };
+        assert!(check_host_requirements(&info, "agent-run", &bare).unwrap_err().contains("Host capabilities: (none)."));
     }
 }
