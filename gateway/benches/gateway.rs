@@ -1,8 +1,10 @@
 //! `cargo bench -p ctxgate --bench gateway`: the figures in
 //! docs/benchmarks.md, measured side by side in one run.
 //!
-//! - managed turns per second with the offline provider, 1 and 64
-//!   concurrent sessions, through the real gRPC API and SQLite store;
+//! - managed turns (`RunTurn`, offline provider) and harness turns
+//!   (`DriveTurn`: begin, one context, one append, end) per second, side by
+//!   side, 1 and 64 concurrent sessions, through the real gRPC API and
+//!   SQLite store, legacy engine;
 //! - built-in compaction time for histories of 10k, 100k and 1M tokens
 //!   (extractive summariser, so the figure is the gateway's own cost);
 //! - resident memory of a `ctxgate serve` process holding 10k idle sessions.
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 use ctxgate::compaction::{self, Input, Settings};
 use ctxgate::config::Config;
 use ctxgate::summarize::Extractive;
-use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient};
+use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, harness_client::HarnessClient};
 use ctxgate_proto::pb::{AgentMessage, ContentPart, Role, content_part::Part};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio_stream::StreamExt;
@@ -45,7 +47,65 @@ async fn one_turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str) {
     }
 }
 
-async fn turns_per_second(concurrency: usize, per_session: usize) -> f64 {
+/// One harness turn: begin (→ admitted, engine, context), append the
+/// reply, end accepted.
+async fn one_harness_turn(c: &mut HarnessClient<tonic::transport::Channel>, key: &str) {
+    use api::harness_event::Event as H;
+    use api::harness_request::Request as R;
+    let msg = |role: Role, t: &str| AgentMessage {
+        role: role as i32,
+        content: vec![ContentPart { part: Some(Part::Text(t.into())) }],
+        ..Default::default()
+    };
+    let begin = api::Begin {
+        session: sref(key),
+        host: Some(api::HostProfile {
+            id: "agent-harness:bench".into(),
+            label: String::new(),
+            capabilities: vec!["assemble-before-prompt".into(), "after-turn".into(), "maintain".into()],
+        }),
+        model: Some(api::ModelInfo {
+            id: "bench".into(),
+            provider: String::new(),
+            context_window: 32_000,
+            max_output_tokens: 1_024,
+        }),
+        user_messages: vec![msg(Role::User, "How is the build going today?")],
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let send = |r: R| tx.try_send(api::HarnessRequest { request: Some(r) }).unwrap();
+    send(R::Begin(begin));
+    let mut events = c.drive_turn(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut next_until = async |want: fn(&H) -> bool| loop {
+        let e = events.next().await.unwrap().unwrap().event.unwrap();
+        if want(&e) {
+            return;
+        }
+    };
+    next_until(|e| matches!(e, H::Context(_))).await;
+    send(R::Append(api::Append { messages: vec![msg(Role::Assistant, "All green, 412 tests passed.")] }));
+    next_until(|e| matches!(e, H::Appended(_))).await;
+    send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() }));
+    next_until(|e| matches!(e, H::Ended(_))).await;
+    drop(tx);
+    while events.next().await.is_some() {}
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Driver {
+    Managed,
+    Harness,
+}
+
+async fn turn(driver: Driver, channel: &tonic::transport::Channel, key: &str) {
+    match driver {
+        Driver::Managed => one_turn(&mut GatewayClient::new(channel.clone()), key).await,
+        Driver::Harness => one_harness_turn(&mut HarnessClient::new(channel.clone()), key).await,
+    }
+}
+
+async fn turns_per_second(driver: Driver, concurrency: usize, per_session: usize) -> f64 {
     let state = tempfile::tempdir().unwrap();
     let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
     config.gateway.listen = "127.0.0.1:0".into();
@@ -57,15 +117,15 @@ async fn turns_per_second(concurrency: usize, per_session: usize) -> f64 {
     let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
     // Warm up each session (creation is not a turn's steady-state cost).
     for i in 0..concurrency {
-        one_turn(&mut GatewayClient::new(channel.clone()), &format!("bench-{i}")).await;
+        turn(driver, &channel, &format!("bench-{i}")).await;
     }
     let started = Instant::now();
     let tasks: Vec<_> = (0..concurrency)
         .map(|i| {
-            let mut c = GatewayClient::new(channel.clone());
+            let channel = channel.clone();
             tokio::spawn(async move {
                 for _ in 0..per_session {
-                    one_turn(&mut c, &format!("bench-{i}")).await;
+                    turn(driver, &channel, &format!("bench-{i}")).await;
                 }
             })
         })
@@ -190,11 +250,17 @@ async fn main() {
     let (per_session_1, per_session_64, idle) = if quick() { (50, 2, 500) } else { (2_000, 40, 10_000) };
     println!("ctxgate gateway benchmark ({} run)", if quick() { "quick" } else { "full" });
     for (concurrency, per) in [(1, per_session_1), (64, per_session_64)] {
-        let rate = turns_per_second(concurrency, per).await;
-        println!(
-            "managed turns, offline provider, {concurrency:>2} concurrent sessions: {rate:8.0} turns/s ({} turns)",
-            concurrency * per
-        );
+        for driver in [Driver::Managed, Driver::Harness] {
+            let rate = turns_per_second(driver, concurrency, per).await;
+            let what = match driver {
+                Driver::Managed => "managed turns (RunTurn, offline model)      ",
+                Driver::Harness => "harness turns (begin, context, append, end)",
+            };
+            println!(
+                "{what}, legacy, {concurrency:>2} concurrent sessions: {rate:8.0} turns/s ({} turns)",
+                concurrency * per
+            );
+        }
     }
     for tokens in [10_000u64, 100_000, 1_000_000] {
         let (took, before, after) = compaction_time(tokens).await;

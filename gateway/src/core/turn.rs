@@ -71,6 +71,10 @@ pub struct Turn {
     tool_calls: HashSet<String>,
     answered: HashSet<String>,
     contexts: u32,
+    /// The session's visible history, kept current by the turn's own
+    /// appends: reading the branch costs as much as an assemble, so it is
+    /// read once per turn and again only after a compaction changed it.
+    history: Option<Vec<AgentMessage>>,
     overflow_compactions: u32,
     proactive_done: bool,
     /// Why the runtime is degraded (RuntimeSettings.diagnostics).
@@ -135,6 +139,7 @@ impl Core {
             tool_calls: HashSet::new(),
             answered: HashSet::new(),
             contexts: 0,
+            history: None,
             overflow_compactions: 0,
             proactive_done: false,
             degraded: None,
@@ -180,9 +185,10 @@ impl Turn {
 
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
         // Engines that own compaction are judged by what they assemble.
-        if !self.lease.info.owns_compaction
-            && self.core.visible(&self.session.session_id).await?.tokens() >= self.threshold()
-        {
+        let history = self.history().await?;
+        let tokens = estimate::messages_tokens(&history);
+        self.history = Some(history);
+        if !self.lease.info.owns_compaction && tokens >= self.threshold() {
             self.proactive_done = true;
             if let Err(f) = self.recover(Trigger::Proactive).await {
                 self.close(Outcome::Aborted, Vec::new()).await?;
@@ -261,7 +267,8 @@ impl Turn {
             if self.cancel.is_cancelled() {
                 return Err(self.aborted());
             }
-            let rendered = self.core.visible(&self.session.session_id).await?.render();
+            let rendered = self.history().await?;
+            self.history = Some(rendered.clone());
             let pre_assembly_tokens = estimate::messages_tokens(&rendered);
             let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
             let request = pb::AssembleRequest {
@@ -445,7 +452,27 @@ impl Turn {
         let stored = self.core.store.append(&self.session.session_id, entries).await?;
         self.tool_calls.extend(calls);
         self.answered.extend(answers);
+        self.remember(&stored);
         Ok(stored.into_iter().map(|e| e.id).collect())
+    }
+
+    /// Extends the remembered history with entries just stored.
+    fn remember(&mut self, stored: &[pb::TranscriptEntry]) {
+        if let Some(h) = &mut self.history {
+            h.extend(stored.iter().filter_map(|e| match &e.entry {
+                Some(Entry::Message(m)) => Some(m.clone()),
+                _ => None,
+            }));
+        }
+    }
+
+    /// The visible history now: remembered, or read when a compaction
+    /// changed the branch since.
+    async fn history(&mut self) -> Result<Vec<AgentMessage>, CoreError> {
+        match self.history.take() {
+            Some(h) => Ok(h),
+            None => Ok(self.core.visible(&self.session.session_id).await?.render()),
+        }
     }
 
     /// Compaction inside the turn (force, target=budget) after `trigger`
@@ -459,6 +486,7 @@ impl Turn {
             let sink = move |e| events(TurnEvent::Compaction(e));
             let result =
                 self.core.compact(&self.lease, &self.session, trigger, Some(budget), None, &sink, &self.cancel).await;
+            self.history = None;
             if self.cancel.is_cancelled() {
                 return Err(Failure::aborted());
             }
@@ -491,6 +519,7 @@ impl Turn {
 
     /// Manual compaction mid-turn (target=threshold).
     pub async fn compact(&mut self, instructions: Option<String>) -> Result<CompactionDone, CoreError> {
+        self.history = None;
         let span = self.span.clone();
         let events = self.events.clone();
         let sink = move |e| events(TurnEvent::Compaction(e));
@@ -535,8 +564,9 @@ impl Turn {
     async fn accept(&mut self, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {
         let (core, lease, session) = (self.core.clone(), self.lease.clone(), self.session.clone());
         let durable = lease.remote && crate::engines::durable(&lease.info);
+        let mut history = self.history().await?;
         let commit = if durable {
-            let position = self.position_in(&core.visible(&session.session_id).await?.render());
+            let position = self.position_in(&history);
             Some(core.commit_draft(&lease, &session, &self.turn_id, &self.admitted[0], position as u64))
         } else {
             None
@@ -545,6 +575,10 @@ impl Turn {
             last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
         let stored =
             core.store.close_turn(&session.session_id, crate::store::TurnClose::Accept { entries, commit }).await?;
+        history.extend(stored.iter().filter_map(|e| match &e.entry {
+            Some(Entry::Message(m)) => Some(m.clone()),
+            _ => None,
+        }));
         let budget = self.budget(0);
         let engine_committed = if durable {
             // The engine gets no after-turn or ingest for a durable turn.
@@ -556,7 +590,7 @@ impl Turn {
             }
             waiting == 0
         } else if lease.host.has(Capability::AfterTurn) {
-            self.after_turn(budget).await? && lease.remote
+            self.after_turn(history, budget).await && lease.remote
         } else {
             false
         };
@@ -572,9 +606,8 @@ impl Turn {
 
     /// after-turn with the visible history, or Ingest of the turn's
     /// messages for engines without it. True when the engine took it.
-    async fn after_turn(&self, budget: u64) -> Result<bool, CoreError> {
+    async fn after_turn(&self, history: Vec<AgentMessage>, budget: u64) -> bool {
         let (core, lease, session) = (&self.core, &self.lease, &self.session);
-        let history = core.visible(&session.session_id).await?.render();
         // Everything before the admitted user message existed before the prompt.
         let pre_prompt = self.position_in(&history);
         let new_messages: Vec<AgentMessage> = history[pre_prompt..].to_vec();
@@ -595,7 +628,7 @@ impl Turn {
         };
         let warn = |e: EngineCallError| self.emit(TurnEvent::Warning(format!("after-turn failed: {e}")));
         match lease.engine.after_turn(after, &self.call).await {
-            Ok(_) => return Ok(true),
+            Ok(_) => return true,
             Err(EngineCallError::Cancelled) => {}
             // Without after-turn, the engine learns the turn through Ingest.
             Err(EngineCallError::Unimplemented(_)) => {
@@ -608,14 +641,14 @@ impl Turn {
                     };
                     if let Err(e) = lease.engine.ingest(req, &self.call).await {
                         warn(e);
-                        return Ok(false);
+                        return false;
                     }
                 }
-                return Ok(true);
+                return true;
             }
             Err(e) => warn(e),
         }
-        Ok(false)
+        false
     }
 }
 
