@@ -466,11 +466,28 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     d.context().await.unwrap();
     let s = status_of(d.append(vec![text(Role::User, "sneaky")]).await);
     assert_eq!(s.message(), "append.messages[0].role: must be ROLE_ASSISTANT or ROLE_TOOL");
+    let mut d = Drive::open(&hc, begin("bad", "metadata")).await.unwrap();
+    d.context().await.unwrap();
+    let mut m = text(Role::Assistant, "tagged");
+    m.metadata = (0..65).map(|i| (format!("k{i}"), "v".into())).collect();
+    let s = status_of(d.append(vec![m]).await);
+    assert_eq!(s.code(), Code::ResourceExhausted);
+    assert!(s.message().starts_with("append.messages[0].metadata:"), "{s:?}");
+    // Accepting a turn whose tool call has no result would hand the model a
+    // history it refuses.
+    let mut d = Drive::open(&hc, begin("bad", "dangling")).await.unwrap();
+    d.context().await.unwrap();
+    d.append(vec![tool_call("open", "calculator", "{}")]).await.unwrap();
+    d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
+    let s = d.status().await;
+    assert_eq!(s.code(), Code::FailedPrecondition);
+    assert!(s.message().contains("tool call \"open\" has no result"), "{s:?}");
     let users: Vec<(Role, String)> = shape(&g, "bad").await;
+    let texts: Vec<&str> = ["hi", "hi again", "roles", "metadata", "dangling"].into();
     assert_eq!(
         users,
-        [(Role::User, "hi".into()), (Role::User, "hi again".into()), (Role::User, "roles".into())],
-        "refused appends stored nothing"
+        texts.iter().map(|t| (Role::User, (*t).to_owned())).collect::<Vec<_>>(),
+        "refused appends stored nothing; the refused end left no tool call on the branch"
     );
 
     // After end: append and a second end are refused; nothing changes.

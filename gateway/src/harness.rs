@@ -19,7 +19,7 @@ use crate::core::types::{
     Capability, Context, Driver, EventSink, Failure, FailureReason, HostProfile, ModelSpec, Outcome, TurnEvent,
     TurnSpec,
 };
-use crate::core::{Begun, Core, CoreError, StepError, Turn, session_ref};
+use crate::core::{Begun, Core, CoreError, StepError, Turn, check_client_message, session_ref};
 
 /// Longest host label and `end.reason` accepted.
 const MAX_LABEL_BYTES: usize = 1024;
@@ -115,21 +115,40 @@ impl Drive {
                 return self.after_end().await;
             }
         };
+        match self.steps(&mut turn, assembles).await {
+            Ok(end) => {
+                let finished = turn.finish(outcome(&end)?, Vec::new()).await?;
+                let ended = api::Ended { outcome: end.outcome, engine_committed: finished.engine_committed };
+                send(&self.out, H::Ended(ended));
+                self.after_end().await
+            }
+            Err(status) => {
+                // Abort now, so the rewind is written before the harness hears why.
+                if let Err(e) = turn.finish(Outcome::Aborted, Vec::new()).await {
+                    tracing::warn!(error = %e, "ending an aborted harness turn failed");
+                }
+                Err(status)
+            }
+        }
+    }
+
+    /// The turn's requests after `begin`, each one step, until `end`.
+    async fn steps(&mut self, turn: &mut Turn, assembles: bool) -> Result<api::End, Status> {
         if assembles {
-            self.context(&mut turn, Vec::new(), "begin").await?;
+            self.context(turn, Vec::new(), "begin").await?;
         }
         loop {
-            // The harness closing its side before `end` drops the turn: an abort.
+            // The harness closing its side before `end` is an abort.
             let Some(request) = self.next().await? else { return Err(aborted()) };
             match request {
                 R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),
-                R::Assemble(a) => self.context(&mut turn, a.pending, "assemble.pending").await?,
+                R::Assemble(a) => self.context(turn, a.pending, "assemble.pending").await?,
                 R::Append(a) => match turn.append(a.messages, "append.messages").await {
                     Ok(entry_ids) => send(&self.out, H::Appended(api::Appended { entry_ids })),
                     Err(e) => self.step_failed(e)?,
                 },
                 R::Overflow(o) => match turn.overflow().await {
-                    Ok(true) => self.context(&mut turn, o.pending, "overflow.pending").await?,
+                    Ok(true) => self.context(turn, o.pending, "overflow.pending").await?,
                     Ok(false) => {
                         let f = Failure::new(
                             FailureReason::ContextOverflow,
@@ -152,14 +171,8 @@ impl Drive {
                     ),
                 },
                 R::End(e) => {
-                    let outcome = outcome(&e)?;
-                    let label = e.outcome;
-                    let finished = turn.finish(outcome, Vec::new()).await?;
-                    send(
-                        &self.out,
-                        H::Ended(api::Ended { outcome: label, engine_committed: finished.engine_committed }),
-                    );
-                    return self.after_end().await;
+                    outcome(&e)?;
+                    return Ok(e);
                 }
             }
         }
@@ -332,8 +345,7 @@ fn user_messages(list: Vec<pb::AgentMessage>) -> Result<Vec<pb::AgentMessage>, C
             if m.content.is_empty() {
                 return Err(CoreError::invalid(format!("{at}.content"), "is empty"));
             }
-            // The gateway assigns ids (the entry ids): check the rest.
-            ctxgate_proto::validate::message(&pb::AgentMessage { id: "m".into(), ..m.clone() }, &at)?;
+            check_client_message(&m, &at)?;
             if m.content
                 .iter()
                 .any(|p| !matches!(p.part, Some(pb::content_part::Part::Text(_) | pb::content_part::Part::Image(_))))

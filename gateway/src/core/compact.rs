@@ -15,7 +15,7 @@ impl Core {
         sink: &CompactionSink<'_>,
         cancel: CancellationToken,
     ) -> Result<CompactionDone, CoreError> {
-        let _guard = self.enter(&session.session_id, &cancel).await?;
+        let _guard = self.enter(&session.session_id, &cancel, true).await?;
         let host = HostProfile::embedded();
         let lease = self.lease(Operation::ManualCompact, &host, self.provider_model(), Unmet::Degrade)?;
         self.compact(&lease, session, Trigger::Manual, None, instructions, sink, &cancel).await

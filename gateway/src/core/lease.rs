@@ -245,7 +245,7 @@ impl Core {
         let stop = self.shutdown.child_token();
         tokio::spawn(async move {
             loop {
-                if let Ok(_guard) = core.enter(&session.session_id, &stop).await {
+                if let Ok(_guard) = core.enter(&session.session_id, &stop, false).await {
                     core.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
                 }
                 let mut lanes = core.maintenance.lock().unwrap_or_else(|e| e.into_inner());

@@ -36,7 +36,7 @@ use crate::transcript::{self, Visible};
 pub use managed::{ManagedTurn, TurnEnd};
 pub use sessions::BusyError;
 use sessions::{SessionGuard, SessionLocks};
-pub use turn::{Begun, Finished, StepError, Turn};
+pub use turn::{Begun, Finished, StepError, Turn, check_client_message};
 use types::*;
 
 /// Errors the API maps to statuses (before a turn is admitted, for a
@@ -273,9 +273,17 @@ impl Core {
     }
 
     /// Waits for the session (Enqueue: the caller's cancel ends the wait)
-    /// for work that is not a turn: manual compaction, the outbox.
-    async fn enter(&self, session_id: &str, cancel: &CancellationToken) -> Result<SessionGuard, CoreError> {
-        Ok(self.sessions.enter(session_id, cancel, BusyPolicy::Enqueue, None).await?)
+    /// for work that is not a turn. `bounded`: a client's (manual
+    /// compaction) waits in the session's bounded queue; the gateway's own
+    /// (the outbox, background maintenance) is bounded by construction.
+    async fn enter(
+        &self,
+        session_id: &str,
+        cancel: &CancellationToken,
+        bounded: bool,
+    ) -> Result<SessionGuard, CoreError> {
+        let limit = bounded.then_some(self.config.gateway.limits.queued_turns_per_session);
+        Ok(self.sessions.enter(session_id, cancel, BusyPolicy::Enqueue, limit).await?)
     }
 
     /// Fires the running turn's or compaction's token. True if one ran.

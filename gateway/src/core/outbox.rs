@@ -78,7 +78,7 @@ impl Core {
                 continue;
             }
             let cancel = self.call_token();
-            let _guard = self.enter(&session_id, &cancel).await?;
+            let _guard = self.enter(&session_id, &cancel, false).await?;
             self.drain_commits(&session_id, &cancel).await?;
         }
         Ok(())

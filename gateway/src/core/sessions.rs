@@ -67,6 +67,11 @@ impl Drop for Queued<'_> {
         let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = slots.get_mut(self.session_id) {
             s.queued = s.queued.saturating_sub(1);
+            // A waiter that gave up after the holder left: nobody holds or
+            // waits for the session any more, forget it.
+            if s.queued == 0 && s.lock.try_lock().is_ok() {
+                slots.remove(self.session_id);
+            }
         }
     }
 }

@@ -388,9 +388,7 @@ impl Turn {
             if m.content.is_empty() {
                 return Err(CoreError::invalid(format!("{at}.content"), "is empty"));
             }
-            // Ids are the gateway's (entry ids): check the rest with a stand-in.
-            let probe = AgentMessage { id: "m".into(), ..m.clone() };
-            ctxgate_proto::validate::message(&probe, &at)?;
+            check_client_message(m, &at)?;
             for (j, p) in m.content.iter().enumerate() {
                 let part = format!("{at}.content[{j}]");
                 match &p.part {
@@ -544,15 +542,25 @@ impl Turn {
         let Some(guard) = self.guard.take() else {
             return Err(CoreError::Precondition("the turn has ended".into()));
         };
+        let (store, session_id) = (self.core.store.clone(), self.session.session_id.clone());
+        let rewind = async || {
+            let r = store.close_turn(&session_id, crate::store::TurnClose::Rewind).await;
+            r.map(|_| Finished { entries: Vec::new(), engine_committed: false }).map_err(CoreError::from)
+        };
         let result = match &outcome {
-            Outcome::Accepted => self.accept(last).await,
-            Outcome::Aborted | Outcome::Failed(_) => self
-                .core
-                .store
-                .close_turn(&self.session.session_id, crate::store::TurnClose::Rewind)
-                .await
-                .map(|_| Finished { entries: Vec::new(), engine_committed: false })
-                .map_err(CoreError::from),
+            // A turn that could not be accepted ends as an abort, rewound
+            // before the caller hears of it (a no-op once the accepting
+            // close is written).
+            Outcome::Accepted => match self.accept(last).await {
+                Err(e) => {
+                    if let Err(re) = rewind().await {
+                        tracing::error!(error = %re, "rewinding a refused turn failed");
+                    }
+                    Err(e)
+                }
+                ok => ok,
+            },
+            Outcome::Aborted | Outcome::Failed(_) => rewind().await,
         };
         let label = if result.is_ok() { outcome.label() } else { "error" };
         self.core.metrics.turns_in_flight.dec();
@@ -562,6 +570,12 @@ impl Turn {
     }
 
     async fn accept(&mut self, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {
+        // A model shown a tool call without its result refuses the history.
+        if let Some(open) = self.tool_calls.iter().find(|c| !self.answered.contains(*c)) {
+            return Err(CoreError::Precondition(format!(
+                "tool call {open:?} has no result: append its result, or end the turn failed"
+            )));
+        }
         let (core, lease, session) = (self.core.clone(), self.lease.clone(), self.session.clone());
         let durable = lease.remote && crate::engines::durable(&lease.info);
         let mut history = self.history().await?;
@@ -651,6 +665,26 @@ impl Turn {
         false
     }
 }
+
+/// A message a client adds (user or turn message): well formed, within the
+/// content limit, metadata bounded. Ids are the gateway's (entry ids), so
+/// the rest is checked with a stand-in id.
+pub fn check_client_message(m: &AgentMessage, at: &str) -> Result<(), CoreError> {
+    let probe = AgentMessage { id: "m".into(), ..m.clone() };
+    ctxgate_proto::validate::message(&probe, at)?;
+    let meta: usize = m.metadata.iter().map(|(k, v)| k.len() + v.len()).sum();
+    if m.metadata.len() > MAX_METADATA_ENTRIES || meta > MAX_METADATA_BYTES {
+        return Err(CoreError::too_large(
+            format!("{at}.metadata"),
+            format!("is limited to {MAX_METADATA_ENTRIES} entries and {MAX_METADATA_BYTES} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// Bounds on a client message's free-form metadata.
+const MAX_METADATA_ENTRIES: usize = 64;
+const MAX_METADATA_BYTES: usize = 16 * 1024;
 
 impl Drop for Turn {
     /// An open turn dropped (stream gone, client cancel, a refused step) is
