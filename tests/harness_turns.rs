@@ -28,8 +28,13 @@ fn hosting(endpoint: &str) -> Config {
     c
 }
 
-async fn fault_engine(faults: &str) -> EngineProcess {
-    EngineProcess::start(bin("ctxgate-fault-engine"), &["--listen", "127.0.0.1:0", "--fault", faults]).await.unwrap()
+/// The fault fixture with `faults` as a process, and a gateway using it.
+async fn fault_gateway(faults: &str) -> (EngineProcess, TestGateway) {
+    let args = ["--listen", "127.0.0.1:0", "--fault", faults];
+    let engine = EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.unwrap();
+    let g = TestGateway::start(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+    (engine, g)
 }
 
 /// Polls Status (bounded) until the engine has attached.
@@ -87,14 +92,35 @@ async fn tool_turn(drive: &mut Drive, n: usize) -> (api::Context, api::Context) 
     (first, second)
 }
 
+/// The window engine as a process, and a gateway (with metrics) using it.
+struct WindowSetup {
+    state: tempfile::TempDir,
+    _engine: EngineProcess,
+    g: TestGateway,
+}
+
+impl WindowSetup {
+    async fn start() -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let engine = start_window(state.path(), &[]).await;
+        let mut config = hosting(&engine.endpoint);
+        config.gateway.metrics_listen = "127.0.0.1:0".into();
+        let g = TestGateway::start(config).await;
+        attached(&g).await;
+        Self { state, _engine: engine, g }
+    }
+
+    /// Rows in one of the window engine's own tables.
+    fn engine_rows(&self, table: &str) -> i64 {
+        let db = rusqlite::Connection::open(self.state.path().join("window.sqlite")).unwrap();
+        db.query_row(&format!("SELECT COUNT(*) FROM {table}"), [], |r| r.get(0)).unwrap()
+    }
+}
+
 #[tokio::test]
 async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_commits_each_turn_once() {
-    let state = tempfile::tempdir().unwrap();
-    let engine = start_window(state.path(), &[]).await;
-    let mut config = hosting(&engine.endpoint);
-    config.gateway.metrics_listen = "127.0.0.1:0".into();
-    let g = TestGateway::start(config).await;
-    attached(&g).await;
+    let w = WindowSetup::start().await;
+    let g = &w.g;
     let hc = client(&g.endpoint);
     for n in 0..3 {
         let mut drive = Drive::open(&hc, begin("loop", &format!("question {n}"))).await.unwrap();
@@ -111,32 +137,29 @@ async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_c
             drive.seen.iter().find_map(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).unwrap();
         assert_eq!((selected.engine_id.as_str(), selected.reason.as_str()), ("window", "configured"));
     }
-    let got = shape(&g, "loop").await;
+    let got = shape(g, "loop").await;
     let roles: Vec<Role> = got.iter().map(|(r, _)| *r).collect();
     assert_eq!(roles, [Role::User, Role::Assistant, Role::Tool, Role::Assistant].repeat(3), "{got:?}");
 
     // The engine's own record: each turn committed once, every message once.
-    let ids: Vec<String> = branch(&g, "loop")
+    let ids: Vec<String> = branch(g, "loop")
         .await
         .into_iter()
         .filter_map(|e| matches!(e.entry, Some(Entry::Message(_))).then_some(e.id))
         .collect();
-    let db = rusqlite::Connection::open(state.path().join("window.sqlite")).unwrap();
-    let commits: i64 = db.query_row("SELECT COUNT(*) FROM commits", [], |r| r.get(0)).unwrap();
-    assert_eq!(commits, 3);
+    assert_eq!(w.engine_rows("commits"), 3);
+    let db = rusqlite::Connection::open(w.state.path().join("window.sqlite")).unwrap();
     let mut stmt = db.prepare("SELECT id FROM messages ORDER BY seq").unwrap();
     let held: Vec<String> = stmt.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
     assert_eq!(held, ids, "the engine holds each message once, in transcript order");
     let metrics = metrics_text(g.metrics.unwrap()).await;
     assert!(metrics.contains("ctxgate_turns_by_driver_total{driver=\"harness\",outcome=\"completed\"} 3"), "{metrics}");
-    g.stop().await;
+    w.g.stop().await;
 }
 
 #[tokio::test]
 async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
-    let engine = fault_engine("hang-on-tools").await;
-    let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    let (engine, g) = fault_gateway("hang-on-tools").await;
     let hc = client(&g.endpoint);
     let mut drive = Drive::open(&hc, begin("drop", "read my files")).await.unwrap();
     drive.context().await.unwrap();
@@ -171,10 +194,8 @@ async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
 
 #[tokio::test]
 async fn an_explicit_abort_or_failed_end_never_reaches_the_engine_and_rewinds() {
-    let state = tempfile::tempdir().unwrap();
-    let engine = start_window(state.path(), &[]).await;
-    let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    let w = WindowSetup::start().await;
+    let g = &w.g;
     let hc = client(&g.endpoint);
     for outcome in [api::TurnOutcome::Aborted, api::TurnOutcome::Failed] {
         let mut drive = Drive::open(&hc, begin("ends", "try")).await.unwrap();
@@ -183,12 +204,10 @@ async fn an_explicit_abort_or_failed_end_never_reaches_the_engine_and_rewinds() 
         assert_eq!(ended.outcome, outcome as i32);
         assert!(!ended.engine_committed);
     }
-    let got = shape(&g, "ends").await;
+    let got = shape(g, "ends").await;
     assert_eq!(got, [(Role::User, "try".into()), (Role::User, "try".into())]);
-    let db = rusqlite::Connection::open(state.path().join("window.sqlite")).unwrap();
-    let commits: i64 = db.query_row("SELECT COUNT(*) FROM commits", [], |r| r.get(0)).unwrap();
-    assert_eq!(commits, 0, "aborted and failed turns never advance engine state");
-    g.stop().await;
+    assert_eq!(w.engine_rows("commits"), 0, "aborted and failed turns never advance engine state");
+    w.g.stop().await;
 }
 
 /// A harness turn that holds session `key` open (begun, not ended).
@@ -297,10 +316,8 @@ async fn busy_policy_interrupt_aborts_the_running_turn_then_runs() {
 
 #[tokio::test]
 async fn a_capture_only_host_records_and_finalizes_but_never_assembles() {
-    let state = tempfile::tempdir().unwrap();
-    let engine = start_window(state.path(), &[]).await;
-    let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    let w = WindowSetup::start().await;
+    let g = &w.g;
     let hc = client(&g.endpoint);
     let capture = |key: &str, user: &str| {
         let mut b = begin(key, user);
@@ -318,16 +335,14 @@ async fn a_capture_only_host_records_and_finalizes_but_never_assembles() {
     let s = status_of(d.assemble(vec![]).await);
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(s.message().contains("assemble-before-prompt"), "{s:?}");
-    let got = shape(&g, "cap").await;
+    let got = shape(g, "cap").await;
     assert_eq!(got[..2], [(Role::User, "hello".into()), (Role::Assistant, "hi there".into())]);
-    g.stop().await;
+    w.g.stop().await;
 }
 
 #[tokio::test]
 async fn missing_host_capabilities_fail_closed_before_admission_with_openclaws_message() {
-    let engine = fault_engine("needs-threads").await;
-    let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    let (_engine, g) = fault_gateway("needs-threads").await;
     let hc = client(&g.endpoint);
     let s = status_of(Drive::open(&hc, begin("threads", "hi")).await.unwrap().context().await);
     assert_eq!(s.code(), Code::FailedPrecondition);
@@ -349,9 +364,7 @@ async fn missing_host_capabilities_fail_closed_before_admission_with_openclaws_m
 
 #[tokio::test]
 async fn thread_bootstrap_projection_says_when_to_reinject() {
-    let engine = fault_engine("projection").await;
-    let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    let (_engine, g) = fault_gateway("projection").await;
     let hc = client(&g.endpoint);
     let with_threads = |user: &str| {
         let mut b = begin("proj", user);
