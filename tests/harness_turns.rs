@@ -193,6 +193,46 @@ async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
 }
 
 #[tokio::test]
+async fn a_rewrite_while_the_turn_begins_is_followed_by_its_abort() {
+    // A turn on legacy first, so the engine meets a session with history.
+    let engine = EngineProcess::start(
+        bin("ctxgate-fault-engine"),
+        &["--listen", "127.0.0.1:0", "--fault", "bootstraps,maintain-rewrite"],
+    )
+    .await
+    .unwrap();
+    let g = TestGateway::start(Config::default()).await;
+    let hc = client(&g.endpoint);
+    let mut d = Drive::open(&hc, begin("rw", "first question")).await.unwrap();
+    d.context().await.unwrap();
+    d.append(vec![text(Role::Assistant, "first answer")]).await.unwrap();
+    d.end(api::TurnOutcome::Accepted).await.unwrap();
+    g.reload(hosting(&engine.endpoint)).await;
+    attached(&g).await;
+
+    // Bootstrap, then Maintain(bootstrap) rewrites the first message: the
+    // branch (this turn's admitted message included) is copied.
+    let mut d = Drive::open(&hc, begin("rw", "second question")).await.unwrap();
+    d.context().await.unwrap();
+    engine.wait_line("event maintain", Duration::from_secs(5)).await.expect("maintenance ran at bootstrap");
+    d.append(vec![tool_call("c", "read_file", "{}")]).await.unwrap();
+    d.append(vec![tool_result("c", "read_file", "text")]).await.unwrap();
+    let s = status_of(d.append(vec![tool_result("c", "read_file", "again")]).await);
+    assert_eq!(s.code(), Code::InvalidArgument, "a second result for one call is refused");
+    let got = shape(&g, "rw").await;
+    assert_eq!(
+        got,
+        [
+            (Role::User, "rewritten".into()),
+            (Role::Assistant, "first answer".into()),
+            (Role::User, "second question".into())
+        ],
+        "the aborted turn's tool traffic left the rewritten branch"
+    );
+    g.stop().await;
+}
+
+#[tokio::test]
 async fn an_explicit_abort_or_failed_end_never_reaches_the_engine_and_rewinds() {
     let w = WindowSetup::start().await;
     let g = &w.g;
@@ -454,6 +494,11 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     assert_eq!((s.code(), s.message()), (Code::InvalidArgument, "begin.model.context_window: must be positive"));
 
     let mut b = begin("bad", "hi");
+    b.session.as_mut().unwrap().session_key = " ".into();
+    let s = refused(R::Begin(b)).await;
+    assert_eq!((s.code(), s.message()), (Code::InvalidArgument, "begin.session.session_key: is required"));
+
+    let mut b = begin("bad", "hi");
     b.host.as_mut().unwrap().id = "my-harness".into();
     assert!(refused(R::Begin(b)).await.message().starts_with("begin.host.id:"));
     let mut b = begin("bad", "hi");
@@ -520,5 +565,27 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     }
     let texts: Vec<String> = shape(&g, "late").await.into_iter().map(|(_, t)| t).collect();
     assert_eq!(texts, ["hi", "answer", "hi", "answer"]);
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_silent_harness_loses_its_turn_after_the_idle_limit() {
+    let mut config = Config::default();
+    config.gateway.limits.harness_idle_seconds = 1;
+    let g = TestGateway::start(config).await;
+    let hc = client(&g.endpoint);
+    let mut d = Drive::open(&hc, begin("idle", "hello")).await.unwrap();
+    d.context().await.unwrap();
+    d.append(vec![tool_call("c", "calculator", "{}")]).await.unwrap();
+    // Then nothing: the gateway ends the stream and frees the session.
+    let started = std::time::Instant::now();
+    let s = d.status().await;
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
+    assert!(s.message().contains("harnessIdleSeconds"), "{s:?}");
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    let events = run_to_end(&g, run_req("idle", "anyone?", api::BusyPolicy::Reject)).await.unwrap();
+    assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
+    let roles: Vec<Role> = shape(&g, "idle").await.into_iter().map(|(r, _)| r).collect();
+    assert_eq!(roles, [Role::User, Role::User, Role::Assistant], "the idle turn's tool call left the branch");
     g.stop().await;
 }

@@ -430,7 +430,7 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
     if as_json {
         let engines: Vec<_> = s.engines.iter().map(engine_json).collect();
         let v = json!({"version": s.version, "model_provider": s.model_provider, "model": s.model, "context_window": s.context_window,
-            "selected_engine": s.selected_engine, "engines": engines, "sessions": s.sessions, "turns_in_flight": s.turns_in_flight});
+            "selected_engine": s.selected_engine, "engines": engines, "sessions": s.sessions, "turns_in_flight": s.turns_in_flight, "turns_queued": s.turns_queued});
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(());
     }
@@ -440,7 +440,7 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
     for e in &s.engines {
         print_engine(e);
     }
-    println!("sessions: {} active, {} turns running", s.sessions, s.turns_in_flight);
+    println!("sessions: {} active, {} turns running, {} queued", s.sessions, s.turns_in_flight, s.turns_queued);
     Ok(())
 }
 

@@ -68,11 +68,14 @@ pub struct LimitsSection {
     /// Turns that may wait behind a session's running turn (busy policy
     /// enqueue); one more is RESOURCE_EXHAUSTED.
     pub queued_turns_per_session: usize,
+    /// A harness stream that sends nothing for this long is ended (its
+    /// turn aborted), so a silent client cannot hold a session.
+    pub harness_idle_seconds: u64,
 }
 
 impl Default for LimitsSection {
     fn default() -> Self {
-        Self { queued_turns_per_session: 8 }
+        Self { queued_turns_per_session: 8, harness_idle_seconds: 300 }
     }
 }
 
@@ -327,6 +330,9 @@ impl Config {
         }
         if self.gateway.limits.queued_turns_per_session > 10_000 {
             return Err(invalid("gateway.limits.queuedTurnsPerSession", "is over 10000"));
+        }
+        if self.gateway.limits.harness_idle_seconds == 0 {
+            return Err(invalid("gateway.limits.harnessIdleSeconds", "must be positive"));
         }
         if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));

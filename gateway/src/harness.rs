@@ -4,13 +4,16 @@
 //! runs one step, and step results and turn events go back as
 //! `HarnessEvent`s, in order.
 
-use std::sync::Arc;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ctxgate_proto::gateway::{self as api, harness_event::Event as H, harness_request::Request as R};
 use ctxgate_proto::pb::{self, Role};
 use ctxgate_proto::{estimate, limits};
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -25,15 +28,59 @@ use crate::core::{Begun, Core, CoreError, StepError, Turn, check_client_message,
 const MAX_LABEL_BYTES: usize = 1024;
 /// Most tool names a turn may declare.
 const MAX_TOOLS: usize = 1024;
+/// Events buffered for a harness that does not read.
+const OUT_CAPACITY: usize = 32;
+/// Turn events (other than progress) held back while the harness is behind.
+const MAX_SPILL: usize = 64;
 
 pub struct HarnessApi {
     pub core: Arc<Core>,
 }
 
-type Out = mpsc::UnboundedSender<Result<api::HarnessEvent, Status>>;
+/// The stream to the harness, bounded: a harness that stops reading slows
+/// only its own turn. Step answers wait for room. Turn events raised inside
+/// a step (compaction, warnings) never wait: while the harness is behind,
+/// compaction progress is dropped (later progress or `done` supersedes it)
+/// and the rest waits in a small spill flushed, in order, before the
+/// step's answer.
+struct Out {
+    tx: mpsc::Sender<Result<api::HarnessEvent, Status>>,
+    spill: Mutex<VecDeque<api::HarnessEvent>>,
+}
 
-fn send(out: &Out, event: H) {
-    let _ = out.send(Ok(api::HarnessEvent { event: Some(event) }));
+impl Out {
+    fn event(&self, event: H) {
+        let item = api::HarnessEvent { event: Some(event) };
+        let progress = matches!(item.event, Some(H::CompactionProgress(_)));
+        let mut spill = self.spill.lock().unwrap_or_else(|e| e.into_inner());
+        if spill.is_empty() {
+            match self.tx.try_send(Ok(item)) {
+                Ok(()) | Err(TrySendError::Closed(_)) => {}
+                Err(TrySendError::Full(Ok(item))) if !progress => spill.push_back(item),
+                Err(TrySendError::Full(_)) => {}
+            }
+        } else if !progress && spill.len() < MAX_SPILL {
+            spill.push_back(item);
+        }
+    }
+
+    async fn flush(&self) {
+        loop {
+            let next = self.spill.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+            let Some(item) = next else { return };
+            let _ = self.tx.send(Ok(item)).await;
+        }
+    }
+
+    async fn answer(&self, event: H) {
+        self.flush().await;
+        let _ = self.tx.send(Ok(api::HarnessEvent { event: Some(event) })).await;
+    }
+
+    async fn fail(&self, status: Status) {
+        self.flush().await;
+        let _ = self.tx.send(Err(status)).await;
+    }
 }
 
 #[tonic::async_trait]
@@ -45,16 +92,18 @@ impl api::harness_server::Harness for HarnessApi {
         req: Request<Streaming<api::HarnessRequest>>,
     ) -> Result<Response<Self::DriveTurnStream>, Status> {
         let requests = req.into_inner();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(OUT_CAPACITY);
+        let out = Arc::new(Out { tx, spill: Mutex::default() });
         let cancel = self.core.call_token();
+        let idle = Duration::from_secs(self.core.config().gateway.limits.harness_idle_seconds);
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
-            let mut driver = Drive { core, requests, out: tx.clone(), cancel: work };
+            let mut driver = Drive { core, requests, out: out.clone(), cancel: work, idle };
             if let Err(status) = driver.run().await {
-                let _ = tx.send(Err(status));
+                out.fail(status).await;
             }
         });
-        Ok(Response::new(guarded(UnboundedReceiverStream::new(rx), cancel)))
+        Ok(Response::new(guarded(ReceiverStream::new(rx), cancel)))
     }
 }
 
@@ -62,8 +111,10 @@ impl api::harness_server::Harness for HarnessApi {
 struct Drive {
     core: Arc<Core>,
     requests: Streaming<api::HarnessRequest>,
-    out: Out,
+    out: Arc<Out>,
     cancel: CancellationToken,
+    /// `gateway.limits.harnessIdleSeconds`.
+    idle: Duration,
 }
 
 impl Drive {
@@ -71,9 +122,16 @@ impl Drive {
     /// (Abort, an interrupting turn, shutdown, or the client itself) ends
     /// the stream as CANCELLED.
     async fn next(&mut self) -> Result<Option<R>, Status> {
+        self.out.flush().await;
         let message = tokio::select! {
+            biased;
             () = self.cancel.cancelled() => return Err(aborted()),
-            m = self.requests.message() => m?,
+            m = tokio::time::timeout(self.idle, self.requests.message()) => m.map_err(|_| {
+                Status::deadline_exceeded(format!(
+                    "no request for {} s: the turn was aborted (gateway.limits.harnessIdleSeconds)",
+                    self.idle.as_secs()
+                ))
+            })??,
         };
         match message {
             None => Ok(None),
@@ -86,7 +144,7 @@ impl Drive {
         let out = self.out.clone();
         Arc::new(move |e| {
             if let Some(event) = harness_event(e) {
-                send(&out, event);
+                out.event(event);
             }
         })
     }
@@ -107,11 +165,9 @@ impl Drive {
         let mut turn = match self.core.begin(spec, self.sink(), self.cancel.clone()).await? {
             Begun::Open(t) => t,
             Begun::Failed(f) => {
-                send(&self.out, H::Failed(failed(f)));
-                send(
-                    &self.out,
-                    H::Ended(api::Ended { outcome: api::TurnOutcome::Failed as i32, engine_committed: false }),
-                );
+                self.out.answer(H::Failed(failed(f))).await;
+                let ended = api::Ended { outcome: api::TurnOutcome::Failed as i32, engine_committed: false };
+                self.out.answer(H::Ended(ended)).await;
                 return self.after_end().await;
             }
         };
@@ -119,7 +175,7 @@ impl Drive {
             Ok(end) => {
                 let finished = turn.finish(outcome(&end)?, Vec::new()).await?;
                 let ended = api::Ended { outcome: end.outcome, engine_committed: finished.engine_committed };
-                send(&self.out, H::Ended(ended));
+                self.out.answer(H::Ended(ended)).await;
                 self.after_end().await
             }
             Err(status) => {
@@ -144,8 +200,8 @@ impl Drive {
                 R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),
                 R::Assemble(a) => self.context(turn, a.pending, "assemble.pending").await?,
                 R::Append(a) => match turn.append(a.messages, "append.messages").await {
-                    Ok(entry_ids) => send(&self.out, H::Appended(api::Appended { entry_ids })),
-                    Err(e) => self.step_failed(e)?,
+                    Ok(entry_ids) => self.out.answer(H::Appended(api::Appended { entry_ids })).await,
+                    Err(e) => self.step_failed(e).await?,
                 },
                 R::Overflow(o) => match turn.overflow().await {
                     Ok(true) => self.context(turn, o.pending, "overflow.pending").await?,
@@ -154,21 +210,19 @@ impl Drive {
                             FailureReason::ContextOverflow,
                             "The conversation does not fit the model's context window even after 3 compactions. End the turn failed, or shorten what the model sees.",
                         );
-                        send(&self.out, H::Failed(failed(f)));
+                        self.out.answer(H::Failed(failed(f))).await;
                     }
                     Err(_) => return Err(aborted()),
                 },
                 R::Compact(c) => match turn.compact(c.custom_instructions).await {
                     // The compaction's own events carried its `done`.
-                    Ok(_) => {}
+                    Ok(_) => self.out.flush().await,
                     Err(CoreError::Aborted) => return Err(aborted()),
-                    Err(e) => send(
-                        &self.out,
-                        H::CompactionDone(compaction_done(crate::core::types::CompactionDone {
-                            reason: Some(e.to_string()),
-                            ..Default::default()
-                        })),
-                    ),
+                    Err(e) => {
+                        let done =
+                            crate::core::types::CompactionDone { reason: Some(e.to_string()), ..Default::default() };
+                        self.out.answer(H::CompactionDone(compaction_done(done))).await;
+                    }
                 },
                 R::End(e) => {
                     outcome(&e)?;
@@ -182,22 +236,22 @@ impl Drive {
     async fn context(&mut self, turn: &mut Turn, pending: Vec<pb::AgentMessage>, field: &str) -> Result<(), Status> {
         match turn.assemble(&pending, field).await {
             Ok(ctx) => {
-                send(&self.out, H::Context(context(ctx)));
+                self.out.answer(H::Context(context(ctx))).await;
                 Ok(())
             }
-            Err(e) => self.step_failed(e),
+            Err(e) => self.step_failed(e).await,
         }
     }
 
     /// A refused step ends the stream with its status, an aborted one as
     /// CANCELLED; a failed one is a `failed` event (the harness ends the
     /// turn).
-    fn step_failed(&self, e: StepError) -> Result<(), Status> {
+    async fn step_failed(&self, e: StepError) -> Result<(), Status> {
         match e {
             StepError::Refused(e) => Err(e.into()),
             StepError::Failed(f) if f.reason == FailureReason::Aborted => Err(aborted()),
             StepError::Failed(f) => {
-                send(&self.out, H::Failed(failed(f)));
+                self.out.answer(H::Failed(failed(f))).await;
                 Ok(())
             }
         }
@@ -245,9 +299,8 @@ fn outcome(e: &api::End) -> Result<Outcome, CoreError> {
 
 /// A validated `begin`.
 fn turn_spec(core: &Core, b: api::Begin) -> Result<TurnSpec, CoreError> {
-    let (agent, key) =
-        session_fields(b.session.as_ref()).map_err(|_| CoreError::invalid("begin.session", "is required"))?;
-    let (agent_id, session_key) = session_ref(agent, key)?;
+    let (agent, key) = session_fields(b.session.as_ref()).map_err(|e| e.under("begin"))?;
+    let (agent_id, session_key) = session_ref(agent, key).map_err(|e| e.under("begin"))?;
     let host = host_profile(b.host)?;
     let model = b.model.ok_or_else(|| CoreError::invalid("begin.model", "is required"))?;
     if model.id.trim().is_empty() {

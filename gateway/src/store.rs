@@ -170,6 +170,8 @@ pub struct RewriteOutcome {
     pub bytes_freed: i64,
     pub rewritten_entries: u32,
     pub reason: String,
+    /// Old entry id → the id of its copy on the new branch.
+    pub remap: std::collections::HashMap<String, String>,
 }
 
 const SCHEMA: &str = "
@@ -366,12 +368,12 @@ fn decode(body: &[u8]) -> rusqlite::Result<pb::TranscriptEntry> {
 }
 
 /// The active branch from its leaf back to (and including) `stop`, newest
-/// first; the whole branch when `stop` is not on it.
+/// first; `None` when `stop` is not on it.
 fn branch_back_to(
     tx: &rusqlite::Transaction<'_>,
     session_id: &str,
     stop: &str,
-) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
     let leaf: Option<String> =
         tx.query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [session_id], |r| r.get(0))?;
     let mut stmt = tx.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
@@ -383,10 +385,10 @@ fn branch_back_to(
         let done = e.id == stop;
         out.push(e);
         if done {
-            break;
+            return Ok(Some(out));
         }
     }
-    Ok(out)
+    Ok(None)
 }
 
 /// Queues a closed durable turn's commit: the messages from the first
@@ -394,7 +396,8 @@ fn branch_back_to(
 fn queue_commit_in(tx: &rusqlite::Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
     let first: String =
         tx.query_row("SELECT first_entry_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))?;
-    let mut range = branch_back_to(tx, session_id, &first)?;
+    let mut range = branch_back_to(tx, session_id, &first)?
+        .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
     range.reverse();
     let mut req = draft.request;
     req.messages = range
@@ -429,11 +432,11 @@ fn rewind_in(tx: &rusqlite::Transaction<'_>, session_id: &str) -> Result<(), Sto
         .optional()?;
     tx.execute("DELETE FROM open_turns WHERE session_id = ?1", [session_id])?;
     let Some(anchor) = anchor else { return Ok(()) };
-    let mut tail = branch_back_to(tx, session_id, &anchor)?;
-    if tail.last().map(|e| e.id.as_str()) != Some(anchor.as_str()) {
-        // The branch no longer holds the anchor (rewritten meanwhile): leave it.
+    let Some(mut tail) = branch_back_to(tx, session_id, &anchor)? else {
+        // Rewrites follow the anchor; a branch without it was changed by hand.
+        tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
         return Ok(());
-    }
+    };
     tail.pop();
     tail.reverse();
     let dropped: std::collections::HashSet<&str> =
@@ -575,12 +578,14 @@ impl Store for SqliteStore {
         let (session_id, turn_id) = (session_id.to_owned(), turn_id.to_owned());
         self.run(move |c| {
             let tx = c.transaction()?;
+            // A turn left open (its rewind failed) ends as an abort first.
+            rewind_in(&tx, &session_id)?;
             let out = append_in(&tx, &session_id, entries)?;
             let (Some(first), Some(last)) = (out.first(), out.last()) else {
                 return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
             };
             tx.execute(
-                "INSERT OR REPLACE INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
+                "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
                 params![session_id, turn_id, first.id, last.id],
             )?;
             tx.commit()?;
@@ -814,12 +819,27 @@ impl Store for SqliteStore {
                 "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
                 params![session_id, parent, seq],
             )?;
+            // An open turn's admitted entries were copied too: follow them.
+            for column in ["first_entry_id", "anchor_id"] {
+                let old: Option<String> = tx
+                    .query_row(&format!("SELECT {column} FROM open_turns WHERE session_id = ?1"), [&session_id], |r| {
+                        r.get(0)
+                    })
+                    .optional()?;
+                if let Some(new) = old.and_then(|o| remap.get(&o)) {
+                    tx.execute(
+                        &format!("UPDATE open_turns SET {column} = ?2 WHERE session_id = ?1"),
+                        params![session_id, new],
+                    )?;
+                }
+            }
             tx.commit()?;
             Ok(RewriteOutcome {
                 changed: true,
                 bytes_freed: freed,
                 rewritten_entries: rewritten,
                 reason: String::new(),
+                remap,
             })
         })
         .await

@@ -142,6 +142,7 @@ impl Core {
 
     /// Bootstrap (then maintain(bootstrap)) a session the remote engine has
     /// not seen in this process, for hosts with the bootstrap capability.
+    /// Returns the rewrite's id map (empty when nothing was rewritten).
     pub(super) async fn bootstrap_if_new(
         &self,
         lease: &Lease,
@@ -149,13 +150,13 @@ impl Core {
         fence: &str,
         budget: u64,
         call: &Call,
-    ) {
+    ) -> Remap {
         if !lease.remote || !lease.host.has(Capability::Bootstrap) {
-            return;
+            return Remap::new();
         }
         let key = (lease.info.id.clone(), session.session_id.clone());
         if !self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).insert(key) {
-            return;
+            return Remap::new();
         }
         let grant = self.grant(lease, session, Some(fence), call.deadline);
         let req = pb::BootstrapRequest {
@@ -168,13 +169,17 @@ impl Core {
             host: grant.as_ref().map(|g| g.access.clone()),
         };
         match lease.engine.bootstrap(req, call).await {
-            Ok(r) if r.bootstrapped => self.maintain(lease, session, pb::MaintainReason::Bootstrap, budget, call).await,
+            Ok(r) if r.bootstrapped => {
+                return self.maintain(lease, session, pb::MaintainReason::Bootstrap, budget, call).await;
+            }
             Ok(_) | Err(EngineCallError::Unimplemented(_)) => {}
             Err(e) => tracing::warn!(error = %e, "context engine bootstrap failed"),
         }
+        Remap::new()
     }
 
-    /// Maintain and apply the engine's rewrites as a new branch.
+    /// Maintain and apply the engine's rewrites as a new branch; returns
+    /// the rewrite's id map (empty when nothing was rewritten).
     pub(super) async fn maintain(
         &self,
         lease: &Lease,
@@ -182,11 +187,11 @@ impl Core {
         reason: pb::MaintainReason,
         budget: u64,
         call: &Call,
-    ) {
+    ) -> Remap {
         // Runs after every turn: an engine that does not list Maintain (the
         // legacy one included) is not asked for an UNIMPLEMENTED each time.
         if !lease.info.implemented_methods.iter().any(|m| m == "Maintain") || !lease.host.has(Capability::Maintain) {
-            return;
+            return Remap::new();
         }
         let grant = self.grant(lease, session, None, call.deadline);
         let req = pb::MaintainRequest {
@@ -206,10 +211,13 @@ impl Core {
             Ok(r) if !r.replacements.is_empty() => {
                 let replacements = r.replacements.into_iter().filter_map(|x| Some((x.entry_id, x.message?))).collect();
                 match self.store.rewrite(&session.session_id, replacements).await {
-                    Ok(o) if o.changed => tracing::info!(
-                        session = %session.session_id, rewritten = o.rewritten_entries, bytes_freed = o.bytes_freed,
-                        "context engine maintenance changed the transcript"
-                    ),
+                    Ok(o) if o.changed => {
+                        tracing::info!(
+                            session = %session.session_id, rewritten = o.rewritten_entries, bytes_freed = o.bytes_freed,
+                            "context engine maintenance changed the transcript"
+                        );
+                        return o.remap;
+                    }
                     Ok(o) => tracing::debug!(reason = %o.reason, "maintenance rewrote nothing"),
                     Err(e) => tracing::warn!(error = %e, "applying maintenance rewrites failed"),
                 }
@@ -217,6 +225,7 @@ impl Core {
             Ok(_) | Err(EngineCallError::Unimplemented(_) | EngineCallError::Cancelled) => {}
             Err(e) => tracing::warn!(error = %e, "context engine maintain failed"),
         }
+        Remap::new()
     }
 
     /// After a turn: maintain(turn) in the foreground, or — for engines that
@@ -231,7 +240,8 @@ impl Core {
         call: &Call,
     ) {
         if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
-            return self.maintain(lease, session, pb::MaintainReason::Turn, budget, call).await;
+            self.maintain(lease, session, pb::MaintainReason::Turn, budget, call).await;
+            return;
         }
         {
             let mut lanes = self.maintenance.lock().unwrap_or_else(|e| e.into_inner());

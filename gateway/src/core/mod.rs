@@ -75,6 +75,15 @@ impl CoreError {
     pub fn too_large(field: impl Into<String>, problem: impl Into<String>) -> Self {
         Self::TooLarge { field: field.into(), problem: problem.into() }
     }
+
+    /// The same error with its field under `parent` (`parent.field`).
+    pub fn under(self, parent: &str) -> Self {
+        match self {
+            Self::Invalid { field, problem } => Self::Invalid { field: format!("{parent}.{field}"), problem },
+            Self::TooLarge { field, problem } => Self::TooLarge { field: format!("{parent}.{field}"), problem },
+            other => other,
+        }
+    }
 }
 
 impl From<ctxgate_proto::validate::Violation> for CoreError {
@@ -95,6 +104,9 @@ const TIMEOUT_COMPACTION_SHARE: f64 = 0.65;
 const TRUNCATED_TOOL_RESULT_CHARS: usize = 2_000;
 /// How long a host grant lives when the call has no tighter deadline.
 const GRANT_TTL: Duration = Duration::from_secs(600);
+
+/// Old entry id → new, after a maintenance rewrite copied a branch.
+type Remap = std::collections::HashMap<String, String>;
 
 /// Where compaction events go: to a turn's events or a Compact stream.
 pub type CompactionSink<'a> = dyn Fn(CompactionEvent) + Send + Sync + 'a;

@@ -24,8 +24,16 @@ struct Slot {
     lock: Arc<tokio::sync::Mutex<()>>,
     /// The running work's token (Abort and interrupt fire it).
     cancel: Option<CancellationToken>,
-    /// Turns waiting behind it (counted against the queue limit).
+    /// Everyone waiting for the lock (the slot is forgotten at zero).
+    waiting: usize,
+    /// Client turns among them (counted against the queue limit).
     queued: usize,
+    /// Numbers the waiters, so an interrupt can tell who came before it.
+    next_ticket: u64,
+    /// An interrupt that found the lock between two holders: the waiter it
+    /// names was queued after whoever takes the lock next, who then counts
+    /// as the running turn and leaves aborted.
+    interrupt: Option<u64>,
 }
 
 /// The per-session locks. Shared (`Arc`) so a guard can outlive any borrow
@@ -47,29 +55,37 @@ impl Drop for SessionGuard {
         let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = slots.get_mut(&self.session_id) {
             s.cancel = None;
-            // Only the map and this guard hold the lock: nobody waits, forget it.
-            if Arc::strong_count(&s.lock) <= 2 && s.queued == 0 {
+            // Nobody waits: forget the session.
+            if s.waiting == 0 {
                 slots.remove(&self.session_id);
             }
         }
     }
 }
 
-/// Takes a queued place back when the waiter stops waiting (entered,
+/// A waiter's place: given back when it stops waiting (entered,
 /// cancelled, or dropped).
-struct Queued<'a> {
+struct Waiting<'a> {
     locks: &'a SessionLocks,
     session_id: &'a str,
+    ticket: u64,
+    counted: bool,
 }
 
-impl Drop for Queued<'_> {
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = slots.get_mut(self.session_id) {
-            s.queued = s.queued.saturating_sub(1);
+            s.waiting = s.waiting.saturating_sub(1);
+            if self.counted {
+                s.queued = s.queued.saturating_sub(1);
+            }
+            if s.interrupt == Some(self.ticket) {
+                s.interrupt = None;
+            }
             // A waiter that gave up after the holder left: nobody holds or
             // waits for the session any more, forget it.
-            if s.queued == 0 && s.lock.try_lock().is_ok() {
+            if s.waiting == 0 && s.lock.try_lock().is_ok() {
                 slots.remove(self.session_id);
             }
         }
@@ -78,10 +94,10 @@ impl Drop for Queued<'_> {
 
 impl SessionLocks {
     /// Enters `session_id` under `policy`, registering `cancel` for Abort.
-    /// `queue_limit` bounds how many wait (for `Enqueue` and `Interrupt`);
-    /// `None` is for the gateway's own bounded work (the outbox, background
-    /// maintenance). A waiter whose `cancel` fires leaves at once, having
-    /// changed nothing.
+    /// `queue_limit` bounds how many client turns wait (for `Enqueue` and
+    /// `Interrupt`); `None` is for the gateway's own bounded work (the
+    /// outbox, background maintenance), which is not counted. A waiter
+    /// whose `cancel` fires leaves at once, having changed nothing.
     pub async fn enter(
         self: &Arc<Self>,
         session_id: &str,
@@ -89,49 +105,62 @@ impl SessionLocks {
         policy: BusyPolicy,
         queue_limit: Option<usize>,
     ) -> Result<SessionGuard, BusyError> {
-        let lock = {
+        let (lock, ticket) = {
             let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
             let slot = slots.entry(session_id.to_owned()).or_insert_with(|| Slot {
                 lock: Arc::default(),
                 cancel: None,
+                waiting: 0,
                 queued: 0,
+                next_ticket: 0,
+                interrupt: None,
             });
-            match slot.lock.clone().try_lock_owned() {
-                Ok(guard) => {
-                    slot.cancel = Some(cancel.clone());
-                    return Ok(self.guard(session_id, guard));
-                }
-                Err(_) => match policy {
-                    BusyPolicy::Reject => return Err(BusyError::Busy),
-                    BusyPolicy::Enqueue | BusyPolicy::Interrupt => {
-                        if let Some(limit) = queue_limit
-                            && slot.queued >= limit
-                        {
-                            return Err(BusyError::QueueFull(slot.queued));
-                        }
-                        if policy == BusyPolicy::Interrupt
-                            && let Some(running) = &slot.cancel
-                        {
-                            running.cancel();
-                        }
-                        slot.queued += 1;
-                    }
-                },
+            if let Ok(guard) = slot.lock.clone().try_lock_owned() {
+                slot.cancel = Some(cancel.clone());
+                return Ok(self.guard(session_id, guard));
             }
-            slot.lock.clone()
+            if policy == BusyPolicy::Reject {
+                return Err(BusyError::Busy);
+            }
+            if let Some(limit) = queue_limit
+                && slot.queued >= limit
+            {
+                return Err(BusyError::QueueFull(slot.queued));
+            }
+            let ticket = slot.next_ticket;
+            slot.next_ticket += 1;
+            if policy == BusyPolicy::Interrupt {
+                match &slot.cancel {
+                    Some(running) => running.cancel(),
+                    // Between two holders: the next one is interrupted.
+                    None => slot.interrupt = Some(ticket),
+                }
+            }
+            slot.waiting += 1;
+            if queue_limit.is_some() {
+                slot.queued += 1;
+            }
+            (slot.lock.clone(), ticket)
         };
-        let _queued = Queued { locks: self, session_id };
+        let _waiting = Waiting { locks: self, session_id, ticket, counted: queue_limit.is_some() };
         let guard = tokio::select! {
             biased;
             () = cancel.cancelled() => return Err(BusyError::Cancelled),
             g = lock.lock_owned() => g,
         };
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(s) = slots.get_mut(session_id) else { return Err(BusyError::Cancelled) };
+        match s.interrupt {
+            Some(by) if by == ticket => s.interrupt = None,
+            // Queued before an interrupt that came while the lock changed hands.
+            Some(_) => return Err(BusyError::Cancelled),
+            None => {}
+        }
         if cancel.is_cancelled() {
             return Err(BusyError::Cancelled);
         }
-        if let Some(s) = self.slots.lock().unwrap_or_else(|e| e.into_inner()).get_mut(session_id) {
-            s.cancel = Some(cancel.clone());
-        }
+        s.cancel = Some(cancel.clone());
+        drop(slots);
         Ok(self.guard(session_id, guard))
     }
 

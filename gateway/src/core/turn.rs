@@ -67,6 +67,8 @@ pub struct Turn {
     events: EventSink,
     cancel: CancellationToken,
     call: Call,
+    /// Entry ids of the turn's own messages (admitted and appended).
+    own: HashSet<String>,
     /// Tool calls appended in this turn, and those a result answered.
     tool_calls: HashSet<String>,
     answered: HashSet<String>,
@@ -119,6 +121,7 @@ impl Core {
             .map(|m| NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(m) })
             .collect();
         let admitted = self.store.open_turn(&session.session_id, &turn_id, entries).await?;
+        let own = admitted.iter().map(|e| e.id.clone()).collect();
         self.metrics.turns_in_flight.inc();
         // One span per turn: every engine call and model request nests in it.
         let span = tracing::info_span!("turn", driver = spec.driver.as_str(), agent = %session.agent_id,
@@ -136,6 +139,7 @@ impl Core {
             events,
             call: Call::new(cancel.clone()),
             cancel,
+            own,
             tool_calls: HashSet::new(),
             answered: HashSet::new(),
             contexts: 0,
@@ -167,6 +171,10 @@ impl Turn {
         // accepted blocks this session only.
         if self.lease.remote && crate::engines::durable(&self.lease.info) {
             let waiting = self.core.drain_commits(&self.session.session_id, &self.cancel).await?;
+            if self.cancel.is_cancelled() {
+                self.close(Outcome::Aborted, Vec::new()).await?;
+                return Ok(Begun::Failed(Failure::aborted()));
+            }
             if waiting > 0 {
                 let failure = Failure::new(
                     FailureReason::EngineBacklog,
@@ -181,7 +189,16 @@ impl Turn {
         }
         let budget = self.budget(0);
         let fence = self.admitted[0].id.clone();
-        self.core.bootstrap_if_new(&self.lease, &self.session, &fence, budget, &self.call).await;
+        let remap = self.core.bootstrap_if_new(&self.lease, &self.session, &fence, budget, &self.call).await;
+        // Maintain(bootstrap) may have copied the branch, admitted entries
+        // included: the fence and positions follow the copies.
+        for e in &mut self.admitted {
+            if let Some(new) = remap.get(&e.id) {
+                self.own.remove(&e.id);
+                self.own.insert(new.clone());
+                e.id.clone_from(new);
+            }
+        }
 
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
         // Engines that own compaction are judged by what they assemble.
@@ -437,6 +454,11 @@ impl Turn {
         if messages.is_empty() {
             return Err(CoreError::invalid(field, "is required").into());
         }
+        if self.own.len() + messages.len() > limits::MAX_MESSAGES {
+            return Err(
+                CoreError::too_large(field, format!("a turn holds at most {} messages", limits::MAX_MESSAGES)).into()
+            );
+        }
         let (calls, answers) = self.check_turn_messages(&messages, field)?;
         let entries = messages
             .into_iter()
@@ -450,6 +472,7 @@ impl Turn {
         let stored = self.core.store.append(&self.session.session_id, entries).await?;
         self.tool_calls.extend(calls);
         self.answered.extend(answers);
+        self.own.extend(stored.iter().map(|e| e.id.clone()));
         self.remember(&stored);
         Ok(stored.into_iter().map(|e| e.id).collect())
     }
@@ -612,10 +635,11 @@ impl Turn {
         Ok(Finished { entries: stored, engine_committed })
     }
 
-    /// Where the turn's first admitted message sits in `history`.
+    /// Where the turn's own messages start in `history`: its first message
+    /// still visible (a compaction mid-turn may have summarised the first
+    /// ones), else the end.
     fn position_in(&self, history: &[AgentMessage]) -> usize {
-        let first = &self.admitted[0].id;
-        history.iter().position(|m| &m.id == first).unwrap_or(history.len().saturating_sub(1))
+        history.iter().position(|m| self.own.contains(&m.id)).unwrap_or(history.len())
     }
 
     /// after-turn with the visible history, or Ingest of the turn's

@@ -20,6 +20,8 @@
 //!   which host params Assemble still received.
 //! - `maintain-rewrite`: Maintain replaces the session's first message
 //!   (found through the Host service) with the text "rewritten".
+//! - `bootstraps`: Bootstrap answers bootstrapped (so Maintain(bootstrap)
+//!   follows).
 //! - `durable`: declares both transcript semantics and implements
 //!   CommitTurn (idempotent per key); `commit-fails-first` makes the first
 //!   commit answer UNAVAILABLE.
@@ -131,6 +133,9 @@ impl ContextEngine for Fault {
         if self.has("maintain-rewrite") {
             methods.push("Maintain");
         }
+        if self.has("bootstraps") {
+            methods.push("Bootstrap");
+        }
         let transcript_semantics = self.has("durable").then(|| {
             methods.push("CommitTurn");
             pb::TranscriptSemantics {
@@ -149,6 +154,18 @@ impl ContextEngine for Fault {
             implemented_methods: methods.into_iter().map(String::from).collect(),
             ..Default::default()
         })
+    }
+
+    async fn bootstrap(
+        &self,
+        _ctx: &CallContext,
+        req: pb::BootstrapRequest,
+    ) -> Result<pb::BootstrapResult, EngineError> {
+        if !self.has("bootstraps") {
+            return Err(EngineError::Unimplemented("Bootstrap"));
+        }
+        event("bootstrap", &req.session_id);
+        Ok(pb::BootstrapResult { bootstrapped: true, ..Default::default() })
     }
 
     async fn ingest(&self, _ctx: &CallContext, _req: pb::IngestRequest) -> Result<pb::IngestResult, EngineError> {

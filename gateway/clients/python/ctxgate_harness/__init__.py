@@ -38,9 +38,11 @@ from ctxgate.v1 import gateway_pb2 as gpb  # noqa: E402
 from ctxgate.v1 import harness_pb2 as hpb  # noqa: E402
 from ctxgate.v1 import harness_pb2_grpc  # noqa: E402
 
-#: OpenClaw's host capabilities. Without "assemble-before-prompt" a turn is
-#: capture-only: recorded and finalized, never assembled.
-ALL_CAPABILITIES = (
+#: The capabilities a harness like the example has (OpenClaw's embedded set).
+#: Without "assemble-before-prompt" a turn is capture-only: recorded and
+#: finalized, never assembled. Add "thread-bootstrap-projection" only if your
+#: runtime keeps persistent model threads and honours `context.projection`.
+DEFAULT_CAPABILITIES = (
     "bootstrap",
     "assemble-before-prompt",
     "after-turn",
@@ -69,7 +71,7 @@ class TurnFailed(Exception):
 class Host:
     """Who drives the turn: ``agent-harness:<name>`` with its capabilities."""
 
-    def __init__(self, name, capabilities=ALL_CAPABILITIES, label=""):
+    def __init__(self, name, capabilities=DEFAULT_CAPABILITIES, label=""):
         self.proto = hpb.HostProfile(id=f"agent-harness:{name}", label=label, capabilities=list(capabilities))
 
 
@@ -199,12 +201,21 @@ class Turn:
         self.warnings = []
         self.ended = None
         self.contexts = 0
-        self.admitted = self._until("admitted")
-        self.engine = self._until("engine_selected")
-        if self.engine.HasField("warning"):
-            self.warnings.append(self.engine.warning)
-        assembles = "assemble-before-prompt" in begin.host.capabilities
-        self.context = self._context() if assembles else None
+        try:
+            self.admitted = self._until("admitted")
+            self.engine = self._until("engine_selected")
+            if self.engine.HasField("warning"):
+                self.warnings.append(self.engine.warning)
+            assembles = "assemble-before-prompt" in begin.host.capabilities
+            self.context = self._context() if assembles else None
+        except TurnFailed:
+            # The gateway ended the turn right after admission (e.g. the
+            # engine's outbox is blocked): read its `ended`, close our side.
+            self.ended = self._until("ended")
+            self._requests.put(None)
+            for _ in self._call:
+                pass
+            raise
 
     def _feed(self):
         while True:
@@ -219,15 +230,21 @@ class Turn:
         self._requests.put(hpb.HarnessRequest(**request))
 
     def _until(self, kind):
-        for ev in self._call:
-            got = ev.WhichOneof("event")
-            self.events.append(ev)
-            if got == "warning":
-                self.warnings.append(ev.warning.message)
-            if got == "failed" and kind != "failed":
-                raise TurnFailed(ev.failed.reason, ev.failed.message)
-            if got == kind:
-                return getattr(ev, kind)
+        try:
+            for ev in self._call:
+                got = ev.WhichOneof("event")
+                self.events.append(ev)
+                if got == "warning":
+                    self.warnings.append(ev.warning.message)
+                if got == "failed" and kind != "failed":
+                    raise TurnFailed(ev.failed.reason, ev.failed.message)
+                if got == kind:
+                    return getattr(ev, kind)
+        except grpc.RpcError:
+            # The stream is over: release grpc's thread waiting on our requests.
+            self._requests.put(None)
+            raise
+        self._requests.put(None)
         raise RuntimeError(f"the turn's stream ended before {kind}")
 
     def _context(self):
