@@ -142,7 +142,8 @@ pub enum TurnClose {
     Accept { entries: Vec<NewEntry>, commit: Option<CommitDraft> },
     /// Aborted or failed: the active leaf goes back to the admitted entry,
     /// so the turn's own messages leave the branch (they stay in the tree).
-    /// Compaction entries written during the turn are carried over.
+    /// Compaction entries written during the turn are carried over unless
+    /// they keep from a dropped message.
     Rewind,
 }
 
