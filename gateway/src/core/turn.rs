@@ -618,8 +618,13 @@ impl Turn {
         }));
         let budget = self.budget(0);
         let engine_committed = if durable {
-            // The engine gets no after-turn or ingest for a durable turn.
-            let waiting = core.drain_commits(&session.session_id, &self.cancel).await?;
+            // The engine gets no after-turn or ingest for a durable turn. The
+            // turn is accepted and its commit queued: a failure to deliver
+            // it now is the outbox's to retry, not the turn's.
+            let waiting = core.drain_commits(&session.session_id, &self.cancel).await.unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "delivering queued commits failed; they stay queued");
+                1
+            });
             if waiting > 0 {
                 self.emit(TurnEvent::Warning(
                     "the context engine has not accepted this turn yet; it stays queued and is retried".into(),
