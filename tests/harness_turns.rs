@@ -589,3 +589,35 @@ async fn a_silent_harness_loses_its_turn_after_the_idle_limit() {
     assert_eq!(roles, [Role::User, Role::User, Role::Assistant], "the idle turn's tool call left the branch");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_harness_that_stops_reading_loses_its_turn_and_frees_the_session() {
+    let mut config = Config::default();
+    config.gateway.limits.harness_idle_seconds = 1;
+    let g = TestGateway::start(config).await;
+    let hc = client(&g.endpoint);
+    // Contexts of ~100 KiB each: a few fill every buffer on the way.
+    let mut d = Drive::open(&hc, begin("deaf", &"big history ".repeat(9_000))).await.unwrap();
+    d.context().await.unwrap();
+    for _ in 0..80 {
+        d.send(R::Assemble(api::AssembleContext::default())).await;
+    }
+    // The client reads nothing more; the gateway gives the turn up and the
+    // session takes the next turn.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        match run_to_end(&g, run_req("deaf", "hello?", api::BusyPolicy::Reject)).await {
+            Ok(events) => {
+                assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
+                break;
+            }
+            Err(s) if s.code() == Code::FailedPrecondition => {
+                assert!(tokio::time::Instant::now() < deadline, "the deaf harness still holds the session");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(s) => panic!("{s:?}"),
+        }
+    }
+    drop(d);
+    g.stop().await;
+}

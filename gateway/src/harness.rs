@@ -38,14 +38,23 @@ pub struct HarnessApi {
 }
 
 /// The stream to the harness, bounded: a harness that stops reading slows
-/// only its own turn. Step answers wait for room. Turn events raised inside
-/// a step (compaction, warnings) never wait: while the harness is behind,
+/// only its own turn. Step answers wait for room — as long as the turn is
+/// not cancelled and at most the idle limit. Turn events raised inside a
+/// step (compaction, warnings) never wait: while the harness is behind,
 /// compaction progress is dropped (later progress or `done` supersedes it)
-/// and the rest waits in a small spill flushed, in order, before the
-/// step's answer.
+/// and the rest waits in a small spill, flushed in order before the step's
+/// answer; a harness so far behind that the spill fills loses its turn.
 struct Out {
     tx: mpsc::Sender<Result<api::HarnessEvent, Status>>,
-    spill: Mutex<VecDeque<api::HarnessEvent>>,
+    spill: Mutex<Spill>,
+    cancel: CancellationToken,
+    idle: Duration,
+}
+
+#[derive(Default)]
+struct Spill {
+    events: VecDeque<api::HarnessEvent>,
+    overflowed: bool,
 }
 
 impl Out {
@@ -53,33 +62,71 @@ impl Out {
         let item = api::HarnessEvent { event: Some(event) };
         let progress = matches!(item.event, Some(H::CompactionProgress(_)));
         let mut spill = self.spill.lock().unwrap_or_else(|e| e.into_inner());
-        if spill.is_empty() {
+        if spill.events.is_empty() {
             match self.tx.try_send(Ok(item)) {
                 Ok(()) | Err(TrySendError::Closed(_)) => {}
-                Err(TrySendError::Full(Ok(item))) if !progress => spill.push_back(item),
+                Err(TrySendError::Full(Ok(item))) if !progress => spill.events.push_back(item),
                 Err(TrySendError::Full(_)) => {}
             }
-        } else if !progress && spill.len() < MAX_SPILL {
-            spill.push_back(item);
+        } else if !progress {
+            if spill.events.len() < MAX_SPILL {
+                spill.events.push_back(item);
+            } else {
+                spill.overflowed = true;
+            }
         }
     }
 
-    async fn flush(&self) {
+    /// Sends one item: waits for room, but not past a cancel or the idle
+    /// limit; a harness that went away ends the turn too.
+    async fn send(&self, item: Result<api::HarnessEvent, Status>) -> Result<(), Status> {
+        tokio::select! {
+            biased;
+            () = self.cancel.cancelled() => Err(aborted()),
+            r = tokio::time::timeout(self.idle, self.tx.send(item)) => match r {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(_)) => Err(aborted()),
+                Err(_) => Err(Status::deadline_exceeded(format!(
+                    "the harness read nothing for {} s: the turn was aborted (gateway.limits.harnessIdleSeconds)",
+                    self.idle.as_secs()
+                ))),
+            },
+        }
+    }
+
+    async fn flush(&self) -> Result<(), Status> {
         loop {
-            let next = self.spill.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
-            let Some(item) = next else { return };
-            let _ = self.tx.send(Ok(item)).await;
+            let next = {
+                let mut spill = self.spill.lock().unwrap_or_else(|e| e.into_inner());
+                if spill.overflowed {
+                    return Err(Status::resource_exhausted(
+                        "the harness does not read its events: the turn was aborted",
+                    ));
+                }
+                spill.events.pop_front()
+            };
+            let Some(item) = next else { return Ok(()) };
+            self.send(Ok(item)).await?;
         }
     }
 
-    async fn answer(&self, event: H) {
-        self.flush().await;
-        let _ = self.tx.send(Ok(api::HarnessEvent { event: Some(event) })).await;
+    async fn answer(&self, event: H) -> Result<(), Status> {
+        self.flush().await?;
+        self.send(Ok(api::HarnessEvent { event: Some(event) })).await
     }
 
+    /// The stream's last word, after what is spilled — even when the turn
+    /// was cancelled (the harness should hear why), but not past the idle
+    /// limit.
     async fn fail(&self, status: Status) {
-        self.flush().await;
-        let _ = self.tx.send(Err(status)).await;
+        let events = std::mem::take(&mut self.spill.lock().unwrap_or_else(|e| e.into_inner()).events);
+        let last = async {
+            for item in events {
+                self.tx.send(Ok(item)).await?;
+            }
+            self.tx.send(Err(status)).await
+        };
+        let _ = tokio::time::timeout(self.idle, last).await;
     }
 }
 
@@ -93,9 +140,9 @@ impl api::harness_server::Harness for HarnessApi {
     ) -> Result<Response<Self::DriveTurnStream>, Status> {
         let requests = req.into_inner();
         let (tx, rx) = mpsc::channel(OUT_CAPACITY);
-        let out = Arc::new(Out { tx, spill: Mutex::default() });
         let cancel = self.core.call_token();
         let idle = Duration::from_secs(self.core.config().gateway.limits.harness_idle_seconds);
+        let out = Arc::new(Out { tx, spill: Mutex::default(), cancel: cancel.clone(), idle });
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
             let mut driver = Drive { core, requests, out: out.clone(), cancel: work, idle };
@@ -122,7 +169,7 @@ impl Drive {
     /// (Abort, an interrupting turn, shutdown, or the client itself) ends
     /// the stream as CANCELLED.
     async fn next(&mut self) -> Result<Option<R>, Status> {
-        self.out.flush().await;
+        self.out.flush().await?;
         let message = tokio::select! {
             biased;
             () = self.cancel.cancelled() => return Err(aborted()),
@@ -165,9 +212,9 @@ impl Drive {
         let mut turn = match self.core.begin(spec, self.sink(), self.cancel.clone()).await? {
             Begun::Open(t) => t,
             Begun::Failed(f) => {
-                self.out.answer(H::Failed(failed(f))).await;
+                self.out.answer(H::Failed(failed(f))).await?;
                 let ended = api::Ended { outcome: api::TurnOutcome::Failed as i32, engine_committed: false };
-                self.out.answer(H::Ended(ended)).await;
+                self.out.answer(H::Ended(ended)).await?;
                 return self.after_end().await;
             }
         };
@@ -175,7 +222,7 @@ impl Drive {
             Ok(end) => {
                 let finished = turn.finish(outcome(&end)?, Vec::new()).await?;
                 let ended = api::Ended { outcome: end.outcome, engine_committed: finished.engine_committed };
-                self.out.answer(H::Ended(ended)).await;
+                self.out.answer(H::Ended(ended)).await?;
                 self.after_end().await
             }
             Err(status) => {
@@ -200,7 +247,7 @@ impl Drive {
                 R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),
                 R::Assemble(a) => self.context(turn, a.pending, "assemble.pending").await?,
                 R::Append(a) => match turn.append(a.messages, "append.messages").await {
-                    Ok(entry_ids) => self.out.answer(H::Appended(api::Appended { entry_ids })).await,
+                    Ok(entry_ids) => self.out.answer(H::Appended(api::Appended { entry_ids })).await?,
                     Err(e) => self.step_failed(e).await?,
                 },
                 R::Overflow(o) => match turn.overflow().await {
@@ -210,18 +257,18 @@ impl Drive {
                             FailureReason::ContextOverflow,
                             "The conversation does not fit the model's context window even after 3 compactions. End the turn failed, or shorten what the model sees.",
                         );
-                        self.out.answer(H::Failed(failed(f))).await;
+                        self.out.answer(H::Failed(failed(f))).await?;
                     }
                     Err(_) => return Err(aborted()),
                 },
                 R::Compact(c) => match turn.compact(c.custom_instructions).await {
                     // The compaction's own events carried its `done`.
-                    Ok(_) => self.out.flush().await,
+                    Ok(_) => self.out.flush().await?,
                     Err(CoreError::Aborted) => return Err(aborted()),
                     Err(e) => {
                         let done =
                             crate::core::types::CompactionDone { reason: Some(e.to_string()), ..Default::default() };
-                        self.out.answer(H::CompactionDone(compaction_done(done))).await;
+                        self.out.answer(H::CompactionDone(compaction_done(done))).await?;
                     }
                 },
                 R::End(e) => {
@@ -235,10 +282,7 @@ impl Drive {
     /// Assembles and sends the context.
     async fn context(&mut self, turn: &mut Turn, pending: Vec<pb::AgentMessage>, field: &str) -> Result<(), Status> {
         match turn.assemble(&pending, field).await {
-            Ok(ctx) => {
-                self.out.answer(H::Context(context(ctx))).await;
-                Ok(())
-            }
+            Ok(ctx) => self.out.answer(H::Context(context(ctx))).await,
             Err(e) => self.step_failed(e).await,
         }
     }
@@ -250,10 +294,7 @@ impl Drive {
         match e {
             StepError::Refused(e) => Err(e.into()),
             StepError::Failed(f) if f.reason == FailureReason::Aborted => Err(aborted()),
-            StepError::Failed(f) => {
-                self.out.answer(H::Failed(failed(f))).await;
-                Ok(())
-            }
+            StepError::Failed(f) => self.out.answer(H::Failed(failed(f))).await,
         }
     }
 

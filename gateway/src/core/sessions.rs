@@ -47,12 +47,15 @@ pub struct SessionLocks {
 pub struct SessionGuard {
     locks: Arc<SessionLocks>,
     session_id: String,
-    _lock: tokio::sync::OwnedMutexGuard<()>,
+    /// Released inside `drop`, under the map's lock, so a waiter giving up
+    /// at the same moment sees either the holder or nobody.
+    lock: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
         let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
+        drop(self.lock.take());
         if let Some(s) = slots.get_mut(&self.session_id) {
             s.cancel = None;
             // Nobody waits: forget the session.
@@ -115,7 +118,11 @@ impl SessionLocks {
                 next_ticket: 0,
                 interrupt: None,
             });
-            if let Ok(guard) = slot.lock.clone().try_lock_owned() {
+            // Nobody waits: take it if it is free. (With waiters, a newcomer
+            // queues behind them even if the lock is free this instant.)
+            if slot.waiting == 0
+                && let Ok(guard) = slot.lock.clone().try_lock_owned()
+            {
                 slot.cancel = Some(cancel.clone());
                 return Ok(self.guard(session_id, guard));
             }
@@ -152,8 +159,12 @@ impl SessionLocks {
         let Some(s) = slots.get_mut(session_id) else { return Err(BusyError::Cancelled) };
         match s.interrupt {
             Some(by) if by == ticket => s.interrupt = None,
-            // Queued before an interrupt that came while the lock changed hands.
-            Some(_) => return Err(BusyError::Cancelled),
+            // Queued before an interrupt that came while the lock changed
+            // hands: this one counts as the interrupted turn (one victim).
+            Some(_) => {
+                s.interrupt = None;
+                return Err(BusyError::Cancelled);
+            }
             None => {}
         }
         if cancel.is_cancelled() {
@@ -165,7 +176,7 @@ impl SessionLocks {
     }
 
     fn guard(self: &Arc<Self>, session_id: &str, lock: tokio::sync::OwnedMutexGuard<()>) -> SessionGuard {
-        SessionGuard { locks: self.clone(), session_id: session_id.to_owned(), _lock: lock }
+        SessionGuard { locks: self.clone(), session_id: session_id.to_owned(), lock: Some(lock) }
     }
 
     /// Fires the running work's token. True if something ran.
