@@ -621,3 +621,36 @@ async fn a_harness_that_stops_reading_loses_its_turn_and_frees_the_session() {
     drop(d);
     g.stop().await;
 }
+
+#[tokio::test]
+async fn engines_see_the_harness_as_host_with_its_model_and_capabilities() {
+    let (engine, g) = fault_gateway("settings-probe").await;
+    let hc = client(&g.endpoint);
+    let mut b = begin("who", "hi");
+    b.system_prompt_tokens = Some(500);
+    let mut d = Drive::open(&hc, b).await.unwrap();
+    d.context().await.unwrap();
+    let line = engine.wait_line("event settings", Duration::from_secs(5)).await.unwrap();
+    // Budget: window 32000 − reply reserve 1000 − system prompt 500.
+    assert!(
+        line.starts_with(
+            "event settings host=agent-harness:test harness=test model=test-model budget=30500 max_output=1000 llm=true"
+        ),
+        "{line}"
+    );
+    d.end(api::TurnOutcome::Aborted).await.unwrap();
+    // Without runtime-llm-complete the engine's grant has no host model.
+    let mut b = begin("who", "again");
+    b.host.as_mut().unwrap().capabilities.retain(|c| c != "runtime-llm-complete");
+    let mut d = Drive::open(&hc, b).await.unwrap();
+    d.context().await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while engine.lines_starting("event settings").len() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the second assemble was not reported");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let lines = engine.lines_starting("event settings");
+    assert!(lines[1].contains("llm=false"), "{lines:?}");
+    d.end(api::TurnOutcome::Aborted).await.unwrap();
+    g.stop().await;
+}

@@ -22,6 +22,9 @@
 //!   (found through the Host service) with the text "rewritten".
 //! - `bootstraps`: Bootstrap answers bootstrapped (so Maintain(bootstrap)
 //!   follows).
+//! - `settings-probe`: Assemble reports the runtime settings it got (host,
+//!   harness, model, budget, max output) and whether its grant allows
+//!   llm_complete.
 //! - `durable`: declares both transcript semantics and implements
 //!   CommitTurn (idempotent per key); `commit-fails-first` makes the first
 //!   commit answer UNAVAILABLE.
@@ -205,6 +208,24 @@ impl ContextEngine for Fault {
                 got(req.host.is_some())
             );
             event("params", &seen);
+        }
+        if self.has("settings-probe") {
+            let rs = req.runtime_settings.clone().unwrap_or_default();
+            let host = rs.execution_host.and_then(|h| h.id).unwrap_or_default();
+            let harness = rs.runtime.and_then(|r| r.harness_id).unwrap_or_default();
+            let model = rs.model.and_then(|m| m.resolved).unwrap_or_default();
+            let limits = rs.limits.unwrap_or_default();
+            let llm = req
+                .host
+                .as_ref()
+                .and_then(|h| h.grant.as_ref())
+                .is_some_and(|g| g.operations.iter().any(|o| o == "llm_complete"));
+            let seen = format!(
+                "host={host} harness={harness} model={model} budget={} max_output={} llm={llm}",
+                limits.prompt_token_budget.unwrap_or_default(),
+                limits.max_output_tokens.unwrap_or_default()
+            );
+            event("settings", &seen);
         }
         if self.has("grant-probe") {
             probe_grants(ctx, &req.session_id, req.host.clone()).await;
