@@ -234,3 +234,44 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
         a.compactions.len()
     );
 }
+
+#[tokio::test]
+async fn a_harness_turn_cut_by_sigkill_is_rewound_when_the_gateway_restarts() {
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{Drive, begin, client as harness_client, tool_call, tool_result};
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let gw = serve(&state, None).await;
+    let hc = harness_client(&gw.endpoint);
+    let mut d = Drive::open(&hc, begin("cut", "run the tools")).await.unwrap();
+    d.context().await.unwrap();
+    d.append(vec![tool_call("c1", "calculator", "{}")]).await.unwrap();
+    d.append(vec![tool_result("c1", "calculator", "42")]).await.unwrap();
+    // Acknowledged, durable — and the gateway dies before the turn ends.
+    gw.signal_and_wait("KILL").await.unwrap();
+    drop(d);
+
+    let gw = serve(&state, None).await;
+    let mut c = client(&gw.endpoint);
+    let t = c
+        .get_transcript(api::GetTranscriptRequest { session: sref("cut"), visible_only: false })
+        .await
+        .unwrap()
+        .into_inner();
+    let roles: Vec<Role> = t
+        .entries
+        .iter()
+        .filter_map(
+            |e| if let Some(Entry::Message(m)) = &e.entry { Some(Role::try_from(m.role).unwrap()) } else { None },
+        )
+        .collect();
+    assert_eq!(roles, [Role::User], "the unfinished turn ends as an abort: its user message only");
+    let req = api::RunTurnRequest {
+        session: sref("cut"),
+        message: "again".into(),
+        system_prompt: None,
+        ..Default::default()
+    };
+    let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
+    assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
+}
