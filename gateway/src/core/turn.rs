@@ -194,7 +194,8 @@ impl Turn {
         // included: the fence and positions follow the copies.
         for e in &mut self.admitted {
             if let Some(new) = remap.get(&e.id) {
-                self.own.remove(&e.id);
+                // A copied message keeps its message id (the old entry id):
+                // both name the turn's own message.
                 self.own.insert(new.clone());
                 e.id.clone_from(new);
             }
