@@ -34,14 +34,29 @@ pub struct ServeArgs {
     /// How long in-flight calls may finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
+    /// Engine calls served at once; one more is answered RESOURCE_EXHAUSTED
+    /// with a retry pushback (the gateway falls back for that call, without
+    /// quarantine). GetInfo is never refused.
+    #[arg(long, default_value_t = DEFAULT_MAX_CONCURRENT_CALLS)]
+    pub max_concurrent_calls: usize,
 }
+
+/// The default cap on engine calls in flight.
+pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 1024;
+
+/// How long a refused caller is asked to wait (`grpc-retry-pushback-ms`).
+const PUSHBACK_MS: u64 = 50;
 
 /// Runs `engine` as a process: logs to stderr, binds, prints exactly one
 /// line `listening on ADDR` to stdout, serves until SIGTERM or Ctrl-C, then
 /// drains. Engine binaries call this from `main`.
 pub async fn serve_main<E: ContextEngine>(engine: E, args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     init_tracing();
-    let bound = Server::new(engine).drain_timeout(Duration::from_secs(args.drain_seconds)).bind(&args.listen).await?;
+    let bound = Server::new(engine)
+        .drain_timeout(Duration::from_secs(args.drain_seconds))
+        .max_concurrent_calls(args.max_concurrent_calls)
+        .bind(&args.listen)
+        .await?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", bound.local_endpoint())?;
@@ -83,6 +98,7 @@ pub async fn shutdown_signal() {
 pub struct Server<E> {
     engine: Arc<E>,
     drain: Duration,
+    max_calls: usize,
 }
 
 enum Listener {
@@ -105,7 +121,15 @@ impl<E: ContextEngine> Server<E> {
     }
 
     pub fn from_arc(engine: Arc<E>) -> Self {
-        Self { engine, drain: Duration::from_secs(10) }
+        Self { engine, drain: Duration::from_secs(10), max_calls: DEFAULT_MAX_CONCURRENT_CALLS }
+    }
+
+    /// Engine calls served at once (default 1024, at least 1); one more is
+    /// RESOURCE_EXHAUSTED with `grpc-retry-pushback-ms`, which the gateway
+    /// treats as overload (legacy for that call), not as a failure.
+    pub fn max_concurrent_calls(mut self, n: usize) -> Self {
+        self.max_calls = n.max(1);
+        self
     }
 
     /// How long in-flight calls may finish once shutdown starts (default 10 s).
@@ -165,7 +189,10 @@ impl<E: ContextEngine> Bound<E> {
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .expect("the contract's descriptor set is valid");
-        let engine = raw::ContextEngineServer::new(EngineService { engine: self.server.engine, hosts: Arc::default() })
+        let slots = Arc::new(tokio::sync::Semaphore::new(self.server.max_calls));
+        let max_calls = self.server.max_calls;
+        let service = EngineService { engine: self.server.engine, hosts: Arc::default(), slots, max_calls };
+        let engine = raw::ContextEngineServer::new(service)
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
 
@@ -214,6 +241,9 @@ impl<E: ContextEngine> Bound<E> {
 struct EngineService<E> {
     engine: Arc<E>,
     hosts: Arc<HostChannels>,
+    /// One permit per engine call in flight, `max_calls` in all.
+    slots: Arc<tokio::sync::Semaphore>,
+    max_calls: usize,
 }
 
 /// Cancels the call's token and aborts its task when the caller goes away
@@ -264,7 +294,29 @@ fn panic_status(method: &str) -> Status {
 
 type Unary<T> = Result<Response<T>, Status>;
 
+/// The answer to a call over the limit: overload, with a retry pushback.
+fn over_limit(max: usize) -> Status {
+    let mut s = Status::resource_exhausted(format!("the engine is serving its limit of {max} concurrent calls"));
+    s.metadata_mut().insert("grpc-retry-pushback-ms", PUSHBACK_MS.into());
+    s
+}
+
 impl<E: ContextEngine> EngineService<E> {
+    /// A slot for one engine call, or the overload answer. GetInfo always
+    /// gets one: the gateway needs it to attach.
+    fn admit(&self, method: &str) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Status> {
+        if method == "GetInfo" {
+            return Ok(None);
+        }
+        match self.slots.clone().try_acquire_owned() {
+            Ok(p) => Ok(Some(p)),
+            Err(_) => {
+                tracing::warn!(method, "engine call refused: at the concurrent-call limit");
+                Err(over_limit(self.max_calls))
+            }
+        }
+    }
+
     fn context(&self, metadata: &tonic::metadata::MetadataMap, host: Option<&pb::HostAccess>) -> CallContext {
         CallContext { deadline: deadline_of(metadata), cancel: CancellationToken::new(), host: self.hosts.client(host) }
     }
@@ -286,11 +338,14 @@ impl<E: ContextEngine> EngineService<E> {
     {
         let msg = req.get_ref();
         check(msg)?;
+        let permit = self.admit(method)?;
         let ctx = self.context(req.metadata(), host(msg));
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
         let fut = call(self.engine.clone(), ctx, req.into_inner());
         let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", method));
         let task = tokio::spawn(async move {
+            // The slot is held while the work runs, aborted work included.
+            let _permit = permit;
             tokio::select! {
                 r = fut => r,
                 () = until(deadline) => Err(EngineError::DeadlineExceeded),
@@ -365,6 +420,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
 
     async fn compact(&self, req: Request<pb::CompactRequest>) -> Unary<CompactStream> {
         validate::request::compact(req.get_ref())?;
+        let permit = self.admit("Compact")?;
         let ctx = self.context(req.metadata(), req.get_ref().host.as_ref());
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
         let (tx, rx) = mpsc::channel(16);
@@ -372,6 +428,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
         let msg = req.into_inner();
         let progress = Progress::new(tx.clone());
         let work = tokio::spawn(async move {
+            let _permit = permit;
             tokio::select! {
                 r = engine.compact(&ctx, msg, progress) => r,
                 () = until(deadline) => Err(EngineError::DeadlineExceeded),

@@ -188,7 +188,8 @@ async fn main() {
 
     let entry = EngineEntry { endpoint: sdk_url.clone(), ..EngineEntry::default() };
     let remote = Remote::new("bench", &entry, Duration::from_secs(180)).unwrap();
-    let guarded = Arc::new(Guarded::new(remote, Arc::new(Legacy::default()), Metrics::default()));
+    let guarded =
+        Arc::new(Guarded::new(remote, Arc::new(Legacy::default()), Metrics::default(), entry.max_concurrent_calls));
     guarded.remote.attach(&Call::default()).await.unwrap();
     guarded.readmit("bench start");
 

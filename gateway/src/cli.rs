@@ -410,7 +410,7 @@ fn entry_json(e: &ctxgate_proto::pb::TranscriptEntry) -> serde_json::Value {
 fn engine_json(e: &api::EngineStatus) -> serde_json::Value {
     json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health,
         "quarantine": e.quarantine.as_ref().map(|q| json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms})),
-        "methods": e.methods.iter().map(|m| json!({"method": m.method, "calls": m.calls, "failures": m.failures, "timeouts": m.timeouts, "fallbacks": m.fallbacks})).collect::<Vec<_>>()})
+        "methods": e.methods.iter().map(|m| json!({"method": m.method, "calls": m.calls, "failures": m.failures, "timeouts": m.timeouts, "fallbacks": m.fallbacks, "shed": m.shed})).collect::<Vec<_>>()})
 }
 
 fn print_engine(e: &api::EngineStatus) {
@@ -419,8 +419,8 @@ fn print_engine(e: &api::EngineStatus) {
     println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
     for m in &e.methods {
         println!(
-            "      {:<22} {:>6} calls {:>4} failed {:>4} timed out {:>4} fell back",
-            m.method, m.calls, m.failures, m.timeouts, m.fallbacks
+            "      {:<22} {:>6} calls {:>4} failed {:>4} timed out {:>4} fell back {:>4} shed",
+            m.method, m.calls, m.failures, m.timeouts, m.fallbacks, m.shed
         );
     }
 }

@@ -211,6 +211,9 @@ pub struct EngineEntry {
     pub timeouts: std::collections::BTreeMap<String, f64>,
     /// Largest reply accepted from this engine.
     pub max_message_bytes: usize,
+    /// Calls in flight to this engine at once; one more is shed (legacy
+    /// answers it) without quarantine.
+    pub max_concurrent_calls: usize,
     /// Not supported yet: present only so a config that asks for TLS fails
     /// loudly instead of silently talking plaintext.
     pub tls: Option<serde_json::Value>,
@@ -223,6 +226,7 @@ impl Default for EngineEntry {
             endpoint: String::new(),
             timeouts: Default::default(),
             max_message_bytes: ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES,
+            max_concurrent_calls: 256,
             tls: None,
         }
     }
@@ -397,6 +401,9 @@ impl Config {
             }
             if e.max_message_bytes < 1024 {
                 return Err(invalid(&key("maxMessageBytes"), "must be at least 1024"));
+            }
+            if !(1..=100_000).contains(&e.max_concurrent_calls) {
+                return Err(invalid(&key("maxConcurrentCalls"), "must be between 1 and 100000"));
             }
             if e.tls.is_some() {
                 return Err(invalid(

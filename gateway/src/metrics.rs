@@ -67,6 +67,7 @@ pub struct Metrics {
     pub engine_failures: Family<EngineMethodCode, Counter>,
     pub engine_timeouts: Family<EngineMethod, Counter>,
     pub engine_fallbacks: Family<EngineMethod, Counter>,
+    pub engine_shed: Family<EngineMethod, Counter>,
     pub engine_quarantines: Family<EngineOperation, Counter>,
     pub engine_call_seconds: Family<EngineMethod, Histogram>,
     pub engine_bytes_sent: Family<EngineMethod, Counter>,
@@ -109,6 +110,7 @@ impl Default for Metrics {
         let engine_failures = Family::<EngineMethodCode, Counter>::default();
         let engine_timeouts = Family::<EngineMethod, Counter>::default();
         let engine_fallbacks = Family::<EngineMethod, Counter>::default();
+        let engine_shed = Family::<EngineMethod, Counter>::default();
         let engine_quarantines = Family::<EngineOperation, Counter>::default();
         let engine_call_seconds = Family::<EngineMethod, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         let engine_bytes_sent = Family::<EngineMethod, Counter>::default();
@@ -117,6 +119,11 @@ impl Default for Metrics {
         r.register("engine_failures", "Failed engine calls by gRPC code", engine_failures.clone());
         r.register("engine_timeouts", "Engine calls past their deadline", engine_timeouts.clone());
         r.register("engine_fallbacks", "Engine calls answered by the legacy engine", engine_fallbacks.clone());
+        r.register(
+            "engine_shed",
+            "Engine calls shed as overload (legacy answered, no quarantine)",
+            engine_shed.clone(),
+        );
         r.register("engine_quarantines", "Engines taken out of service, by operation", engine_quarantines.clone());
         r.register("engine_call_duration_seconds", "Engine call latency", engine_call_seconds.clone());
         r.register("engine_sent_bytes", "Request bytes sent to engines", engine_bytes_sent.clone());
@@ -141,6 +148,7 @@ impl Default for Metrics {
             engine_failures,
             engine_timeouts,
             engine_fallbacks,
+            engine_shed,
             engine_quarantines,
             engine_call_seconds,
             engine_bytes_sent,
@@ -196,6 +204,10 @@ impl Metrics {
 
     pub fn engine_fallback(&self, engine: &str, method: &str) {
         self.engine_fallbacks.get_or_create(&EngineMethod { engine: engine.into(), method: method.into() }).inc();
+    }
+
+    pub fn engine_shed(&self, engine: &str, method: &str) {
+        self.engine_shed.get_or_create(&EngineMethod { engine: engine.into(), method: method.into() }).inc();
     }
 
     pub fn engine_quarantined(&self, engine: &str, operation: &str) {

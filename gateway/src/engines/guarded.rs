@@ -73,6 +73,8 @@ pub struct MethodStats {
     pub failures: u64,
     pub timeouts: u64,
     pub fallbacks: u64,
+    /// Shed as overload (also counted in `fallbacks`).
+    pub shed: u64,
 }
 
 struct State {
@@ -87,6 +89,9 @@ pub struct Guarded {
     pub remote: Remote,
     legacy: Arc<Legacy>,
     metrics: Metrics,
+    /// `maxConcurrentCalls`: one permit per call in flight to the engine.
+    slots: tokio::sync::Semaphore,
+    max_calls: usize,
     state: Mutex<State>,
     /// Woken when something may change whether re-admission is due.
     pub changed: tokio::sync::Notify,
@@ -96,7 +101,7 @@ type R<T> = Result<T, EngineCallError>;
 
 impl Guarded {
     /// A new engine starts quarantined until its first attach succeeds.
-    pub fn new(remote: Remote, legacy: Arc<Legacy>, metrics: Metrics) -> Self {
+    pub fn new(remote: Remote, legacy: Arc<Legacy>, metrics: Metrics, max_calls: usize) -> Self {
         let pending = QuarantineRecord {
             operation: "attach".into(),
             reason: "not attached yet".into(),
@@ -111,7 +116,16 @@ impl Guarded {
             health: Health::Unknown,
             stats: BTreeMap::new(),
         };
-        Self { remote, legacy, metrics, state: Mutex::new(state), changed: tokio::sync::Notify::new() }
+        let slots = tokio::sync::Semaphore::new(max_calls.max(1));
+        Self {
+            remote,
+            legacy,
+            metrics,
+            slots,
+            max_calls,
+            state: Mutex::new(state),
+            changed: tokio::sync::Notify::new(),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -228,7 +242,13 @@ impl Guarded {
         }
         let started = Instant::now();
         self.count(method, |s| s.calls += 1);
-        let r = remote.await;
+        let r = match self.slots.try_acquire() {
+            Ok(_permit) => remote.await,
+            Err(_) => Err(EngineCallError::Overloaded {
+                method,
+                detail: format!("{} calls in flight (maxConcurrentCalls)", self.max_calls),
+            }),
+        };
         let bytes_in = r.as_ref().map_or(0, Size::size);
         self.metrics.engine_call(
             &self.remote.id,
@@ -249,6 +269,21 @@ impl Guarded {
             }
             // An abort is the caller's doing; UNIMPLEMENTED means "not implemented".
             Err(e @ (EngineCallError::Cancelled | EngineCallError::Unimplemented(_))) => Err(e),
+            // Overload is not breakage: legacy answers this call, nothing
+            // is quarantined. A commit has no legacy answer: it stays queued.
+            Err(e @ EngineCallError::Overloaded { .. }) => {
+                tracing::debug!(engine = %self.remote.id, error = %e, "engine call shed");
+                self.count(method, |s| {
+                    s.shed += 1;
+                    s.fallbacks += 1;
+                });
+                self.metrics.engine_shed(&self.remote.id, method);
+                self.metrics.engine_fallback(&self.remote.id, method);
+                if method == "CommitTurn" {
+                    return Err(e);
+                }
+                legacy.await
+            }
             Err(e) => {
                 self.count(method, |s| {
                     s.failures += 1;

@@ -58,6 +58,11 @@ pub enum EngineCallError {
     /// The engine is quarantined and the method has no legacy fallback.
     #[error("the engine is quarantined")]
     Quarantined,
+    /// Overload, not breakage: over the gateway's cap on the engine's calls
+    /// in flight, or the engine answered RESOURCE_EXHAUSTED (or UNAVAILABLE
+    /// with a retry pushback). Legacy answers; never quarantines.
+    #[error("{method} shed: {detail}")]
+    Overloaded { method: &'static str, detail: String },
 }
 
 impl EngineCallError {
@@ -70,6 +75,7 @@ impl EngineCallError {
             Self::ContractViolation { .. } => tonic::Code::Internal,
             Self::Failed { code, .. } => *code,
             Self::Quarantined => tonic::Code::Unavailable,
+            Self::Overloaded { .. } => tonic::Code::ResourceExhausted,
         }
     }
 }

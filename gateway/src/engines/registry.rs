@@ -39,7 +39,7 @@ impl Registry {
             // Entries were validated with the config; a failure here is a bug.
             match Remote::new(id, entry, config.compaction_timeout()) {
                 Ok(remote) => {
-                    let g = Arc::new(Guarded::new(remote, legacy.clone(), metrics.clone()));
+                    let g = Arc::new(Guarded::new(remote, legacy.clone(), metrics.clone(), entry.max_concurrent_calls));
                     tokio::spawn(super::health::monitor(g.clone(), stop.child_token()));
                     engines.insert(id.clone(), g);
                 }
@@ -106,6 +106,7 @@ impl Registry {
                         failures: s.failures,
                         timeouts: s.timeouts,
                         fallbacks: s.fallbacks,
+                        shed: s.shed,
                     })
                     .collect(),
             });

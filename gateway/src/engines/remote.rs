@@ -54,8 +54,18 @@ fn failure(method: &'static str, s: Status, timeout: Duration) -> EngineCallErro
             EngineCallError::DeadlineExceeded { method, after: timeout }
         }
         Code::Unimplemented => EngineCallError::Unimplemented(method),
-        code => EngineCallError::Failed { method, code, detail: s.message().chars().take(500).collect() },
+        // Overload, not breakage (gRPC's retry pushback marks a busy server).
+        Code::ResourceExhausted => EngineCallError::Overloaded { method, detail: detail(&s) },
+        Code::Unavailable if s.metadata().contains_key("grpc-retry-pushback-ms") => {
+            EngineCallError::Overloaded { method, detail: detail(&s) }
+        }
+        code => EngineCallError::Failed { method, code, detail: detail(&s) },
     }
+}
+
+/// An engine's status message, capped before it is logged or stored.
+fn detail(s: &Status) -> String {
+    s.message().chars().take(500).collect()
 }
 
 fn violation(method: &'static str, v: impl std::fmt::Display) -> EngineCallError {
@@ -349,5 +359,27 @@ impl Remote {
                 () = call.cancel.cancelled() => return Err(EngineCallError::Cancelled),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overload_answers_are_shed_and_other_failures_stay_failures() {
+        let t = Duration::from_secs(1);
+        let shed = |e: &EngineCallError| matches!(e, EngineCallError::Overloaded { .. });
+        assert!(shed(&failure("Assemble", Status::resource_exhausted("busy"), t)));
+        let mut pushback = Status::unavailable("draining");
+        pushback.metadata_mut().insert("grpc-retry-pushback-ms", 50.into());
+        assert!(shed(&failure("Assemble", pushback, t)));
+        // Without a pushback, UNAVAILABLE is the engine (or the way to it) failing.
+        let down = failure("Assemble", Status::unavailable("connection refused"), t);
+        assert!(matches!(down, EngineCallError::Failed { code: Code::Unavailable, .. }), "{down:?}");
+        let timeout = failure("Assemble", Status::cancelled("Timeout expired"), t);
+        assert!(matches!(timeout, EngineCallError::DeadlineExceeded { .. }), "{timeout:?}");
+        let long = failure("Assemble", Status::internal("x".repeat(10_000)), t);
+        assert!(matches!(long, EngineCallError::Failed { ref detail, .. } if detail.len() == 500));
     }
 }

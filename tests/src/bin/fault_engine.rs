@@ -22,6 +22,7 @@
 //!   (found through the Host service) with the text "rewritten".
 //! - `bootstraps`: Bootstrap answers bootstrapped (so Maintain(bootstrap)
 //!   follows).
+//! - `slow-assemble`: Assemble takes 800 ms (to hold a call in flight).
 //! - `settings-probe`: Assemble reports the runtime settings it got (host,
 //!   harness, model, budget, max output) and whether its grant allows
 //!   llm_complete.
@@ -182,6 +183,9 @@ impl ContextEngine for Fault {
         }
         if self.has("hang") {
             return Err(hang(ctx, "Assemble").await);
+        }
+        if self.has("slow-assemble") {
+            tokio::time::sleep(Duration::from_millis(800)).await;
         }
         let has_tool_result = req
             .messages
@@ -354,7 +358,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let faults = args.fault.split(',').filter(|f| !f.is_empty()).map(str::to_owned).collect();
     let fault = Fault { faults, committed: Default::default(), commits_tried: Default::default() };
-    let bound = Server::new(fault).drain_timeout(Duration::from_secs(1)).bind(&args.serve.listen).await?;
+    let bound = Server::new(fault)
+        .drain_timeout(Duration::from_secs(1))
+        .max_concurrent_calls(args.serve.max_concurrent_calls)
+        .bind(&args.serve.listen)
+        .await?;
     println!("listening on {}", bound.local_endpoint());
     std::io::stdout().flush()?;
     let reporter = bound.health_reporter();
