@@ -13,6 +13,9 @@ use crate::core::Core;
 use crate::grants::{GrantError, HostOperation};
 use crate::provider::ChatRequest;
 
+/// The longest `LlmCompleteRequest.purpose` accepted (it is logged and audited).
+const MAX_PURPOSE_BYTES: usize = 128;
+
 impl From<GrantError> for Status {
     fn from(e: GrantError) -> Self {
         match e {
@@ -95,6 +98,9 @@ impl Host for HostService {
         }
         if r.purpose.trim().is_empty() {
             return Err(Status::invalid_argument("purpose: is required (e.g. context-engine.compaction)"));
+        }
+        if r.purpose.len() > MAX_PURPOSE_BYTES {
+            return Err(Status::resource_exhausted(format!("purpose: is limited to {MAX_PURPOSE_BYTES} bytes")));
         }
         let mut messages = Vec::with_capacity(r.messages.len());
         for (i, m) in r.messages.iter().enumerate() {

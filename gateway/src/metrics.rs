@@ -198,8 +198,24 @@ impl Metrics {
         }
     }
 
+    /// Counts a host model call by purpose. The label takes only OpenClaw's
+    /// purpose strings (anything else is "other"): an engine chooses the
+    /// purpose, and a label must not let it grow the metric without bound.
     pub fn host_llm_call(&self, engine: &str, purpose: &str) {
-        self.host_llm_calls.get_or_create(&EngineOperation { engine: engine.into(), operation: purpose.into() }).inc();
+        let known = matches!(
+            purpose,
+            "context-engine.compaction"
+                | "context-engine.overflow-compaction"
+                | "context-engine.timeout-compaction"
+                | "context-engine.after-turn"
+        ) || purpose
+            .strip_prefix("context-engine.")
+            .and_then(|p| p.strip_suffix(".maintenance"))
+            .is_some_and(|reason| matches!(reason, "bootstrap" | "turn" | "compaction"));
+        let operation = if known { purpose } else { "other" };
+        self.host_llm_calls
+            .get_or_create(&EngineOperation { engine: engine.into(), operation: operation.into() })
+            .inc();
     }
 
     pub fn engine_fallback(&self, engine: &str, method: &str) {
@@ -239,4 +255,24 @@ pub async fn serve(
         }),
     );
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engines_purpose_labels_only_known_values() {
+        let m = Metrics::default();
+        m.host_llm_call("window", "context-engine.compaction");
+        m.host_llm_call("window", "context-engine.turn.maintenance");
+        for i in 0..100 {
+            m.host_llm_call("window", &format!("made-up-{i}"));
+        }
+        let text = m.render();
+        assert!(text.contains("operation=\"context-engine.compaction\"} 1"), "{text}");
+        assert!(text.contains("operation=\"context-engine.turn.maintenance\"} 1"), "{text}");
+        assert!(text.contains("operation=\"other\"} 100"), "{text}");
+        assert!(!text.contains("made-up"), "{text}");
+    }
 }
