@@ -74,10 +74,18 @@ async fn watch(channel: Channel, seen: mpsc::UnboundedSender<Health>) -> WatchEn
     }
 }
 
-/// One Check call, in its own task.
+/// How long one health Check may take: an engine that accepts the call and
+/// never answers is unreachable, not a monitor stuck for ever.
+const CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// One Check call, in its own task, bounded by [`CHECK_TIMEOUT`].
 async fn check(channel: Channel) -> Health {
     let task = tokio::spawn(async move {
-        match HealthClient::new(channel).check(HealthCheckRequest { service: ENGINE_SERVICE.into() }).await {
+        let mut req = tonic::Request::new(HealthCheckRequest { service: ENGINE_SERVICE.into() });
+        req.set_timeout(CHECK_TIMEOUT);
+        let answer = tokio::time::timeout(CHECK_TIMEOUT, HealthClient::new(channel).check(req)).await;
+        let Ok(answer) = answer else { return Health::Unreachable };
+        match answer {
             Ok(r) => status_health(r.into_inner().status),
             Err(s) if s.code() == Code::Unimplemented => Health::NoHealthService,
             Err(s) if s.code() == Code::NotFound => Health::NotServing,
