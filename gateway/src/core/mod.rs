@@ -102,6 +102,8 @@ const MAX_TIMEOUT_COMPACTIONS: u32 = 2;
 const TIMEOUT_COMPACTION_SHARE: f64 = 0.65;
 /// Tool results are cut to this many characters by the last-resort truncation.
 const TRUNCATED_TOOL_RESULT_CHARS: usize = 2_000;
+/// (engine, session) pairs remembered as bootstrapped before the set starts over.
+const MAX_BOOTSTRAPPED: usize = 65_536;
 /// How long a host grant lives when the call has no tighter deadline.
 const GRANT_TTL: Duration = Duration::from_secs(600);
 
