@@ -351,3 +351,52 @@ async fn a_model_timeout_compacts_only_a_large_prompt_and_retries() {
     assert!(matches!(events.last(), Some(Event::Completed(c)) if c.text == "recovered"), "{events:?}");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_slows_only_its_own_stream() {
+    let fake = FakeOpenAi::start().await;
+    let g = TestGateway::start(openai_config(&fake)).await;
+    let long: String = (0..20_000).map(|i| format!("w{i} ")).collect();
+    fake.turns([Reply::Text(long.clone())]);
+    let req = api::RunTurnRequest {
+        session: session("slow"),
+        message: "talk a lot".into(),
+        system_prompt: None,
+        ..Default::default()
+    };
+    let mut slow = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    assert!(matches!(slow.next().await.unwrap().unwrap().event, Some(Event::Admitted(_))));
+
+    // The client reads nothing more, yet its turn finishes on the gateway
+    // (20 000 streamed words do not fit any buffer on the way) ...
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
+        if s.turns_in_flight == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a client that does not read holds its turn");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ... and other sessions are served meanwhile.
+    let events = run_turn(&g, "other", "hello").await.unwrap();
+    assert!(matches!(events.last(), Some(Event::Completed(_))), "{events:?}");
+
+    // Reading now: every word arrives, in order, merged while the client was behind.
+    let mut text = String::new();
+    let (mut deltas, mut last) = (0, None);
+    while let Some(e) = slow.next().await {
+        match e.unwrap().event.unwrap() {
+            Event::ModelDelta(d) => {
+                deltas += 1;
+                text.push_str(&d.text);
+            }
+            other => last = Some(other),
+        }
+    }
+    assert_eq!(text, long, "no streamed text is lost");
+    assert!(deltas < 20_000, "deltas were merged while the client was behind ({deltas})");
+    let Some(Event::Completed(done)) = last else { panic!("{last:?}") };
+    assert_eq!(done.text, long);
+    g.stop().await;
+}

@@ -6,14 +6,13 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use ctxgate_proto::gateway::{self as api, gateway_server::Gateway};
-use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::StreamExt;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
 
 use crate::core::types::{BusyPolicy, CompactionDone, CompactionEvent, Failure, TurnEvent};
 use crate::core::{BusyError, Core, CoreError, ManagedTurn, TurnEnd, session_ref};
+use crate::outbound::{Backlog, Event, Outbound};
 use crate::store::{Session, StoreError};
 
 impl From<CoreError> for Status {
@@ -121,6 +120,45 @@ fn turn_events(e: TurnEvent) -> Vec<api::turn_event::Event> {
     }
 }
 
+/// Events in flight to one client, and kept events waiting behind them.
+pub(crate) const STREAM_CAPACITY: usize = 32;
+pub(crate) const STREAM_BACKLOG: usize = 256;
+
+/// While a RunTurn client is behind, model text merges and progress drops.
+impl Event for api::TurnEvent {
+    fn backlog(&self) -> Backlog {
+        match self.event {
+            Some(api::turn_event::Event::ModelDelta(_)) => Backlog::Merge,
+            Some(api::turn_event::Event::CompactionProgress(_)) => Backlog::Drop,
+            _ => Backlog::Keep,
+        }
+    }
+
+    fn merge(&mut self, next: Self) -> Option<Self> {
+        use api::turn_event::Event::ModelDelta;
+        match (&mut self.event, next.event) {
+            (Some(ModelDelta(a)), Some(ModelDelta(b))) => {
+                a.text.push_str(&b.text);
+                None
+            }
+            (_, event) => Some(Self { event }),
+        }
+    }
+}
+
+impl Event for api::CompactionEvent {
+    fn backlog(&self) -> Backlog {
+        match self.event {
+            Some(api::compaction_event::Event::Progress(_)) => Backlog::Drop,
+            _ => Backlog::Keep,
+        }
+    }
+
+    fn merge(&mut self, next: Self) -> Option<Self> {
+        Some(next)
+    }
+}
+
 pub struct Api {
     pub core: Arc<Core>,
 }
@@ -170,26 +208,28 @@ impl Gateway for Api {
         let (agent, key) = session_fields(r.session.as_ref())?;
         let busy = busy_policy(r.busy_policy, "busy_policy")?;
         let turn = ManagedTurn::new(agent, key, r.message, r.system_prompt, busy)?;
-        let (tx, rx) = mpsc::unbounded_channel();
         let cancel = self.core.call_token();
+        let (out, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
-            let sink = tx.clone();
+            let sink = out.clone();
             let events: crate::core::types::EventSink = Arc::new(move |e| {
                 for event in turn_events(e) {
-                    let _ = sink.send(Ok(api::TurnEvent { event: Some(event) }));
+                    sink.push(api::TurnEvent { event: Some(event) });
                 }
             });
-            let last = match core.run_managed(turn, events, work).await {
+            match core.run_managed(turn, events, work).await {
                 Ok(TurnEnd::Completed { entry_id, text, usage }) => {
-                    Ok(api::turn_event::Event::Completed(api::Completed { entry_id, text, usage: Some(usage) }))
+                    let done = api::Completed { entry_id, text, usage: Some(usage) };
+                    out.push_kept(api::TurnEvent { event: Some(api::turn_event::Event::Completed(done)) });
                 }
-                Ok(TurnEnd::Failed(f)) => Ok(api::turn_event::Event::Failed(failed(f))),
-                Err(e) => Err(Status::from(e)),
-            };
-            let _ = tx.send(last.map(|event| api::TurnEvent { event: Some(event) }));
+                Ok(TurnEnd::Failed(f)) => {
+                    out.push_kept(api::TurnEvent { event: Some(api::turn_event::Event::Failed(failed(f))) });
+                }
+                Err(e) => out.fail(Status::from(e)),
+            }
         });
-        Ok(Response::new(guarded(UnboundedReceiverStream::new(rx), cancel)))
+        Ok(Response::new(guarded(rx, cancel)))
     }
 
     type CompactStream = EventStream<api::CompactionEvent>;
@@ -197,8 +237,8 @@ impl Gateway for Api {
     async fn compact(&self, req: Request<api::CompactSessionRequest>) -> Result<Response<Self::CompactStream>, Status> {
         let req = req.into_inner();
         let session = self.session(req.session.as_ref()).await?;
-        let (tx, rx) = mpsc::unbounded_channel();
         let cancel = self.core.call_token();
+        let (out, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
             use api::compaction_event::Event as C;
@@ -208,13 +248,13 @@ impl Gateway for Api {
                     Compaction::Progress(p) => C::Progress(p),
                     Compaction::Done(d) => C::Done(d),
                 };
-                let _ = tx.send(Ok(api::CompactionEvent { event: Some(event) }));
+                out.push(api::CompactionEvent { event: Some(event) });
             };
             if let Err(e) = core.compact_session(&session, req.custom_instructions, &sink, work).await {
-                let _ = tx.send(Err(Status::from(e)));
+                out.fail(Status::from(e));
             }
         });
-        Ok(Response::new(guarded(UnboundedReceiverStream::new(rx), cancel)))
+        Ok(Response::new(guarded(rx, cancel)))
     }
 
     async fn abort(&self, req: Request<api::AbortRequest>) -> Result<Response<api::AbortResult>, Status> {

@@ -4,88 +4,70 @@
 //! runs one step, and step results and turn events go back as
 //! `HarnessEvent`s, in order.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ctxgate_proto::gateway::{self as api, harness_event::Event as H, harness_request::Request as R};
 use ctxgate_proto::pb::{self, Role};
 use ctxgate_proto::{estimate, limits};
-use tokio::sync::mpsc;
-use tokio::sync::mpsc::error::TrySendError;
-use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::api::{Compaction, EventStream, busy_policy, compaction, compaction_done, failed, guarded, session_fields};
+use crate::api::{
+    Compaction, EventStream, STREAM_BACKLOG, STREAM_CAPACITY, busy_policy, compaction, compaction_done, failed,
+    guarded, session_fields,
+};
 use crate::core::types::{
     Capability, Context, Driver, EventSink, Failure, FailureReason, HostProfile, ModelSpec, Outcome, TurnEvent,
     TurnSpec,
 };
 use crate::core::{Begun, Core, CoreError, StepError, Turn, check_client_message, session_ref};
+use crate::outbound::{Backlog, Event, Outbound};
 
 /// Longest host label and `end.reason` accepted.
 const MAX_LABEL_BYTES: usize = 1024;
 /// Most tool names a turn may declare.
 const MAX_TOOLS: usize = 1024;
-/// Events buffered for a harness that does not read.
-const OUT_CAPACITY: usize = 32;
-/// Turn events (other than progress) held back while the harness is behind.
-const MAX_SPILL: usize = 64;
-
 pub struct HarnessApi {
     pub core: Arc<Core>,
 }
 
-/// The stream to the harness, bounded: a harness that stops reading slows
-/// only its own turn. Step answers wait for room — as long as the turn is
-/// not cancelled and at most the idle limit. Turn events raised inside a
-/// step (compaction, warnings) never wait: while the harness is behind,
-/// compaction progress is dropped (later progress or `done` supersedes it)
-/// and the rest waits in a small spill, flushed in order before the step's
-/// answer; a harness so far behind that the spill fills loses its turn.
+/// While the harness is behind, compaction progress drops; the rest is kept.
+impl Event for api::HarnessEvent {
+    fn backlog(&self) -> Backlog {
+        match self.event {
+            Some(H::CompactionProgress(_)) => Backlog::Drop,
+            _ => Backlog::Keep,
+        }
+    }
+
+    fn merge(&mut self, next: Self) -> Option<Self> {
+        Some(next)
+    }
+}
+
+/// The stream to the harness (bounded: see `outbound`). Turn events raised
+/// inside a step never wait; a step's answer waits for the harness to make
+/// room — until a cancel or the idle limit.
 struct Out {
-    tx: mpsc::Sender<Result<api::HarnessEvent, Status>>,
-    spill: Mutex<Spill>,
+    events: Outbound<api::HarnessEvent>,
     cancel: CancellationToken,
     idle: Duration,
 }
 
-#[derive(Default)]
-struct Spill {
-    events: VecDeque<api::HarnessEvent>,
-    overflowed: bool,
-}
-
 impl Out {
     fn event(&self, event: H) {
-        let item = api::HarnessEvent { event: Some(event) };
-        let progress = matches!(item.event, Some(H::CompactionProgress(_)));
-        let mut spill = self.spill.lock().unwrap_or_else(|e| e.into_inner());
-        if spill.events.is_empty() {
-            match self.tx.try_send(Ok(item)) {
-                Ok(()) | Err(TrySendError::Closed(_)) => {}
-                Err(TrySendError::Full(Ok(item))) if !progress => spill.events.push_back(item),
-                Err(TrySendError::Full(_)) => {}
-            }
-        } else if !progress {
-            if spill.events.len() < MAX_SPILL {
-                spill.events.push_back(item);
-            } else {
-                spill.overflowed = true;
-            }
-        }
+        self.events.push(api::HarnessEvent { event: Some(event) });
     }
 
-    /// Sends one item: waits for room, but not past a cancel or the idle
-    /// limit; a harness that went away ends the turn too.
-    async fn send(&self, item: Result<api::HarnessEvent, Status>) -> Result<(), Status> {
+    /// Waits until what is queued reached the harness's stream.
+    async fn flush(&self) -> Result<(), Status> {
         tokio::select! {
             biased;
             () = self.cancel.cancelled() => Err(aborted()),
-            r = tokio::time::timeout(self.idle, self.tx.send(item)) => match r {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(_)) => Err(aborted()),
+            r = tokio::time::timeout(self.idle, self.events.drained()) => match r {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(aborted()),
                 Err(_) => Err(Status::deadline_exceeded(format!(
                     "the harness read nothing for {} s: the turn was aborted (gateway.limits.harnessIdleSeconds)",
                     self.idle.as_secs()
@@ -94,39 +76,15 @@ impl Out {
         }
     }
 
-    async fn flush(&self) -> Result<(), Status> {
-        loop {
-            let next = {
-                let mut spill = self.spill.lock().unwrap_or_else(|e| e.into_inner());
-                if spill.overflowed {
-                    return Err(Status::resource_exhausted(
-                        "the harness does not read its events: the turn was aborted",
-                    ));
-                }
-                spill.events.pop_front()
-            };
-            let Some(item) = next else { return Ok(()) };
-            self.send(Ok(item)).await?;
-        }
-    }
-
     async fn answer(&self, event: H) -> Result<(), Status> {
-        self.flush().await?;
-        self.send(Ok(api::HarnessEvent { event: Some(event) })).await
+        self.events.push_kept(api::HarnessEvent { event: Some(event) });
+        self.flush().await
     }
 
-    /// The stream's last word, after what is spilled — even when the turn
-    /// was cancelled (the harness should hear why), but not past the idle
-    /// limit.
-    async fn fail(&self, status: Status) {
-        let events = std::mem::take(&mut self.spill.lock().unwrap_or_else(|e| e.into_inner()).events);
-        let last = async {
-            for item in events {
-                self.tx.send(Ok(item)).await?;
-            }
-            self.tx.send(Err(status)).await
-        };
-        let _ = tokio::time::timeout(self.idle, last).await;
+    /// The stream's last word, after what is queued (even when the turn was
+    /// cancelled: the harness should hear why).
+    fn fail(&self, status: Status) {
+        self.events.fail(status);
     }
 }
 
@@ -139,18 +97,18 @@ impl api::harness_server::Harness for HarnessApi {
         req: Request<Streaming<api::HarnessRequest>>,
     ) -> Result<Response<Self::DriveTurnStream>, Status> {
         let requests = req.into_inner();
-        let (tx, rx) = mpsc::channel(OUT_CAPACITY);
         let cancel = self.core.call_token();
         let idle = Duration::from_secs(self.core.config().gateway.limits.harness_idle_seconds);
-        let out = Arc::new(Out { tx, spill: Mutex::default(), cancel: cancel.clone(), idle });
+        let (events, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
+        let out = Arc::new(Out { events, cancel: cancel.clone(), idle });
         let (core, work) = (self.core.clone(), cancel.clone());
         tokio::spawn(async move {
             let mut driver = Drive { core, requests, out: out.clone(), cancel: work, idle };
             if let Err(status) = driver.run().await {
-                out.fail(status).await;
+                out.fail(status);
             }
         });
-        Ok(Response::new(guarded(ReceiverStream::new(rx), cancel)))
+        Ok(Response::new(guarded(rx, cancel)))
     }
 }
 

@@ -12,6 +12,7 @@ pub mod grants;
 pub mod harness;
 pub mod host;
 pub mod metrics;
+pub mod outbound;
 pub mod provider;
 pub mod server;
 pub mod store;

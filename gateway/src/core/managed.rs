@@ -7,6 +7,11 @@ use tracing::Instrument;
 use super::turn::StepError;
 use super::*;
 
+/// A model delta is sent once it holds this much text ...
+const MIN_DELTA_BYTES: usize = 512;
+/// ... or its first byte has waited this long.
+const MAX_DELTA_DELAY: Duration = Duration::from_millis(25);
+
 /// A validated managed turn request.
 #[derive(Debug, Clone)]
 pub struct ManagedTurn {
@@ -172,7 +177,11 @@ impl Core {
         unreachable!("the attempt loop returns")
     }
 
-    /// One model request, its streamed text forwarded as `ModelDelta`s.
+    /// One model request, its streamed text forwarded as `ModelDelta`s,
+    /// coalesced: a delta goes out once it holds [`MIN_DELTA_BYTES`] or its
+    /// first byte is [`MAX_DELTA_DELAY`] old. Models stream a few bytes at a
+    /// time, and HTTP/2 clients (h2 ≥ 0.4.20) end a connection that buffers
+    /// too many small DATA frames unread.
     async fn call_model(
         &self,
         system: Option<&str>,
@@ -183,8 +192,32 @@ impl Core {
         let (dtx, mut drx) = tokio::sync::mpsc::channel::<String>(64);
         let events = events.clone();
         let forward = tokio::spawn(async move {
-            while let Some(text) = drx.recv().await {
-                events(TurnEvent::ModelDelta(text));
+            let mut pending = String::new();
+            let mut due: Option<Instant> = None;
+            loop {
+                let next = match due {
+                    Some(at) => tokio::select! {
+                        t = drx.recv() => t,
+                        () = tokio::time::sleep_until(at) => {
+                            events(TurnEvent::ModelDelta(std::mem::take(&mut pending)));
+                            due = None;
+                            continue;
+                        }
+                    },
+                    None => drx.recv().await,
+                };
+                let Some(text) = next else { break };
+                if pending.is_empty() {
+                    due = Some(Instant::now() + MAX_DELTA_DELAY);
+                }
+                pending.push_str(&text);
+                if pending.len() >= MIN_DELTA_BYTES {
+                    events(TurnEvent::ModelDelta(std::mem::take(&mut pending)));
+                    due = None;
+                }
+            }
+            if !pending.is_empty() {
+                events(TurnEvent::ModelDelta(pending));
             }
         });
         let req = ChatRequest {
