@@ -69,7 +69,7 @@ impl Out {
                 Ok(true) => Ok(()),
                 Ok(false) => Err(aborted()),
                 Err(_) => Err(Status::deadline_exceeded(format!(
-                    "the harness read nothing for {} s: the turn was aborted (gateway.limits.harnessIdleSeconds)",
+                    "the harness did not take its events within {} s: the turn was aborted (gateway.limits.harnessIdleSeconds)",
                     self.idle.as_secs()
                 ))),
             },

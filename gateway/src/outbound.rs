@@ -131,6 +131,7 @@ impl<T: Event> Outbound<T> {
             return;
         }
         let ends = item.is_err();
+        let kept = kept || ends;
         let backlog = match (&item, kept) {
             (Ok(e), false) => e.backlog(),
             _ => Backlog::Keep,
@@ -142,12 +143,14 @@ impl<T: Event> Outbound<T> {
                     if ends {
                         q.closed = true;
                         q.tx = None;
+                        self.inner.wake.notify_one();
                     }
                     return;
                 }
                 Err(mpsc::error::TrySendError::Closed(_)) => {
                     q.closed = true;
                     q.tx = None;
+                    self.inner.wake.notify_one();
                     return;
                 }
                 Err(mpsc::error::TrySendError::Full(item)) => {
@@ -168,9 +171,12 @@ impl<T: Event> Outbound<T> {
             },
             (_, item, _) => item,
         };
-        let waiting = q.items.iter().filter(|i| !matches!(i, Ok(e) if e.backlog() == Backlog::Merge)).count();
-        if !ends && waiting >= self.inner.max_backlog {
-            // Too far behind: the call ends, and the work behind it stops.
+        // Events that must arrive (a turn's end, an answer, an error) are
+        // never refused: at most a few per call.
+        if !kept && q.items.len() >= self.inner.max_backlog {
+            // Too far behind: the call ends (the error replaces the backlog
+            // it gives up), and the work behind it stops.
+            q.items.clear();
             q.items
                 .push_back(Err(Status::resource_exhausted("the client does not read its events: the call was ended")));
             q.closed = true;

@@ -240,24 +240,24 @@ impl Guarded {
             self.metrics.engine_fallback(&self.remote.id, method);
             return legacy.await;
         }
-        let started = Instant::now();
-        self.count(method, |s| s.calls += 1);
         let r = match self.slots.try_acquire() {
-            Ok(_permit) => remote.await,
+            Ok(_permit) => {
+                let started = Instant::now();
+                self.count(method, |s| s.calls += 1);
+                let r = remote.await;
+                let bytes_in = r.as_ref().map_or(0, Size::size);
+                // Overload is not a failure: it is counted as shed below.
+                let code =
+                    r.as_ref().err().filter(|e| !matches!(e, EngineCallError::Overloaded { .. })).map(|e| e.code());
+                self.metrics.engine_call(&self.remote.id, method, started.elapsed(), bytes_out, bytes_in, code);
+                r
+            }
+            // Shed here: the engine never sees the call.
             Err(_) => Err(EngineCallError::Overloaded {
                 method,
                 detail: format!("{} calls in flight (maxConcurrentCalls)", self.max_calls),
             }),
         };
-        let bytes_in = r.as_ref().map_or(0, Size::size);
-        self.metrics.engine_call(
-            &self.remote.id,
-            method,
-            started.elapsed(),
-            bytes_out,
-            bytes_in,
-            r.as_ref().err().map(|e| e.code()),
-        );
         match r {
             Ok(t) => {
                 let mut s = self.lock();

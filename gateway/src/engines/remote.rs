@@ -54,9 +54,10 @@ fn failure(method: &'static str, s: Status, timeout: Duration) -> EngineCallErro
             EngineCallError::DeadlineExceeded { method, after: timeout }
         }
         Code::Unimplemented => EngineCallError::Unimplemented(method),
-        // Overload, not breakage (gRPC's retry pushback marks a busy server).
-        Code::ResourceExhausted => EngineCallError::Overloaded { method, detail: detail(&s) },
-        Code::Unavailable if s.metadata().contains_key("grpc-retry-pushback-ms") => {
+        // Overload, not breakage: gRPC's retry pushback marks a busy server.
+        // Without it RESOURCE_EXHAUSTED is usually "too large", which fails
+        // again on every retry, so it stays a failure.
+        Code::ResourceExhausted | Code::Unavailable if s.metadata().contains_key("grpc-retry-pushback-ms") => {
             EngineCallError::Overloaded { method, detail: detail(&s) }
         }
         code => EngineCallError::Failed { method, code, detail: detail(&s) },
@@ -370,10 +371,15 @@ mod tests {
     fn overload_answers_are_shed_and_other_failures_stay_failures() {
         let t = Duration::from_secs(1);
         let shed = |e: &EngineCallError| matches!(e, EngineCallError::Overloaded { .. });
-        assert!(shed(&failure("Assemble", Status::resource_exhausted("busy"), t)));
-        let mut pushback = Status::unavailable("draining");
-        pushback.metadata_mut().insert("grpc-retry-pushback-ms", 50.into());
-        assert!(shed(&failure("Assemble", pushback, t)));
+        let with_pushback = |mut s: Status| {
+            s.metadata_mut().insert("grpc-retry-pushback-ms", 50.into());
+            s
+        };
+        assert!(shed(&failure("Assemble", with_pushback(Status::resource_exhausted("busy")), t)));
+        assert!(shed(&failure("Assemble", with_pushback(Status::unavailable("draining")), t)));
+        // Without a pushback RESOURCE_EXHAUSTED is "too large": a failure.
+        let big = failure("CommitTurn", Status::resource_exhausted("messages: over the limit"), t);
+        assert!(matches!(big, EngineCallError::Failed { code: Code::ResourceExhausted, .. }), "{big:?}");
         // Without a pushback, UNAVAILABLE is the engine (or the way to it) failing.
         let down = failure("Assemble", Status::unavailable("connection refused"), t);
         assert!(matches!(down, EngineCallError::Failed { code: Code::Unavailable, .. }), "{down:?}");
