@@ -203,9 +203,7 @@ impl Turn {
 
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
         // Engines that own compaction are judged by what they assemble.
-        let history = self.history().await?;
-        let tokens = estimate::messages_tokens(&history);
-        self.history = Some(history);
+        let tokens = estimate::messages_tokens(self.history().await?);
         if !self.lease.info.owns_compaction && tokens >= self.threshold() {
             self.proactive_done = true;
             if let Err(f) = self.recover(Trigger::Proactive).await {
@@ -216,16 +214,8 @@ impl Turn {
         Ok(Begun::Open(self))
     }
 
-    pub fn session(&self) -> &Session {
-        &self.session
-    }
-
     pub fn turn_id(&self) -> &str {
         &self.turn_id
-    }
-
-    pub fn host(&self) -> &HostProfile {
-        &self.lease.host
     }
 
     pub fn cancel(&self) -> &CancellationToken {
@@ -279,14 +269,14 @@ impl Turn {
             ))
             .into());
         }
-        self.check_pending(pending, field)?;
+        // Pending messages obey the append rules, without being stored.
+        self.check_turn_messages(pending, field)?;
         let budget = self.budget(estimate::messages_tokens(pending));
         loop {
             if self.cancel.is_cancelled() {
                 return Err(self.aborted());
             }
-            let rendered = self.history().await?;
-            self.history = Some(rendered.clone());
+            let rendered = self.history().await?.to_vec();
             let pre_assembly_tokens = estimate::messages_tokens(&rendered);
             let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
             let request = pb::AssembleRequest {
@@ -373,11 +363,6 @@ impl Turn {
             .record_projection(&self.session.session_id, &self.lease.host.id, epoch, fingerprint)
             .await?;
         Ok(Some(Projection { epoch: epoch.to_owned(), fingerprint: fingerprint.to_owned(), reinject }))
-    }
-
-    /// Pending messages obey the append rules, without being stored.
-    fn check_pending(&self, pending: &[AgentMessage], field: &str) -> Result<(), CoreError> {
-        self.check_turn_messages(pending, field).map(|_| ())
     }
 
     /// Checks messages a caller adds to this turn: assistant or tool roles,
@@ -490,11 +475,11 @@ impl Turn {
 
     /// The visible history now: remembered, or read when a compaction
     /// changed the branch since.
-    async fn history(&mut self) -> Result<Vec<AgentMessage>, CoreError> {
-        match self.history.take() {
-            Some(h) => Ok(h),
-            None => Ok(self.core.visible(&self.session.session_id).await?.render()),
+    async fn history(&mut self) -> Result<&[AgentMessage], CoreError> {
+        if self.history.is_none() {
+            self.history = Some(self.core.visible(&self.session.session_id).await?.render());
         }
+        Ok(self.history.as_deref().unwrap_or_default())
     }
 
     /// Compaction inside the turn (force, target=budget) after `trigger`
@@ -602,7 +587,9 @@ impl Turn {
         }
         let (core, lease, session) = (self.core.clone(), self.lease.clone(), self.session.clone());
         let durable = lease.remote && crate::engines::durable(&lease.info);
-        let mut history = self.history().await?;
+        // The turn is closing: its history is taken, not copied.
+        self.history().await?;
+        let mut history = self.history.take().unwrap_or_default();
         let commit = if durable {
             let position = self.position_in(&history);
             Some(core.commit_draft(&lease, &session, &self.turn_id, &self.admitted[0], position as u64))
