@@ -89,35 +89,31 @@ pub(crate) fn failed(f: Failure) -> api::Failed {
 
 /// A turn event as `RunTurn` reports it (a degrade warning comes first, as
 /// its own event).
-fn turn_events(e: TurnEvent) -> Vec<api::turn_event::Event> {
+fn turn_events(e: TurnEvent, mut emit: impl FnMut(api::turn_event::Event)) {
     use api::turn_event::Event as E;
-    match e {
+    let event = match e {
         TurnEvent::Admitted { session_id, turn_id, entry_ids } => {
             let entry_id = entry_ids.last().cloned().unwrap_or_default();
-            vec![E::Admitted(api::Admitted { session_id, turn_id, entry_id, entry_ids })]
+            E::Admitted(api::Admitted { session_id, turn_id, entry_id, entry_ids })
         }
         TurnEvent::EngineSelected { engine_id, selection, warning } => {
-            let selected = E::EngineSelected(api::EngineSelected {
-                engine_id,
-                reason: selection.as_str().into(),
-                warning: warning.clone(),
-            });
-            match warning {
-                Some(message) => vec![E::Warning(api::Warning { message }), selected],
-                None => vec![selected],
+            if let Some(message) = warning.clone() {
+                emit(E::Warning(api::Warning { message }));
             }
+            E::EngineSelected(api::EngineSelected { engine_id, reason: selection.as_str().into(), warning })
         }
         TurnEvent::Assembled { messages, estimated_tokens, token_budget, attempt } => {
-            vec![E::Assembled(api::Assembled { messages, estimated_tokens, token_budget, attempt })]
+            E::Assembled(api::Assembled { messages, estimated_tokens, token_budget, attempt })
         }
-        TurnEvent::ModelDelta(text) => vec![E::ModelDelta(api::ModelDelta { text })],
-        TurnEvent::Compaction(c) => vec![match compaction(c) {
+        TurnEvent::ModelDelta(text) => E::ModelDelta(api::ModelDelta { text }),
+        TurnEvent::Compaction(c) => match compaction(c) {
             Compaction::Started(s) => E::CompactionStarted(s),
             Compaction::Progress(p) => E::CompactionProgress(p),
             Compaction::Done(d) => E::CompactionDone(d),
-        }],
-        TurnEvent::Warning(message) => vec![E::Warning(api::Warning { message })],
-    }
+        },
+        TurnEvent::Warning(message) => E::Warning(api::Warning { message }),
+    };
+    emit(event);
 }
 
 /// Events in flight to one client, and kept events waiting behind them.
@@ -214,9 +210,7 @@ impl Gateway for Api {
         tokio::spawn(async move {
             let sink = out.clone();
             let events: crate::core::types::EventSink = Arc::new(move |e| {
-                for event in turn_events(e) {
-                    sink.push(api::TurnEvent { event: Some(event) });
-                }
+                turn_events(e, |event| sink.push(api::TurnEvent { event: Some(event) }));
             });
             match core.run_managed(turn, events, work).await {
                 Ok(TurnEnd::Completed { entry_id, text, usage }) => {
