@@ -48,11 +48,8 @@ async fn run_turn(client: api::gateway_client::GatewayClient<tonic::transport::C
 
 /// Waits (bounded) until the engine has reported `n` Assemble calls.
 async fn assembles(engine: &EngineProcess, n: usize) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while engine.lines_starting("event assemble").len() < n {
-        assert!(tokio::time::Instant::now() < deadline, "the engine never saw assemble #{n}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let seen = engine.wait_lines("event assemble", n, Duration::from_secs(10)).await;
+    assert!(seen.is_some(), "the engine never saw assemble #{n}");
 }
 
 /// Runs a turn whose Assemble the slow engine holds, and while it is in

@@ -167,11 +167,7 @@ async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
     drive.append(vec![tool_result("c1", "read_file", "contents")]).await.unwrap();
     drive.send(R::Assemble(api::AssembleContext { pending: vec![] })).await;
     // The engine is inside the second Assemble: leave.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while engine.lines_starting("event assemble").len() < 2 {
-        assert!(tokio::time::Instant::now() < deadline, "the second assemble never started");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    engine.wait_lines("event assemble", 2, Duration::from_secs(10)).await.expect("the second assemble started");
     drop(drive);
     engine.wait_line("event cancelled Assemble", Duration::from_secs(5)).await.expect("the engine saw the cancel");
 
@@ -644,12 +640,8 @@ async fn engines_see_the_harness_as_host_with_its_model_and_capabilities() {
     b.host.as_mut().unwrap().capabilities.retain(|c| c != "runtime-llm-complete");
     let mut d = Drive::open(&hc, b).await.unwrap();
     d.context().await.unwrap();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while engine.lines_starting("event settings").len() < 2 {
-        assert!(tokio::time::Instant::now() < deadline, "the second assemble was not reported");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let lines = engine.lines_starting("event settings");
+    let lines =
+        engine.wait_lines("event settings", 2, Duration::from_secs(5)).await.expect("the second assemble reported");
     assert!(lines[1].contains("llm=false"), "{lines:?}");
     d.end(api::TurnOutcome::Aborted).await.unwrap();
     g.stop().await;

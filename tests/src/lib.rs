@@ -95,6 +95,22 @@ impl EngineProcess {
         }
     }
 
+    /// The later stdout lines starting with `prefix` once there are at
+    /// least `n` of them, waiting up to `within`; `None` if they never come.
+    pub async fn wait_lines(&self, prefix: &str, n: usize, within: Duration) -> Option<Vec<String>> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let added = self.line_added.notified();
+            let lines = self.lines_starting(prefix);
+            if lines.len() >= n {
+                return Some(lines);
+            }
+            if tokio::time::timeout_at(deadline, added).await.is_err() {
+                return None;
+            }
+        }
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id().expect("the engine is running")
