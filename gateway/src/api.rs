@@ -149,10 +149,6 @@ impl Event for api::CompactionEvent {
             _ => Backlog::Keep,
         }
     }
-
-    fn merge(&mut self, next: Self) -> Option<Self> {
-        Some(next)
-    }
 }
 
 pub struct Api {

@@ -40,10 +40,6 @@ impl Event for api::HarnessEvent {
             _ => Backlog::Keep,
         }
     }
-
-    fn merge(&mut self, next: Self) -> Option<Self> {
-        Some(next)
-    }
 }
 
 /// The stream to the harness (bounded: see `outbound`). Turn events raised

@@ -27,10 +27,14 @@ pub enum Backlog {
 
 pub trait Event: Send + 'static {
     fn backlog(&self) -> Backlog;
-    /// Folds `next` into `self`; gives it back when they do not fold.
+    /// Folds `next` into `self`; gives it back when they do not fold (the
+    /// default: nothing folds).
     fn merge(&mut self, next: Self) -> Option<Self>
     where
-        Self: Sized;
+        Self: Sized,
+    {
+        Some(next)
+    }
 }
 
 type Item<T> = Result<T, Status>;
