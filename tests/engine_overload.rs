@@ -23,18 +23,6 @@ fn hosting(endpoint: &str, max_calls: usize) -> Config {
     c
 }
 
-async fn attached(g: &TestGateway) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
-        if s.engines.iter().any(|e| e.id == "fault" && e.quarantine.is_none() && !e.name.is_empty()) {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never attached: {s:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 async fn run_turn(client: api::gateway_client::GatewayClient<tonic::transport::Channel>, key: &str) -> Vec<Event> {
     let session = Some(api::SessionRef { agent_id: String::new(), session_key: key.into() });
     let req = api::RunTurnRequest { session, message: "hello".into(), system_prompt: None, ..Default::default() };
@@ -78,7 +66,7 @@ async fn a_call_over_the_gateways_cap_is_answered_by_legacy_without_quarantine()
             .await
             .unwrap();
     let g = TestGateway::start(hosting(&engine.endpoint, 1)).await;
-    attached(&g).await;
+    g.wait_attached("fault").await;
     let second = second_turn_while_one_is_in_flight(&g, &engine).await;
     assert!(matches!(second.last(), Some(Event::Completed(_))), "{second:?}");
     let counters = assemble_counters(&g).await;
@@ -118,7 +106,7 @@ async fn an_engine_at_its_own_limit_answers_resource_exhausted_and_is_not_quaran
 
     // Through the gateway: legacy answers the refused call, no quarantine.
     let g = TestGateway::start(hosting(&engine.endpoint, 256)).await;
-    attached(&g).await;
+    g.wait_attached("fault").await;
     let second = second_turn_while_one_is_in_flight(&g, &engine).await;
     assert!(matches!(second.last(), Some(Event::Completed(_))), "{second:?}");
     let counters = assemble_counters(&g).await;

@@ -33,23 +33,11 @@ async fn fault_gateway(faults: &str) -> (EngineProcess, TestGateway) {
     let args = ["--listen", "127.0.0.1:0", "--fault", faults];
     let engine = EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.unwrap();
     let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    g.wait_attached("engine").await;
     (engine, g)
 }
 
-/// Polls Status (bounded) until the engine has attached.
-async fn attached(g: &TestGateway) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
-        if s.engines.iter().any(|e| e.id == "engine" && e.quarantine.is_none() && !e.name.is_empty()) {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "the engine never attached: {s:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
+/// Whether any engine is quarantined now.
 async fn quarantined(g: &TestGateway) -> bool {
     let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
     s.engines.iter().any(|e| e.quarantine.is_some())
@@ -106,7 +94,7 @@ impl WindowSetup {
         let mut config = hosting(&engine.endpoint);
         config.gateway.metrics_listen = "127.0.0.1:0".into();
         let g = TestGateway::start(config).await;
-        attached(&g).await;
+        g.wait_attached("engine").await;
         Self { state, _engine: engine, g }
     }
 
@@ -204,7 +192,7 @@ async fn a_rewrite_while_the_turn_begins_is_followed_by_its_abort() {
     d.append(vec![text(Role::Assistant, "first answer")]).await.unwrap();
     d.end(api::TurnOutcome::Accepted).await.unwrap();
     g.reload(hosting(&engine.endpoint)).await;
-    attached(&g).await;
+    g.wait_attached("engine").await;
 
     // Bootstrap, then Maintain(bootstrap) rewrites the first message: the
     // branch (this turn's admitted message included) is copied.

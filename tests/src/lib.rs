@@ -173,6 +173,20 @@ impl TestGateway {
         self.reloads.send(config).await.expect("the gateway runs");
     }
 
+    /// Waits (bounded: 15 s) until engine `id` is attached and in service.
+    pub async fn wait_attached(&self, id: &str) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let s = self.client.clone().get_status(ctxgate_proto::gateway::StatusRequest {}).await.expect("status");
+            let s = s.into_inner();
+            if s.engines.iter().any(|e| e.id == id && e.quarantine.is_none() && !e.name.is_empty()) {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "engine {id} never attached: {s:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     pub async fn stop(mut self) {
         if let Some(s) = self.stop.take() {
             let _ = s.send(());
