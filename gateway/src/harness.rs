@@ -28,6 +28,7 @@ use crate::outbound::{Backlog, Event, Outbound};
 const MAX_LABEL_BYTES: usize = 1024;
 /// Most tool names a turn may declare.
 const MAX_TOOLS: usize = 1024;
+
 pub struct HarnessApi {
     pub core: Arc<Core>,
 }
@@ -47,15 +48,14 @@ impl Event for api::HarnessEvent {
 /// room — until a cancel or the idle limit.
 struct Out {
     events: Outbound<api::HarnessEvent>,
+    /// The stream's call token: fired by the client leaving, Abort, an
+    /// interrupting turn, or shutdown.
     cancel: CancellationToken,
+    /// `gateway.limits.harnessIdleSeconds`.
     idle: Duration,
 }
 
 impl Out {
-    fn event(&self, event: H) {
-        self.events.push(api::HarnessEvent { event: Some(event) });
-    }
-
     /// Waits until what is queued reached the harness's stream.
     async fn flush(&self) -> Result<(), Status> {
         tokio::select! {
@@ -96,12 +96,12 @@ impl api::harness_server::Harness for HarnessApi {
         let cancel = self.core.call_token();
         let idle = Duration::from_secs(self.core.config().gateway.limits.harness_idle_seconds);
         let (events, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
-        let out = Arc::new(Out { events, cancel: cancel.clone(), idle });
-        let (core, work) = (self.core.clone(), cancel.clone());
+        let out = Out { events, cancel: cancel.clone(), idle };
+        let core = self.core.clone();
         tokio::spawn(async move {
-            let mut driver = Drive { core, requests, out: out.clone(), cancel: work, idle };
+            let mut driver = Drive { core, requests, out };
             if let Err(status) = driver.run().await {
-                out.fail(status);
+                driver.out.fail(status);
             }
         });
         Ok(Response::new(guarded(rx, cancel)))
@@ -112,10 +112,7 @@ impl api::harness_server::Harness for HarnessApi {
 struct Drive {
     core: Arc<Core>,
     requests: Streaming<api::HarnessRequest>,
-    out: Arc<Out>,
-    cancel: CancellationToken,
-    /// `gateway.limits.harnessIdleSeconds`.
-    idle: Duration,
+    out: Out,
 }
 
 impl Drive {
@@ -124,13 +121,14 @@ impl Drive {
     /// the stream as CANCELLED.
     async fn next(&mut self) -> Result<Option<R>, Status> {
         self.out.flush().await?;
+        let (cancel, idle) = (&self.out.cancel, self.out.idle);
         let message = tokio::select! {
             biased;
-            () = self.cancel.cancelled() => return Err(aborted()),
-            m = tokio::time::timeout(self.idle, self.requests.message()) => m.map_err(|_| {
+            () = cancel.cancelled() => return Err(aborted()),
+            m = tokio::time::timeout(idle, self.requests.message()) => m.map_err(|_| {
                 Status::deadline_exceeded(format!(
                     "no request for {} s: the turn was aborted (gateway.limits.harnessIdleSeconds)",
-                    self.idle.as_secs()
+                    idle.as_secs()
                 ))
             })??,
         };
@@ -142,10 +140,10 @@ impl Drive {
     }
 
     fn sink(&self) -> EventSink {
-        let out = self.out.clone();
+        let events = self.out.events.clone();
         Arc::new(move |e| {
             if let Some(event) = harness_event(e) {
-                out.event(event);
+                events.push(api::HarnessEvent { event: Some(event) });
             }
         })
     }
@@ -163,7 +161,7 @@ impl Drive {
         };
         let spec = turn_spec(&self.core, begin)?;
         let assembles = spec.host.has(Capability::AssembleBeforePrompt);
-        let mut turn = match self.core.begin(spec, self.sink(), self.cancel.clone()).await? {
+        let mut turn = match self.core.begin(spec, self.sink(), self.out.cancel.clone()).await? {
             Begun::Open(t) => t,
             Begun::Failed(f) => {
                 self.out.answer(H::Failed(failed(f))).await?;
