@@ -97,6 +97,7 @@ pub const CASES: &[(&str, CaseFn)] = &[
     case!("assemble.keeps_tool_pairs_under_budget", assemble_tool_pairs),
     case!("compact.stream_ends_with_one_terminal_event", compact_stream_shape),
     case!("commit_turn.committed_then_duplicate", commit_turn_idempotent),
+    case!("forget_session.forgets_what_it_held", forget_session_forgets),
     case!("subagent.prepare_then_rollback_twice", subagent_rollback),
     case!("cancel.mid_flight_leaves_engine_healthy", cancel_mid_flight),
     case!("deadline.one_ms_leaves_engine_healthy", deadline_one_ms),
@@ -392,6 +393,13 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
+        "ForgetSession" => c
+            .forget_session(req(pb::ForgetSessionRequest {
+                session_id: format!("{session_id}-never-seen"),
+                ..Default::default()
+            }))
+            .await
+            .err(),
         other => return Err(format!("no probe for {other}")),
     };
     match code {
@@ -530,6 +538,38 @@ fn commit_request(session_id: &str, key: &str) -> pb::CommitTurnRequest {
         session_key: Some(session_id.into()),
         ..Default::default()
     }
+}
+
+/// Ingest, forget, ingest the same message again: an engine that forgot
+/// the session takes it as new. Forgetting twice, or a session never seen,
+/// answers OK.
+async fn forget_session_forgets(kit: &Kit) -> CaseResult {
+    if !kit.implements("ForgetSession") {
+        return Ok(Outcome::Skip("ForgetSession is not implemented".into()));
+    }
+    let session_id = session("forget");
+    let ingest = pb::IngestRequest {
+        session_id: session_id.clone(),
+        session_key: Some(session_id.clone()),
+        message: Some(msg::user("m1", "remember me")),
+        is_heartbeat: false,
+    };
+    let forget = pb::ForgetSessionRequest { session_id: session_id.clone(), ..Default::default() };
+    kit.client().ingest(req(ingest.clone())).await.map_err(|s| format!("Ingest failed: {}", describe(&s)))?;
+    for n in ["first", "second"] {
+        kit.client()
+            .forget_session(req(forget.clone()))
+            .await
+            .map_err(|s| format!("{n} ForgetSession failed: {}", describe(&s)))?;
+    }
+    let again = kit
+        .client()
+        .ingest(req(ingest))
+        .await
+        .map_err(|s| format!("Ingest after ForgetSession failed: {}", describe(&s)))?
+        .into_inner();
+    ensure(again.ingested, || "the message was still held after ForgetSession (ingested=false)".into())?;
+    Ok(Outcome::Pass)
 }
 
 async fn commit_turn_idempotent(kit: &Kit) -> CaseResult {

@@ -143,4 +143,14 @@ pub trait ContextEngine: Send + Sync + 'static {
     fn dispose(&self, _ctx: &CallContext) -> impl Future<Output = Out<pb::DisposeResult>> + Send {
         async { Err(EngineError::Unimplemented("Dispose")) }
     }
+
+    /// The session was deleted: drop everything held for it before
+    /// answering. Idempotent (an unknown session is OK).
+    fn forget_session(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::ForgetSessionRequest,
+    ) -> impl Future<Output = Out<pb::ForgetSessionResult>> + Send {
+        async { Err(EngineError::Unimplemented("ForgetSession")) }
+    }
 }

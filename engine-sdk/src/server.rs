@@ -527,6 +527,13 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     async fn dispose(&self, req: Request<pb::DisposeRequest>) -> Unary<pb::DisposeResult> {
         self.unary("Dispose", req, no_check, no_host, |e, ctx, _| async move { e.dispose(&ctx).await }).await
     }
+
+    async fn forget_session(&self, req: Request<pb::ForgetSessionRequest>) -> Unary<pb::ForgetSessionResult> {
+        self.unary("ForgetSession", req, validate::request::forget_session, no_host, |e, ctx, r| async move {
+            e.forget_session(&ctx, r).await
+        })
+        .await
+    }
 }
 
 #[cfg(test)]

@@ -35,7 +35,8 @@ MAX_MESSAGES = 20_000
 KEEP_TURNS = 2
 MAX_SUMMARY_CHARS = 12_000
 
-IMPLEMENTED = ["GetInfo", "Ingest", "IngestBatch", "Assemble", "Compact", "AfterTurn", "CommitTurn"]
+IMPLEMENTED = ["GetInfo", "Ingest", "IngestBatch", "Assemble", "Compact", "AfterTurn", "CommitTurn",
+               "ForgetSession"]
 
 
 class Invalid(Exception):
@@ -270,6 +271,15 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
                     s.messages.setdefault(m.id, m)
                 s.commits.add(request.advancement_key)
             return pb.CommitTurnResult(status=pb.COMMIT_STATUS_COMMITTED)
+        return self._guard(context, run)
+
+    def ForgetSession(self, request, context):
+        # The session was deleted: its messages, summary and commit keys go.
+        def run():
+            check_id(request.session_id, "session_id")
+            with self._lock:
+                self._sessions.pop(request.session_id, None)
+            return pb.ForgetSessionResult()
         return self._guard(context, run)
 
     def Assemble(self, request, context):

@@ -29,6 +29,11 @@ impl From<CoreError> for Status {
             CoreError::Busy(BusyError::QueueFull(_)) => Status::resource_exhausted(e.to_string()),
             CoreError::EngineFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Store(StoreError::NoSession(_)) => Status::not_found("the session no longer exists"),
+            // Rolled back whole: nothing half-written; the operator must free space.
+            CoreError::Store(StoreError::Full(detail)) => {
+                tracing::error!(%detail, "the state storage is full");
+                Status::resource_exhausted("the gateway's state storage is full; nothing of this call was stored")
+            }
             CoreError::Store(StoreError::Backend(detail)) => {
                 // Internal detail goes to the log, not to clients.
                 tracing::error!(%detail, "store failure");
@@ -170,7 +175,28 @@ pub(crate) fn guarded<T: Send + 'static>(
     }))
 }
 
+/// The most rows one ListOutbox answers (also its default).
+const MAX_OUTBOX_ROWS: u32 = 1000;
+/// Blocked rows shown by GetStatus.
+const STATUS_BLOCKED_ROWS: usize = 20;
+
 impl Api {
+    fn outbox_row(&self, r: &crate::store::OutboxRow) -> api::OutboxRow {
+        api::OutboxRow {
+            agent_id: r.agent_id.clone(),
+            session_key: r.session_key.clone(),
+            session_id: r.session_id.clone(),
+            advancement_key: r.advancement_key.clone(),
+            engine_id: r.engine_id.clone(),
+            attempts: r.attempts,
+            last_error: r.last_error.clone(),
+            next_attempt_unix_ms: r.next_attempt_ms,
+            blocked: r.attempts > 0,
+            engine_state: self.core.engine_state(&r.engine_id).as_str().into(),
+            created_at_unix_ms: r.created_at_ms,
+        }
+    }
+
     async fn session_info(&self, s: &Session) -> Result<api::SessionInfo, CoreError> {
         let (entries, compactions, visible_tokens) = self.core.session_counts(s).await?;
         Ok(api::SessionInfo {
@@ -314,6 +340,13 @@ impl Gateway for Api {
     async fn get_status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResult>, Status> {
         let c = &self.core;
         let registry = c.registry();
+        let (outbox_queued, outbox_blocked) = c.outbox_counts().await?;
+        let blocked_commits = if outbox_blocked == 0 {
+            Vec::new()
+        } else {
+            let (rows, _) = c.list_outbox(None, MAX_OUTBOX_ROWS).await?;
+            rows.iter().filter(|r| r.attempts > 0).take(STATUS_BLOCKED_ROWS).map(|r| self.outbox_row(r)).collect()
+        };
         Ok(Response::new(api::StatusResult {
             version: env!("CARGO_PKG_VERSION").into(),
             model_provider: c.provider_name(),
@@ -324,7 +357,38 @@ impl Gateway for Api {
             sessions: c.count_sessions().await?,
             turns_in_flight: c.turns_in_flight(),
             turns_queued: c.turns_queued(),
+            outbox_queued,
+            outbox_blocked,
+            blocked_commits,
         }))
+    }
+
+    async fn list_outbox(
+        &self,
+        req: Request<api::ListOutboxRequest>,
+    ) -> Result<Response<api::ListOutboxResult>, Status> {
+        let r = req.into_inner();
+        let limit = if r.limit == 0 { MAX_OUTBOX_ROWS } else { r.limit.min(MAX_OUTBOX_ROWS) };
+        let (rows, more) = self.core.list_outbox(r.agent_id.as_deref(), limit).await?;
+        let rows = rows.iter().map(|row| self.outbox_row(row)).collect();
+        Ok(Response::new(api::ListOutboxResult { rows, more }))
+    }
+
+    async fn retry_outbox(&self, req: Request<api::SessionRef>) -> Result<Response<api::OutboxActionResult>, Status> {
+        let r = req.into_inner();
+        let cancel = self.core.call_token();
+        let _guard = cancel.clone().drop_guard();
+        let (done, remaining) = self.core.retry_outbox(&r.agent_id, &r.session_key, cancel).await?;
+        let remaining = remaining.iter().map(|row| self.outbox_row(row)).collect();
+        Ok(Response::new(api::OutboxActionResult { done, remaining }))
+    }
+
+    async fn drop_outbox(&self, req: Request<api::SessionRef>) -> Result<Response<api::OutboxActionResult>, Status> {
+        let r = req.into_inner();
+        let cancel = self.core.call_token();
+        let _guard = cancel.clone().drop_guard();
+        let dropped = self.core.drop_outbox(&r.agent_id, &r.session_key, cancel).await?;
+        Ok(Response::new(api::OutboxActionResult { done: dropped.len() as u32, remaining: Vec::new() }))
     }
 
     async fn spawn_subagent(

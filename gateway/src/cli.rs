@@ -69,6 +69,11 @@ pub enum Command {
         #[command(subcommand)]
         command: EnginesCommand,
     },
+    /// Durable-turn commits waiting for their engine: list, retry, drop.
+    Outbox {
+        #[command(subcommand)]
+        command: OutboxCommand,
+    },
     /// Check the configured context engine before running: reachable,
     /// contract valid, host requirements met. --fix resets the slot when
     /// no configured host can run the engine.
@@ -130,6 +135,39 @@ pub enum EnginesCommand {
         conn: Conn,
         /// The engine id (its plugins.entries key).
         id: String,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum OutboxCommand {
+    /// Queued commits, oldest first, with attempts and the engine's last refusal.
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+        /// Only this agent's sessions.
+        #[arg(long)]
+        agent: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Deliver a session's queued commits now, ignoring their backoff.
+    Retry {
+        #[command(flatten)]
+        conn: Conn,
+        /// The session key.
+        key: String,
+        #[arg(long, default_value = "main")]
+        agent: String,
+    },
+    /// Drop a session's queued commits: the engine never receives those
+    /// turns; the transcript is untouched (audited in the gateway's log and store).
+    Drop {
+        #[command(flatten)]
+        conn: Conn,
+        /// The session key.
+        key: String,
+        #[arg(long, default_value = "main")]
+        agent: String,
     },
 }
 
@@ -407,6 +445,72 @@ fn entry_json(e: &ctxgate_proto::pb::TranscriptEntry) -> serde_json::Value {
     }
 }
 
+fn outbox_json(r: &api::OutboxRow) -> serde_json::Value {
+    json!({"agent_id": r.agent_id, "session_key": r.session_key, "session_id": r.session_id,
+        "advancement_key": r.advancement_key, "engine_id": r.engine_id, "engine_state": r.engine_state,
+        "attempts": r.attempts, "blocked": r.blocked, "last_error": r.last_error,
+        "next_attempt_unix_ms": r.next_attempt_unix_ms, "created_at_unix_ms": r.created_at_unix_ms})
+}
+
+fn print_outbox_row(r: &api::OutboxRow) {
+    let state = if r.blocked { format!("BLOCKED after {} attempt(s)", r.attempts) } else { "queued".into() };
+    println!(
+        "{:<12} {:<24} {:<34} {:<16} {state} (engine {})",
+        r.agent_id, r.session_key, r.advancement_key, r.engine_id, r.engine_state
+    );
+    if let Some(e) = &r.last_error {
+        println!("{:<12} last error: {e}", "");
+    }
+}
+
+pub async fn outbox(cmd: OutboxCommand) -> Result<(), CliError> {
+    match cmd {
+        OutboxCommand::Ls { conn, agent, json } => {
+            let r = connect(&conn)
+                .await?
+                .list_outbox(api::ListOutboxRequest { agent_id: agent, limit: 0 })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            if json {
+                let rows: Vec<_> = r.rows.iter().map(outbox_json).collect();
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({"rows": rows, "more": r.more})).unwrap_or_default()
+                );
+            } else if r.rows.is_empty() {
+                println!("The outbox is empty: every accepted durable turn reached its engine.");
+            } else {
+                println!("{:<12} {:<24} {:<34} {:<16} STATE", "AGENT", "KEY", "TURN", "ENGINE");
+                r.rows.iter().for_each(print_outbox_row);
+                if r.more > 0 {
+                    println!("… and {} more", r.more);
+                }
+            }
+        }
+        OutboxCommand::Retry { conn, key, agent } => {
+            let r = connect(&conn)
+                .await?
+                .retry_outbox(api::SessionRef { agent_id: agent, session_key: key.clone() })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            println!("{} queued commit(s) of {key:?} delivered, {} still waiting.", r.done, r.remaining.len());
+            r.remaining.iter().for_each(print_outbox_row);
+        }
+        OutboxCommand::Drop { conn, key, agent } => {
+            let r = connect(&conn)
+                .await?
+                .drop_outbox(api::SessionRef { agent_id: agent, session_key: key.clone() })
+                .await
+                .map_err(explain)?
+                .into_inner();
+            println!("{} queued commit(s) of {key:?} dropped; the engine will not receive those turns.", r.done);
+        }
+    }
+    Ok(())
+}
+
 fn engine_json(e: &api::EngineStatus) -> serde_json::Value {
     json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health,
         "quarantine": e.quarantine.as_ref().map(|q| json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms})),
@@ -430,7 +534,9 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
     if as_json {
         let engines: Vec<_> = s.engines.iter().map(engine_json).collect();
         let v = json!({"version": s.version, "model_provider": s.model_provider, "model": s.model, "context_window": s.context_window,
-            "selected_engine": s.selected_engine, "engines": engines, "sessions": s.sessions, "turns_in_flight": s.turns_in_flight, "turns_queued": s.turns_queued});
+            "selected_engine": s.selected_engine, "engines": engines, "sessions": s.sessions, "turns_in_flight": s.turns_in_flight, "turns_queued": s.turns_queued,
+            "outbox_queued": s.outbox_queued, "outbox_blocked": s.outbox_blocked,
+            "blocked_commits": s.blocked_commits.iter().map(outbox_json).collect::<Vec<_>>()});
         println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
         return Ok(());
     }
@@ -441,6 +547,8 @@ pub async fn status(conn: &Conn, as_json: bool) -> Result<(), CliError> {
         print_engine(e);
     }
     println!("sessions: {} active, {} turns running, {} queued", s.sessions, s.turns_in_flight, s.turns_queued);
+    println!("outbox:   {} commit(s) queued, {} blocked by an engine's refusal", s.outbox_queued, s.outbox_blocked);
+    s.blocked_commits.iter().for_each(print_outbox_row);
     Ok(())
 }
 
@@ -489,6 +597,7 @@ pub async fn serve(
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
+    let store = crate::server::open_store(&cfg).map_err(|e| CliError(e.to_string()))?;
     let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;
     let metrics = listeners.metrics.as_ref().and_then(|l| l.local_addr().ok());
@@ -512,7 +621,7 @@ pub async fn serve(
             }
         }
     });
-    crate::server::run_with_reloads(cfg, listeners, shutdown_signal(), reloads)
+    crate::server::run_with_reloads(cfg, store, listeners, shutdown_signal(), reloads)
         .await
         .map_err(|e| CliError(e.to_string()))
 }

@@ -5,7 +5,7 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
-use ctxgate_proto::pb::{self, host_server::Host};
+use ctxgate_proto::pb::{self, host_server::Host, transcript_entry::Entry};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
@@ -37,8 +37,15 @@ fn page(
     cursor: &str,
     limit: u32,
 ) -> Result<Vec<pb::TranscriptChunk>, Status> {
-    // The current-turn fence: a pre-turn read never sees the admitted message.
-    if let Some(at) = fence_before.and_then(|f| entries.iter().position(|e| e.id == f)) {
+    // The current-turn fence: a pre-turn read never sees the admitted
+    // message. A rewrite copies it under a new entry id but keeps its
+    // message id, so either names it. Not found: refused, never widened.
+    if let Some(fence) = fence_before {
+        let names =
+            |e: &pb::TranscriptEntry| e.id == fence || matches!(&e.entry, Some(Entry::Message(m)) if m.id == fence);
+        let at = entries.iter().position(names).ok_or_else(|| {
+            Status::failed_precondition("the current turn's fence entry is no longer on the branch; read refused")
+        })?;
         entries.truncate(at);
     }
     if !cursor.is_empty() {
@@ -168,6 +175,17 @@ mod tests {
         let c = page(entries(5), Some("e3"), "", 0).unwrap();
         assert_eq!(ids(&c), ["e0", "e1", "e2"]);
         assert_eq!(c.last().unwrap().next_cursor, "", "nothing follows");
+    }
+
+    #[test]
+    fn the_fence_follows_a_copied_message_and_fails_closed_without_it() {
+        // A rewrite copied e3 under a new entry id; its message id stays "e3".
+        let mut copied = entries(5);
+        copied[3].id = "copy-of-e3".into();
+        copied[3].entry = Some(Entry::Message(pb::AgentMessage { id: "e3".into(), ..Default::default() }));
+        assert_eq!(ids(&page(copied, Some("e3"), "", 0).unwrap()), ["e0", "e1", "e2"]);
+        let gone = page(entries(5), Some("elsewhere"), "", 0).unwrap_err();
+        assert_eq!(gone.code(), tonic::Code::FailedPrecondition, "never the whole branch");
     }
 
     #[test]

@@ -15,6 +15,7 @@ async fn main() -> ExitCode {
         Command::Sessions { command } => cli::sessions(command).await,
         Command::Status { conn, json } => cli::status(&conn, json).await,
         Command::Engines { command } => cli::engines(command).await,
+        Command::Outbox { command } => cli::outbox(command).await,
         Command::Doctor { config, fix } => ctxgate::doctor::run(config.as_deref(), fix).await,
     };
     match result {

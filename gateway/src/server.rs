@@ -27,8 +27,8 @@ pub const HARNESS_SERVICE: &str = "ctxgate.v1.Harness";
 pub enum ServeError {
     #[error("cannot listen on {addr}: {source}")]
     Bind { addr: SocketAddr, source: std::io::Error },
-    #[error("cannot open the store in {dir}: {message}")]
-    Store { dir: String, message: String },
+    #[error(transparent)]
+    Store(#[from] crate::store::OpenError),
     #[error("model provider: {0}")]
     Provider(String),
     #[error("serving failed: {0}")]
@@ -83,20 +83,27 @@ impl tonic::service::Interceptor for Auth {
 /// running turns and compactions, and drains.
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
     let (_keep, reloads) = tokio::sync::mpsc::channel(1);
-    run_with_reloads(config, listeners, shutdown, reloads).await
+    let store = open_store(&config)?;
+    run_with_reloads(config, store, listeners, shutdown, reloads).await
 }
 
-/// [`run`], applying every configuration received on `reloads` to the
-/// engines (new clients, quarantines cleared, the slot re-resolved).
+/// The configured store, opened (and migrated) before any port is bound:
+/// a state dir that cannot be used is a sentence and a non-zero exit.
+pub fn open_store(config: &Config) -> Result<SqliteStore, ServeError> {
+    Ok(SqliteStore::open(&config.state_dir)?)
+}
+
+/// [`run`] on an opened store, applying every configuration received on
+/// `reloads` to the engines (new clients, quarantines cleared, the slot
+/// re-resolved).
 pub async fn run_with_reloads(
     config: Config,
+    store: SqliteStore,
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
     mut reloads: tokio::sync::mpsc::Receiver<Config>,
 ) -> Result<(), ServeError> {
     let config = Arc::new(config);
-    let store = SqliteStore::open(&config.state_dir)
-        .map_err(|e| ServeError::Store { dir: config.state_dir.display().to_string(), message: e.to_string() })?;
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
     let metrics = Metrics::default();
     let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, metrics.clone()));

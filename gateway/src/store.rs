@@ -19,14 +19,44 @@ use rusqlite::{Connection, OptionalExtension, params};
 pub enum StoreError {
     #[error("session {0} does not exist")]
     NoSession(String),
+    /// The disk (or the database's size limit) is full: the write was
+    /// rolled back whole; reads still work.
+    #[error("the state storage is full: {0}")]
+    Full(String),
     #[error("storage failure: {0}")]
     Backend(String),
 }
 
 impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
-        Self::Backend(e.to_string())
+        match e.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::DiskFull) => Self::Full(e.to_string()),
+            _ => Self::Backend(e.to_string()),
+        }
     }
+}
+
+/// Why the store cannot be opened: each a sentence for the operator.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("the state directory {dir} cannot be used: {detail}")]
+    Dir { dir: String, detail: String },
+    #[error("the state directory {dir} is read-only: ctxgate needs to write its database there")]
+    ReadOnly { dir: String },
+    #[error(
+        "another ctxgate gateway is already using the state directory {dir} (lock {lock}); only a PostgreSQL store can be shared by several gateways"
+    )]
+    Locked { dir: String, lock: String },
+    #[error("{file} is not a ctxgate database or is corrupt ({detail}); restore it from a backup or move it away")]
+    Corrupt { file: String, detail: String },
+    #[error(
+        "{file} was written by a newer ctxgate (schema version {found}; this build knows up to {known}); upgrade ctxgate"
+    )]
+    NewerSchema { file: String, found: i64, known: i64 },
+    #[error("the state storage is full: {0}")]
+    Full(String),
+    #[error("cannot open the database {file}: {detail}")]
+    Other { file: String, detail: String },
 }
 
 /// A session row.
@@ -66,8 +96,12 @@ pub trait Store: Send + Sync + 'static {
     -> Result<Vec<SessionStats>, StoreError>;
     /// Archives the key's active session without starting a new one.
     async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError>;
-    /// Deletes every session of the key with its entries.
+    /// Deletes every session of the key with its entries, queued commits
+    /// and subagent records, and queues a ForgetSession for every engine
+    /// that saw one of them, in one transaction.
     async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError>;
+    /// The ids of every session of the key (any state).
+    async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError>;
     /// Appends entries to the session's active branch, atomically.
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
     /// The active branch, oldest first.
@@ -89,12 +123,14 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<RewriteOutcome, StoreError>;
     /// Appends a turn's admitted entries and records the turn as open, in
     /// one transaction. A turn that is never closed (the gateway died) is
-    /// rewound when the store is next opened, as an abort is.
+    /// rewound when the store is next opened, as an abort is. `seen_by`
+    /// notes the engine serving the turn (see [`Store::note_engine_session`]).
     async fn open_turn(
         &self,
         session_id: &str,
         turn_id: &str,
         entries: Vec<NewEntry>,
+        seen_by: Option<&str>,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
     /// Closes the session's open turn (see [`TurnClose`]); returns the
     /// entries appended by an accepting close.
@@ -109,12 +145,46 @@ pub trait Store: Send + Sync + 'static {
         epoch: &str,
         fingerprint: &str,
     ) -> Result<bool, StoreError>;
-    /// The session's queued commits, oldest first.
-    async fn pending_commits(&self, session_id: &str) -> Result<Vec<PendingCommit>, StoreError>;
-    /// Sessions with queued commits, the longest-waiting first.
-    async fn sessions_with_pending_commits(&self) -> Result<Vec<String>, StoreError>;
+    /// The session's queued commits for one engine, oldest first.
+    async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError>;
+    /// (session, engine) pairs with a commit due at `now_ms`, the
+    /// longest-waiting first.
+    async fn due_commits(&self, now_ms: i64) -> Result<Vec<(String, String)>, StoreError>;
     /// Removes a delivered commit.
     async fn complete_commit(&self, session_id: &str, advancement_key: &str) -> Result<(), StoreError>;
+    /// Records the engine's refusal of a commit: one more attempt, its
+    /// error, and when to try again.
+    async fn refuse_commit(
+        &self,
+        session_id: &str,
+        advancement_key: &str,
+        error: &str,
+        next_attempt_ms: i64,
+    ) -> Result<(), StoreError>;
+    /// Queued commits with their sessions, oldest first, at most `limit`;
+    /// and how many more there are.
+    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError>;
+    /// The queued commits of a key's sessions (any engine), oldest first.
+    async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError>;
+    /// Makes the key's queued commits due now; returns how many there are.
+    async fn retry_outbox(&self, agent: &str, key: &str) -> Result<u32, StoreError>;
+    /// Drops the key's queued commits, each recorded in `outbox_drops`, in
+    /// one transaction; returns them.
+    async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError>;
+    /// Queued and refused (blocked) commits.
+    async fn outbox_counts(&self) -> Result<(u32, u32), StoreError>;
+    /// Notes that an engine has seen a session (it is told to forget it
+    /// when the session is deleted).
+    async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError>;
+    /// ForgetSession calls still owed to engines for deleted sessions.
+    async fn pending_forgets(&self, now_ms: i64) -> Result<Vec<Forget>, StoreError>;
+    /// Removes a delivered forget, or (`retry_at`) records a failed one.
+    async fn settle_forget(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        retry_at: Option<(i64, &str)>,
+    ) -> Result<(), StoreError>;
     /// Records a live subagent.
     async fn add_subagent(&self, s: Subagent) -> Result<(), StoreError>;
     /// Removes and returns a subagent record.
@@ -152,6 +222,35 @@ pub enum TurnClose {
 pub struct PendingCommit {
     pub engine_id: String,
     pub request: pb::CommitTurnRequest,
+    /// Deliveries the engine refused so far (0: never refused).
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    /// Not retried before this time (unix ms; 0 = now).
+    pub next_attempt_ms: i64,
+}
+
+/// A queued commit as listed (`ctxgate outbox ls`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxRow {
+    pub agent_id: String,
+    pub session_key: String,
+    pub session_id: String,
+    pub advancement_key: String,
+    pub engine_id: String,
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    pub next_attempt_ms: i64,
+    pub created_at_ms: i64,
+}
+
+/// A ForgetSession owed to an engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Forget {
+    pub session_id: String,
+    pub engine_id: String,
+    pub agent_id: String,
+    pub session_key: String,
+    pub attempts: u32,
 }
 
 /// A live subagent.
@@ -175,7 +274,12 @@ pub struct RewriteOutcome {
     pub remap: std::collections::HashMap<String, String>,
 }
 
-const SCHEMA: &str = "
+/// Schema migrations in order; `PRAGMA user_version` is how many have been
+/// applied. A database from before versioning (version 0) already has the
+/// first one's tables, which it creates only if missing.
+const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2];
+
+const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
     session_id    TEXT PRIMARY KEY,
     agent_id      TEXT NOT NULL,
@@ -226,6 +330,40 @@ CREATE TABLE IF NOT EXISTS subagents (
 );
 ";
 
+/// Refused commits (attempts, error, backoff), audited drops, which engines
+/// saw a session, and ForgetSession calls owed after a delete.
+const SCHEMA_V2: &str = "
+ALTER TABLE outbox ADD COLUMN attempts INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE outbox ADD COLUMN last_error TEXT;
+ALTER TABLE outbox ADD COLUMN next_attempt_ms INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX outbox_by_engine ON outbox (session_id, engine_id);
+CREATE TABLE outbox_drops (
+    session_id      TEXT NOT NULL,
+    agent_id        TEXT NOT NULL,
+    session_key     TEXT NOT NULL,
+    advancement_key TEXT NOT NULL,
+    engine_id       TEXT NOT NULL,
+    attempts        INTEGER NOT NULL,
+    last_error      TEXT,
+    dropped_at_ms   INTEGER NOT NULL
+);
+CREATE TABLE engine_sessions (
+    session_id TEXT NOT NULL,
+    engine_id  TEXT NOT NULL,
+    PRIMARY KEY (session_id, engine_id)
+) WITHOUT ROWID;
+CREATE TABLE forgets (
+    session_id      TEXT NOT NULL,
+    engine_id       TEXT NOT NULL,
+    agent_id        TEXT NOT NULL,
+    session_key     TEXT NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_error      TEXT,
+    next_attempt_ms INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, engine_id)
+);
+";
+
 const KIND_MESSAGE: i64 = 1;
 const KIND_COMPACTION: i64 = 2;
 
@@ -234,6 +372,9 @@ const KIND_COMPACTION: i64 = 2;
 #[derive(Clone)]
 pub struct SqliteStore {
     conn: Arc<Mutex<Connection>>,
+    /// The state directory's lock, held while the store lives: one SQLite
+    /// file has one gateway.
+    _lock: Arc<std::fs::File>,
 }
 
 fn now_ms() -> i64 {
@@ -244,18 +385,89 @@ fn new_id() -> String {
     uuid::Uuid::new_v4().simple().to_string()
 }
 
+/// The database file in a state directory.
+pub const DB_FILE: &str = "ctxgate.sqlite";
+/// The lock file next to it (an advisory `flock`, released by the kernel
+/// when the process dies, however it dies).
+pub const LOCK_FILE: &str = "ctxgate.lock";
+
+/// Takes the state directory's lock, or says who has it.
+fn lock_dir(dir: &Path) -> Result<std::fs::File, OpenError> {
+    let d = dir.display().to_string();
+    std::fs::create_dir_all(dir).map_err(|e| dir_error(&d, &e))?;
+    let path = dir.join(LOCK_FILE);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| dir_error(&d, &e))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(OpenError::Locked { dir: d, lock: path.display().to_string() }),
+        Err(std::fs::TryLockError::Error(e)) => Err(dir_error(&d, &e)),
+    }
+}
+
+fn dir_error(dir: &str, e: &std::io::Error) -> OpenError {
+    use std::io::ErrorKind::{PermissionDenied, ReadOnlyFilesystem};
+    match e.kind() {
+        ReadOnlyFilesystem | PermissionDenied => OpenError::ReadOnly { dir: dir.into() },
+        _ if e.raw_os_error() == Some(28) => OpenError::Full(format!("{dir}: {e}")),
+        _ => OpenError::Dir { dir: dir.into(), detail: e.to_string() },
+    }
+}
+
+/// An error opening or migrating the database, as the operator needs it.
+fn open_error(file: &Path, e: &rusqlite::Error) -> OpenError {
+    let file = file.display().to_string();
+    match e.sqlite_error_code() {
+        Some(rusqlite::ErrorCode::NotADatabase | rusqlite::ErrorCode::DatabaseCorrupt) => {
+            OpenError::Corrupt { file, detail: e.to_string() }
+        }
+        Some(rusqlite::ErrorCode::DiskFull) => OpenError::Full(format!("{file}: {e}")),
+        _ => OpenError::Other { file, detail: e.to_string() },
+    }
+}
+
+/// Applies the migrations the database lacks, each in its own transaction.
+fn migrate(conn: &mut Connection, file: &Path) -> Result<(), OpenError> {
+    let fail = |e: rusqlite::Error| open_error(file, &e);
+    let found: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(fail)?;
+    let known = MIGRATIONS.len() as i64;
+    if found > known {
+        return Err(OpenError::NewerSchema { file: file.display().to_string(), found, known });
+    }
+    for (done, sql) in MIGRATIONS.iter().enumerate().skip(found.max(0) as usize) {
+        let tx = conn.transaction().map_err(fail)?;
+        tx.execute_batch(sql).map_err(fail)?;
+        tx.pragma_update(None, "user_version", done as i64 + 1).map_err(fail)?;
+        tx.commit().map_err(fail)?;
+    }
+    Ok(())
+}
+
 impl SqliteStore {
-    pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        std::fs::create_dir_all(dir).map_err(|e| StoreError::Backend(format!("{}: {e}", dir.display())))?;
-        let mut conn = Connection::open(dir.join("ctxgate.sqlite"))?;
-        conn.pragma_update(None, "journal_mode", "WAL")?;
+    /// Opens (creating or migrating) the store in `dir`. Fails with a
+    /// sentence when the directory is not writable, another gateway holds
+    /// it, or the file is corrupt or from a newer ctxgate.
+    pub fn open(dir: &Path) -> Result<Self, OpenError> {
+        let lock = lock_dir(dir)?;
+        let file = dir.join(DB_FILE);
+        let fail = |e: rusqlite::Error| open_error(&file, &e);
+        let mut conn = Connection::open(&file).map_err(fail)?;
+        // The first read of the header: a file that is not SQLite fails here.
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(fail)?;
         // FULL: an acknowledged message survives a power cut, not just a crash.
-        conn.pragma_update(None, "synchronous", "FULL")?;
-        conn.pragma_update(None, "foreign_keys", "ON")?;
-        conn.busy_timeout(std::time::Duration::from_secs(5))?;
-        conn.execute_batch(SCHEMA)?;
-        recover_open_turns(&mut conn)?;
-        Ok(Self { conn: Arc::new(Mutex::new(conn)) })
+        conn.pragma_update(None, "synchronous", "FULL").map_err(fail)?;
+        conn.pragma_update(None, "foreign_keys", "ON").map_err(fail)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(fail)?;
+        migrate(&mut conn, &file)?;
+        recover_open_turns(&mut conn).map_err(|e| match e {
+            StoreError::Full(detail) => OpenError::Full(detail),
+            other => OpenError::Other { file: file.display().to_string(), detail: other.to_string() },
+        })?;
+        Ok(Self { conn: Arc::new(Mutex::new(conn)), _lock: Arc::new(lock) })
     }
 
     async fn run<T: Send + 'static>(
@@ -476,6 +688,35 @@ fn recover_open_turns(conn: &mut Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Queued commits with their sessions matching `filter` (over `o`, the
+/// outbox, and `s`, the session), oldest first.
+fn query_outbox(
+    c: &Connection,
+    filter: &str,
+    args: impl rusqlite::Params,
+    limit: u32,
+) -> Result<Vec<OutboxRow>, StoreError> {
+    let mut stmt = c.prepare(&format!(
+        "SELECT s.agent_id, s.session_key, o.session_id, o.advancement_key, o.engine_id, o.attempts, o.last_error,
+                o.next_attempt_ms, o.created_at_ms
+         FROM outbox o JOIN sessions s USING (session_id) WHERE {filter} ORDER BY o.rowid LIMIT {limit}"
+    ))?;
+    let rows = stmt.query_map(args, |r| {
+        Ok(OutboxRow {
+            agent_id: r.get(0)?,
+            session_key: r.get(1)?,
+            session_id: r.get(2)?,
+            advancement_key: r.get(3)?,
+            engine_id: r.get(4)?,
+            attempts: r.get(5)?,
+            last_error: r.get(6)?,
+            next_attempt_ms: r.get(7)?,
+            created_at_ms: r.get(8)?,
+        })
+    })?;
+    Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
 #[async_trait]
 impl Store for SqliteStore {
     async fn session(&self, agent: &str, key: &str, create_missing: bool) -> Result<Option<Session>, StoreError> {
@@ -548,13 +789,36 @@ impl Store for SqliteStore {
         let (agent, key) = (agent.to_owned(), key.to_owned());
         self.run(move |c| {
             let tx = c.transaction()?;
+            const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2";
+            // Every engine that saw a session, by a call or a queued commit,
+            // is owed a ForgetSession; the queue survives a crash.
             tx.execute(
-                "DELETE FROM entries WHERE session_id IN (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)",
+                &format!(
+                    "INSERT OR IGNORE INTO forgets (session_id, engine_id, agent_id, session_key)
+                     SELECT session_id, engine_id, ?1, ?2 FROM engine_sessions WHERE session_id IN ({OF_KEY})
+                     UNION SELECT session_id, engine_id, ?1, ?2 FROM outbox WHERE session_id IN ({OF_KEY})"
+                ),
                 params![agent, key],
             )?;
+            for table in ["outbox", "engine_sessions", "entries"] {
+                tx.execute(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"), params![agent, key])?;
+            }
+            // The key's own subagent record (it was a child); a parent's
+            // children stay sessions of their own.
+            tx.execute("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2", params![agent, key])?;
             let n = tx.execute("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2", params![agent, key])?;
             tx.commit()?;
             Ok(n as u32)
+        })
+        .await
+    }
+
+    async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let mut stmt = c.prepare("SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2")?;
+            let rows = stmt.query_map(params![agent, key], |r| r.get(0))?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
         })
         .await
     }
@@ -575,8 +839,10 @@ impl Store for SqliteStore {
         session_id: &str,
         turn_id: &str,
         entries: Vec<NewEntry>,
+        seen_by: Option<&str>,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let (session_id, turn_id) = (session_id.to_owned(), turn_id.to_owned());
+        let seen_by = seen_by.map(str::to_owned);
         self.run(move |c| {
             let tx = c.transaction()?;
             // A turn left open (its rewind failed) ends as an abort first.
@@ -589,6 +855,10 @@ impl Store for SqliteStore {
                 "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
                 params![session_id, turn_id, first.id, last.id],
             )?;
+            if let Some(engine) = seen_by {
+                tx.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
+                    .execute(params![session_id, engine])?;
+            }
             tx.commit()?;
             Ok(out)
         })
@@ -650,27 +920,40 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn pending_commits(&self, session_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
-        let session_id = session_id.to_owned();
+    async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
+        let (session_id, engine_id) = (session_id.to_owned(), engine_id.to_owned());
         self.run(move |c| {
-            let mut stmt =
-                c.prepare_cached("SELECT engine_id, payload FROM outbox WHERE session_id = ?1 ORDER BY rowid")?;
-            let rows = stmt.query_map([&session_id], |r| {
+            let mut stmt = c.prepare_cached(
+                "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
+                 WHERE session_id = ?1 AND engine_id = ?2 ORDER BY rowid",
+            )?;
+            let rows = stmt.query_map([&session_id, &engine_id], |r| {
                 let body: Vec<u8> = r.get(1)?;
                 let request = pb::CommitTurnRequest::decode(body.as_slice()).map_err(|e| {
                     rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e))
                 })?;
-                Ok(PendingCommit { engine_id: r.get(0)?, request })
+                Ok(PendingCommit {
+                    engine_id: r.get(0)?,
+                    request,
+                    attempts: r.get(2)?,
+                    last_error: r.get(3)?,
+                    next_attempt_ms: r.get(4)?,
+                })
             })?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
         })
         .await
     }
 
-    async fn sessions_with_pending_commits(&self) -> Result<Vec<String>, StoreError> {
-        self.run(|c| {
-            let mut stmt = c.prepare("SELECT session_id FROM outbox GROUP BY session_id ORDER BY MIN(rowid)")?;
-            let rows = stmt.query_map([], |r| r.get(0))?;
+    async fn due_commits(&self, now_ms: i64) -> Result<Vec<(String, String)>, StoreError> {
+        self.run(move |c| {
+            // A pair is due when its oldest row is: later rows wait behind it.
+            let mut stmt = c.prepare_cached(
+                "SELECT session_id, engine_id FROM outbox o WHERE rowid =
+                   (SELECT MIN(rowid) FROM outbox f WHERE f.session_id = o.session_id AND f.engine_id = o.engine_id)
+                 AND next_attempt_ms <= ?1 ORDER BY rowid",
+            )?;
+            let rows = stmt.query_map([now_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
         })
         .await
@@ -680,6 +963,143 @@ impl Store for SqliteStore {
         let (s, k) = (session_id.to_owned(), advancement_key.to_owned());
         self.run(move |c| {
             c.execute("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2", params![s, k])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn refuse_commit(
+        &self,
+        session_id: &str,
+        advancement_key: &str,
+        error: &str,
+        next_attempt_ms: i64,
+    ) -> Result<(), StoreError> {
+        let (s, k, e) = (session_id.to_owned(), advancement_key.to_owned(), error.to_owned());
+        self.run(move |c| {
+            c.execute(
+                "UPDATE outbox SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
+                 WHERE session_id = ?1 AND advancement_key = ?2",
+                params![s, k, e, next_attempt_ms],
+            )?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
+        let agent = agent.map(str::to_owned);
+        self.run(move |c| {
+            let rows = query_outbox(c, "?1 IS NULL OR s.agent_id = ?1", params![agent], limit)?;
+            let total: u32 = c.query_row(
+                "SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE ?1 IS NULL OR s.agent_id = ?1",
+                params![agent],
+                |r| r.get(0),
+            )?;
+            let more = total.saturating_sub(rows.len() as u32);
+            Ok((rows, more))
+        })
+        .await
+    }
+
+    async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| query_outbox(c, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX))
+            .await
+    }
+
+    async fn retry_outbox(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let n = c.execute(
+                "UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
+                   (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)",
+                params![agent, key],
+            )?;
+            Ok(n as u32)
+        })
+        .await
+    }
+
+    async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        self.run(move |c| {
+            let tx = c.transaction()?;
+            let rows = query_outbox(&tx, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX)?;
+            let at = now_ms();
+            for r in &rows {
+                tx.execute(
+                    "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                    params![r.session_id, r.agent_id, r.session_key, r.advancement_key, r.engine_id, r.attempts, r.last_error, at],
+                )?;
+                tx.execute(
+                    "DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2",
+                    params![r.session_id, r.advancement_key],
+                )?;
+            }
+            tx.commit()?;
+            Ok(rows)
+        })
+        .await
+    }
+
+    async fn outbox_counts(&self) -> Result<(u32, u32), StoreError> {
+        self.run(|c| {
+            Ok(c.query_row("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox", [], |r| {
+                Ok((r.get(0)?, r.get(1)?))
+            })?)
+        })
+        .await
+    }
+
+    async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
+        self.run(move |c| {
+            c.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
+                .execute(params![s, e])?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn pending_forgets(&self, now_ms: i64) -> Result<Vec<Forget>, StoreError> {
+        self.run(move |c| {
+            let mut stmt = c.prepare_cached(
+                "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
+                 WHERE next_attempt_ms <= ?1 ORDER BY rowid LIMIT 256",
+            )?;
+            let rows = stmt.query_map([now_ms], |r| {
+                Ok(Forget {
+                    session_id: r.get(0)?,
+                    engine_id: r.get(1)?,
+                    agent_id: r.get(2)?,
+                    session_key: r.get(3)?,
+                    attempts: r.get(4)?,
+                })
+            })?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn settle_forget(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        retry_at: Option<(i64, &str)>,
+    ) -> Result<(), StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
+        let retry = retry_at.map(|(at, why)| (at, why.to_owned()));
+        self.run(move |c| {
+            match retry {
+                None => c.execute("DELETE FROM forgets WHERE session_id = ?1 AND engine_id = ?2", params![s, e])?,
+                Some((at, why)) => c.execute(
+                    "UPDATE forgets SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
+                     WHERE session_id = ?1 AND engine_id = ?2",
+                    params![s, e, why, at],
+                )?,
+            };
             Ok(())
         })
         .await
@@ -1008,7 +1428,7 @@ mod tests {
     async fn a_turn_left_open_by_a_crash_is_rewound_at_open_and_keeps_its_compactions() {
         let (dir, store, s) = fixture().await;
         store.append(&s.session_id, vec![user("before")]).await.unwrap();
-        let admitted = store.open_turn(&s.session_id, "t1", vec![user("question")]).await.unwrap();
+        let admitted = store.open_turn(&s.session_id, "t1", vec![user("question")], None).await.unwrap();
         let tool = NewEntry { turn_id: "t1".into(), entry: user("tool traffic").entry };
         store.append(&s.session_id, vec![tool]).await.unwrap();
         store.append(&s.session_id, vec![compaction("summary", &admitted[0].id)]).await.unwrap();
@@ -1030,7 +1450,7 @@ mod tests {
         let all: i64 = store.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
         assert_eq!(all, 5);
         // Closing an accepted turn moves nothing back.
-        store.open_turn(&s.session_id, "t2", vec![user("next")]).await.unwrap();
+        store.open_turn(&s.session_id, "t2", vec![user("next")], None).await.unwrap();
         let closed = TurnClose::Accept { entries: vec![user("reply")], commit: None };
         assert_eq!(store.close_turn(&s.session_id, closed).await.unwrap().len(), 1);
         drop(store);

@@ -44,7 +44,7 @@ pub const HOST_SERVICE: &str = "contextengine.v1.Host";
 pub const REQUIRED_METHODS: [&str; 4] = ["GetInfo", "Ingest", "Assemble", "Compact"];
 
 /// Every RPC of `ContextEngine`, in lifecycle order.
-pub const ALL_METHODS: [&str; 13] = [
+pub const ALL_METHODS: [&str; 14] = [
     "GetInfo",
     "Bootstrap",
     "Ingest",
@@ -58,4 +58,5 @@ pub const ALL_METHODS: [&str; 13] = [
     "RollbackSubagentSpawn",
     "OnSubagentEnded",
     "Dispose",
+    "ForgetSession",
 ];

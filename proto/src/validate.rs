@@ -261,6 +261,10 @@ pub mod request {
     pub fn on_subagent_ended(r: &pb::OnSubagentEndedRequest) -> Result {
         id(&r.child_session_key, "child_session_key")
     }
+
+    pub fn forget_session(r: &pb::ForgetSessionRequest) -> Result {
+        id(&r.session_id, "session_id")
+    }
 }
 
 /// Result checks a caller applies to what an engine answered.

@@ -154,8 +154,10 @@ impl TestGateway {
         let metrics = listeners.metrics.as_ref().map(|l| l.local_addr().expect("addr"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (reloads, reload_rx) = tokio::sync::mpsc::channel(1);
+        let store = ctxgate::server::open_store(&config).expect("the store opens");
         let task = tokio::spawn(ctxgate::server::run_with_reloads(
             config,
+            store,
             listeners,
             async {
                 let _ = stopped.await;

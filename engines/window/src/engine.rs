@@ -192,7 +192,7 @@ impl WindowEngine {
     }
 }
 
-const METHODS: [&str; 13] = ctxgate_engine_sdk::proto::ALL_METHODS;
+const METHODS: [&str; 14] = ctxgate_engine_sdk::proto::ALL_METHODS;
 
 impl ContextEngine for WindowEngine {
     async fn get_info(&self, _ctx: &CallContext) -> Result<pb::EngineInfo, EngineError> {
@@ -448,6 +448,22 @@ impl ContextEngine for WindowEngine {
             })
             .await?;
         Ok(pb::OnSubagentEndedResult {})
+    }
+
+    async fn forget_session(
+        &self,
+        _ctx: &CallContext,
+        req: pb::ForgetSessionRequest,
+    ) -> Result<pb::ForgetSessionResult, EngineError> {
+        self.store
+            .run(move |c| {
+                let tx = c.transaction()?;
+                store::drop_spawns_of(&tx, &req.session_id)?;
+                store::delete_session(&tx, &req.session_id)?;
+                tx.commit()
+            })
+            .await?;
+        Ok(pb::ForgetSessionResult {})
     }
 
     async fn dispose(&self, _ctx: &CallContext) -> Result<pb::DisposeResult, EngineError> {

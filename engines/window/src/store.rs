@@ -73,7 +73,10 @@ impl Store {
         std::fs::create_dir_all(dir).map_err(internal)?;
         let conn = Connection::open(dir.join("window.sqlite")).map_err(internal)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(internal)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(internal)?;
+        // FULL: a COMMITTED answer survives a power cut. The gateway drops
+        // its queued copy on that answer, so NORMAL (durable only against
+        // a crash of the process) could lose an accepted turn for good.
+        conn.pragma_update(None, "synchronous", "FULL").map_err(internal)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(internal)?;
         conn.execute_batch(SCHEMA).map_err(internal)?;
         Ok(Self { conn: Arc::new(Mutex::new(conn)) })

@@ -18,12 +18,18 @@ impl Core {
         unmet: Unmet,
     ) -> Result<Lease, CoreError> {
         let registry = self.registry();
+        // Known durable from its last attach, even while it is quarantined.
+        let record = registry
+            .selected()
+            .filter(|g| g.attached_info().is_some_and(|i| crate::engines::durable(&i)))
+            .map(|g| g.id().to_owned());
         let lease = |key: String, engine: Arc<dyn Engine>, info, degraded, remote| Lease {
             key,
             engine,
             info,
             degraded,
             remote,
+            record: record.clone(),
             host: host.clone(),
             model: model.clone(),
         };

@@ -34,6 +34,7 @@ use crate::summarize::{Extractive, ModelSummarizer, Summarizer};
 use crate::transcript::{self, Visible};
 
 pub use managed::{ManagedTurn, TurnEnd};
+pub use outbox::EngineState;
 pub use sessions::BusyError;
 use sessions::{SessionGuard, SessionLocks};
 pub use turn::{Begun, Finished, StepError, Turn, check_client_message};
@@ -144,6 +145,10 @@ struct Lease {
     /// The degradation warning, when the configured engine could not take it.
     degraded: Option<String>,
     remote: bool,
+    /// The durable engine whose record gets this turn through the outbox,
+    /// whichever engine serves it: a turn served by legacy while the
+    /// engine was quarantined (or degraded) still reaches it, in order.
+    record: Option<String>,
     /// Who runs the operation, and against which model.
     host: HostProfile,
     model: ModelSpec,
@@ -348,14 +353,28 @@ impl Core {
         Ok(self.store.replace_session(&agent, &key, archive).await?)
     }
 
-    /// Aborts what runs and deletes every session of the key.
+    /// Aborts what runs and deletes every session of the key with its
+    /// queued commits; then tells the engines that saw it to forget it.
     pub async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, CoreError> {
         let (agent, key) = session_ref(agent, key)?;
         self.abort(&agent, &key).await?;
-        match self.store.delete_sessions(&agent, &key).await? {
-            0 => Err(CoreError::NoSession(key)),
-            n => Ok(n),
+        let cancel = self.call_token();
+        // Under every session's lock: no turn or delivery of the key runs
+        // while its rows go, so nothing reaches an engine after its forget.
+        let mut guards = Vec::new();
+        for session_id in self.store.session_ids(&agent, &key).await? {
+            guards.push(self.enter(&session_id, &cancel, false).await?);
         }
+        let deleted = self.store.delete_sessions(&agent, &key).await?;
+        drop(guards);
+        if deleted == 0 {
+            return Err(CoreError::NoSession(key));
+        }
+        // Best effort now; the background pass retries what is left.
+        if let Err(e) = self.deliver_forgets().await {
+            tracing::warn!(error = %e, "ForgetSession delivery failed; retried in the background");
+        }
+        Ok(deleted)
     }
 
     pub async fn count_sessions(&self) -> Result<u32, CoreError> {

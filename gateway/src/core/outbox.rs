@@ -1,7 +1,84 @@
 //! Durable turns: a turn's CommitTurn is queued with its reply and
-//! delivered in order per session, now or by the background pass.
+//! delivered in order per (session, engine), now or by the background pass.
+//! An engine's refusal blocks that session on that engine only, with
+//! backoff; rows for an engine that is gone wait without blocking anything
+//! else. Deleting a session queues a ForgetSession for every engine that
+//! saw it.
 
 use super::*;
+use crate::store::{Forget, OutboxRow, PendingCommit};
+
+/// The first retry of a refused commit; doubled per refusal up to the cap.
+const FIRST_RETRY: Duration = Duration::from_secs(1);
+const MAX_RETRY: Duration = Duration::from_secs(300);
+
+/// When to retry after `attempts` refusals.
+fn retry_after(attempts: u32) -> Duration {
+    FIRST_RETRY.saturating_mul(1 << attempts.saturating_sub(1).min(16)).min(MAX_RETRY)
+}
+
+/// What still waits after a drain of one (session, engine) queue.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Backlog {
+    pub waiting: usize,
+    /// The oldest waiting row's refusal, when the engine refused it.
+    pub refused: Option<Refusal>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub attempts: u32,
+    pub error: String,
+    pub next_attempt_ms: i64,
+}
+
+impl Backlog {
+    fn at(pending: &[PendingCommit]) -> Self {
+        let refused = pending.first().filter(|p| p.attempts > 0).map(|p| Refusal {
+            attempts: p.attempts,
+            error: p.last_error.clone().unwrap_or_default(),
+            next_attempt_ms: p.next_attempt_ms,
+        });
+        Self { waiting: pending.len(), refused }
+    }
+
+    /// Why the session's next turn on `engine` cannot start, for its caller.
+    pub(super) fn reason(&self, engine: &str) -> String {
+        let Self { waiting, refused } = self;
+        match refused {
+            Some(r) => {
+                let wait = (r.next_attempt_ms - now_unix_ms()).max(0) as f64 / 1000.0;
+                format!(
+                    "The context engine \"{engine}\" refused an earlier turn of this session ({} attempt(s), last: {}); this session's turns on it wait until that turn is delivered (next retry in {wait:.0} s) or dropped (`ctxgate outbox retry|drop <session>`).",
+                    r.attempts, r.error
+                )
+            }
+            None => format!(
+                "The context engine \"{engine}\" has not accepted {waiting} earlier turn(s) of this session yet; they are retried in the background. Try again shortly."
+            ),
+        }
+    }
+}
+
+/// Where a queued row's engine stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineState {
+    InService,
+    Quarantined,
+    /// Gone from the configuration: its rows wait, droppable, and block
+    /// nothing else.
+    NotConfigured,
+}
+
+impl EngineState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InService => "in-service",
+            Self::Quarantined => "quarantined",
+            Self::NotConfigured => "not-configured",
+        }
+    }
+}
 
 impl Core {
     /// The CommitTurn of a durable turn before it closes; the store adds
@@ -9,7 +86,7 @@ impl Core {
     /// admitted message's index in the visible history.
     pub(super) fn commit_draft(
         &self,
-        lease: &Lease,
+        engine_id: &str,
         session: &Session,
         turn_id: &str,
         admitted: &pb::TranscriptEntry,
@@ -28,7 +105,7 @@ impl Core {
             idempotency_key: None,
         };
         crate::store::CommitDraft {
-            engine_id: lease.key.clone(),
+            engine_id: engine_id.into(),
             request: pb::CommitTurnRequest {
                 advancement_key: turn_id.into(),
                 admission: Some(pb::TranscriptTurnAdmission {
@@ -46,41 +123,161 @@ impl Core {
         }
     }
 
-    /// Delivers the session's queued commits in order; returns how many
-    /// still wait (the engine is out of service or refused one).
-    pub(super) async fn drain_commits(&self, session_id: &str, cancel: &CancellationToken) -> Result<usize, CoreError> {
-        let pending = self.store.pending_commits(session_id).await?;
-        let registry = self.registry();
-        let mut delivered = 0;
-        for p in &pending {
-            let Some(engine) = registry.get(&p.engine_id).filter(|g| !g.is_quarantined()) else { break };
+    /// Delivers the session's queued commits for `engine_id` in order, up
+    /// to the first one that cannot go now (engine out of service, refused,
+    /// or waiting out its backoff unless `force`). The caller holds the
+    /// session's lock.
+    pub(super) async fn drain_commits(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        cancel: &CancellationToken,
+        force: bool,
+    ) -> Result<Backlog, CoreError> {
+        let pending = self.store.pending_commits(session_id, engine_id).await?;
+        let Some(engine) = self.registry().get(engine_id).cloned() else { return Ok(Backlog::at(&pending)) };
+        for (i, p) in pending.iter().enumerate() {
+            let now = now_unix_ms();
+            if engine.is_quarantined() || (!force && p.next_attempt_ms > now) {
+                return Ok(Backlog::at(&pending[i..]));
+            }
+            let key = &p.request.advancement_key;
             match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
-                Ok(_) => {
-                    self.store.complete_commit(session_id, &p.request.advancement_key).await?;
-                    delivered += 1;
+                Ok(_) => self.store.complete_commit(session_id, key).await?,
+                Err(e @ EngineCallError::Refused { .. }) => {
+                    let attempts = p.attempts + 1;
+                    let error = e.to_string();
+                    let next_attempt_ms = now + retry_after(attempts).as_millis() as i64;
+                    tracing::warn!(
+                        session = session_id,
+                        key,
+                        attempts,
+                        error,
+                        "the engine refused a commit; this session's turns on it wait"
+                    );
+                    self.store.refuse_commit(session_id, key, &error, next_attempt_ms).await?;
+                    let refused = Some(Refusal { attempts, error, next_attempt_ms });
+                    return Ok(Backlog { waiting: pending.len() - i, refused });
                 }
                 Err(e) => {
-                    tracing::warn!(session = session_id, key = %p.request.advancement_key, error = %e, "commit not accepted; it stays queued");
-                    break;
+                    tracing::warn!(session = session_id, key, error = %e, "commit not delivered; it stays queued");
+                    return Ok(Backlog::at(&pending[i..]));
                 }
             }
         }
-        Ok(pending.len() - delivered)
+        Ok(Backlog::default())
     }
 
-    /// One pass of the outbox, round-robin across sessions: each session
-    /// with queued commits gets a turn at draining (under its lock).
+    /// One pass of the outbox, round-robin across sessions: each due
+    /// (session, engine) queue with its engine in service gets a turn at
+    /// draining (under the session's lock); then owed forgets.
     pub async fn drain_outbox(&self) -> Result<(), CoreError> {
-        for session_id in self.store.sessions_with_pending_commits().await? {
+        for (session_id, engine_id) in self.store.due_commits(now_unix_ms()).await? {
             // A session with a turn running drains at that turn's start; do
             // not stall every other session's pass behind it.
-            if self.sessions.is_busy(&session_id) {
+            if self.sessions.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
                 continue;
             }
             let cancel = self.call_token();
             let _guard = self.enter(&session_id, &cancel, false).await?;
-            self.drain_commits(&session_id, &cancel).await?;
+            self.drain_commits(&session_id, &engine_id, &cancel, false).await?;
+        }
+        self.deliver_forgets().await
+    }
+
+    /// Sends the ForgetSession calls owed for deleted sessions; a failed
+    /// one is retried with backoff, one for an engine that is gone waits.
+    pub(super) async fn deliver_forgets(&self) -> Result<(), CoreError> {
+        let registry = self.registry();
+        for Forget { session_id, engine_id, agent_id, session_key, attempts } in
+            self.store.pending_forgets(now_unix_ms()).await?
+        {
+            let Some(engine) = registry.get(&engine_id).filter(|g| !g.is_quarantined()) else { continue };
+            let req = pb::ForgetSessionRequest {
+                session_id: session_id.clone(),
+                session_key: Some(session_key),
+                agent_id: Some(agent_id),
+            };
+            let retry = match engine.forget_session(req, &Call::new(self.call_token())).await {
+                // An engine without ForgetSession holds nothing to forget.
+                Ok(_) | Err(EngineCallError::Unimplemented(_)) => None,
+                Err(e) => {
+                    tracing::warn!(engine = engine_id, session = session_id, error = %e, "ForgetSession failed; retried later");
+                    Some((now_unix_ms() + retry_after(attempts + 1).as_millis() as i64, e.to_string()))
+                }
+            };
+            let retry = retry.as_ref().map(|(at, why)| (*at, why.as_str()));
+            self.store.settle_forget(&session_id, &engine_id, retry).await?;
         }
         Ok(())
+    }
+
+    pub fn engine_state(&self, engine_id: &str) -> EngineState {
+        match self.registry().get(engine_id) {
+            None => EngineState::NotConfigured,
+            Some(g) if g.is_quarantined() => EngineState::Quarantined,
+            Some(_) => EngineState::InService,
+        }
+    }
+
+    // --- operator actions (`ctxgate outbox`) ---------------------------------
+
+    /// Queued commits, oldest first; and how many more the limit left out.
+    pub async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), CoreError> {
+        Ok(self.store.list_outbox(agent, limit).await?)
+    }
+
+    /// Queued and refused commits (status).
+    pub async fn outbox_counts(&self) -> Result<(u32, u32), CoreError> {
+        Ok(self.store.outbox_counts().await?)
+    }
+
+    /// Retries the key's queued commits now, ignoring their backoff, under
+    /// each session's lock; returns how many were delivered and what waits.
+    pub async fn retry_outbox(
+        &self,
+        agent: &str,
+        key: &str,
+        cancel: CancellationToken,
+    ) -> Result<(u32, Vec<OutboxRow>), CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        let rows = self.store.outbox_of_key(&agent, &key).await?;
+        self.store.retry_outbox(&agent, &key).await?;
+        let mut queues: Vec<(&str, &str)> =
+            rows.iter().map(|r| (r.session_id.as_str(), r.engine_id.as_str())).collect();
+        queues.sort_unstable();
+        queues.dedup();
+        for (session_id, engine_id) in queues {
+            let _guard = self.enter(session_id, &cancel, false).await?;
+            self.drain_commits(session_id, engine_id, &cancel, true).await?;
+        }
+        let remaining = self.store.outbox_of_key(&agent, &key).await?;
+        Ok(((rows.len() - remaining.len()) as u32, remaining))
+    }
+
+    /// Drops the key's queued commits (audited in the store; the transcript
+    /// is untouched), under each session's lock so that no delivery races.
+    pub async fn drop_outbox(
+        &self,
+        agent: &str,
+        key: &str,
+        cancel: CancellationToken,
+    ) -> Result<Vec<OutboxRow>, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        let mut guards = Vec::new();
+        for session_id in self.store.session_ids(&agent, &key).await? {
+            guards.push(self.enter(&session_id, &cancel, false).await?);
+        }
+        let dropped = self.store.drop_outbox(&agent, &key).await?;
+        for r in &dropped {
+            tracing::warn!(
+                session = r.session_id,
+                key = r.advancement_key,
+                engine = r.engine_id,
+                attempts = r.attempts,
+                "queued commit dropped by the operator: the engine will never receive this turn"
+            );
+        }
+        Ok(dropped)
     }
 }

@@ -120,7 +120,8 @@ impl Core {
             .into_iter()
             .map(|m| NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(m) })
             .collect();
-        let admitted = self.store.open_turn(&session.session_id, &turn_id, entries).await?;
+        let seen_by = if lease.remote { Some(lease.key.as_str()) } else { lease.record.as_deref() };
+        let admitted = self.store.open_turn(&session.session_id, &turn_id, entries, seen_by).await?;
         let own = admitted.iter().map(|e| e.id.clone()).collect();
         self.metrics.turns_in_flight.inc();
         // One span per turn: every engine call and model request nests in it.
@@ -170,19 +171,14 @@ impl Turn {
         // Durable engines get earlier turns first; a turn the engine has not
         // accepted blocks this session only.
         if self.lease.remote && crate::engines::durable(&self.lease.info) {
-            let waiting = self.core.drain_commits(&self.session.session_id, &self.cancel).await?;
+            let backlog =
+                self.core.drain_commits(&self.session.session_id, &self.lease.key, &self.cancel, false).await?;
             if self.cancel.is_cancelled() {
                 self.close(Outcome::Aborted, Vec::new()).await?;
                 return Ok(Begun::Failed(Failure::aborted()));
             }
-            if waiting > 0 {
-                let failure = Failure::new(
-                    FailureReason::EngineBacklog,
-                    format!(
-                        "The context engine \"{}\" has not accepted {waiting} earlier turn(s) of this session yet; they are retried in the background. Try again shortly.",
-                        self.lease.key
-                    ),
-                );
+            if backlog.waiting > 0 {
+                let failure = Failure::new(FailureReason::EngineBacklog, backlog.reason(&self.lease.key));
                 self.close(Outcome::Failed(failure.clone()), Vec::new()).await?;
                 return Ok(Begun::Failed(failure));
             }
@@ -586,16 +582,14 @@ impl Turn {
             )));
         }
         let (core, lease, session) = (self.core.clone(), self.lease.clone(), self.session.clone());
-        let durable = lease.remote && crate::engines::durable(&lease.info);
         // The turn is closing: its history is taken, not copied.
         self.history().await?;
         let mut history = self.history.take().unwrap_or_default();
-        let commit = if durable {
+        // Queued for the durable engine even when legacy served the turn.
+        let commit = lease.record.as_deref().map(|engine| {
             let position = self.position_in(&history);
-            Some(core.commit_draft(&lease, &session, &self.turn_id, &self.admitted[0], position as u64))
-        } else {
-            None
-        };
+            core.commit_draft(engine, &session, &self.turn_id, &self.admitted[0], position as u64)
+        });
         let entries =
             last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
         let stored =
@@ -605,15 +599,18 @@ impl Turn {
             _ => None,
         }));
         let budget = self.budget(0);
-        let engine_committed = if durable {
+        let engine_committed = if let Some(engine) = lease.record.as_deref() {
             // The engine gets no after-turn or ingest for a durable turn. The
             // turn is accepted and its commit queued: a failure to deliver
             // it now is the outbox's to retry, not the turn's.
-            let waiting = core.drain_commits(&session.session_id, &self.cancel).await.unwrap_or_else(|e| {
-                tracing::warn!(error = %e, "delivering queued commits failed; they stay queued");
-                1
-            });
-            if waiting > 0 {
+            let waiting = match core.drain_commits(&session.session_id, engine, &self.cancel, false).await {
+                Ok(b) => b.waiting,
+                Err(e) => {
+                    tracing::warn!(error = %e, "delivering queued commits failed; they stay queued");
+                    1
+                }
+            };
+            if waiting > 0 && lease.remote {
                 self.emit(TurnEvent::Warning(
                     "the context engine has not accepted this turn yet; it stays queued and is retried".into(),
                 ));

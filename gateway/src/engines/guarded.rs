@@ -208,6 +208,11 @@ impl Guarded {
         true
     }
 
+    /// The info of the engine's last successful attach, quarantined or not.
+    pub fn attached_info(&self) -> Option<pb::EngineInfo> {
+        self.remote.info()
+    }
+
     /// The engine's info, or legacy's while it is out of service.
     fn effective_info(&self) -> pb::EngineInfo {
         if self.is_quarantined() {
@@ -279,10 +284,17 @@ impl Guarded {
                 });
                 self.metrics.engine_shed(&self.remote.id, method);
                 self.metrics.engine_fallback(&self.remote.id, method);
-                if method == "CommitTurn" {
+                if queued(method) {
                     return Err(e);
                 }
                 legacy.await
+            }
+            // A queued call refused: about that row (a poison turn), not
+            // the engine, which stays in service for every other session.
+            Err(EngineCallError::Failed { method, code, detail }) if queued(method) && refusal(code) => {
+                tracing::warn!(engine = %self.remote.id, method, ?code, detail, "engine refused a queued call");
+                self.count(method, |s| s.failures += 1);
+                Err(EngineCallError::Refused { method, code, detail })
             }
             Err(e) => {
                 self.count(method, |s| {
@@ -301,6 +313,19 @@ impl Guarded {
             }
         }
     }
+}
+
+/// Calls the gateway queues and retries per row rather than answer by
+/// fallback.
+fn queued(method: &str) -> bool {
+    matches!(method, "CommitTurn" | "ForgetSession")
+}
+
+/// An answer about the call rather than the way to the engine: transport
+/// failures (UNAVAILABLE, UNKNOWN, a CANCELLED connection) stay engine
+/// failures. DEADLINE_EXCEEDED never reaches here (its own variant).
+fn refusal(code: tonic::Code) -> bool {
+    !matches!(code, tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled)
 }
 
 /// Encoded size of a reply, for the byte counters.
@@ -400,6 +425,15 @@ impl Engine for Guarded {
             self.remote.on_subagent_ended(req.clone(), call),
             self.legacy.on_subagent_ended(req, call),
         )
+        .await
+    }
+
+    async fn forget_session(&self, req: pb::ForgetSessionRequest, call: &Call) -> R<pb::ForgetSessionResult> {
+        let n = req.encoded_len();
+        // Legacy forgetting would drop the queued forget: it stays queued.
+        self.guard("ForgetSession", true, n, self.remote.forget_session(req, call), async {
+            Err(EngineCallError::Quarantined)
+        })
         .await
     }
 }

@@ -146,4 +146,12 @@ impl Engine for Legacy {
     ) -> Result<pb::OnSubagentEndedResult, EngineCallError> {
         Ok(pb::OnSubagentEndedResult {})
     }
+
+    async fn forget_session(
+        &self,
+        _req: pb::ForgetSessionRequest,
+        _call: &Call,
+    ) -> Result<pb::ForgetSessionResult, EngineCallError> {
+        Ok(pb::ForgetSessionResult {})
+    }
 }

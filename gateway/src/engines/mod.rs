@@ -58,6 +58,12 @@ pub enum EngineCallError {
     /// The engine is quarantined and the method has no legacy fallback.
     #[error("the engine is quarantined")]
     Quarantined,
+    /// The engine answered a queued call (CommitTurn, ForgetSession) with
+    /// an error status that is about that call, not a broken engine (any
+    /// code but UNAVAILABLE, UNKNOWN, CANCELLED and DEADLINE_EXCEEDED): the
+    /// row waits with backoff and blocks only its session. Never quarantines.
+    #[error("the engine refused {method}: {code:?}: {detail}")]
+    Refused { method: &'static str, code: tonic::Code, detail: String },
     /// Overload, not breakage: over the gateway's cap on the engine's calls
     /// in flight, or the engine answered RESOURCE_EXHAUSTED (or UNAVAILABLE
     /// with a retry pushback). Legacy answers; never quarantines.
@@ -73,7 +79,7 @@ impl EngineCallError {
             Self::Unimplemented(_) => tonic::Code::Unimplemented,
             Self::DeadlineExceeded { .. } => tonic::Code::DeadlineExceeded,
             Self::ContractViolation { .. } => tonic::Code::Internal,
-            Self::Failed { code, .. } => *code,
+            Self::Failed { code, .. } | Self::Refused { code, .. } => *code,
             Self::Quarantined => tonic::Code::Unavailable,
             Self::Overloaded { .. } => tonic::Code::ResourceExhausted,
         }
@@ -118,6 +124,9 @@ pub trait Engine: Send + Sync + 'static {
         call: &Call,
     ) -> R<pb::RollbackSubagentSpawnResult>;
     async fn on_subagent_ended(&self, req: pb::OnSubagentEndedRequest, call: &Call) -> R<pb::OnSubagentEndedResult>;
+    /// The session was deleted. Queued like a commit: never answered by a
+    /// fallback, retried until the engine takes it.
+    async fn forget_session(&self, req: pb::ForgetSessionRequest, call: &Call) -> R<pb::ForgetSessionResult>;
 }
 
 /// Whether turns on this engine go through the durable outbox: it declares

@@ -271,6 +271,15 @@ impl Remote {
         [],
         ok
     );
+    unary!(
+        forget_session,
+        forget_session,
+        "ForgetSession",
+        pb::ForgetSessionRequest,
+        pb::ForgetSessionResult,
+        [session_key],
+        ok
+    );
 
     pub async fn assemble(
         &self,

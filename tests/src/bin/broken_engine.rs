@@ -123,6 +123,9 @@ impl raw::ContextEngine for Broken {
     async fn dispose(&self, _: Request<pb::DisposeRequest>) -> Unary<pb::DisposeResult> {
         unimplemented()
     }
+    async fn forget_session(&self, _: Request<pb::ForgetSessionRequest>) -> Unary<pb::ForgetSessionResult> {
+        unimplemented()
+    }
 }
 
 #[derive(Parser)]

@@ -27,8 +27,10 @@
 //!   harness, model, budget, max output) and whether its grant allows
 //!   llm_complete.
 //! - `durable`: declares both transcript semantics and implements
-//!   CommitTurn (idempotent per key); `commit-fails-first` makes the first
-//!   commit answer UNAVAILABLE.
+//!   CommitTurn (idempotent per key) and ForgetSession; `commit-fails-first`
+//!   makes the first commit answer UNAVAILABLE; `refuse-poison` refuses
+//!   (FAILED_PRECONDITION "poison turn") the first two deliveries of every
+//!   turn of a session whose key starts with "poison".
 //!
 //! SIGUSR1 reports NOT_SERVING, SIGUSR2 SERVING. After the `listening on`
 //! line it prints `event <what> <detail> <unix µs>` lines the tests read.
@@ -66,6 +68,8 @@ struct Fault {
     faults: HashSet<String>,
     committed: std::sync::Mutex<HashSet<String>>,
     commits_tried: std::sync::atomic::AtomicU32,
+    /// Deliveries seen per advancement key (`refuse-poison`).
+    deliveries: std::sync::Mutex<std::collections::HashMap<String, u32>>,
 }
 
 impl Fault {
@@ -141,7 +145,7 @@ impl ContextEngine for Fault {
             methods.push("Bootstrap");
         }
         let transcript_semantics = self.has("durable").then(|| {
-            methods.push("CommitTurn");
+            methods.extend(["CommitTurn", "ForgetSession"]);
             pb::TranscriptSemantics {
                 current_turn_fence: pb::CurrentTurnFence::BeforeCurrentTurnEntryV1 as i32,
                 turn_advancement_idempotency: pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32,
@@ -265,6 +269,15 @@ impl ContextEngine for Fault {
                 status: tonic::Status::unavailable("backend down"),
             });
         }
+        if self.has("refuse-poison") && req.session_key.as_deref().is_some_and(|k| k.starts_with("poison")) {
+            let mut seen = self.deliveries.lock().unwrap_or_else(|e| e.into_inner());
+            let n = seen.entry(req.advancement_key.clone()).or_default();
+            *n += 1;
+            if *n <= 2 {
+                event("commit-refused", &req.advancement_key);
+                return Err(EngineError::FailedPrecondition("poison turn".into()));
+            }
+        }
         let fresh = self.committed.lock().unwrap_or_else(|e| e.into_inner()).insert(req.advancement_key.clone());
         let terminal = req.terminal.as_ref().map(|t| t.entry_id.clone()).unwrap_or_default();
         let last = req.messages.last().map(|m| m.id.clone()).unwrap_or_default();
@@ -274,6 +287,18 @@ impl ContextEngine for Fault {
         );
         let status = if fresh { pb::CommitStatus::Committed } else { pb::CommitStatus::Duplicate };
         Ok(pb::CommitTurnResult { status: status as i32 })
+    }
+
+    async fn forget_session(
+        &self,
+        _ctx: &CallContext,
+        req: pb::ForgetSessionRequest,
+    ) -> Result<pb::ForgetSessionResult, EngineError> {
+        if !self.has("durable") {
+            return Err(EngineError::Unimplemented("ForgetSession"));
+        }
+        event("forget", &req.session_id);
+        Ok(pb::ForgetSessionResult {})
     }
 
     async fn maintain(&self, ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {
@@ -357,7 +382,12 @@ impl ContextEngine for Fault {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let faults = args.fault.split(',').filter(|f| !f.is_empty()).map(str::to_owned).collect();
-    let fault = Fault { faults, committed: Default::default(), commits_tried: Default::default() };
+    let fault = Fault {
+        faults,
+        committed: Default::default(),
+        commits_tried: Default::default(),
+        deliveries: Default::default(),
+    };
     let bound = Server::new(fault)
         .drain_timeout(Duration::from_secs(1))
         .max_concurrent_calls(args.serve.max_concurrent_calls)
