@@ -6,106 +6,15 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use ctxgate::config::{Config, EngineEntry, ProviderKind};
+use ctxgate::config::ProviderKind;
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
-use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
+use ctxgate_tests::hosting::*;
 use ctxgate_tests::{EngineProcess, TestGateway, bin, compact_to_end, metrics_text, repo_root};
 use tokio_stream::StreamExt;
 use tonic::Code;
-
-fn session(key: &str) -> Option<api::SessionRef> {
-    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
-}
-
-async fn fault_engine(faults: &str) -> EngineProcess {
-    EngineProcess::start(bin("ctxgate-fault-engine"), &["--listen", "127.0.0.1:0", "--fault", faults]).await.unwrap()
-}
-
-fn hosting(id: &str, endpoint: &str, timeouts: &[(&str, f64)]) -> Config {
-    let mut c = Config::default();
-    let entry = EngineEntry {
-        endpoint: endpoint.into(),
-        timeouts: timeouts.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect::<BTreeMap<_, _>>(),
-        ..EngineEntry::default()
-    };
-    c.plugins.entries.insert(id.into(), entry);
-    c.plugins.slots.context_engine = Some(id.into());
-    c
-}
-
-async fn status(g: &TestGateway) -> api::StatusResult {
-    g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner()
-}
-
-async fn engine_status(g: &TestGateway, id: &str) -> api::EngineStatus {
-    status(g).await.engines.into_iter().find(|e| e.id == id).unwrap()
-}
-
-/// Polls Status (bounded) until `ok` holds for the engine.
-async fn wait_engine(
-    g: &TestGateway,
-    id: &str,
-    what: &str,
-    ok: impl Fn(&api::EngineStatus) -> bool,
-) -> api::EngineStatus {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let e = engine_status(g, id).await;
-        if ok(&e) {
-            return e;
-        }
-        assert!(Instant::now() < deadline, "engine {id} never became {what}: {e:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-async fn attached(g: &TestGateway, id: &str) {
-    wait_engine(g, id, "attached", |e| e.quarantine.is_none() && !e.name.is_empty()).await;
-}
-
-async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
-    let req =
-        api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
-    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
-    let mut events = Vec::new();
-    while let Some(e) = stream.next().await {
-        events.push(e.unwrap().event.unwrap());
-    }
-    events
-}
-
-fn selected(events: &[Event]) -> &api::EngineSelected {
-    events.iter().find_map(|e| if let Event::EngineSelected(s) = e { Some(s) } else { None }).unwrap()
-}
-
-fn completed(events: &[Event]) -> bool {
-    matches!(events.last(), Some(Event::Completed(_)))
-}
-
-async fn messages(g: &TestGateway, key: &str) -> Vec<String> {
-    let req = api::GetTranscriptRequest { session: session(key), visible_only: false };
-    g.client
-        .clone()
-        .get_transcript(req)
-        .await
-        .unwrap()
-        .into_inner()
-        .entries
-        .into_iter()
-        .filter_map(|e| {
-            if let Some(Entry::Message(m)) = e.entry { Some(ctxgate::provider::message_text(&m)) } else { None }
-        })
-        .collect()
-}
-
-fn quarantine_of(e: &api::EngineStatus) -> (&str, &str) {
-    let q = e.quarantine.as_ref().unwrap();
-    (q.operation.as_str(), q.reason.as_str())
-}
 
 #[tokio::test]
 async fn turns_run_through_the_window_engine_as_a_real_process() {
@@ -420,11 +329,6 @@ async fn removing_the_selected_entry_on_reload_resets_the_slot_to_legacy() {
     g.stop().await;
 }
 
-async fn ctxgate(args: &[&str]) -> (Option<i32>, String) {
-    let out = tokio::process::Command::new(bin("ctxgate")).args(args).output().await.unwrap();
-    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 #[tokio::test]
 async fn doctor_reports_an_incompatible_engine_and_fix_resets_the_slot() {
     let engine = fault_engine("needs-threads").await;
@@ -599,10 +503,6 @@ async fn maintenance_rewrites_become_a_new_branch_and_the_old_one_stays() {
     assert_eq!(info.entries, 2, "the active branch");
     assert_eq!(stored.sessions[0].entries, 4, "the old branch is kept for audit");
     g.stop().await;
-}
-
-fn turn_id(events: &[Event]) -> String {
-    events.iter().find_map(|e| if let Event::Admitted(a) = e { Some(a.turn_id.clone()) } else { None }).unwrap()
 }
 
 #[tokio::test]

@@ -4,6 +4,7 @@
 
 pub mod fake_openai;
 pub mod harness;
+pub mod hosting;
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};

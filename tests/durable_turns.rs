@@ -1,0 +1,257 @@
+//! Durable turns under refusals, quarantines, configuration changes and
+//! deletes: each accepted turn reaches its durable engine once, in order;
+//! a poison turn blocks only its own session; a deleted session is
+//! forgotten by every engine that saw it.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::time::Duration;
+
+use ctxgate_proto::gateway::{self as api, turn_event::Event};
+use ctxgate_proto::pb::{self, context_engine_client::ContextEngineClient, transcript_entry::Entry};
+use ctxgate_tests::hosting::*;
+use ctxgate_tests::{EngineProcess, TestGateway, repo_root, start_window};
+
+/// The advancement keys of the engine's `event commit` lines, in order.
+fn commit_keys(lines: &[String]) -> Vec<String> {
+    lines.iter().map(|l| l.split(' ').nth(2).unwrap().to_owned()).collect()
+}
+
+fn warned(events: &[Event], what: &str) -> bool {
+    events.iter().any(|e| matches!(e, Event::Warning(w) if w.message.contains(what)))
+}
+
+async fn outbox_rows(g: &TestGateway) -> Vec<serde_json::Value> {
+    let (code, out) = ctxgate(&["outbox", "ls", "--gateway", &g.endpoint, "--json"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    v["rows"].as_array().unwrap().clone()
+}
+
+#[tokio::test]
+async fn a_refused_commit_blocks_only_its_session_and_can_be_retried_or_dropped() {
+    let engine = fault_engine("durable,refuse-poison").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+
+    let first = run_turn(&g, "poison-a", "first").await;
+    assert!(completed(&first), "the turn is accepted; only its commit waits: {first:?}");
+    assert!(warned(&first, "stays queued"), "{first:?}");
+    let good = run_turn(&g, "good", "fine").await;
+    assert!(completed(&good));
+    let line = engine.wait_line(&format!("event commit {}", turn_id(&good)), Duration::from_secs(5)).await;
+    assert!(line.is_some(), "other sessions keep committing to the same engine");
+    assert!(engine_status(&g, "fault").await.quarantine.is_none(), "a refusal never quarantines the engine");
+
+    // The poisoned session's next turn waits, and says why.
+    let blocked = run_turn(&g, "poison-a", "second").await;
+    let f = failure(&blocked).expect("the next turn is blocked");
+    assert_eq!(f.reason, "engine_backlog");
+    assert!(f.message.contains("refused an earlier turn") && f.message.contains("poison turn"), "{}", f.message);
+    assert!(f.message.contains("ctxgate outbox retry|drop"), "{}", f.message);
+
+    let rows = outbox_rows(&g).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let row = &rows[0];
+    assert_eq!(row["session_key"], "poison-a");
+    assert_eq!(row["advancement_key"], turn_id(&first).as_str());
+    assert_eq!((row["attempts"].as_u64(), row["blocked"].as_bool()), (Some(1), Some(true)), "{row}");
+    assert!(row["last_error"].as_str().unwrap().contains("poison turn"), "{row}");
+    assert_eq!(row["engine_state"], "in-service");
+    let s = status(&g).await;
+    assert_eq!((s.outbox_queued, s.outbox_blocked), (1, 1));
+    assert_eq!(s.blocked_commits[0].session_key, "poison-a");
+
+    // Retry now: refused once more, then delivered.
+    let (code, out) = ctxgate(&["outbox", "retry", "poison-a", "--gateway", &g.endpoint]).await;
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("0 queued commit(s) of \"poison-a\" delivered, 1 still waiting."), "{out}");
+    assert_eq!(outbox_rows(&g).await[0]["attempts"].as_u64(), Some(2));
+    let (_, out) = ctxgate(&["outbox", "retry", "poison-a", "--gateway", &g.endpoint]).await;
+    assert!(out.starts_with("1 queued commit(s) of \"poison-a\" delivered, 0 still waiting."), "{out}");
+    assert!(engine.wait_line(&format!("event commit {}", turn_id(&first)), Duration::from_secs(5)).await.is_some());
+
+    // The session runs again; its new turn is refused in turn, and dropped.
+    let third = run_turn(&g, "poison-a", "third").await;
+    assert!(completed(&third) && warned(&third, "stays queued"), "{third:?}");
+    let (code, out) = ctxgate(&["outbox", "drop", "poison-a", "--gateway", &g.endpoint]).await;
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("1 queued commit(s) of \"poison-a\" dropped"), "{out}");
+    let (_, out) = ctxgate(&["outbox", "ls", "--gateway", &g.endpoint]).await;
+    assert!(out.starts_with("The outbox is empty"), "{out}");
+    let fourth = run_turn(&g, "poison-a", "fourth").await;
+    assert!(completed(&fourth), "a dropped row no longer blocks: {fourth:?}");
+
+    // The transcript is untouched by all of it.
+    let texts = messages(&g, "poison-a").await;
+    let users: Vec<&str> = texts.iter().map(String::as_str).filter(|t| !t.starts_with("(offline model)")).collect();
+    assert_eq!(users, ["first", "second", "third", "fourth"], "{texts:?}");
+    assert_eq!(texts.len() - users.len(), 3, "three replies (the blocked turn had none): {texts:?}");
+    assert!(engine_status(&g, "fault").await.quarantine.is_none());
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn turns_served_by_legacy_while_quarantined_reach_the_engine_in_order_once_it_is_back() {
+    let engine = fault_engine("durable").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let mut expected = vec![turn_id(&run_turn(&g, "gap", "turn 0").await)];
+    engine.wait_lines("event commit ", 1, Duration::from_secs(5)).await.unwrap();
+
+    signal(engine.pid(), "USR1").await; // NOT_SERVING
+    wait_engine(&g, "fault", "quarantined", |e| e.quarantine.is_some()).await;
+    for i in 1..=5 {
+        let t = run_turn(&g, "gap", &format!("turn {i}")).await;
+        assert!(completed(&t), "{t:?}");
+        assert_eq!(selected(&t).engine_id, "legacy");
+        expected.push(turn_id(&t));
+    }
+    assert_eq!(engine.lines_starting("event commit ").len(), 1, "nothing reaches a quarantined engine");
+
+    signal(engine.pid(), "USR2").await; // SERVING: re-admitted after its penalty
+    attached(&g, "fault").await;
+    let next = run_turn(&g, "gap", "turn 6").await;
+    assert_eq!(selected(&next).engine_id, "fault");
+    expected.push(turn_id(&next));
+    let lines =
+        engine.wait_lines("event commit ", 7, Duration::from_secs(10)).await.expect("all seven turns committed");
+    assert_eq!(commit_keys(&lines), expected, "each turn once, in order, the legacy ones before the next engine turn");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn rows_for_an_engine_that_is_gone_block_nothing_and_a_reload_brings_them_home() {
+    let a = fault_engine("durable,commit-fails-first").await;
+    let b = fault_engine("durable").await;
+    let g = TestGateway::start(hosting("a", &a.endpoint, &[])).await;
+    attached(&g, "a").await;
+    let first = run_turn(&g, "moved", "first").await;
+    assert!(completed(&first) && warned(&first, "stays queued"), "{first:?}");
+
+    // The operator moves the slot to engine b and removes a.
+    let only_b = hosting("b", &b.endpoint, &[]);
+    g.reload(only_b.clone()).await;
+    g.wait_attached("b").await;
+    let second = run_turn(&g, "moved", "second").await;
+    assert!(completed(&second), "a's queued row does not block b: {second:?}");
+    // Both fixtures report the engine id "fault": engine b's own log tells.
+    assert!(b.wait_line(&format!("event commit {}", turn_id(&second)), Duration::from_secs(5)).await.is_some());
+    let rows = outbox_rows(&g).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!((rows[0]["engine_id"].as_str(), rows[0]["engine_state"].as_str()), (Some("a"), Some("not-configured")));
+
+    // Engine a is configured again: its row is delivered.
+    let mut both = only_b;
+    both.plugins.entries.extend(hosting("a", &a.endpoint, &[]).plugins.entries);
+    g.reload(both).await;
+    let line = a.wait_line(&format!("event commit {}", turn_id(&first)), Duration::from_secs(10)).await;
+    assert!(line.is_some(), "delivery resumed after the reload");
+    assert!(outbox_rows(&g).await.is_empty());
+    g.stop().await;
+}
+
+fn session_id(events: &[Event]) -> String {
+    events.iter().find_map(|e| if let Event::Admitted(a) = e { Some(a.session_id.clone()) } else { None }).unwrap()
+}
+
+async fn delete(g: &TestGateway, key: &str) {
+    let r = g.client.clone().delete_session(sref_of(key)).await.unwrap().into_inner();
+    assert_eq!(r.deleted_sessions, 1);
+}
+
+#[tokio::test]
+async fn a_deleted_session_with_queued_commits_is_never_delivered_and_is_forgotten() {
+    let engine = fault_engine("durable,commit-fails-first").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let first = run_turn(&g, "del", "first").await;
+    assert!(completed(&first));
+    assert_eq!(status(&g).await.outbox_queued, 1, "the refused commit waits");
+    delete(&g, "del").await;
+    assert_eq!(status(&g).await.outbox_queued, 0, "the delete took the queue with it");
+
+    g.client.clone().readmit_engine(api::ReadmitEngineRequest { engine_id: "fault".into() }).await.unwrap();
+    let forget = format!("event forget {}", session_id(&first));
+    assert!(engine.wait_line(&forget, Duration::from_secs(10)).await.is_some(), "the engine is told to forget");
+    // Two more background passes: the deleted turn never arrives.
+    let late = engine.wait_line(&format!("event commit {}", turn_id(&first)), Duration::from_millis(1200)).await;
+    assert!(late.is_none(), "{late:?}");
+    g.stop().await;
+}
+
+fn window_rows(db: &std::path::Path, session_id: &str) -> i64 {
+    let c = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    ["messages", "commits", "sessions", "summaries"]
+        .iter()
+        .map(|t| {
+            c.query_row(&format!("SELECT COUNT(*) FROM {t} WHERE session_id = ?1"), [session_id], |r| {
+                r.get::<_, i64>(0)
+            })
+            .unwrap()
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn the_window_engine_forgets_a_deleted_session_but_not_a_reset_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_window(dir.path(), &[]).await;
+    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
+    attached(&g, "window").await;
+    let kept = run_turn(&g, "kept", "reset me, do not forget me").await;
+    let gone = run_turn(&g, "gone", "delete me").await;
+    assert!(completed(&kept) && completed(&gone));
+    let db = dir.path().join("window.sqlite");
+    let (kept_id, gone_id) = (session_id(&kept), session_id(&gone));
+    assert!(window_rows(&db, &gone_id) > 0 && window_rows(&db, &kept_id) > 0);
+
+    g.client.clone().reset_session(sref_of("kept")).await.unwrap();
+    delete(&g, "gone").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while window_rows(&db, &gone_id) > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the window engine still holds the deleted session");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(window_rows(&db, &kept_id) > 0, "a reset archives; the engine keeps the session");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn the_python_engine_forgets_a_deleted_session() {
+    let engine =
+        EngineProcess::start(repo_root().join("engines/python/run.sh"), &["--listen", "127.0.0.1:0"]).await.unwrap();
+    let g = TestGateway::start(hosting("py", &engine.endpoint, &[])).await;
+    attached(&g, "py").await;
+    let t = run_turn(&g, "gone", "delete me").await;
+    assert!(completed(&t), "{t:?}");
+    let transcript = g
+        .client
+        .clone()
+        .get_transcript(api::GetTranscriptRequest { session: Some(sref_of("gone")), visible_only: false })
+        .await
+        .unwrap()
+        .into_inner();
+    let held: Vec<pb::AgentMessage> = transcript
+        .entries
+        .into_iter()
+        .filter_map(|e| if let Some(Entry::Message(m)) = e.entry { Some(m) } else { None })
+        .collect();
+    let mut py = ContextEngineClient::connect(engine.endpoint.clone()).await.unwrap();
+    let again = |messages: Vec<pb::AgentMessage>| pb::IngestBatchRequest {
+        session_id: session_id(&t),
+        messages,
+        ..Default::default()
+    };
+    let n = py.ingest_batch(again(held.clone())).await.unwrap().into_inner().ingested_count;
+    assert_eq!(n, 0, "the engine holds the turn's messages (after-turn)");
+
+    delete(&g, "gone").await;
+    let n = py.ingest_batch(again(held.clone())).await.unwrap().into_inner().ingested_count;
+    assert_eq!(n as usize, held.len(), "after the delete the engine held nothing of the session");
+    g.stop().await;
+}
+
+fn sref_of(key: &str) -> api::SessionRef {
+    api::SessionRef { agent_id: String::new(), session_key: key.into() }
+}
