@@ -532,7 +532,9 @@ async fn durable_engines_get_commit_turn_through_the_outbox_instead_of_after_tur
 }
 
 #[tokio::test]
-async fn a_refused_commit_stays_queued_and_is_delivered_once_the_engine_is_back() {
+async fn a_commit_lost_in_transport_quarantines_stays_queued_and_is_delivered_once_the_engine_is_back() {
+    // UNAVAILABLE is a transport failure: the engine, not the turn, is at
+    // fault (a refusal of the turn itself is in durable_turns.rs).
     let engine = fault_engine("durable,commit-fails-first").await;
     let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
     attached(&g, "fault").await;
@@ -550,6 +552,8 @@ async fn a_refused_commit_stays_queued_and_is_delivered_once_the_engine_is_back(
     g.client.clone().readmit_engine(api::ReadmitEngineRequest { engine_id: "fault".into() }).await.unwrap();
     let line = engine.wait_line(&format!("event commit {}", turn_id(&first)), Duration::from_secs(10)).await;
     assert!(line.is_some(), "the queued commit was delivered");
+    let line = engine.wait_line(&format!("event commit {}", turn_id(&second)), Duration::from_secs(10)).await;
+    assert!(line.is_some(), "and so was the turn legacy served meanwhile");
     let third = run_turn(&g, "q", "third").await;
     assert_eq!(selected(&third).engine_id, "fault");
     assert!(engine.wait_line(&format!("event commit {}", turn_id(&third)), Duration::from_secs(5)).await.is_some());

@@ -951,7 +951,7 @@ impl Store for SqliteStore {
             let mut stmt = c.prepare_cached(
                 "SELECT session_id, engine_id FROM outbox o WHERE rowid =
                    (SELECT MIN(rowid) FROM outbox f WHERE f.session_id = o.session_id AND f.engine_id = o.engine_id)
-                 AND next_attempt_ms <= ?1 ORDER BY rowid",
+                 AND next_attempt_ms <= ?1 ORDER BY rowid LIMIT 1024",
             )?;
             let rows = stmt.query_map([now_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
