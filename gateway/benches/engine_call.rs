@@ -115,6 +115,9 @@ impl raw::ContextEngine for Echo {
     async fn dispose(&self, _: Request<pb::DisposeRequest>) -> U<pb::DisposeResult> {
         Err(Status::unimplemented("echo"))
     }
+    async fn forget_session(&self, _: Request<pb::ForgetSessionRequest>) -> U<pb::ForgetSessionResult> {
+        Err(Status::unimplemented("echo"))
+    }
 }
 
 fn request() -> pb::AssembleRequest {

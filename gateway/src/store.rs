@@ -1475,4 +1475,72 @@ mod tests {
         assert_eq!(store.delete_sessions("main", "k").await.unwrap(), 3);
         assert!(matches!(store.append(&third.session_id, vec![user("x")]).await, Err(StoreError::NoSession(_))));
     }
+
+    #[tokio::test]
+    async fn a_database_from_before_versioning_is_migrated_and_keeps_its_queued_commits() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let c = Connection::open(dir.path().join(DB_FILE)).unwrap();
+            c.execute_batch(SCHEMA_V1).unwrap();
+            c.execute(
+                "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES ('s1', 'main', 'k', 'active', 1)",
+                [],
+            )
+            .unwrap();
+            let req = pb::CommitTurnRequest { advancement_key: "t1".into(), ..Default::default() };
+            c.execute(
+                "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES ('s1', 't1', 'e', ?1, 1)",
+                [req.encode_to_vec()],
+            )
+            .unwrap();
+        }
+        let store = SqliteStore::open(dir.path()).unwrap();
+        let pending = store.pending_commits("s1", "e").await.unwrap();
+        assert_eq!(pending.len(), 1);
+        assert_eq!((pending[0].attempts, pending[0].next_attempt_ms), (0, 0));
+        let version: i64 = store.conn.lock().unwrap().pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
+        assert_eq!(version, MIGRATIONS.len() as i64);
+        drop(store);
+        SqliteStore::open(dir.path()).expect("opening a current database again is a no-op");
+    }
+
+    #[tokio::test]
+    async fn refusals_back_off_drops_are_audited_and_deletes_leave_forgets() {
+        let (_dir, store, s) = fixture().await;
+        let id = s.session_id.clone();
+        let draft = |key: &str| CommitDraft {
+            engine_id: "e".into(),
+            request: pb::CommitTurnRequest { advancement_key: key.into(), ..Default::default() },
+        };
+        for key in ["t1", "t2"] {
+            store.open_turn(&id, key, vec![user(key)], Some("e")).await.unwrap();
+            let accept = TurnClose::Accept { entries: vec![], commit: Some(draft(key)) };
+            store.close_turn(&id, accept).await.unwrap();
+        }
+        assert_eq!(store.due_commits(0).await.unwrap(), [(id.clone(), "e".to_owned())]);
+        store.refuse_commit(&id, "t1", "poison", 5_000).await.unwrap();
+        assert!(store.due_commits(4_999).await.unwrap().is_empty(), "the oldest row waits out its backoff");
+        assert_eq!(store.due_commits(5_000).await.unwrap().len(), 1);
+        assert_eq!(store.outbox_counts().await.unwrap(), (2, 1));
+        let rows = store.outbox_of_key("main", "k").await.unwrap();
+        assert_eq!((rows[0].attempts, rows[0].last_error.as_deref()), (1, Some("poison")));
+
+        store.retry_outbox("main", "k").await.unwrap();
+        assert_eq!(store.due_commits(0).await.unwrap().len(), 1, "retry makes it due now");
+        let dropped = store.drop_outbox("main", "k").await.unwrap();
+        assert_eq!(dropped.len(), 2);
+        let audited: i64 =
+            store.conn.lock().unwrap().query_row("SELECT COUNT(*) FROM outbox_drops", [], |r| r.get(0)).unwrap();
+        assert_eq!(audited, 2);
+        assert_eq!(store.branch(&id).await.unwrap().len(), 2, "a drop leaves the transcript alone");
+
+        store.delete_sessions("main", "k").await.unwrap();
+        let forgets = store.pending_forgets(0).await.unwrap();
+        assert_eq!(forgets.len(), 1, "the engine that served the session is owed a forget");
+        assert_eq!((forgets[0].session_id.as_str(), forgets[0].engine_id.as_str()), (id.as_str(), "e"));
+        store.settle_forget(&id, "e", Some((10, "down"))).await.unwrap();
+        assert!(store.pending_forgets(9).await.unwrap().is_empty());
+        store.settle_forget(&id, "e", None).await.unwrap();
+        assert!(store.pending_forgets(i64::MAX).await.unwrap().is_empty());
+    }
 }

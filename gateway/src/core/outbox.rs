@@ -281,3 +281,14 @@ impl Core {
         Ok(dropped)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_back_off_from_one_second_doubling_to_five_minutes() {
+        let secs: Vec<u64> = [1, 2, 3, 4, 9, 10, 40].iter().map(|n| retry_after(*n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 256, 300, 300]);
+    }
+}
