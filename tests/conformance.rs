@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use ctxgate_engine_sdk::conformance::{Options, Outcome, Report, run};
-use ctxgate_tests::{EngineProcess, bin, repo_root, start_window};
+use ctxgate_tests::{EngineProcess, bin, start_window};
 
 async fn kit(endpoint: &str, case_timeout: Duration) -> Report {
     let report = run(&Options { endpoint: endpoint.to_owned(), case_timeout }).await.expect("valid endpoint");
@@ -45,8 +45,8 @@ async fn window_engine_passes_the_kit_over_a_unix_socket() {
 
 #[tokio::test]
 async fn python_engine_passes_the_kit() {
-    let run_sh = repo_root().join("engines/python/run.sh");
-    let engine = EngineProcess::start(&run_sh, &["--listen", "127.0.0.1:0"]).await.expect("python engine starts");
+    let state = tempfile::tempdir().unwrap();
+    let engine = ctxgate_tests::start_python(state.path()).await;
     let report = kit(&engine.endpoint, Duration::from_secs(10)).await;
     // The Python engine has no subagent support, so that case cannot run.
     assert_all_pass(&report, &["subagent.prepare_then_rollback_twice"]);

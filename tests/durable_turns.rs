@@ -10,7 +10,7 @@ use std::time::Duration;
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::{self, context_engine_client::ContextEngineClient, transcript_entry::Entry};
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{EngineProcess, TestGateway, repo_root, start_window};
+use ctxgate_tests::{TestGateway, start_window};
 
 /// The advancement keys of the engine's `event commit` lines, in order.
 fn commit_keys(lines: &[String]) -> Vec<String> {
@@ -219,8 +219,8 @@ async fn the_window_engine_forgets_a_deleted_session_but_not_a_reset_one() {
 
 #[tokio::test]
 async fn the_python_engine_forgets_a_deleted_session() {
-    let engine =
-        EngineProcess::start(repo_root().join("engines/python/run.sh"), &["--listen", "127.0.0.1:0"]).await.unwrap();
+    let py_state = tempfile::tempdir().unwrap();
+    let engine = ctxgate_tests::start_python(py_state.path()).await;
     let g = TestGateway::start(hosting("py", &engine.endpoint, &[])).await;
     attached(&g, "py").await;
     let t = run_turn(&g, "gone", "delete me").await;

@@ -12,7 +12,7 @@ use ctxgate::config::ProviderKind;
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{EngineProcess, TestGateway, bin, compact_to_end, metrics_text, repo_root};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, compact_to_end, metrics_text};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -75,8 +75,8 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
 
 #[tokio::test]
 async fn turns_run_through_the_python_engine() {
-    let engine =
-        EngineProcess::start(repo_root().join("engines/python/run.sh"), &["--listen", "127.0.0.1:0"]).await.unwrap();
+    let py_state = tempfile::tempdir().unwrap();
+    let engine = ctxgate_tests::start_python(py_state.path()).await;
     let g = TestGateway::start(hosting("py", &engine.endpoint, &[])).await;
     attached(&g, "py").await;
     let events = run_turn(&g, "p", "hello from a polyglot test").await;

@@ -25,6 +25,11 @@ pub enum EngineError {
     /// The call's deadline passed.
     #[error("the call's deadline passed")]
     DeadlineExceeded,
+    /// A DELTA engine does not hold the request's cursor: FAILED_PRECONDITION
+    /// with the typed HistoryGap detail (the gateway resyncs, never
+    /// quarantines). `held` says what the engine does hold, if it knows.
+    #[error("history gap")]
+    HistoryGap { held: Option<ctxgate_proto::pb::HistoryCursor> },
     /// A host callback (ReadTranscript, LlmComplete) failed.
     #[error("host callback {operation} failed: {status}")]
     Host { operation: &'static str, status: Status },
@@ -48,6 +53,7 @@ impl From<EngineError> for Status {
         match err {
             EngineError::Invalid(v) => v.into(),
             EngineError::FailedPrecondition(m) => Status::failed_precondition(m),
+            EngineError::HistoryGap { held } => ctxgate_proto::history::gap_status(held),
             EngineError::NotFound(m) => Status::not_found(m),
             EngineError::Unimplemented(m) => Status::unimplemented(format!("{m} is not implemented")),
             EngineError::Cancelled => Status::cancelled("the call was cancelled"),

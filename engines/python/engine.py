@@ -1,18 +1,36 @@
 """A ctxgate context engine in Python (grpcio): the recency engine.
 
 It keeps the newest turns that fit the token budget, plus an extractive
-summary of what compaction folded away. State is in memory, per session.
+summary of what compaction folded away. Its state -- each session's messages
+in arrival order, its summary and its committed turn keys -- is one SQLite
+file, STATE_DIR/recency.sqlite (WAL with synchronous=FULL, one transaction per
+RPC), so a restart loses nothing and a COMMITTED CommitTurn survives a crash or
+a power cut.
+
+History delivery is DELTA: Assemble carries a cursor (what the engine is
+assumed to hold) and only the messages after it. The engine assembles from
+the messages it holds plus the request's messages it does not hold yet, and
+answers FAILED_PRECONDITION with a HistoryGap detail (grpc-status-details-bin)
+when it does not hold the cursor; the gateway then resends the history with
+IngestBatch. Without a cursor, the request's messages are the whole history.
+Ingest, IngestBatch, AfterTurn and CommitTurn store what they receive
+(idempotent by message id); ForgetSession deletes everything of a session.
+
 It serves grpc.health.v1 and reflection like every ctxgate engine, validates
 every request against the contract, and stops work when a call is cancelled.
 
-    engines/python/run.sh --listen 127.0.0.1:0
+    engines/python/run.sh --listen 127.0.0.1:0 [--state-dir ./python-engine-state]
 """
 
 import argparse
+import collections
+import contextlib
 import os
 import signal
+import sqlite3
 import sys
 import threading
+import time
 from concurrent import futures
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "gen"))
@@ -184,47 +202,221 @@ def text_of(m):
     return " ".join(" ".join(parts).split())
 
 
+# --- state: one SQLite file ----------------------------------------------------
+
+HISTORY_GAP_TYPE_URL = "type.googleapis.com/contextengine.v1.HistoryGap"
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions (
+    session_id    TEXT PRIMARY KEY,
+    created_at_ms INTEGER NOT NULL
+);
+-- seq is dense, 1..n per session, in arrival order (messages are only ever
+-- deleted a whole session at a time), so a session's message count is its
+-- MAX(seq). body is the serialized AgentMessage.
+CREATE TABLE IF NOT EXISTS messages (
+    session_id TEXT NOT NULL,
+    seq        INTEGER NOT NULL,
+    id         TEXT NOT NULL,
+    tokens     INTEGER NOT NULL,
+    body       BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq),
+    UNIQUE (session_id, id)
+);
+-- Compaction folds a prefix of the session into the summary: the summarised
+-- messages are exactly those with seq <= summarised_upto.
+CREATE TABLE IF NOT EXISTS summaries (
+    session_id      TEXT PRIMARY KEY,
+    summary         TEXT NOT NULL,
+    summarised_upto INTEGER NOT NULL,
+    updated_at_ms   INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS commits (
+    session_id      TEXT NOT NULL,
+    advancement_key TEXT NOT NULL,
+    committed_at_ms INTEGER NOT NULL,
+    PRIMARY KEY (session_id, advancement_key)
+);
+PRAGMA user_version = 1;
+"""
+
+
+def now_ms():
+    return int(time.time() * 1000)
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """The engine's state in DIR/recency.sqlite.
+
+    One connection, used only under `self._lock`. SQLite takes one writer at a
+    time anyway, so a connection per thread would only move the wait into
+    SQLite's busy handler; the one lock also makes every check-then-write
+    (CommitTurn's key check, the seq allocation of an ingest) atomic in this
+    process, and BEGIN IMMEDIATE keeps it atomic against another process on
+    the same file. Every RPC's write is one transaction (`write()`); reads that
+    need several queries share one snapshot (`read()`). Nothing slow (the
+    summarising of Compact) runs under the lock.
+    """
+
+    def __init__(self, state_dir):
+        os.makedirs(state_dir, exist_ok=True)
+        path = os.path.join(state_dir, "recency.sqlite")
+        self._lock = threading.Lock()
+        # isolation_level=None: no implicit transactions, this class opens them.
+        self._db = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        if mode.lower() != "wal":
+            raise RuntimeError(f"{path}: journal_mode is {mode!r}, not WAL")
+        # FULL, not WAL's usual NORMAL: every commit syncs the WAL, so a commit
+        # that was answered survives a power cut, not only a process crash.
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+        # SQLite syncs a directory when it creates a journal or WAL file, not
+        # when it creates the database file: make the file's entry durable.
+        fsync_dir(state_dir)
+        fsync_dir(os.path.dirname(os.path.abspath(state_dir)))
+        self.path = path
+
+    @contextlib.contextmanager
+    def _tx(self, begin):
+        with self._lock:
+            db = self._db
+            db.execute(begin)
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                if db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                raise
+
+    def write(self):
+        return self._tx("BEGIN IMMEDIATE")
+
+    def read(self):
+        return self._tx("BEGIN")
+
+    def close(self):
+        with self._lock:
+            self._db.close()
+
+
+def add_messages(db, session_id, messages):
+    """Stores the messages not held yet (by id), in order; returns how many."""
+    db.execute("INSERT INTO sessions (session_id, created_at_ms) VALUES (?, ?) ON CONFLICT DO NOTHING",
+               (session_id, now_ms()))
+    seq = db.execute("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?", (session_id,)).fetchone()[0]
+    added = 0
+    for m in messages:
+        cur = db.execute(
+            "INSERT INTO messages (session_id, seq, id, tokens, body) VALUES (?, ?, ?, ?, ?)"
+            " ON CONFLICT (session_id, id) DO NOTHING",
+            (session_id, seq + 1, m.id, message_tokens(m), m.SerializeToString()))
+        if cur.rowcount:
+            seq += 1
+            added += 1
+    return added
+
+
+def summary_of(db, session_id):
+    """(summary text, summarised_upto); ("", 0) when nothing was compacted."""
+    row = db.execute("SELECT summary, summarised_upto FROM summaries WHERE session_id = ?", (session_id,)).fetchone()
+    return (row[0], row[1]) if row else ("", 0)
+
+
+def messages_after(db, session_id, seq):
+    """The held messages with a seq above `seq`, oldest first, as (seq, AgentMessage)."""
+    rows = db.execute("SELECT seq, body FROM messages WHERE session_id = ? AND seq > ? ORDER BY seq",
+                      (session_id, seq))
+    return [(s, types.AgentMessage.FromString(body)) for s, body in rows]
+
+
+def holds(db, session_id, message_id):
+    return db.execute("SELECT 1 FROM messages WHERE session_id = ? AND id = ?",
+                      (session_id, message_id)).fetchone() is not None
+
+
+def held_cursor(db, session_id):
+    """What the engine holds of the session, as a HistoryCursor."""
+    count, total = db.execute("SELECT COUNT(*), COALESCE(SUM(tokens), 0) FROM messages WHERE session_id = ?",
+                              (session_id,)).fetchone()
+    last = db.execute("SELECT id, seq FROM messages WHERE session_id = ? ORDER BY seq DESC LIMIT 1",
+                      (session_id,)).fetchone()
+    if last is None:
+        return pb.HistoryCursor()
+    return pb.HistoryCursor(message_id=last[0], seq=last[1], message_count=count, tokens=total)
+
+
+def cursor_gap(db, session_id, cursor):
+    """None when the engine holds the cursor, else why not."""
+    if not cursor.message_id:
+        return None  # the gateway assumes nothing is held
+    if not holds(db, session_id, cursor.message_id):
+        return f"message {cursor.message_id!r} is not held"
+    count = db.execute("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?",
+                       (session_id,)).fetchone()[0]  # seq is dense: the count
+    if count < cursor.message_count:
+        return f"{count} messages are held, the cursor counts {cursor.message_count}"
+    return None
+
+
+class Status(collections.namedtuple("Status", ("code", "details", "trailing_metadata")), grpc.Status):
+    """A status with trailing metadata, for context.abort_with_status."""
+
+
+def history_gap_status(why, held):
+    """FAILED_PRECONDITION with a HistoryGap detail in `grpc-status-details-bin`
+    (an RpcStatus, wire-compatible with google.rpc.Status)."""
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    message = f"history gap: {why}; resend the history"
+    rich = pb.RpcStatus(code=code.value[0], message=message, details=[
+        pb.AnyDetail(type_url=HISTORY_GAP_TYPE_URL, value=pb.HistoryGap(held=held).SerializeToString())])
+    return Status(code, message, (("grpc-status-details-bin", rich.SerializeToString()),))
+
+
+def store_status(e):
+    # Busy, locked, I/O or disk full may pass: UNAVAILABLE (a CommitTurn stays
+    # queued and is retried). Anything else is a bug: INTERNAL.
+    if isinstance(e, sqlite3.OperationalError):
+        return grpc.StatusCode.UNAVAILABLE, f"state store: {e}"
+    return grpc.StatusCode.INTERNAL, f"state store: {e}"
+
+
 # --- the engine ----------------------------------------------------------------
 
-class Session:
-    def __init__(self):
-        self.messages = {}   # id -> AgentMessage, insertion ordered
-        self.summarised = set()
-        self.summary = ""
-        self.commits = set()
-
-
 class RecencyEngine(pb_grpc.ContextEngineServicer):
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._sessions = {}
+    def __init__(self, store):
+        self._store = store
 
-    def _session(self, session_id):
-        return self._sessions.setdefault(session_id, Session())
-
-    def _ingest(self, session_id, messages):
-        with self._lock:
-            s = self._session(session_id)
-            added = 0
-            for m in messages:
-                if m.id not in s.messages:
-                    s.messages[m.id] = m
-                    added += 1
-            return added
-
-    # Every handler goes through here: contract errors become statuses.
+    # Every handler goes through here: contract and store errors become statuses.
     def _guard(self, context, fn):
         try:
             return fn()
         except Invalid as e:
             context.abort(e.code, str(e))
+        except sqlite3.Error as e:
+            context.abort(*store_status(e))
+
+    def _ingest(self, session_id, messages):
+        with self._store.write() as db:
+            return add_messages(db, session_id, messages)
 
     def GetInfo(self, request, context):
         return pb.EngineInfo(
-            id="py-recency", name="Python recency engine", version="0.1.0",
+            id="py-recency", name="Python recency engine", version="0.2.0",
             contract_version=CONTRACT_VERSION, owns_compaction=False,
             turn_maintenance_mode=pb.TURN_MAINTENANCE_MODE_FOREGROUND,
-            implemented_methods=IMPLEMENTED)
+            implemented_methods=IMPLEMENTED,
+            history_delivery=pb.HISTORY_DELIVERY_DELTA)
 
     def Ingest(self, request, context):
         def run():
@@ -263,13 +455,15 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
             if not request.HasField("terminal"):
                 raise Invalid("terminal", "is required")
             check_messages(request.messages, "messages")
-            with self._lock:  # one lock: the key check and the write are atomic
-                s = self._session(request.session_id)
-                if request.advancement_key in s.commits:
+            # One transaction: the key check, the messages and the key. It is
+            # synced (synchronous=FULL) before COMMITTED is answered.
+            with self._store.write() as db:
+                if db.execute("SELECT 1 FROM commits WHERE session_id = ? AND advancement_key = ?",
+                              (request.session_id, request.advancement_key)).fetchone():
                     return pb.CommitTurnResult(status=pb.COMMIT_STATUS_DUPLICATE)
-                for m in request.messages:
-                    s.messages.setdefault(m.id, m)
-                s.commits.add(request.advancement_key)
+                add_messages(db, request.session_id, request.messages)
+                db.execute("INSERT INTO commits (session_id, advancement_key, committed_at_ms) VALUES (?, ?, ?)",
+                           (request.session_id, request.advancement_key, now_ms()))
             return pb.CommitTurnResult(status=pb.COMMIT_STATUS_COMMITTED)
         return self._guard(context, run)
 
@@ -277,23 +471,41 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
         # The session was deleted: its messages, summary and commit keys go.
         def run():
             check_id(request.session_id, "session_id")
-            with self._lock:
-                self._sessions.pop(request.session_id, None)
+            with self._store.write() as db:
+                for table in ("messages", "summaries", "commits", "sessions"):
+                    db.execute(f"DELETE FROM {table} WHERE session_id = ?", (request.session_id,))
             return pb.ForgetSessionResult()
         return self._guard(context, run)
 
     def Assemble(self, request, context):
         def run():
-            check_id(request.session_id, "session_id")
+            sid = request.session_id
+            check_id(sid, "session_id")
             check_messages(request.messages, "messages")
-            with self._lock:
-                s = self._session(request.session_id)
-                summary, summarised = s.summary, set(s.summarised)
-            tail = [m for m in request.messages if m.id not in summarised]
+            gap = None
+            with self._store.read() as db:
+                summary, upto = summary_of(db, sid)
+                if not request.HasField("cursor"):
+                    # FULL: the request's messages are the whole history.
+                    summarised = set()
+                    if upto:
+                        summarised = {i for (i,) in db.execute(
+                            "SELECT id FROM messages WHERE session_id = ? AND seq <= ?", (sid, upto))}
+                    tail = [m for m in request.messages if m.id not in summarised]
+                else:
+                    # DELTA: what is held (past the summary), then what is new.
+                    why = cursor_gap(db, sid, request.cursor)
+                    if why is not None:
+                        gap = history_gap_status(why, held_cursor(db, sid))
+                    else:
+                        tail = [m for _, m in messages_after(db, sid, upto)]
+                        tail += [m for m in request.messages if not holds(db, sid, m.id)]
+            if gap is not None:
+                context.abort_with_status(gap)
             tail = tail[safe_cut(tail, 0):]
             head = []
             if summary:
-                head = [types.AgentMessage(id=f"py-summary:{request.session_id}", role=types.ROLE_USER,
+                head = [types.AgentMessage(id=f"py-summary:{sid}", role=types.ROLE_USER,
                                            content=[types.ContentPart(text=summary)])]
             if request.HasField("token_budget"):
                 while tokens(head) + tokens(tail) > request.token_budget:
@@ -304,6 +516,9 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
                     if cut >= len(tail):
                         break
                     tail = tail[cut:]
+            room = MAX_MESSAGES - len(head)  # held history can outgrow one result
+            if len(tail) > room:
+                tail = tail[safe_cut(tail, len(tail) - room):]
             out = head + tail
             return pb.AssembleResult(messages=out, estimated_tokens=tokens(out),
                                      prompt_authority=pb.PROMPT_AUTHORITY_ASSEMBLED)
@@ -315,10 +530,17 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
             check_id(request.session_key, "session_key")
         except Invalid as e:
             context.abort(e.code, str(e))
-        with self._lock:
-            s = self._session(request.session_id)
-            pending = [m for m in s.messages.values() if m.id not in s.summarised]
-            summary = s.summary
+        try:
+            yield from self._compact(request, context)
+        except sqlite3.Error as e:
+            context.abort(*store_status(e))
+
+    def _compact(self, request, context):
+        sid = request.session_id
+        with self._store.read() as db:
+            summary, upto = summary_of(db, sid)
+            rows = messages_after(db, sid, upto)
+        pending = [m for _, m in rows]
         before = text_tokens(summary) + tokens(pending)
         starts = turn_starts(pending)
         cut = safe_cut(pending, starts[-KEEP_TURNS] if len(starts) >= KEEP_TURNS else 0)
@@ -345,9 +567,23 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
             new_summary = "\n".join(lines)
         if not context.is_active():
             return
-        with self._lock:
-            s.summary = new_summary
-            s.summarised.update(m.id for m in older)
+        last_seq = rows[cut - 1][0]
+        with self._store.write() as db:
+            # Write only onto the state the summary was made from: not after a
+            # concurrent compaction or a ForgetSession.
+            now = db.execute("SELECT id FROM messages WHERE session_id = ? AND seq = ?", (sid, last_seq)).fetchone()
+            unchanged = summary_of(db, sid)[1] == upto and now is not None and now[0] == older[-1].id
+            if unchanged:
+                db.execute(
+                    "INSERT INTO summaries (session_id, summary, summarised_upto, updated_at_ms) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (session_id) DO UPDATE SET summary = excluded.summary,"
+                    " summarised_upto = excluded.summarised_upto, updated_at_ms = excluded.updated_at_ms",
+                    (sid, new_summary, last_seq, now_ms()))
+        if not unchanged:
+            yield pb.CompactEvent(result=pb.CompactResult(
+                ok=False, compacted=False, tokens_before=before,
+                reason="the session changed during compaction (compacted again or forgotten); nothing written"))
+            return
         after = text_tokens(new_summary) + tokens(pending[cut:])
         yield pb.CompactEvent(result=pb.CompactResult(
             ok=True, compacted=True, summary=new_summary, first_kept_entry_id=pending[cut].id if cut < len(pending) else None,
@@ -368,13 +604,16 @@ def reflection_v1_handler(servicer):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0 picks one) or unix:///PATH")
+    parser.add_argument("--state-dir", default="./python-engine-state",
+                        help="where the state lives (DIR/recency.sqlite); created if missing")
     parser.add_argument("--drain-seconds", type=float, default=10.0)
     args = parser.parse_args()
+    store = Store(args.state_dir)
 
     options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES)]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options)
-    pb_grpc.add_ContextEngineServicer_to_server(RecencyEngine(), server)
+    pb_grpc.add_ContextEngineServicer_to_server(RecencyEngine(store), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
@@ -399,6 +638,7 @@ def main():
     stop.wait()
     health_servicer.enter_graceful_shutdown()  # NOT_SERVING for every service, then drain
     server.stop(args.drain_seconds).wait()
+    store.close()
 
 
 if __name__ == "__main__":

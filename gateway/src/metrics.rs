@@ -68,6 +68,7 @@ pub struct Metrics {
     pub engine_timeouts: Family<EngineMethod, Counter>,
     pub engine_fallbacks: Family<EngineMethod, Counter>,
     pub engine_shed: Family<EngineMethod, Counter>,
+    pub engine_history_gaps: Family<EngineMethod, Counter>,
     pub engine_quarantines: Family<EngineOperation, Counter>,
     pub engine_call_seconds: Family<EngineMethod, Histogram>,
     pub engine_bytes_sent: Family<EngineMethod, Counter>,
@@ -111,6 +112,7 @@ impl Default for Metrics {
         let engine_timeouts = Family::<EngineMethod, Counter>::default();
         let engine_fallbacks = Family::<EngineMethod, Counter>::default();
         let engine_shed = Family::<EngineMethod, Counter>::default();
+        let engine_history_gaps = Family::<EngineMethod, Counter>::default();
         let engine_quarantines = Family::<EngineOperation, Counter>::default();
         let engine_call_seconds = Family::<EngineMethod, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         let engine_bytes_sent = Family::<EngineMethod, Counter>::default();
@@ -123,6 +125,11 @@ impl Default for Metrics {
             "engine_shed",
             "Engine calls shed as overload (legacy answered, no quarantine)",
             engine_shed.clone(),
+        );
+        r.register(
+            "engine_history_gaps",
+            "DELTA engines that did not hold their cursor (resynced with IngestBatch, no quarantine)",
+            engine_history_gaps.clone(),
         );
         r.register("engine_quarantines", "Engines taken out of service, by operation", engine_quarantines.clone());
         r.register("engine_call_duration_seconds", "Engine call latency", engine_call_seconds.clone());
@@ -149,6 +156,7 @@ impl Default for Metrics {
             engine_timeouts,
             engine_fallbacks,
             engine_shed,
+            engine_history_gaps,
             engine_quarantines,
             engine_call_seconds,
             engine_bytes_sent,
@@ -224,6 +232,10 @@ impl Metrics {
 
     pub fn engine_shed(&self, engine: &str, method: &str) {
         self.engine_shed.get_or_create(&EngineMethod { engine: engine.into(), method: method.into() }).inc();
+    }
+
+    pub fn engine_history_gap(&self, engine: &str, method: &str) {
+        self.engine_history_gaps.get_or_create(&EngineMethod { engine: engine.into(), method: method.into() }).inc();
     }
 
     pub fn engine_quarantined(&self, engine: &str, operation: &str) {

@@ -150,8 +150,31 @@ pub trait Store: Send + Sync + 'static {
     /// (session, engine) pairs with a commit due at `now_ms`, the
     /// longest-waiting first.
     async fn due_commits(&self, now_ms: i64) -> Result<Vec<(String, String)>, StoreError>;
-    /// Removes a delivered commit.
-    async fn complete_commit(&self, session_id: &str, advancement_key: &str) -> Result<(), StoreError>;
+    /// Removes a delivered commit and, in the same transaction, moves the
+    /// engine's cursor (if it has one) over the commit's messages.
+    async fn complete_commit(
+        &self,
+        session_id: &str,
+        advancement_key: &str,
+        advance: Option<Advance>,
+    ) -> Result<(), StoreError>;
+    /// A DELTA engine's cursor for a session.
+    async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError>;
+    /// Sets (or, with `None`, forgets) a DELTA engine's cursor.
+    async fn set_cursor(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        cursor: Option<pb::HistoryCursor>,
+    ) -> Result<(), StoreError>;
+    /// The active branch after the cursor's message, oldest first, read from
+    /// the leaf back (cost bounded by what is new, not by the session's
+    /// age); `None` when the cursor's message is not on the branch.
+    async fn branch_after(
+        &self,
+        session_id: &str,
+        cursor: &pb::HistoryCursor,
+    ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError>;
     /// Records the engine's refusal of a commit: one more attempt, its
     /// error, and when to try again.
     async fn refuse_commit(
@@ -229,6 +252,16 @@ pub struct PendingCommit {
     pub next_attempt_ms: i64,
 }
 
+/// A delivered commit's messages, added to the engine's cursor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Advance {
+    pub engine_id: String,
+    pub last_message_id: String,
+    pub seq: u64,
+    pub messages: u64,
+    pub tokens: u64,
+}
+
 /// A queued commit as listed (`ctxgate outbox ls`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OutboxRow {
@@ -277,7 +310,7 @@ pub struct RewriteOutcome {
 /// Schema migrations in order; `PRAGMA user_version` is how many have been
 /// applied. A database from before versioning (version 0) already has the
 /// first one's tables, which it creates only if missing.
-const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2];
+const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2, SCHEMA_V3];
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
@@ -328,6 +361,19 @@ CREATE TABLE IF NOT EXISTS subagents (
     expires_at_ms  INTEGER,
     PRIMARY KEY (agent_id, child_key)
 );
+";
+
+/// DELTA engines' cursors: what each engine acknowledged of each session.
+const SCHEMA_V3: &str = "
+CREATE TABLE cursors (
+    session_id    TEXT NOT NULL,
+    engine_id     TEXT NOT NULL,
+    message_id    TEXT NOT NULL,
+    seq           INTEGER NOT NULL,
+    message_count INTEGER NOT NULL,
+    tokens        INTEGER NOT NULL,
+    PRIMARY KEY (session_id, engine_id)
+) WITHOUT ROWID;
 ";
 
 /// Refused commits (attempts, error, backoff), audited drops, which engines
@@ -620,7 +666,9 @@ fn queue_commit_in(tx: &rusqlite::Transaction<'_>, session_id: &str, draft: Comm
             _ => None,
         })
         .collect();
-    if let Some(last) = range.last() {
+    // The terminal anchor is the turn's last message (a compaction entry
+    // may follow it on the branch).
+    if let Some(last) = range.iter().rev().find(|e| matches!(e.entry, Some(Entry::Message(_)))) {
         let mut terminal = req.admission.as_ref().and_then(|a| a.anchor.clone()).unwrap_or_default();
         terminal.entry_id = last.id.clone();
         terminal.raw_seq = last.seq;
@@ -800,7 +848,7 @@ impl Store for SqliteStore {
                 ),
                 params![agent, key],
             )?;
-            for table in ["outbox", "engine_sessions", "entries"] {
+            for table in ["outbox", "engine_sessions", "cursors", "entries"] {
                 tx.execute(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"), params![agent, key])?;
             }
             // The key's own subagent record (it was a child); a parent's
@@ -959,11 +1007,110 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn complete_commit(&self, session_id: &str, advancement_key: &str) -> Result<(), StoreError> {
+    async fn complete_commit(
+        &self,
+        session_id: &str,
+        advancement_key: &str,
+        advance: Option<Advance>,
+    ) -> Result<(), StoreError> {
         let (s, k) = (session_id.to_owned(), advancement_key.to_owned());
         self.run(move |c| {
-            c.execute("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2", params![s, k])?;
+            let tx = c.transaction()?;
+            tx.execute("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2", params![s, k])?;
+            if let Some(a) = advance {
+                // Only forwards: a redelivered (DUPLICATE) commit moves nothing.
+                tx.prepare_cached(
+                    "UPDATE cursors SET message_id = ?3, seq = ?4, message_count = message_count + ?5, tokens = tokens + ?6
+                     WHERE session_id = ?1 AND engine_id = ?2 AND seq < ?4",
+                )?
+                .execute(params![s, a.engine_id, a.last_message_id, a.seq as i64, a.messages as i64, a.tokens as i64])?;
+            }
+            tx.commit()?;
             Ok(())
+        })
+        .await
+    }
+
+    async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
+        self.run(move |c| {
+            Ok(c.prepare_cached(
+                "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = ?1 AND engine_id = ?2",
+            )?
+            .query_row(params![s, e], |r| {
+                Ok(pb::HistoryCursor {
+                    message_id: r.get(0)?,
+                    seq: r.get::<_, i64>(1)? as u64,
+                    message_count: r.get::<_, i64>(2)? as u64,
+                    tokens: r.get::<_, i64>(3)? as u64,
+                })
+            })
+            .optional()?)
+        })
+        .await
+    }
+
+    async fn set_cursor(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        cursor: Option<pb::HistoryCursor>,
+    ) -> Result<(), StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
+        self.run(move |c| {
+            match cursor {
+                None => c.execute("DELETE FROM cursors WHERE session_id = ?1 AND engine_id = ?2", params![s, e])?,
+                Some(k) => c.execute(
+                    "INSERT OR REPLACE INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    params![s, e, k.message_id, k.seq as i64, k.message_count as i64, k.tokens as i64],
+                )?,
+            };
+            Ok(())
+        })
+        .await
+    }
+
+    async fn branch_after(
+        &self,
+        session_id: &str,
+        cursor: &pb::HistoryCursor,
+    ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
+        let (session_id, cursor) = (session_id.to_owned(), cursor.clone());
+        self.run(move |c| {
+            let leaf: Option<Option<String>> = c
+                .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                .optional()?;
+            let mut next = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
+            let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+            let mut out = Vec::new();
+            // Seqs fall walking towards the root (a rewrite's copies get
+            // higher ones than the entry they branch from).
+            let mut found = cursor.message_id.is_empty();
+            while let Some(id) = next.take() {
+                let e = stmt.query_row([&id], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+                // A message by its id (stable across rewrites, whose copies
+                // get new seqs), or a summary by its entry id.
+                if !found
+                    && (e.id == cursor.message_id
+                        || matches!(&e.entry, Some(Entry::Message(m)) if m.id == cursor.message_id))
+                {
+                    found = true;
+                    break;
+                }
+                if e.seq <= cursor.seq {
+                    break;
+                }
+                next = e.parent_id.clone();
+                out.push(e);
+            }
+            // Not met on the way back (an empty cursor holds nothing: the
+            // whole branch follows it).
+            if !found {
+                return Ok(None);
+            }
+            out.reverse();
+            Ok(Some(out))
         })
         .await
     }

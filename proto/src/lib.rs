@@ -4,6 +4,7 @@
 //! the one token [`estimate`].
 
 pub mod estimate;
+pub mod history;
 pub mod limits;
 pub mod validate;
 

@@ -306,6 +306,13 @@ pub mod result {
                 "is declared but CommitTurn is not implemented",
             ));
         }
+        // A DELTA engine is resynced through IngestBatch after a gap.
+        if i.history_delivery == pb::HistoryDelivery::Delta as i32 && !seen.contains(&"IngestBatch".to_string()) {
+            return Err(Violation::invalid(
+                "info.history_delivery",
+                "is DELTA but IngestBatch (the resync after a history gap) is not implemented",
+            ));
+        }
         Ok(())
     }
 

@@ -133,6 +133,13 @@ pub async fn start_window(state_dir: &Path, extra: &[&str]) -> EngineProcess {
     EngineProcess::start(bin("ctxgate-engine-window"), &args).await.expect("window engine starts")
 }
 
+/// The Python engine (engines/python/run.sh) with its state in `state_dir`.
+pub async fn start_python(state_dir: &Path) -> EngineProcess {
+    let dir = state_dir.to_str().expect("utf-8 temp dir");
+    let args = ["--listen", "127.0.0.1:0", "--state-dir", dir];
+    EngineProcess::start(repo_root().join("engines/python/run.sh"), &args).await.expect("python engine starts")
+}
+
 /// A gateway running in this process (the same `server::run` as the
 /// binary), on loopback, with its state in a temp dir.
 pub struct TestGateway {

@@ -104,6 +104,22 @@ impl WindowEngine {
             .await
     }
 
+    /// Owning compaction means compacting on our own schedule: after a turn
+    /// (AfterTurn or CommitTurn), once enough turns are unsummarised. Best
+    /// effort: the turn is already stored; a failure is retried next turn.
+    async fn compact_on_schedule(&self, ctx: &CallContext, session_id: &str, key: Option<&str>) {
+        let auto = pb::CompactRequest {
+            session_id: session_id.to_owned(),
+            session_key: key.unwrap_or_default().to_owned(),
+            force: false,
+            compaction_target: pb::CompactionTarget::Threshold as i32,
+            ..Default::default()
+        };
+        if let Err(e) = self.compact_session(ctx, session_id, &auto, None).await {
+            tracing::warn!(session = session_id, error = %e, "scheduled compaction failed; retried after the next turn");
+        }
+    }
+
     /// Folds everything older than the kept tail into the summary.
     async fn compact_session(
         &self,
@@ -210,6 +226,8 @@ impl ContextEngine for WindowEngine {
             }),
             host_requirements: vec![],
             implemented_methods: METHODS.iter().map(|m| (*m).to_owned()).collect(),
+            // It holds every session's history: Assemble sends what is new.
+            history_delivery: pb::HistoryDelivery::Delta as i32,
         })
     }
 
@@ -244,31 +262,47 @@ impl ContextEngine for WindowEngine {
     }
 
     async fn assemble(&self, _ctx: &CallContext, req: pb::AssembleRequest) -> Result<pb::AssembleResult, EngineError> {
-        let sid = req.session_id.clone();
-        let (summary, covered) = self
+        let (sid, cursor) = (req.session_id.clone(), req.cursor.clone());
+        // DELTA (a cursor): the summary + what it holds unsummarised + the
+        // request's new messages, so the work is bounded by the window, not
+        // the session's age. FULL: the request's history minus what the
+        // summary covers.
+        let (summary, own, covered) = self
             .store
             .run(move |c| {
                 let s = store::summary(c, &sid)?;
-                let covered = store::covered_ids(c, &sid, s.covered_seq)?;
-                Ok((s, covered))
-            })
-            .await?;
-        let tail: Vec<AgentMessage> = req.messages.into_iter().filter(|m| !covered.contains(&m.id)).collect();
-        let mut tail = turns::drop_orphan_results(tail);
-        let head = (!summary.text.is_empty()).then(|| summary_message(&req.session_id, &summary));
-        if let Some(budget) = req.token_budget {
-            let head_tokens = head.as_ref().map_or(0, estimate::message_tokens);
-            // Drop whole oldest turns while over budget; the newest turn always stays.
-            while head_tokens + estimate::messages_tokens(&tail) > budget {
-                let starts = turns::turn_starts(&tail);
-                let Some(&next) = starts.get(1) else { break };
-                let cut = turns::safe_cut(&tail, next);
-                if cut >= tail.len() {
-                    break;
+                let Some(k) = cursor else {
+                    let covered = store::covered_ids(c, &sid, s.covered_seq)?;
+                    return Ok(Ok((s, Vec::new(), covered)));
+                };
+                let (count, last) = store::held(c, &sid)?;
+                if !k.message_id.is_empty() && (count < k.message_count || !store::has_message(c, &sid, &k.message_id)?)
+                {
+                    let held = last.map(|(id, seq)| pb::HistoryCursor {
+                        message_id: id,
+                        seq: seq as u64,
+                        message_count: count,
+                        tokens: 0,
+                    });
+                    return Ok(Err(EngineError::HistoryGap { held }));
                 }
-                tail.drain(..cut);
+                let own: Vec<AgentMessage> =
+                    store::messages_after(c, &sid, s.covered_seq)?.into_iter().map(|m| m.message).collect();
+                Ok(Ok((s, own, Default::default())))
+            })
+            .await??;
+        let held: std::collections::HashSet<&str> = own.iter().map(|m| m.id.as_str()).collect();
+        let new: Vec<AgentMessage> =
+            req.messages.into_iter().filter(|m| !covered.contains(&m.id) && !held.contains(m.id.as_str())).collect();
+        let tail = turns::drop_orphan_results(own.into_iter().chain(new).collect());
+        let head = (!summary.text.is_empty()).then(|| summary_message(&req.session_id, &summary));
+        let tail = match req.token_budget {
+            Some(budget) => {
+                let room = budget.saturating_sub(head.as_ref().map_or(0, estimate::message_tokens));
+                turns::fit_turns(tail, room)
             }
-        }
+            None => tail,
+        };
         let messages: Vec<AgentMessage> = head.into_iter().chain(tail).collect();
         Ok(pb::AssembleResult {
             estimated_tokens: estimate::messages_tokens(&messages),
@@ -296,24 +330,16 @@ impl ContextEngine for WindowEngine {
         req: pb::AfterTurnRequest,
     ) -> Result<pb::AfterTurnResult, EngineError> {
         self.ingest_messages(&req.session_id, req.session_key.as_deref(), req.messages).await?;
-        // Owning compaction means compacting on our own schedule: after a
-        // turn, once enough turns are unsummarised.
-        let auto = pb::CompactRequest {
-            session_id: req.session_id.clone(),
-            session_key: req.session_key.clone().unwrap_or_default(),
-            force: false,
-            compaction_target: pb::CompactionTarget::Threshold as i32,
-            ..Default::default()
-        };
-        self.compact_session(ctx, &req.session_id, &auto, None).await?;
+        self.compact_on_schedule(ctx, &req.session_id, req.session_key.as_deref()).await;
         Ok(pb::AfterTurnResult {})
     }
 
     async fn commit_turn(
         &self,
-        _ctx: &CallContext,
+        ctx: &CallContext,
         req: pb::CommitTurnRequest,
     ) -> Result<pb::CommitTurnResult, EngineError> {
+        let (sid, key) = (req.session_id.clone(), req.session_key.clone());
         let committed = self
             .store
             .run(move |c| {
@@ -327,6 +353,9 @@ impl ContextEngine for WindowEngine {
                 Ok(fresh)
             })
             .await?;
+        if committed {
+            self.compact_on_schedule(ctx, &sid, key.as_deref()).await;
+        }
         let status = if committed { pb::CommitStatus::Committed } else { pb::CommitStatus::Duplicate };
         Ok(pb::CommitTurnResult { status: status as i32 })
     }
@@ -337,8 +366,11 @@ impl ContextEngine for WindowEngine {
             .store
             .run(move |c| {
                 let tx = c.transaction()?;
+                // Only what the summary does not cover yet: older messages
+                // were looked at when they left the kept turns.
+                let covered = store::summary(&tx, &req.session_id)?.covered_seq;
                 let all: Vec<AgentMessage> =
-                    store::messages_after(&tx, &req.session_id, 0)?.into_iter().map(|s| s.message).collect();
+                    store::messages_after(&tx, &req.session_id, covered)?.into_iter().map(|s| s.message).collect();
                 let cut = turns::keep_last_turns(&all, keep);
                 let mut out = Vec::new();
                 for m in &all[..cut] {

@@ -161,6 +161,23 @@ pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusql
     rows.collect()
 }
 
+/// What the engine holds of a session: how many messages (seqs are dense
+/// from 1) and the newest one's id and seq.
+pub fn held(c: &Connection, session_id: &str) -> rusqlite::Result<(u64, Option<(String, i64)>)> {
+    let last: Option<(i64, String)> = c
+        .prepare_cached("SELECT seq, id FROM messages WHERE session_id = ?1 ORDER BY seq DESC LIMIT 1")?
+        .query_row([session_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()?;
+    Ok(last.map_or((0, None), |(seq, id)| (seq as u64, Some((id, seq)))))
+}
+
+pub fn has_message(c: &Connection, session_id: &str, id: &str) -> rusqlite::Result<bool> {
+    c.prepare_cached("SELECT 1 FROM messages WHERE session_id = ?1 AND id = ?2")?
+        .query_row([session_id, id], |_| Ok(()))
+        .optional()
+        .map(|r| r.is_some())
+}
+
 pub fn summary(c: &Connection, session_id: &str) -> rusqlite::Result<Summary> {
     c.query_row("SELECT summary, covered_seq, first_kept_id FROM summaries WHERE session_id = ?1", [session_id], |r| {
         Ok(Summary { text: r.get(0)?, covered_seq: r.get(1)?, first_kept_id: r.get(2)? })

@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 
+use ctxgate_engine_sdk::estimate;
 use ctxgate_engine_sdk::pb::{AgentMessage, Role, content_part::Part};
 
 /// Indices where a turn starts: every user message (and index 0).
@@ -30,6 +31,30 @@ pub fn safe_cut(messages: &[AgentMessage], mut cut: usize) -> usize {
         cut += 1;
     }
     cut
+}
+
+/// The newest whole turns of `messages` that fit `budget` tokens (the
+/// newest turn always stays), never splitting a tool call from its result.
+/// Linear: token counts are summed once from the end.
+pub fn fit_turns(mut messages: Vec<AgentMessage>, budget: u64) -> Vec<AgentMessage> {
+    let tokens: Vec<u64> = messages.iter().map(estimate::message_tokens).collect();
+    let mut suffix = vec![0u64; messages.len() + 1];
+    for i in (0..messages.len()).rev() {
+        suffix[i] = suffix[i + 1] + tokens[i];
+    }
+    let starts = turn_starts(&messages);
+    // The first turn start (oldest first) whose suffix fits; else the newest.
+    let cut =
+        starts.iter().copied().find(|&s| suffix[s] <= budget).unwrap_or_else(|| starts.last().copied().unwrap_or(0));
+    let cut = safe_cut(&messages, cut).min(messages.len());
+    if cut >= messages.len() && !messages.is_empty() {
+        // Never empty: keep the newest turn even when it alone is over.
+        let last = starts.last().copied().unwrap_or(0);
+        messages.drain(..last);
+        return messages;
+    }
+    messages.drain(..cut);
+    messages
 }
 
 /// Drops messages made only of tool results whose call is not before them

@@ -5,6 +5,7 @@
 //! protos stay in the adapters.
 
 mod compact;
+mod history;
 mod lease;
 mod managed;
 mod outbox;

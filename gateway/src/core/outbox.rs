@@ -17,6 +17,19 @@ fn retry_after(attempts: u32) -> Duration {
     FIRST_RETRY.saturating_mul(1 << attempts.saturating_sub(1).min(16)).min(MAX_RETRY)
 }
 
+/// A delivered commit's messages for the engine's cursor (a no-op in the
+/// store for engines without one).
+fn advance(engine_id: &str, req: &pb::CommitTurnRequest) -> Option<crate::store::Advance> {
+    let (last, terminal) = (req.messages.last()?, req.terminal.as_ref()?);
+    Some(crate::store::Advance {
+        engine_id: engine_id.into(),
+        last_message_id: last.id.clone(),
+        seq: terminal.raw_seq,
+        messages: req.messages.len() as u64,
+        tokens: estimate::messages_tokens(&req.messages),
+    })
+}
+
 /// What still waits after a drain of one (session, engine) queue.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Backlog {
@@ -143,7 +156,7 @@ impl Core {
             }
             let key = &p.request.advancement_key;
             match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
-                Ok(_) => self.store.complete_commit(session_id, key).await?,
+                Ok(_) => self.store.complete_commit(session_id, key, advance(engine_id, &p.request)).await?,
                 Err(e @ EngineCallError::Refused { .. }) => {
                     let attempts = p.attempts + 1;
                     let error = e.to_string();

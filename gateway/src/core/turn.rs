@@ -77,8 +77,13 @@ pub struct Turn {
     /// appends: reading the branch costs as much as an assemble, so it is
     /// read once per turn and again only after a compaction changed it.
     history: Option<Vec<AgentMessage>>,
+    /// For a DELTA engine, the cursor `history` follows (what the engine
+    /// holds before it); `None`: `history` is the whole visible history.
+    base: Option<pb::HistoryCursor>,
     overflow_compactions: u32,
     proactive_done: bool,
+    /// A history gap was resynced in this turn (at most once).
+    resynced: bool,
     /// Why the runtime is degraded (RuntimeSettings.diagnostics).
     degraded: Option<pb::ReasonCode>,
     started: std::time::Instant,
@@ -145,8 +150,10 @@ impl Core {
             answered: HashSet::new(),
             contexts: 0,
             history: None,
+            base: None,
             overflow_compactions: 0,
             proactive_done: false,
+            resynced: false,
             degraded: None,
             started: std::time::Instant::now(),
             span: span.clone(),
@@ -199,7 +206,7 @@ impl Turn {
 
         // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
         // Engines that own compaction are judged by what they assemble.
-        let tokens = estimate::messages_tokens(self.history().await?);
+        let tokens = self.history_tokens().await?;
         if !self.lease.info.owns_compaction && tokens >= self.threshold() {
             self.proactive_done = true;
             if let Err(f) = self.recover(Trigger::Proactive).await {
@@ -273,7 +280,7 @@ impl Turn {
                 return Err(self.aborted());
             }
             let rendered = self.history().await?.to_vec();
-            let pre_assembly_tokens = estimate::messages_tokens(&rendered);
+            let pre_assembly_tokens = self.history_tokens().await?;
             let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
             let request = pb::AssembleRequest {
                 session_id: self.session.session_id.clone(),
@@ -291,6 +298,7 @@ impl Turn {
                     pre_assembly_tokens,
                 )),
                 host: grant.as_ref().map(|g| g.access.clone()),
+                cursor: self.base.clone(),
                 ..Default::default()
             };
             let assembled = self.lease.engine.assemble(request, &self.call).await;
@@ -298,6 +306,13 @@ impl Turn {
             let assembled = match assembled {
                 Ok(a) => a,
                 Err(EngineCallError::Cancelled) => return Err(self.aborted()),
+                // The engine lost what the cursor says it holds: resync
+                // once (the next history read), then assemble again.
+                Err(EngineCallError::HistoryGap { .. }) if !std::mem::replace(&mut self.resynced, true) => {
+                    self.core.drop_cursor(&self.lease, &self.session).await?;
+                    self.history = None;
+                    continue;
+                }
                 Err(e) => {
                     return Err(StepError::Failed(Failure::new(
                         FailureReason::EngineError,
@@ -469,13 +484,55 @@ impl Turn {
         }
     }
 
-    /// The visible history now: remembered, or read when a compaction
-    /// changed the branch since.
+    /// The visible history now (for a DELTA engine, what follows its
+    /// cursor): remembered, or read when a compaction changed the branch.
     async fn history(&mut self) -> Result<&[AgentMessage], CoreError> {
         if self.history.is_none() {
-            self.history = Some(self.core.visible(&self.session.session_id).await?.render());
+            let h = if self.lease.remote && crate::engines::delta(&self.lease.info) {
+                self.delta_history().await?
+            } else {
+                self.base = None;
+                self.core.visible(&self.session.session_id).await?.render()
+            };
+            self.history = Some(h);
         }
         Ok(self.history.as_deref().unwrap_or_default())
+    }
+
+    /// Tokens of the whole visible history, the engine's share included.
+    async fn history_tokens(&mut self) -> Result<u64, CoreError> {
+        let own = estimate::messages_tokens(self.history().await?);
+        Ok(self.base.as_ref().map_or(0, |b| b.tokens) + own)
+    }
+
+    /// What follows the DELTA engine's cursor, resyncing it first when it
+    /// is missing or no longer on the branch; the whole visible history if
+    /// the engine failed meanwhile (legacy answers then).
+    async fn delta_history(&mut self) -> Result<Vec<AgentMessage>, CoreError> {
+        let (core, sid) = (self.core.clone(), self.session.session_id.clone());
+        let mut cursor = core.store.cursor(&sid, &self.lease.key).await?;
+        for _ in 0..2 {
+            if let Some(c) = &cursor
+                && let Some(after) = core.store.branch_after(&sid, c).await?
+                // A host compaction since the cursor changed what is visible.
+                && after.iter().all(|e| matches!(e.entry, Some(Entry::Message(_))))
+            {
+                self.base = Some(c.clone());
+                return Ok(after
+                    .into_iter()
+                    .filter_map(|e| match e.entry {
+                        Some(Entry::Message(m)) => Some(m),
+                        _ => None,
+                    })
+                    .collect());
+            }
+            cursor = core.resync(&self.lease, &self.session, self.admitted[0].seq, &self.call).await?;
+            if cursor.is_none() {
+                break;
+            }
+        }
+        self.base = None;
+        Ok(core.visible(&sid).await?.render())
     }
 
     /// Compaction inside the turn (force, target=budget) after `trigger`
@@ -587,7 +644,8 @@ impl Turn {
         let mut history = self.history.take().unwrap_or_default();
         // Queued for the durable engine even when legacy served the turn.
         let commit = lease.record.as_deref().map(|engine| {
-            let position = self.position_in(&history);
+            let held = self.base.as_ref().map_or(0, |b| b.message_count as usize);
+            let position = held + self.position_in(&history);
             core.commit_draft(engine, &session, &self.turn_id, &self.admitted[0], position as u64)
         });
         let entries =
@@ -640,8 +698,9 @@ impl Turn {
         let pre_prompt = self.position_in(&history);
         let new_messages: Vec<AgentMessage> = history[pre_prompt..].to_vec();
         let grant = core.grant(lease, session, None, None);
-        let tokens = estimate::messages_tokens(&history);
+        let tokens = self.base.as_ref().map_or(0, |b| b.tokens) + estimate::messages_tokens(&history);
         let after = pb::AfterTurnRequest {
+            cursor: self.base.clone(),
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),
             session_target: Some(target(session)),
@@ -656,7 +715,14 @@ impl Turn {
         };
         let warn = |e: EngineCallError| self.emit(TurnEvent::Warning(format!("after-turn failed: {e}")));
         match lease.engine.after_turn(after, &self.call).await {
-            Ok(_) => return true,
+            Ok(_) => {
+                if let Some(base) = &self.base
+                    && let Err(e) = core.advance_cursor(lease, session, base).await
+                {
+                    tracing::warn!(error = %e, "advancing the engine's cursor failed; the next turn resyncs");
+                }
+                return true;
+            }
             Err(EngineCallError::Cancelled) => {}
             // Without after-turn, the engine learns the turn through Ingest.
             Err(EngineCallError::Unimplemented(_)) => {

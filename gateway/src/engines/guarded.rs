@@ -274,6 +274,12 @@ impl Guarded {
             }
             // An abort is the caller's doing; UNIMPLEMENTED means "not implemented".
             Err(e @ (EngineCallError::Cancelled | EngineCallError::Unimplemented(_))) => Err(e),
+            // The engine lost its copy of the history: the caller resyncs.
+            Err(e @ EngineCallError::HistoryGap { .. }) => {
+                tracing::info!(engine = %self.remote.id, method, "history gap; resyncing the session");
+                self.metrics.engine_history_gap(&self.remote.id, method);
+                Err(e)
+            }
             // Overload is not breakage: legacy answers this call, nothing
             // is quarantined. A commit has no legacy answer: it stays queued.
             Err(e @ EngineCallError::Overloaded { .. }) => {
@@ -363,6 +369,14 @@ impl Engine for Guarded {
     async fn ingest(&self, req: pb::IngestRequest, call: &Call) -> R<pb::IngestResult> {
         let n = req.encoded_len();
         self.guard("Ingest", false, n, self.remote.ingest(req.clone(), call), self.legacy.ingest(req, call)).await
+    }
+
+    async fn ingest_batch(&self, req: pb::IngestBatchRequest, call: &Call) -> R<pb::IngestBatchResult> {
+        let n = req.encoded_len();
+        self.guard("IngestBatch", true, n, self.remote.ingest_batch(req, call), async {
+            Err(EngineCallError::Quarantined)
+        })
+        .await
     }
 
     async fn assemble(&self, req: pb::AssembleRequest, call: &Call) -> R<pb::AssembleResult> {

@@ -77,6 +77,14 @@ impl Engine for Legacy {
         Ok(pb::IngestResult { ingested: false })
     }
 
+    async fn ingest_batch(
+        &self,
+        _req: pb::IngestBatchRequest,
+        _call: &Call,
+    ) -> Result<pb::IngestBatchResult, EngineCallError> {
+        Ok(pb::IngestBatchResult { ingested_count: 0 })
+    }
+
     async fn assemble(&self, req: pb::AssembleRequest, _call: &Call) -> Result<pb::AssembleResult, EngineCallError> {
         let mut messages = sanitise(req.messages);
         let over = messages.len().saturating_sub(ctxgate_proto::limits::MAX_MESSAGES);

@@ -62,6 +62,10 @@ pub enum EngineCallError {
     /// an error status that is about that call, not a broken engine (any
     /// code but UNAVAILABLE, UNKNOWN, CANCELLED and DEADLINE_EXCEEDED): the
     /// row waits with backoff and blocks only its session. Never quarantines.
+    /// A DELTA engine does not hold its cursor (state lost, another
+    /// replica): the caller resyncs it and repeats. Never quarantines.
+    #[error("the engine reported a history gap in {method}")]
+    HistoryGap { method: &'static str, held: Option<pb::HistoryCursor> },
     #[error("the engine refused {method}: {code:?}: {detail}")]
     Refused { method: &'static str, code: tonic::Code, detail: String },
     /// Overload, not breakage: over the gateway's cap on the engine's calls
@@ -81,6 +85,7 @@ impl EngineCallError {
             Self::ContractViolation { .. } => tonic::Code::Internal,
             Self::Failed { code, .. } | Self::Refused { code, .. } => *code,
             Self::Quarantined => tonic::Code::Unavailable,
+            Self::HistoryGap { .. } => tonic::Code::FailedPrecondition,
             Self::Overloaded { .. } => tonic::Code::ResourceExhausted,
         }
     }
@@ -106,6 +111,9 @@ pub trait Engine: Send + Sync + 'static {
     fn info(&self) -> pb::EngineInfo;
     async fn bootstrap(&self, req: pb::BootstrapRequest, call: &Call) -> R<pb::BootstrapResult>;
     async fn ingest(&self, req: pb::IngestRequest, call: &Call) -> R<pb::IngestResult>;
+    /// A DELTA engine's resync. Never answered by a fallback: the caller
+    /// must know whether the engine holds the history.
+    async fn ingest_batch(&self, req: pb::IngestBatchRequest, call: &Call) -> R<pb::IngestBatchResult>;
     async fn assemble(&self, req: pb::AssembleRequest, call: &Call) -> R<pb::AssembleResult>;
     async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply>;
     async fn after_turn(&self, req: pb::AfterTurnRequest, call: &Call) -> R<pb::AfterTurnResult>;
@@ -137,6 +145,11 @@ pub fn durable(info: &pb::EngineInfo) -> bool {
     sem.current_turn_fence == pb::CurrentTurnFence::BeforeCurrentTurnEntryV1 as i32
         && sem.turn_advancement_idempotency == pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32
         && info.implemented_methods.iter().any(|m| m == "CommitTurn")
+}
+
+/// Whether Assemble carries only what follows the engine's cursor.
+pub fn delta(info: &pb::EngineInfo) -> bool {
+    info.history_delivery == pb::HistoryDelivery::Delta as i32
 }
 
 /// Checks `info`'s requirements for `operation` against a host; the error

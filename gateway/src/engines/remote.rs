@@ -48,6 +48,10 @@ fn camel(method: &str) -> String {
 /// A status as the call's failure. tonic reports its own expired timeout as
 /// CANCELLED "Timeout expired": that is a deadline, not an abort.
 fn failure(method: &'static str, s: Status, timeout: Duration) -> EngineCallError {
+    // Typed, never guessed from the text.
+    if let Some(gap) = ctxgate_proto::history::gap_of(&s) {
+        return EngineCallError::HistoryGap { method, held: gap.held };
+    }
     match s.code() {
         Code::DeadlineExceeded => EngineCallError::DeadlineExceeded { method, after: timeout },
         Code::Cancelled if s.message() == "Timeout expired" => {
@@ -217,6 +221,7 @@ impl Remote {
         ok
     );
     unary!(ingest, ingest, "Ingest", pb::IngestRequest, pb::IngestResult, [session_key], ok);
+    unary!(ingest_batch, ingest_batch, "IngestBatch", pb::IngestBatchRequest, pb::IngestBatchResult, [session_key], ok);
     unary!(
         after_turn,
         after_turn,

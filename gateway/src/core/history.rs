@@ -1,0 +1,107 @@
+//! DELTA history delivery: an engine that keeps the session's history itself
+//! gets only what follows its cursor. Without a usable cursor (first
+//! contact, a reported gap, a rewrite or a host compaction since) the
+//! session's history before the current turn is delivered with IngestBatch
+//! and the cursor set after it.
+
+use super::*;
+
+/// One IngestBatch of a resync carries at most this many messages and bytes
+/// (the contract allows 20,000 messages and 16 MiB a request).
+const RESYNC_MESSAGES: usize = 1_000;
+const RESYNC_BYTES: usize = 4 * 1024 * 1024;
+
+impl Core {
+    /// Delivers the visible history before transcript seq `before_seq` to
+    /// the lease's engine and records the cursor it then holds. `None`: the
+    /// engine failed on the way (it is quarantined now; legacy serves).
+    pub(super) async fn resync(
+        &self,
+        lease: &Lease,
+        session: &Session,
+        before_seq: u64,
+        call: &Call,
+    ) -> Result<Option<pb::HistoryCursor>, CoreError> {
+        let tail = self.store.visible_tail(&session.session_id).await?;
+        let entries: Vec<pb::TranscriptEntry> =
+            transcript::visible_entries(&tail).into_iter().filter(|e| e.seq < before_seq).collect();
+        let messages = transcript::visible(&entries).render();
+        // The cursor names the last entry before the turn: a message by its
+        // id, a summary by its compaction entry's.
+        let cursor = match entries.last() {
+            None => pb::HistoryCursor::default(),
+            Some(last) => pb::HistoryCursor {
+                message_id: match &last.entry {
+                    Some(Entry::Message(m)) => m.id.clone(),
+                    _ => last.id.clone(),
+                },
+                seq: last.seq,
+                message_count: messages.len() as u64,
+                tokens: estimate::messages_tokens(&messages),
+            },
+        };
+        let mut chunk: Vec<AgentMessage> = Vec::new();
+        let mut bytes = 0;
+        let mut rest = messages.into_iter().peekable();
+        while rest.peek().is_some() || !chunk.is_empty() {
+            if let Some(m) = rest.next_if(|m| {
+                chunk.is_empty()
+                    || (chunk.len() < RESYNC_MESSAGES && bytes + prost::Message::encoded_len(m) <= RESYNC_BYTES)
+            }) {
+                bytes += prost::Message::encoded_len(&m);
+                chunk.push(m);
+                continue;
+            }
+            let req = pb::IngestBatchRequest {
+                session_id: session.session_id.clone(),
+                session_key: Some(session.session_key.clone()),
+                messages: std::mem::take(&mut chunk),
+                is_heartbeat: false,
+            };
+            bytes = 0;
+            match lease.engine.ingest_batch(req, call).await {
+                Ok(_) => {}
+                Err(EngineCallError::Cancelled) => return Err(CoreError::Aborted),
+                Err(e) => {
+                    tracing::warn!(session = %session.session_id, error = %e, "resyncing the engine's history failed");
+                    return Ok(None);
+                }
+            }
+        }
+        self.store.set_cursor(&session.session_id, &lease.key, Some(cursor.clone())).await?;
+        Ok(Some(cursor))
+    }
+
+    /// Forgets a DELTA engine's cursor after it reported a gap: the next
+    /// read of the history resyncs.
+    pub(super) async fn drop_cursor(&self, lease: &Lease, session: &Session) -> Result<(), CoreError> {
+        Ok(self.store.set_cursor(&session.session_id, &lease.key, None).await?)
+    }
+
+    /// After a successful AfterTurn of a DELTA engine: the cursor moves over
+    /// what the engine was sent.
+    pub(super) async fn advance_cursor(
+        &self,
+        lease: &Lease,
+        session: &Session,
+        base: &pb::HistoryCursor,
+    ) -> Result<(), CoreError> {
+        let Some(after) = self.store.branch_after(&session.session_id, base).await? else { return Ok(()) };
+        let messages: Vec<&AgentMessage> = after
+            .iter()
+            .filter_map(|e| match &e.entry {
+                Some(Entry::Message(m)) => Some(m),
+                _ => None,
+            })
+            .collect();
+        let Some(last) = after.iter().rev().find(|e| matches!(e.entry, Some(Entry::Message(_)))) else { return Ok(()) };
+        let Some(Entry::Message(m)) = &last.entry else { return Ok(()) };
+        let next = pb::HistoryCursor {
+            message_id: m.id.clone(),
+            seq: last.seq,
+            message_count: base.message_count + messages.len() as u64,
+            tokens: base.tokens + messages.iter().map(|m| estimate::message_tokens(m)).sum::<u64>(),
+        };
+        Ok(self.store.set_cursor(&session.session_id, &lease.key, Some(next)).await?)
+    }
+}
