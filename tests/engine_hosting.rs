@@ -26,8 +26,15 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
     )
     .await
     .unwrap();
+    // A real (local) model behind the host: the engine's summaries go
+    // through Host.LlmComplete with its grant.
+    let fake = FakeOpenAi::start().await;
+    fake.summary_default(Reply::Text(ctxgate_tests::fake_openai::good_summary("module_0.rs")));
     let mut config = hosting("window", &engine.endpoint, &[]);
     config.gateway.metrics_listen = "127.0.0.1:0".into();
+    config.models.provider = ProviderKind::Openai;
+    config.models.base_url = fake.base_url.clone();
+    config.models.model = "gpt-test".into();
     let g = TestGateway::start(config).await;
     attached(&g, "window").await;
     for i in 0..6 {

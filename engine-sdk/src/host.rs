@@ -92,6 +92,10 @@ impl HostClient {
 fn host_error(ctx: &CallContext, operation: &'static str, status: tonic::Status) -> EngineError {
     if ctx.remaining().is_some_and(|left| left.is_zero()) {
         EngineError::DeadlineExceeded
+    } else if status.code() == tonic::Code::Unimplemented {
+        // The host does not offer it (e.g. no model for summaries): the
+        // engine does the work itself.
+        EngineError::Unimplemented(operation)
     } else {
         EngineError::Host { operation, status }
     }

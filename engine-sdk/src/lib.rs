@@ -16,6 +16,7 @@ mod context;
 mod endpoint;
 mod engine;
 mod error;
+pub mod extractive;
 mod host;
 mod server;
 pub mod testkit;

@@ -72,6 +72,12 @@ fn page(
     Ok(chunks)
 }
 
+/// Purposes that ask for a summary (OpenClaw's compaction purposes and
+/// anything naming a summary).
+fn summary_purpose(purpose: &str) -> bool {
+    purpose.contains("compaction") || purpose.contains("summar")
+}
+
 pub struct HostService {
     pub core: Arc<Core>,
 }
@@ -108,6 +114,15 @@ impl Host for HostService {
         }
         if r.purpose.len() > MAX_PURPOSE_BYTES {
             return Err(Status::resource_exhausted(format!("purpose: is limited to {MAX_PURPOSE_BYTES} bytes")));
+        }
+        // The offline model would answer with chat text, which an engine
+        // would store as its summary: summaries are refused with a typed
+        // code instead, and engines summarise locally (the SDK's extractive
+        // summariser is the one the built-in compaction uses).
+        if self.core.model_is_offline() && summary_purpose(&r.purpose) {
+            return Err(Status::unimplemented(
+                "the host's model is offline and writes no summaries: summarise locally",
+            ));
         }
         let mut messages = Vec::with_capacity(r.messages.len());
         for (i, m) in r.messages.iter().enumerate() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ctxgate_proto::estimate;
-use ctxgate_proto::pb::{AgentMessage, Role, Usage, content_part::Part};
+use ctxgate_proto::pb::{AgentMessage, Role, Usage};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -70,19 +70,7 @@ pub fn from_config(m: &ModelsSection) -> Result<Arc<dyn ModelProvider>, String> 
 
 /// The plain text of a message, tool traffic rendered inline (the managed
 /// driver defines no tools, so tool turns travel as text).
-pub fn message_text(m: &AgentMessage) -> String {
-    m.content
-        .iter()
-        .filter_map(|p| match &p.part {
-            Some(Part::Text(t)) => Some(t.clone()),
-            Some(Part::ToolCall(c)) => Some(format!("[tool call {} {}({})]", c.id, c.name, c.arguments_json)),
-            Some(Part::ToolResult(r)) => Some(format!("[tool result for {}]\n{}", r.tool_call_id, r.text)),
-            Some(Part::Image(i)) => Some(format!("[image {}]", i.uri)),
-            Some(Part::Thinking(_)) | None => None,
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
-}
+pub use ctxgate_engine_sdk::extractive::message_text;
 
 // ---------------------------------------------------------------------------
 

@@ -1,17 +1,11 @@
 //! Summaries: from the host's model when the grant allows it, else from a
 //! deterministic extractive summariser (same input, same summary).
 
-use std::collections::BTreeSet;
-
-use ctxgate_engine_sdk::pb::{self, AgentMessage, Role, content_part::Part};
+use ctxgate_engine_sdk::pb::{self, AgentMessage};
 use ctxgate_engine_sdk::{CallContext, EngineError, LLM_COMPLETE};
 
 /// Longest summary kept; older lines go first when over it.
 pub const MAX_SUMMARY_CHARS: usize = 12_000;
-const SNIPPET_CHARS: usize = 240;
-/// Tool output is bulky and mostly re-readable: keep less of it.
-const TOOL_SNIPPET_CHARS: usize = 120;
-const HEADER: &str = "Summary of the earlier conversation (window engine)";
 
 /// Where a summary came from (reported in CompactResult.details_json).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +44,8 @@ pub async fn fold(
             Ok(r) if !r.text.trim().is_empty() => return Ok((cap(r.text.trim().to_owned()), Source::Llm)),
             Ok(_) => tracing::warn!("host model returned an empty summary; using the extractive one"),
             Err(e @ (EngineError::Cancelled | EngineError::DeadlineExceeded)) => return Err(e),
+            // The host has no model for summaries (offline): summarise here.
+            Err(EngineError::Unimplemented(_)) => {}
             Err(e) => tracing::warn!(error = %e, "host model failed; using the extractive summary"),
         }
     }
@@ -71,34 +67,12 @@ fn prompt(previous: &str, chunk: &[AgentMessage], instructions: Option<&str>) ->
     p
 }
 
-/// The deterministic summary: the previous summary's lines, one line per
-/// new message (role and the start of its text), and every identifier seen.
+/// The deterministic summary, shared with the gateway's built-in
+/// compaction: the five safeguard headings filled from the text, the
+/// previous summary folded in, identifiers kept.
 pub fn extractive(previous: &str, chunk: &[AgentMessage]) -> String {
-    let (mut lines, mut idents) = parse_previous(previous);
-    for m in chunk {
-        let t = text(m);
-        idents.extend(identifiers(&t));
-        let limit = if m.role == Role::Tool as i32 { TOOL_SNIPPET_CHARS } else { SNIPPET_CHARS };
-        let snippet: String = t.split_whitespace().collect::<Vec<_>>().join(" ").chars().take(limit).collect();
-        if !snippet.is_empty() {
-            lines.push(format!("- {}: {snippet}", role_name(m.role)));
-        }
-    }
-    let render = |lines: &[String]| {
-        let mut s = format!("{HEADER}\n\nConversation:\n{}\n", lines.join("\n"));
-        if !idents.is_empty() {
-            s.push_str(&format!("\nExact identifiers: {}\n", idents.iter().cloned().collect::<Vec<_>>().join(", ")));
-        }
-        s
-    };
-    let mut out = render(&lines);
-    // Over the cap: drop the oldest conversation lines, keep identifiers.
-    let mut skip = 0;
-    while out.chars().count() > MAX_SUMMARY_CHARS && skip < lines.len() {
-        skip += 1;
-        out = render(&lines[skip..]);
-    }
-    cap(out)
+    let previous = Some(previous).filter(|p| !p.trim().is_empty());
+    cap(ctxgate_engine_sdk::extractive::extractive(previous, chunk))
 }
 
 fn cap(s: String) -> String {
@@ -108,64 +82,12 @@ fn cap(s: String) -> String {
     s.chars().take(MAX_SUMMARY_CHARS).collect()
 }
 
-fn parse_previous(previous: &str) -> (Vec<String>, BTreeSet<String>) {
-    let mut lines = Vec::new();
-    let mut idents = BTreeSet::new();
-    for line in previous.lines() {
-        if let Some(list) = line.strip_prefix("Exact identifiers: ") {
-            idents.extend(list.split(", ").map(str::to_owned));
-        } else if line.starts_with("- ") {
-            lines.push(line.to_owned());
-        } else if !line.is_empty() && line != HEADER && line != "Conversation:" {
-            // A model-written summary folded into an extractive one.
-            lines.push(format!("- earlier: {line}"));
-        }
-    }
-    (lines, idents)
+fn role_name(role: i32) -> &'static str {
+    ctxgate_engine_sdk::extractive::role_name(role)
 }
 
-/// Words that look like identifiers: paths, file names, snake_case, ids
-/// with digits. Exact strings an agent must not lose.
-fn identifiers(text: &str) -> impl Iterator<Item = String> + '_ {
-    text.split(|c: char| {
-        c.is_whitespace() || matches!(c, ',' | ';' | '(' | ')' | '"' | '\'' | '`' | '[' | ']' | '{' | '}')
-    })
-    .map(|w| w.trim_end_matches(['.', ':', '!', '?']))
-    .filter(|w| {
-        w.len() >= 3
-            && w.len() <= 120
-            && (w.contains('/')
-                || w.contains('_')
-                || (w.contains('.') && w.chars().any(char::is_alphabetic))
-                || (w.chars().any(|c| c.is_ascii_digit()) && w.chars().any(|c| c.is_ascii_alphabetic())))
-    })
-    .map(str::to_owned)
-}
-
-pub fn role_name(role: i32) -> &'static str {
-    match Role::try_from(role) {
-        Ok(Role::System) => "system",
-        Ok(Role::User) => "user",
-        Ok(Role::Assistant) => "assistant",
-        Ok(Role::Tool) => "tool",
-        _ => "unknown",
-    }
-}
-
-/// The readable text of a message: text parts, tool calls by name, tool
-/// results.
-pub fn text(m: &AgentMessage) -> String {
-    m.content
-        .iter()
-        .filter_map(|p| match &p.part {
-            Some(Part::Text(t)) => Some(t.clone()),
-            Some(Part::ToolCall(c)) => Some(format!("called {}({})", c.name, c.arguments_json)),
-            Some(Part::ToolResult(r)) => Some(format!("result: {}", r.text)),
-            Some(Part::Image(i)) => Some(format!("[image {}]", i.uri)),
-            _ => None,
-        })
-        .collect::<Vec<_>>()
-        .join(" ")
+fn text(m: &AgentMessage) -> String {
+    ctxgate_engine_sdk::extractive::message_text(m)
 }
 
 #[cfg(test)]
@@ -181,7 +103,9 @@ mod tests {
         assert!(s1.contains("src/main.rs") && s1.contains("ABC-123"), "{s1}");
         let s2 = extractive(&s1, &[msg::user("u2", "now run cargo_test")]);
         assert!(s2.contains("src/main.rs") && s2.contains("cargo_test"), "{s2}");
-        assert!(s2.contains("- user: Please edit"), "{s2}");
+        for h in ctxgate_engine_sdk::extractive::HEADINGS {
+            assert!(s2.contains(h), "{h} missing: {s2}");
+        }
     }
 
     #[test]
@@ -189,6 +113,6 @@ mod tests {
         let many: Vec<_> = (0..500).map(|i| msg::user(&format!("u{i}"), &"word ".repeat(100))).collect();
         let s = extractive("", &many);
         assert!(s.chars().count() <= MAX_SUMMARY_CHARS);
-        assert!(s.starts_with(HEADER));
+        assert!(s.starts_with(ctxgate_engine_sdk::extractive::HEADINGS[0]), "{s}");
     }
 }

@@ -278,6 +278,11 @@ impl Core {
         }
     }
 
+    /// The embedded offline model (no real model configured).
+    pub fn model_is_offline(&self) -> bool {
+        self.provider.kind() == ProviderKind::Offline
+    }
+
     pub fn provider_name(&self) -> String {
         format!("{:?}", self.config.models.provider).to_lowercase()
     }

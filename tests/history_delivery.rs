@@ -1,0 +1,131 @@
+//! DELTA history delivery with real engine processes: the window engine
+//! gets only what is new each turn, resyncs through `history_gap` after
+//! losing its state (no quarantine, no failed turn), keeps a summary with
+//! the safeguard headings when the host's model is offline; the Python
+//! engine keeps its state across a restart.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::path::Path;
+
+use ctxgate_engine_sdk::extractive::HEADINGS;
+use ctxgate_tests::hosting::*;
+use ctxgate_tests::{EngineProcess, TestGateway, metrics_text, start_python, start_window};
+
+/// A counter's value in the Prometheus text (0 when absent).
+fn counter(metrics: &str, name: &str, labels: &str) -> u64 {
+    let key = format!("{name}{{{labels}}} ");
+    metrics.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |v| v.trim().parse().unwrap())
+}
+
+async fn sent(g: &TestGateway, engine: &str, method: &str) -> u64 {
+    let m = metrics_text(g.metrics.unwrap()).await;
+    counter(&m, "ctxgate_engine_sent_bytes_total", &format!("engine=\"{engine}\",method=\"{method}\""))
+}
+
+async fn gateway_for(id: &str, engine: &EngineProcess) -> TestGateway {
+    let mut config = hosting(id, &engine.endpoint, &[]);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    let g = TestGateway::start(config).await;
+    attached(&g, id).await;
+    g
+}
+
+fn rows(db: &Path, sql: &str) -> i64 {
+    let c = rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    c.query_row(sql, [], |r| r.get(0)).unwrap()
+}
+
+const FILLER: &str = "context that keeps growing with every turn of this long session ";
+
+#[tokio::test]
+async fn the_window_engine_gets_only_what_is_new_and_resyncs_after_losing_its_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_window(dir.path(), &[]).await;
+    let g = gateway_for("window", &engine).await;
+    let turn = |i: usize| format!("turn {i}: {}", FILLER.repeat(30));
+    let mut per_turn = Vec::new();
+    for i in 0..12 {
+        let before = sent(&g, "window", "Assemble").await;
+        assert!(completed(&run_turn(&g, "long", &turn(i)).await));
+        per_turn.push(sent(&g, "window", "Assemble").await - before);
+    }
+    // A turn's Assemble carries the new user message, not 24 messages of history.
+    let history_bytes = 12 * turn(0).len() as u64;
+    assert!(per_turn[11] < history_bytes / 4, "{per_turn:?} vs a history of {history_bytes} bytes");
+    assert!(per_turn[11] <= per_turn[1] * 2, "flat, not growing with the session: {per_turn:?}");
+
+    // The engine loses everything and comes back at the same address (as a
+    // restarted container or another replica would).
+    let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
+    engine.signal_and_wait("KILL").await.unwrap();
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    let args = ["--listen", addr.as_str(), "--state-dir", dir.path().to_str().unwrap()];
+    let _engine = EngineProcess::start(ctxgate_tests::bin("ctxgate-engine-window"), &args).await.unwrap();
+    attached(&g, "window").await;
+
+    let resynced = run_turn(&g, "long", &turn(12)).await;
+    assert!(completed(&resynced), "{resynced:?}");
+    assert_eq!(selected(&resynced).engine_id, "window", "served by the engine, not legacy");
+    assert!(engine_status(&g, "window").await.quarantine.is_none(), "a gap never quarantines");
+    let m = metrics_text(g.metrics.unwrap()).await;
+    assert_eq!(counter(&m, "ctxgate_engine_history_gaps_total", "engine=\"window\",method=\"Assemble\""), 1, "{m}");
+    let before = sent(&g, "window", "Assemble").await;
+    assert!(completed(&run_turn(&g, "long", &turn(13)).await));
+    let after = sent(&g, "window", "Assemble").await - before;
+    assert!(after < history_bytes / 4, "the next Assemble is a delta again: {after} bytes");
+    // The engine holds the whole session again: the 26 turn messages (the
+    // last turn's reply through its commit).
+    let db = dir.path().join("window.sqlite");
+    assert!(rows(&db, "SELECT COUNT(*) FROM messages") >= 28, "resynced history plus the new turns");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn with_an_offline_host_model_the_window_summary_has_the_safeguard_headings() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_window(dir.path(), &[]).await;
+    let g = gateway_for("window", &engine).await;
+    for i in 0..30 {
+        let text = format!("Step {i}: we decided to keep ticket OPS-{i}00 open; edit src/mod_{i}.rs next.");
+        assert!(completed(&run_turn(&g, "planted", &text).await));
+    }
+    let c = rusqlite::Connection::open_with_flags(
+        dir.path().join("window.sqlite"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let (summary, covered): (String, i64) =
+        c.query_row("SELECT summary, covered_seq FROM summaries", [], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+    assert!(!summary.contains("(offline model)"), "the offline model's chat text is never a summary: {summary}");
+    for h in HEADINGS {
+        assert!(summary.contains(h), "{h} missing:\n{summary}");
+    }
+    assert!(summary.contains("OPS-2000") && summary.contains("src/mod_20.rs"), "recent identifiers:\n{summary}");
+    // Compaction after CommitTurn keeps up: all but the kept turns (4) and
+    // the threshold's slack (4 more) are summarised.
+    assert!(covered >= 60 - 2 * 8, "covered_seq {covered} of 60 messages");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn the_python_engine_keeps_its_state_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_python(dir.path()).await;
+    let g = gateway_for("py", &engine).await;
+    for i in 0..3 {
+        assert!(completed(&run_turn(&g, "kept", &format!("python turn {i}")).await));
+    }
+    engine.signal_and_wait("KILL").await.unwrap();
+    let engine = start_python(dir.path()).await;
+    let mut config = hosting("py", &engine.endpoint, &[]);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    g.reload(config).await;
+    attached(&g, "py").await;
+    let next = run_turn(&g, "kept", "python turn 3").await;
+    assert!(completed(&next), "{next:?}");
+    assert_eq!(selected(&next).engine_id, "py-recency");
+    let m = metrics_text(g.metrics.unwrap()).await;
+    assert_eq!(counter(&m, "ctxgate_engine_history_gaps_total", "engine=\"py\",method=\"Assemble\""), 0, "{m}");
+    g.stop().await;
+}
