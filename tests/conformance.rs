@@ -72,6 +72,9 @@ async fn broken_fixture_fails_the_kit_where_it_is_broken() {
         "malformed.missing_session_id",
         "malformed.unknown_role",
         "malformed.oversized_content",
+        "delta.assembles_from_the_cursor",
+        "delta.unknown_cursor_is_a_history_gap",
+        "delta.resend_after_a_gap_is_accepted",
     ] {
         assert!(failed(name), "{name} should fail against the broken fixture:\n{}", report.to_text());
     }

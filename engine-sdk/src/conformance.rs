@@ -98,6 +98,9 @@ pub const CASES: &[(&str, CaseFn)] = &[
     case!("compact.stream_ends_with_one_terminal_event", compact_stream_shape),
     case!("commit_turn.committed_then_duplicate", commit_turn_idempotent),
     case!("forget_session.forgets_what_it_held", forget_session_forgets),
+    case!("delta.assembles_from_the_cursor", delta_from_cursor),
+    case!("delta.unknown_cursor_is_a_history_gap", delta_gap),
+    case!("delta.resend_after_a_gap_is_accepted", delta_resend),
     case!("subagent.prepare_then_rollback_twice", subagent_rollback),
     case!("cancel.mid_flight_leaves_engine_healthy", cancel_mid_flight),
     case!("deadline.one_ms_leaves_engine_healthy", deadline_one_ms),
@@ -569,6 +572,88 @@ async fn forget_session_forgets(kit: &Kit) -> CaseResult {
         .map_err(|s| format!("Ingest after ForgetSession failed: {}", describe(&s)))?
         .into_inner();
     ensure(again.ingested, || "the message was still held after ForgetSession (ingested=false)".into())?;
+    Ok(Outcome::Pass)
+}
+
+fn delta_engine(kit: &Kit) -> Result<Option<Outcome>, String> {
+    let delta = kit.info()?.history_delivery == pb::HistoryDelivery::Delta as i32;
+    Ok((!delta).then(|| Outcome::Skip("the engine declares FULL history delivery".into())))
+}
+
+/// What a faithful DELTA engine holds after an IngestBatch of `messages`.
+fn cursor_after(messages: &[pb::AgentMessage]) -> pb::HistoryCursor {
+    pb::HistoryCursor {
+        message_id: messages.last().map(|m| m.id.clone()).unwrap_or_default(),
+        seq: messages.len() as u64,
+        message_count: messages.len() as u64,
+        tokens: estimate::messages_tokens(messages),
+    }
+}
+
+async fn ingest_batch(kit: &Kit, session_id: &str, messages: &[pb::AgentMessage]) -> Result<(), String> {
+    let r = pb::IngestBatchRequest {
+        session_id: session_id.into(),
+        session_key: Some(session_id.into()),
+        messages: messages.to_vec(),
+        is_heartbeat: false,
+    };
+    kit.client().ingest_batch(req(r)).await.map_err(|s| format!("IngestBatch failed: {}", describe(&s)))?;
+    Ok(())
+}
+
+/// The held history plus only the new message: the result has all three,
+/// in order.
+async fn delta_from_cursor(kit: &Kit) -> CaseResult {
+    if let Some(skip) = delta_engine(kit)? {
+        return Ok(skip);
+    }
+    let session_id = session("delta");
+    let held = [msg::user("d1", "first, about ticket D-1"), msg::assistant("d2", "noted D-1")];
+    ingest_batch(kit, &session_id, &held).await?;
+    let mut r = assemble_request(&session_id, vec![msg::user("d3", "and now D-3")], None);
+    r.cursor = Some(cursor_after(&held));
+    let out = kit.client().assemble(req(r)).await.map_err(|s| describe(&s))?.into_inner();
+    let ids: Vec<&str> = out.messages.iter().map(|m| m.id.as_str()).filter(|id| id.starts_with('d')).collect();
+    ensure(ids == ["d1", "d2", "d3"], || format!("assembled {ids:?} from the cursor, not [d1, d2, d3]"))?;
+    Ok(Outcome::Pass)
+}
+
+/// A cursor the engine does not hold: FAILED_PRECONDITION with the typed
+/// HistoryGap detail (never INTERNAL, never a guess).
+async fn delta_gap(kit: &Kit) -> CaseResult {
+    if let Some(skip) = delta_engine(kit)? {
+        return Ok(skip);
+    }
+    let session_id = session("gap");
+    let mut r = assemble_request(&session_id, vec![msg::user("g3", "where were we?")], None);
+    r.cursor = Some(pb::HistoryCursor { message_id: "g2".into(), seq: 2, message_count: 2, tokens: 10 });
+    match kit.client().assemble(req(r)).await {
+        Ok(_) => Err("Assemble with a cursor the engine cannot hold answered OK".into()),
+        Err(s) if ctxgate_proto::history::gap_of(&s).is_some() => Ok(Outcome::Pass),
+        Err(s) => Err(format!("expected FAILED_PRECONDITION with a HistoryGap detail, got {}", describe(&s))),
+    }
+}
+
+/// After a gap, the history resent with IngestBatch makes the same cursor
+/// good.
+async fn delta_resend(kit: &Kit) -> CaseResult {
+    if let Some(skip) = delta_engine(kit)? {
+        return Ok(skip);
+    }
+    let session_id = session("resend");
+    let history = [msg::user("r1", "one"), msg::assistant("r2", "two")];
+    let mut r = assemble_request(&session_id, vec![msg::user("r3", "three")], None);
+    r.cursor = Some(cursor_after(&history));
+    let first = kit.client().assemble(req(r.clone())).await;
+    ensure(first.as_ref().err().and_then(ctxgate_proto::history::gap_of).is_some(), || {
+        format!(
+            "a fresh session with a cursor should be a gap, got {:?}",
+            first.map(|_| "OK").map_err(|s| describe(&s))
+        )
+    })?;
+    ingest_batch(kit, &session_id, &history).await?;
+    let out = kit.client().assemble(req(r)).await.map_err(|s| format!("after the resend: {}", describe(&s)))?;
+    ensure(out.into_inner().messages.iter().any(|m| m.id == "r1"), || "the resent history is not assembled".into())?;
     Ok(Outcome::Pass)
 }
 

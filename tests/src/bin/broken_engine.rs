@@ -46,6 +46,8 @@ impl raw::ContextEngine for Broken {
             implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact", "Bootstrap", "CommitTurn"]
                 .map(String::from)
                 .to_vec(),
+            // Claims DELTA, holds nothing, answers no gap.
+            history_delivery: pb::HistoryDelivery::Delta as i32,
             ..Default::default()
         }))
     }
