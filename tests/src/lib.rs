@@ -22,8 +22,10 @@ pub fn repo_root() -> PathBuf {
 /// (`cargo build --workspace --bins` builds them all).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current test executable");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let path = exe.parent().and_then(Path::parent).expect("test binary lives in target/<profile>/deps").join(name);
+    // target/<profile>/deps/<test> or target/<profile>/<bin> -> target/<profile>/<name>
+    let dir = exe.parent().expect("an executable has a directory");
+    let dir = if dir.file_name().is_some_and(|n| n == "deps") { dir.parent().unwrap_or(dir) } else { dir };
+    let path = dir.join(name);
     assert!(path.exists(), "{} is not built: run `cargo build --workspace --bins` first", path.display());
     path
 }
