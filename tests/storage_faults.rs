@@ -70,8 +70,9 @@ async fn a_database_from_a_newer_ctxgate_is_refused() {
     rusqlite::Connection::open(&file).unwrap().pragma_update(None, "user_version", 99).unwrap();
     let err = refused(dir.path()).await;
     let want = format!(
-        "ctxgate: {} was written by a newer ctxgate (schema version 99; this build knows up to 2); upgrade ctxgate",
-        file.display()
+        "ctxgate: {} was written by a newer ctxgate (schema version 99; this build knows up to {}); upgrade ctxgate",
+        file.display(),
+        ctxgate::store::SCHEMA_VERSION
     );
     assert!(err.contains(&want), "{err}");
 }

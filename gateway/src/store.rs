@@ -311,6 +311,8 @@ pub struct RewriteOutcome {
 /// applied. A database from before versioning (version 0) already has the
 /// first one's tables, which it creates only if missing.
 const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2, SCHEMA_V3];
+/// The schema version this build writes (`PRAGMA user_version`).
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
 const SCHEMA_V1: &str = "
 CREATE TABLE IF NOT EXISTS sessions (
@@ -480,7 +482,7 @@ fn open_error(file: &Path, e: &rusqlite::Error) -> OpenError {
 fn migrate(conn: &mut Connection, file: &Path) -> Result<(), OpenError> {
     let fail = |e: rusqlite::Error| open_error(file, &e);
     let found: i64 = conn.pragma_query_value(None, "user_version", |r| r.get(0)).map_err(fail)?;
-    let known = MIGRATIONS.len() as i64;
+    let known = SCHEMA_VERSION;
     if found > known {
         return Err(OpenError::NewerSchema { file: file.display().to_string(), found, known });
     }
@@ -1689,5 +1691,31 @@ mod tests {
         assert!(store.pending_forgets(9).await.unwrap().is_empty());
         store.settle_forget(&id, "e", None).await.unwrap();
         assert!(store.pending_forgets(i64::MAX).await.unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn branch_after_reads_back_to_the_cursor_and_follows_rewrites() {
+        let (_dir, store, s) = fixture().await;
+        let id = s.session_id.clone();
+        let a = store.append(&id, vec![user("one"), user("two"), user("three")]).await.unwrap();
+        let at = |e: &pb::TranscriptEntry| pb::HistoryCursor {
+            message_id: e.id.clone(),
+            seq: e.seq,
+            message_count: 0,
+            tokens: 0,
+        };
+        let ids = |v: Vec<pb::TranscriptEntry>| v.into_iter().map(|e| e.id).collect::<Vec<_>>();
+        let after = store.branch_after(&id, &at(&a[1])).await.unwrap().unwrap();
+        assert_eq!(ids(after), [a[2].id.clone()]);
+        assert_eq!(store.branch_after(&id, &pb::HistoryCursor::default()).await.unwrap().unwrap().len(), 3);
+        let unknown = pb::HistoryCursor { message_id: "gone".into(), seq: 2, ..Default::default() };
+        assert!(store.branch_after(&id, &unknown).await.unwrap().is_none(), "not on the branch");
+        // A rewrite of "one" copies the branch under new ids; "two" keeps its message id.
+        let Some(Entry::Message(mut small)) = a[0].entry.clone() else { unreachable!() };
+        small.content = user("1").entry_message().content;
+        assert!(store.rewrite(&id, vec![(a[0].id.clone(), small)]).await.unwrap().changed);
+        let after = store.branch_after(&id, &at(&a[1])).await.unwrap().expect("followed through the copy");
+        assert_eq!(after.len(), 1);
+        assert!(matches!(&after[0].entry, Some(Entry::Message(m)) if m.id == a[2].id));
     }
 }

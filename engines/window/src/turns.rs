@@ -87,6 +87,16 @@ mod tests {
     use super::*;
     use ctxgate_engine_sdk::testkit::msg;
 
+    #[test]
+    fn fit_turns_keeps_the_newest_whole_turns_within_the_budget() {
+        let ids = |v: Vec<AgentMessage>| v.into_iter().map(|m| m.id).collect::<Vec<_>>();
+        let all: u64 = convo().iter().map(estimate::message_tokens).sum();
+        assert_eq!(ids(fit_turns(convo(), all)).len(), 7, "everything fits");
+        let last_two: u64 = convo()[4..].iter().map(estimate::message_tokens).sum();
+        assert_eq!(ids(fit_turns(convo(), last_two)), ["u2", "a2", "u3"]);
+        assert_eq!(ids(fit_turns(convo(), 0)), ["u3"], "the newest turn always stays");
+    }
+
     fn convo() -> Vec<AgentMessage> {
         vec![
             msg::user("u1", "a"),

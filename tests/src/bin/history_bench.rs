@@ -38,7 +38,7 @@ fn text(i: usize) -> String {
 }
 
 fn message(i: usize) -> pb::AgentMessage {
-    let role = if i % 2 == 0 { pb::Role::User } else { pb::Role::Assistant };
+    let role = if i.is_multiple_of(2) { pb::Role::User } else { pb::Role::Assistant };
     pb::AgentMessage {
         role: role as i32,
         content: vec![pb::ContentPart { part: Some(pb::content_part::Part::Text(text(i))) }],
