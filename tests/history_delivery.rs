@@ -129,3 +129,40 @@ async fn the_python_engine_keeps_its_state_across_a_restart() {
     assert_eq!(counter(&m, "ctxgate_engine_history_gaps_total", "engine=\"py\",method=\"Assemble\""), 0, "{m}");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_resync_after_maintenance_rewrites_delivers_the_rewritten_messages_too() {
+    use ctxgate_proto::gateway::TurnOutcome;
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{Drive, begin, client, text, tool_call, tool_result};
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_window(dir.path(), &["--keep-turns", "2", "--max-tool-result-bytes", "1000"]).await;
+    let g = gateway_for("window", &engine).await;
+    let hc = client(&g.endpoint);
+    // Tool turns with big results: once older than the kept turns, the
+    // engine's Maintain elides them, i.e. the gateway rewrites the branch.
+    for i in 0..6 {
+        let mut d = Drive::open(&hc, begin("tools", &format!("read part {i}"))).await.unwrap();
+        d.context().await.unwrap();
+        let call = format!("c{i}");
+        d.append(vec![tool_call(&call, "read_file", "{}")]).await.unwrap();
+        d.append(vec![tool_result(&call, "read_file", &"x".repeat(4_000))]).await.unwrap();
+        d.append(vec![text(Role::Assistant, &format!("part {i} read"))]).await.unwrap();
+        d.end(TurnOutcome::Accepted).await.unwrap();
+    }
+    let texts = messages(&g, "tools").await;
+    assert!(texts.iter().any(|t| t.contains("elided by the window engine")), "a rewrite happened: {texts:?}");
+
+    let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
+    engine.signal_and_wait("KILL").await.unwrap();
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    let args = ["--listen", addr.as_str(), "--state-dir", dir.path().to_str().unwrap()];
+    let _engine = EngineProcess::start(ctxgate_tests::bin("ctxgate-engine-window"), &args).await.unwrap();
+    attached(&g, "window").await;
+    assert!(completed(&run_turn(&g, "tools", "what did we read?").await));
+    // Everything visible before that turn, rewritten copies included, went
+    // back to the engine; then that turn's own commit.
+    let db = dir.path().join("window.sqlite");
+    assert_eq!(rows(&db, "SELECT COUNT(*) FROM messages") as usize, messages(&g, "tools").await.len());
+    g.stop().await;
+}

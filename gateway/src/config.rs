@@ -233,7 +233,7 @@ impl Default for EngineEntry {
 }
 
 /// RPC names (camelCase) a timeout may name.
-pub const TIMEOUT_KEYS: [&str; 14] = [
+pub const TIMEOUT_KEYS: [&str; 15] = [
     "default",
     "getInfo",
     "bootstrap",
@@ -248,6 +248,7 @@ pub const TIMEOUT_KEYS: [&str; 14] = [
     "rollbackSubagentSpawn",
     "onSubagentEnded",
     "dispose",
+    "forgetSession",
 ];
 
 /// Default per-call timeout for engine methods other than compact.

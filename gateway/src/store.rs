@@ -147,9 +147,10 @@ pub trait Store: Send + Sync + 'static {
     ) -> Result<bool, StoreError>;
     /// The session's queued commits for one engine, oldest first.
     async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError>;
-    /// (session, engine) pairs with a commit due at `now_ms`, the
-    /// longest-waiting first.
-    async fn due_commits(&self, now_ms: i64) -> Result<Vec<(String, String)>, StoreError>;
+    /// (session, engine) pairs with a commit due at `now_ms` for one of
+    /// `engines` (those in service: rows for others never crowd them out),
+    /// the longest-waiting first.
+    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError>;
     /// Removes a delivered commit and, in the same transaction, moves the
     /// engine's cursor (if it has one) over the commit's messages.
     async fn complete_commit(
@@ -199,8 +200,8 @@ pub trait Store: Send + Sync + 'static {
     /// Notes that an engine has seen a session (it is told to forget it
     /// when the session is deleted).
     async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError>;
-    /// ForgetSession calls still owed to engines for deleted sessions.
-    async fn pending_forgets(&self, now_ms: i64) -> Result<Vec<Forget>, StoreError>;
+    /// ForgetSession calls due at `now_ms` to one of `engines`.
+    async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError>;
     /// Removes a delivered forget, or (`retry_at`) records a failed one.
     async fn settle_forget(
         &self,
@@ -738,6 +739,15 @@ fn recover_open_turns(conn: &mut Connection) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// `?N, ?N+1, …` for `n` values starting at `?first` (`NULL` for none, which
+/// matches nothing in `IN (…)`).
+fn placeholders(n: usize, first: usize) -> String {
+    if n == 0 {
+        return "NULL".into();
+    }
+    (first..first + n).map(|i| format!("?{i}")).collect::<Vec<_>>().join(", ")
+}
+
 /// Queued commits with their sessions matching `filter` (over `o`, the
 /// outbox, and `s`, the session), oldest first.
 fn query_outbox(
@@ -866,7 +876,10 @@ impl Store for SqliteStore {
     async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
         self.run(move |c| {
-            let mut stmt = c.prepare("SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2")?;
+            // Ordered: callers lock them in this order.
+            let mut stmt = c.prepare(
+                "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2 ORDER BY session_id",
+            )?;
             let rows = stmt.query_map(params![agent, key], |r| r.get(0))?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
         })
@@ -995,15 +1008,18 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn due_commits(&self, now_ms: i64) -> Result<Vec<(String, String)>, StoreError> {
+    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError> {
+        let engines = engines.to_vec();
         self.run(move |c| {
             // A pair is due when its oldest row is: later rows wait behind it.
-            let mut stmt = c.prepare_cached(
+            let mut stmt = c.prepare_cached(&format!(
                 "SELECT session_id, engine_id FROM outbox o WHERE rowid =
                    (SELECT MIN(rowid) FROM outbox f WHERE f.session_id = o.session_id AND f.engine_id = o.engine_id)
-                 AND next_attempt_ms <= ?1 ORDER BY rowid LIMIT 1024",
-            )?;
-            let rows = stmt.query_map([now_ms], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                 AND next_attempt_ms <= ?1 AND engine_id IN ({}) ORDER BY rowid LIMIT 1024",
+                placeholders(engines.len(), 2)
+            ))?;
+            let args = std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
+            let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| Ok((r.get(0)?, r.get(1)?)))?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
         })
         .await
@@ -1212,13 +1228,16 @@ impl Store for SqliteStore {
         .await
     }
 
-    async fn pending_forgets(&self, now_ms: i64) -> Result<Vec<Forget>, StoreError> {
+    async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError> {
+        let engines = engines.to_vec();
         self.run(move |c| {
-            let mut stmt = c.prepare_cached(
+            let mut stmt = c.prepare_cached(&format!(
                 "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
-                 WHERE next_attempt_ms <= ?1 ORDER BY rowid LIMIT 256",
-            )?;
-            let rows = stmt.query_map([now_ms], |r| {
+                 WHERE next_attempt_ms <= ?1 AND engine_id IN ({}) ORDER BY rowid LIMIT 256",
+                placeholders(engines.len(), 2)
+            ))?;
+            let args = std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
+            let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
                 Ok(Forget {
                     session_id: r.get(0)?,
                     engine_id: r.get(1)?,
@@ -1666,16 +1685,19 @@ mod tests {
             let accept = TurnClose::Accept { entries: vec![], commit: Some(draft(key)) };
             store.close_turn(&id, accept).await.unwrap();
         }
-        assert_eq!(store.due_commits(0).await.unwrap(), [(id.clone(), "e".to_owned())]);
+        assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap(), [(id.clone(), "e".to_owned())]);
         store.refuse_commit(&id, "t1", "poison", 5_000).await.unwrap();
-        assert!(store.due_commits(4_999).await.unwrap().is_empty(), "the oldest row waits out its backoff");
-        assert_eq!(store.due_commits(5_000).await.unwrap().len(), 1);
+        assert!(
+            store.due_commits(4_999, &["e".to_owned()]).await.unwrap().is_empty(),
+            "the oldest row waits out its backoff"
+        );
+        assert_eq!(store.due_commits(5_000, &["e".to_owned()]).await.unwrap().len(), 1);
         assert_eq!(store.outbox_counts().await.unwrap(), (2, 1));
         let rows = store.outbox_of_key("main", "k").await.unwrap();
         assert_eq!((rows[0].attempts, rows[0].last_error.as_deref()), (1, Some("poison")));
 
         store.retry_outbox("main", "k").await.unwrap();
-        assert_eq!(store.due_commits(0).await.unwrap().len(), 1, "retry makes it due now");
+        assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap().len(), 1, "retry makes it due now");
         let dropped = store.drop_outbox("main", "k").await.unwrap();
         assert_eq!(dropped.len(), 2);
         let audited: i64 =
@@ -1684,13 +1706,13 @@ mod tests {
         assert_eq!(store.branch(&id).await.unwrap().len(), 2, "a drop leaves the transcript alone");
 
         store.delete_sessions("main", "k").await.unwrap();
-        let forgets = store.pending_forgets(0).await.unwrap();
+        let forgets = store.pending_forgets(0, &["e".to_owned()]).await.unwrap();
         assert_eq!(forgets.len(), 1, "the engine that served the session is owed a forget");
         assert_eq!((forgets[0].session_id.as_str(), forgets[0].engine_id.as_str()), (id.as_str(), "e"));
         store.settle_forget(&id, "e", Some((10, "down"))).await.unwrap();
-        assert!(store.pending_forgets(9).await.unwrap().is_empty());
+        assert!(store.pending_forgets(9, &["e".to_owned()]).await.unwrap().is_empty());
         store.settle_forget(&id, "e", None).await.unwrap();
-        assert!(store.pending_forgets(i64::MAX).await.unwrap().is_empty());
+        assert!(store.pending_forgets(i64::MAX, &["e".to_owned()]).await.unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -37,6 +37,20 @@ fn messages_of(entries: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
         .collect()
 }
 
+/// A summary as the user message a model is shown (its id is the
+/// compaction entry's).
+fn summary_message(id: &str, c: &CompactionEntry) -> AgentMessage {
+    AgentMessage {
+        id: id.to_owned(),
+        role: pb::Role::User as i32,
+        content: vec![pb::ContentPart {
+            part: Some(pb::content_part::Part::Text(format!("{SUMMARY_PREFIX}{}", c.summary))),
+        }],
+        metadata: [("ctxgate.kind".to_owned(), "compaction-summary".to_owned())].into(),
+        ..Default::default()
+    }
+}
+
 /// The prefix the gateway puts before a summary when it shows it to a model.
 pub const SUMMARY_PREFIX: &str = "[Summary of the earlier conversation]\n";
 
@@ -46,15 +60,7 @@ impl Visible {
     pub fn render(&self) -> Vec<AgentMessage> {
         let mut out = Vec::with_capacity(self.messages.len() + 1);
         if let Some((id, c)) = &self.summary {
-            out.push(AgentMessage {
-                id: id.clone(),
-                role: pb::Role::User as i32,
-                content: vec![pb::ContentPart {
-                    part: Some(pb::content_part::Part::Text(format!("{SUMMARY_PREFIX}{}", c.summary))),
-                }],
-                metadata: [("ctxgate.kind".to_owned(), "compaction-summary".to_owned())].into(),
-                ..Default::default()
-            });
+            out.push(summary_message(id, c));
         }
         out.extend(self.messages.iter().cloned());
         out
@@ -71,7 +77,22 @@ pub fn visible_entries(branch: &[pb::TranscriptEntry]) -> Vec<pb::TranscriptEntr
     let v = visible(branch);
     let kept: std::collections::HashSet<&str> = v.messages.iter().map(|m| m.id.as_str()).collect();
     let summary = v.summary.as_ref().and_then(|(id, _)| branch.iter().find(|e| &e.id == id));
-    summary.into_iter().chain(branch.iter().filter(|e| kept.contains(e.id.as_str()))).cloned().collect()
+    // By message id: a rewrite's copies have new entry ids but keep it.
+    let shown = |e: &&pb::TranscriptEntry| matches!(&e.entry, Some(Entry::Message(m)) if kept.contains(m.id.as_str()));
+    summary.into_iter().chain(branch.iter().filter(shown)).cloned().collect()
+}
+
+/// `entries` (from [`visible_entries`]) as the model sees them: a
+/// compaction entry as its summary message.
+pub fn render_entries(entries: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
+    entries
+        .iter()
+        .filter_map(|e| match &e.entry {
+            Some(Entry::Message(m)) => Some(m.clone()),
+            Some(Entry::Compaction(c)) => Some(summary_message(&e.id, c)),
+            None => None,
+        })
+        .collect()
 }
 
 #[cfg(test)]

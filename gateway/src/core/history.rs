@@ -12,23 +12,28 @@ const RESYNC_MESSAGES: usize = 1_000;
 const RESYNC_BYTES: usize = 4 * 1024 * 1024;
 
 impl Core {
-    /// Delivers the visible history before transcript seq `before_seq` to
-    /// the lease's engine and records the cursor it then holds. `None`: the
-    /// engine failed on the way (it is quarantined now; legacy serves).
+    /// Delivers the visible history before the turn's first message (by
+    /// its message id, which rewrites keep) to the lease's engine and
+    /// records the cursor it then holds. `None`: the engine failed on the
+    /// way (it is quarantined now; legacy serves).
     pub(super) async fn resync(
         &self,
         lease: &Lease,
         session: &Session,
-        before_seq: u64,
+        fence: &str,
         call: &Call,
     ) -> Result<Option<pb::HistoryCursor>, CoreError> {
         let tail = self.store.visible_tail(&session.session_id).await?;
-        let entries: Vec<pb::TranscriptEntry> =
-            transcript::visible_entries(&tail).into_iter().filter(|e| e.seq < before_seq).collect();
-        let messages = transcript::visible(&entries).render();
-        // The cursor names the last entry before the turn: a message by its
-        // id, a summary by its compaction entry's.
-        let cursor = match entries.last() {
+        let mut entries = transcript::visible_entries(&tail);
+        let is_fence = |e: &pb::TranscriptEntry| matches!(&e.entry, Some(Entry::Message(m)) if m.id == fence);
+        entries.truncate(entries.iter().position(is_fence).unwrap_or(entries.len()));
+        let messages = transcript::render_entries(&entries);
+        // The cursor names the last of them in *branch* order (a summary
+        // is shown first but its compaction entry follows the kept
+        // messages): a message by its id, a summary by its entry id. What
+        // follows it on the branch is then exactly the turn.
+        let sent: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+        let cursor = match tail.iter().rev().find(|e| sent.contains(e.id.as_str())) {
             None => pb::HistoryCursor::default(),
             Some(last) => pb::HistoryCursor {
                 message_id: match &last.entry {

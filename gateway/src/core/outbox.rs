@@ -157,7 +157,12 @@ impl Core {
             let key = &p.request.advancement_key;
             match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
                 Ok(_) => self.store.complete_commit(session_id, key, advance(engine_id, &p.request)).await?,
-                Err(e @ EngineCallError::Refused { .. }) => {
+                // A gap on a commit: the engine lost the session; the next
+                // turn resyncs it, the row waits with backoff meanwhile.
+                Err(e @ (EngineCallError::Refused { .. } | EngineCallError::HistoryGap { .. })) => {
+                    if matches!(e, EngineCallError::HistoryGap { .. }) {
+                        self.store.set_cursor(session_id, engine_id, None).await?;
+                    }
                     let attempts = p.attempts + 1;
                     let error = e.to_string();
                     let next_attempt_ms = now + retry_after(attempts).as_millis() as i64;
@@ -185,7 +190,8 @@ impl Core {
     /// (session, engine) queue with its engine in service gets a turn at
     /// draining (under the session's lock); then owed forgets.
     pub async fn drain_outbox(&self) -> Result<(), CoreError> {
-        for (session_id, engine_id) in self.store.due_commits(now_unix_ms()).await? {
+        let live = self.registry().in_service();
+        for (session_id, engine_id) in self.store.due_commits(now_unix_ms(), &live).await? {
             // A session with a turn running drains at that turn's start; do
             // not stall every other session's pass behind it.
             if self.sessions.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
@@ -203,7 +209,7 @@ impl Core {
     pub(super) async fn deliver_forgets(&self) -> Result<(), CoreError> {
         let registry = self.registry();
         for Forget { session_id, engine_id, agent_id, session_key, attempts } in
-            self.store.pending_forgets(now_unix_ms()).await?
+            self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?
         {
             let Some(engine) = registry.get(&engine_id).filter(|g| !g.is_quarantined()) else { continue };
             let req = pb::ForgetSessionRequest {
@@ -265,7 +271,7 @@ impl Core {
             self.drain_commits(session_id, engine_id, &cancel, true).await?;
         }
         let remaining = self.store.outbox_of_key(&agent, &key).await?;
-        Ok(((rows.len() - remaining.len()) as u32, remaining))
+        Ok((rows.len().saturating_sub(remaining.len()) as u32, remaining))
     }
 
     /// Drops the key's queued commits (audited in the store; the transcript

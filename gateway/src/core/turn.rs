@@ -84,6 +84,9 @@ pub struct Turn {
     proactive_done: bool,
     /// A history gap was resynced in this turn (at most once).
     resynced: bool,
+    /// The DELTA engine failed a delta call: the rest of the turn reads
+    /// the whole visible history (legacy answers it).
+    full_history: bool,
     /// Why the runtime is degraded (RuntimeSettings.diagnostics).
     degraded: Option<pb::ReasonCode>,
     started: std::time::Instant,
@@ -154,6 +157,7 @@ impl Core {
             overflow_compactions: 0,
             proactive_done: false,
             resynced: false,
+            full_history: false,
             degraded: None,
             started: std::time::Instant::now(),
             span: span.clone(),
@@ -310,6 +314,12 @@ impl Turn {
                 // once (the next history read), then assemble again.
                 Err(EngineCallError::HistoryGap { .. }) if !std::mem::replace(&mut self.resynced, true) => {
                     self.core.drop_cursor(&self.lease, &self.session).await?;
+                    self.history = None;
+                    continue;
+                }
+                // Shed, failed or quarantined on a delta: once more with the
+                // whole history, which legacy can answer.
+                Err(_) if self.base.is_some() && !std::mem::replace(&mut self.full_history, true) => {
                     self.history = None;
                     continue;
                 }
@@ -488,7 +498,7 @@ impl Turn {
     /// cursor): remembered, or read when a compaction changed the branch.
     async fn history(&mut self) -> Result<&[AgentMessage], CoreError> {
         if self.history.is_none() {
-            let h = if self.lease.remote && crate::engines::delta(&self.lease.info) {
+            let h = if self.lease.remote && crate::engines::delta(&self.lease.info) && !self.full_history {
                 self.delta_history().await?
             } else {
                 self.base = None;
@@ -526,7 +536,11 @@ impl Turn {
                     })
                     .collect());
             }
-            cursor = core.resync(&self.lease, &self.session, self.admitted[0].seq, &self.call).await?;
+            let fence = match &self.admitted[0].entry {
+                Some(Entry::Message(m)) => m.id.clone(),
+                _ => self.admitted[0].id.clone(),
+            };
+            cursor = core.resync(&self.lease, &self.session, &fence, &self.call).await?;
             if cursor.is_none() {
                 break;
             }

@@ -381,6 +381,12 @@ impl Engine for Guarded {
 
     async fn assemble(&self, req: pb::AssembleRequest, call: &Call) -> R<pb::AssembleResult> {
         let n = req.encoded_len();
+        // A delta holds only what is new: legacy cannot answer it (the
+        // turn asks again with the whole history).
+        if req.cursor.is_some() {
+            let no_fallback = async { Err(EngineCallError::Quarantined) };
+            return self.guard("Assemble", true, n, self.remote.assemble(req, call), no_fallback).await;
+        }
         self.guard("Assemble", false, n, self.remote.assemble(req.clone(), call), self.legacy.assemble(req, call)).await
     }
 
@@ -392,6 +398,11 @@ impl Engine for Guarded {
 
     async fn after_turn(&self, req: pb::AfterTurnRequest, call: &Call) -> R<pb::AfterTurnResult> {
         let n = req.encoded_len();
+        // Legacy's no-op would look like the engine acknowledged the delta.
+        if req.cursor.is_some() {
+            let no_fallback = async { Err(EngineCallError::Quarantined) };
+            return self.guard("AfterTurn", true, n, self.remote.after_turn(req, call), no_fallback).await;
+        }
         self.guard("AfterTurn", false, n, self.remote.after_turn(req.clone(), call), self.legacy.after_turn(req, call))
             .await
     }

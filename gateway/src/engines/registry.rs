@@ -69,6 +69,11 @@ impl Registry {
         self.engines.get(id)
     }
 
+    /// The ids of the engines in service now (attached, not quarantined).
+    pub fn in_service(&self) -> Vec<String> {
+        self.engines.iter().filter(|(_, g)| !g.is_quarantined()).map(|(id, _)| id.clone()).collect()
+    }
+
     /// Operator re-admission (`ctxgate engines readmit ID`).
     pub fn readmit(&self, id: &str) -> Option<bool> {
         self.engines.get(id).map(|g| g.readmit("operator readmit"))
