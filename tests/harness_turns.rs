@@ -634,3 +634,25 @@ async fn engines_see_the_harness_as_host_with_its_model_and_capabilities() {
     d.end(api::TurnOutcome::Aborted).await.unwrap();
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_turn_too_big_for_one_commit_is_refused_with_resource_exhausted() {
+    let g = TestGateway::start(Config::default()).await;
+    let hc = client(&g.endpoint);
+    let mut d = Drive::open(&hc, begin("huge", "read everything")).await.unwrap();
+    d.context().await.unwrap();
+    let big = "y".repeat(1_000_000);
+    let mut stored = 0;
+    let refused = loop {
+        let call = format!("c{stored}");
+        d.append(vec![tool_call(&call, "read_file", "{}")]).await.unwrap();
+        match d.append(vec![tool_result(&call, "read_file", &big)]).await {
+            Ok(_) => stored += 1,
+            Err(s) => break s,
+        }
+        assert!(stored < 20, "12 MiB of results were accepted into one turn");
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.message().contains("limited to 12 MiB in all"), "{}", refused.message());
+    assert_eq!(stored, 12, "twelve 1 MB results fit, the thirteenth does not");
+}

@@ -69,6 +69,8 @@ pub struct Turn {
     call: Call,
     /// Entry ids of the turn's own messages (admitted and appended).
     own: HashSet<String>,
+    /// Their encoded size: a turn must fit one CommitTurn.
+    bytes: usize,
     /// Tool calls appended in this turn, and those a result answered.
     tool_calls: HashSet<String>,
     answered: HashSet<String>,
@@ -131,6 +133,7 @@ impl Core {
         let seen_by = if lease.remote { Some(lease.key.as_str()) } else { lease.record.as_deref() };
         let admitted = self.store.open_turn(&session.session_id, &turn_id, entries, seen_by).await?;
         let own = admitted.iter().map(|e| e.id.clone()).collect();
+        let bytes = admitted.iter().map(prost::Message::encoded_len).sum();
         self.metrics.turns_in_flight.inc();
         // One span per turn: every engine call and model request nests in it.
         let span = tracing::info_span!("turn", driver = spec.driver.as_str(), agent = %session.agent_id,
@@ -149,6 +152,7 @@ impl Core {
             call: Call::new(cancel.clone()),
             cancel,
             own,
+            bytes,
             tool_calls: HashSet::new(),
             answered: HashSet::new(),
             contexts: 0,
@@ -466,6 +470,17 @@ impl Turn {
                 CoreError::too_large(field, format!("a turn holds at most {} messages", limits::MAX_MESSAGES)).into()
             );
         }
+        let bytes: usize = messages.iter().map(prost::Message::encoded_len).sum();
+        if self.bytes + bytes > MAX_TURN_BYTES {
+            return Err(CoreError::too_large(
+                field,
+                format!(
+                    "a turn's messages are limited to {} MiB in all (its CommitTurn must fit one gRPC message)",
+                    MAX_TURN_BYTES >> 20
+                ),
+            )
+            .into());
+        }
         let (calls, answers) = self.check_turn_messages(&messages, field)?;
         let entries = messages
             .into_iter()
@@ -480,6 +495,7 @@ impl Turn {
         self.tool_calls.extend(calls);
         self.answered.extend(answers);
         self.own.extend(stored.iter().map(|e| e.id.clone()));
+        self.bytes += bytes;
         self.remember(&stored);
         Ok(stored.into_iter().map(|e| e.id).collect())
     }
@@ -775,6 +791,10 @@ pub fn check_client_message(m: &AgentMessage, at: &str) -> Result<(), CoreError>
     }
     Ok(())
 }
+
+/// A turn's messages in all: its CommitTurn (16 MiB at most, with anchors
+/// and host params) must fit.
+const MAX_TURN_BYTES: usize = 12 << 20;
 
 /// Bounds on a client message's free-form metadata.
 const MAX_METADATA_ENTRIES: usize = 64;
