@@ -10,7 +10,7 @@ use std::time::Duration;
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::{self, context_engine_client::ContextEngineClient, transcript_entry::Entry};
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{TestGateway, start_window};
+use ctxgate_tests::{EngineProcess, TestGateway, start_window};
 
 /// The advancement keys of the engine's `event commit` lines, in order.
 fn commit_keys(lines: &[String]) -> Vec<String> {
@@ -254,4 +254,72 @@ async fn the_python_engine_forgets_a_deleted_session() {
 
 fn sref_of(key: &str) -> api::SessionRef {
     api::SessionRef { agent_id: String::new(), session_key: key.into() }
+}
+
+#[tokio::test]
+async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legacy_turns_for_it() {
+    use ctxgate_proto::gateway::gateway_client::GatewayClient;
+    let dir = tempfile::tempdir().unwrap();
+    let engine = fault_engine("durable").await;
+    let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
+    let config = dir.path().join("ctxgate.json5");
+    let body = format!(
+        "{{ plugins: {{ slots: {{ contextEngine: 'fault' }}, entries: {{ fault: {{ endpoint: '{}' }} }} }} }}",
+        engine.endpoint
+    );
+    std::fs::write(&config, body).unwrap();
+    let state = dir.path().join("state");
+    let args = [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        state.to_str().unwrap(),
+        "--config",
+        config.to_str().unwrap(),
+    ];
+    let serve = || EngineProcess::start(ctxgate_tests::bin("ctxgate"), &args);
+    let turn = |url: String, text: &'static str| async move {
+        let mut c = GatewayClient::connect(url).await.unwrap();
+        let req = api::RunTurnRequest { session: Some(sref_of("restart")), message: text.into(), ..Default::default() };
+        let mut s = c.run_turn(req).await.unwrap().into_inner();
+        let mut events = Vec::new();
+        while let Some(e) = tokio_stream::StreamExt::next(&mut s).await {
+            events.push(e.unwrap().event.unwrap());
+        }
+        events
+    };
+    let wait_attached = |url: String| async move {
+        let mut c = GatewayClient::connect(url).await.unwrap();
+        for _ in 0..1500 {
+            let s = c.get_status(api::StatusRequest {}).await.unwrap().into_inner();
+            if s.engines.iter().any(|e| e.id == "fault" && e.quarantine.is_none() && !e.name.is_empty()) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the engine never attached");
+    };
+
+    let gw = serve().await.unwrap();
+    wait_attached(gw.endpoint.clone()).await;
+    let first = turn(gw.endpoint.clone(), "first").await;
+    assert!(completed(&first));
+    gw.signal_and_wait("KILL").await.unwrap();
+    engine.signal_and_wait("KILL").await.unwrap();
+
+    // The gateway starts again with the engine down: it never attaches.
+    let gw = serve().await.unwrap();
+    let mut keys = Vec::new();
+    for text in ["second", "third"] {
+        let t = turn(gw.endpoint.clone(), text).await;
+        assert!(completed(&t) && selected(&t).engine_id == "legacy", "{t:?}");
+        keys.push(turn_id(&t));
+    }
+    let engine =
+        EngineProcess::start(ctxgate_tests::bin("ctxgate-fault-engine"), &["--listen", &addr, "--fault", "durable"])
+            .await
+            .unwrap();
+    let lines = engine.wait_lines("event commit ", 2, Duration::from_secs(15)).await.expect("both delivered");
+    assert_eq!(commit_keys(&lines), keys, "the turns legacy served reached the engine, in order");
 }

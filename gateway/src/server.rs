@@ -31,6 +31,8 @@ pub enum ServeError {
     Store(#[from] crate::store::OpenError),
     #[error("model provider: {0}")]
     Provider(String),
+    #[error("reading the store failed: {0}")]
+    StoreRead(String),
     #[error("serving failed: {0}")]
     Transport(#[from] tonic::transport::Error),
     #[error("metrics endpoint failed: {0}")]
@@ -109,6 +111,7 @@ pub async fn run_with_reloads(
     let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, metrics.clone()));
     let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
     core.set_host_endpoint(config.host_endpoint(bound));
+    core.load_durable_engines().await.map_err(|e| ServeError::StoreRead(e.to_string()))?;
 
     let reloader = {
         let core = core.clone();

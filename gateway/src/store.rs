@@ -159,6 +159,10 @@ pub trait Store: Send + Sync + 'static {
         advancement_key: &str,
         advance: Option<Advance>,
     ) -> Result<(), StoreError>;
+    /// Engines whose last attach declared durable turns.
+    async fn durable_engines(&self) -> Result<Vec<String>, StoreError>;
+    /// Records whether an engine's attach declared durable turns.
+    async fn set_durable(&self, engine_id: &str, durable: bool) -> Result<(), StoreError>;
     /// A DELTA engine's cursor for a session.
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError>;
     /// Sets (or, with `None`, forgets) a DELTA engine's cursor.
@@ -311,7 +315,7 @@ pub struct RewriteOutcome {
 /// Schema migrations in order; `PRAGMA user_version` is how many have been
 /// applied. A database from before versioning (version 0) already has the
 /// first one's tables, which it creates only if missing.
-const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2, SCHEMA_V3];
+const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4];
 /// The schema version this build writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
@@ -364,6 +368,12 @@ CREATE TABLE IF NOT EXISTS subagents (
     expires_at_ms  INTEGER,
     PRIMARY KEY (agent_id, child_key)
 );
+";
+
+/// Engines known to be durable, remembered across restarts: a turn served
+/// by legacy before such an engine's first attach is still queued for it.
+const SCHEMA_V4: &str = "
+CREATE TABLE durable_engines (engine_id TEXT PRIMARY KEY) WITHOUT ROWID;
 ";
 
 /// DELTA engines' cursors: what each engine acknowledged of each session.
@@ -1044,6 +1054,28 @@ impl Store for SqliteStore {
                 .execute(params![s, a.engine_id, a.last_message_id, a.seq as i64, a.messages as i64, a.tokens as i64])?;
             }
             tx.commit()?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn durable_engines(&self) -> Result<Vec<String>, StoreError> {
+        self.run(|c| {
+            let mut stmt = c.prepare("SELECT engine_id FROM durable_engines")?;
+            let rows = stmt.query_map([], |r| r.get(0))?;
+            Ok(rows.collect::<rusqlite::Result<_>>()?)
+        })
+        .await
+    }
+
+    async fn set_durable(&self, engine_id: &str, durable: bool) -> Result<(), StoreError> {
+        let e = engine_id.to_owned();
+        self.run(move |c| {
+            if durable {
+                c.execute("INSERT OR IGNORE INTO durable_engines (engine_id) VALUES (?1)", [e])?;
+            } else {
+                c.execute("DELETE FROM durable_engines WHERE engine_id = ?1", [e])?;
+            }
             Ok(())
         })
         .await

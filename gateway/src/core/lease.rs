@@ -18,11 +18,9 @@ impl Core {
         unmet: Unmet,
     ) -> Result<Lease, CoreError> {
         let registry = self.registry();
-        // Known durable from its last attach, even while it is quarantined.
-        let record = registry
-            .selected()
-            .filter(|g| g.attached_info().is_some_and(|i| crate::engines::durable(&i)))
-            .map(|g| g.id().to_owned());
+        // Known durable from its last attach (in this process or, kept in
+        // the store, an earlier one), even while it is quarantined.
+        let record = registry.selected().filter(|g| self.durable_engine(g)).map(|g| g.id().to_owned());
         let lease = |key: String, engine: Arc<dyn Engine>, info, degraded, remote| Lease {
             key,
             engine,

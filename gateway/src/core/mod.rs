@@ -129,6 +129,9 @@ pub struct Core {
     sessions: Arc<SessionLocks>,
     /// (engine, session) pairs bootstrapped by this process.
     bootstrapped: Mutex<HashSet<(String, String)>>,
+    /// Engines known to be durable (their last attach said so; kept in the
+    /// store), so turns legacy serves before an attach still reach them.
+    durable: Mutex<HashSet<String>>,
     /// Background maintenance: sessions with a run going, and whether a
     /// follow-up is queued.
     maintenance: Arc<Mutex<std::collections::HashMap<String, bool>>>,
@@ -220,6 +223,7 @@ impl Core {
             summarizer,
             sessions: Arc::default(),
             bootstrapped: Mutex::default(),
+            durable: Mutex::default(),
             maintenance: Arc::default(),
             shutdown: CancellationToken::new(),
         }
@@ -276,6 +280,37 @@ impl Core {
             reserve_tokens: self.config.reserve_tokens(),
             max_output_tokens: self.config.models.max_output_tokens,
         }
+    }
+
+    /// Loads the engines known to be durable (call once at start).
+    pub async fn load_durable_engines(&self) -> Result<(), CoreError> {
+        let known = self.store.durable_engines().await?;
+        self.durable.lock().unwrap_or_else(|e| e.into_inner()).extend(known);
+        Ok(())
+    }
+
+    /// Whether `engine` takes durable turns: from its attach when it has
+    /// one (remembered in the store when that changes), else from the last
+    /// one remembered.
+    fn durable_engine(&self, engine: &crate::engines::guarded::Guarded) -> bool {
+        let id = engine.id();
+        let mut known = self.durable.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(info) = engine.attached_info() else { return known.contains(id) };
+        let durable = crate::engines::durable(&info);
+        if durable != known.contains(id) {
+            if durable {
+                known.insert(id.to_owned());
+            } else {
+                known.remove(id);
+            }
+            let (store, id) = (self.store.clone(), id.to_owned());
+            tokio::spawn(async move {
+                if let Err(e) = store.set_durable(&id, durable).await {
+                    tracing::warn!(engine = id, error = %e, "remembering the engine's durability failed");
+                }
+            });
+        }
+        durable
     }
 
     /// The embedded offline model (no real model configured).
