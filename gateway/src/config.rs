@@ -71,11 +71,31 @@ pub struct LimitsSection {
     /// A harness stream that sends nothing for this long is ended (its
     /// turn aborted), so a silent client cannot hold a session.
     pub harness_idle_seconds: u64,
+    /// HTTP/2 streams one client connection may have open at once; more
+    /// are refused by the HTTP/2 layer (REFUSED_STREAM), not queued.
+    pub max_concurrent_streams_per_connection: u32,
+    /// The largest request message the client API decodes (bytes); over it
+    /// is RESOURCE_EXHAUSTED.
+    pub max_request_bytes: usize,
+    /// HTTP/2 PING every this many seconds on idle connections, and the
+    /// connection is closed when a ping is not answered within the timeout.
+    pub http2_keepalive_seconds: u64,
+    pub http2_keepalive_timeout_seconds: u64,
+    /// TCP keepalive probes on accepted sockets (seconds).
+    pub tcp_keepalive_seconds: u64,
 }
 
 impl Default for LimitsSection {
     fn default() -> Self {
-        Self { queued_turns_per_session: 8, harness_idle_seconds: 300 }
+        Self {
+            queued_turns_per_session: 8,
+            harness_idle_seconds: 300,
+            max_concurrent_streams_per_connection: 256,
+            max_request_bytes: 4 * 1024 * 1024,
+            http2_keepalive_seconds: 30,
+            http2_keepalive_timeout_seconds: 10,
+            tcp_keepalive_seconds: 60,
+        }
     }
 }
 
@@ -336,8 +356,28 @@ impl Config {
         if self.gateway.limits.queued_turns_per_session > 10_000 {
             return Err(invalid("gateway.limits.queuedTurnsPerSession", "is over 10000"));
         }
-        if self.gateway.limits.harness_idle_seconds == 0 {
+        let l = &self.gateway.limits;
+        if l.harness_idle_seconds == 0 {
             return Err(invalid("gateway.limits.harnessIdleSeconds", "must be positive"));
+        }
+        if l.max_concurrent_streams_per_connection == 0 {
+            return Err(invalid("gateway.limits.maxConcurrentStreamsPerConnection", "must be positive"));
+        }
+        // The harness carries whole turns: the contract's gRPC limit bounds it too.
+        if l.max_request_bytes < 64 * 1024 || l.max_request_bytes > ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES {
+            return Err(invalid(
+                "gateway.limits.maxRequestBytes",
+                format!("must be between 65536 and {}", ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
+            ));
+        }
+        for (key, v) in [
+            ("gateway.limits.http2KeepaliveSeconds", l.http2_keepalive_seconds),
+            ("gateway.limits.http2KeepaliveTimeoutSeconds", l.http2_keepalive_timeout_seconds),
+            ("gateway.limits.tcpKeepaliveSeconds", l.tcp_keepalive_seconds),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be positive"));
+            }
         }
         if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));

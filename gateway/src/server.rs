@@ -148,7 +148,11 @@ pub async fn run_with_reloads(
         .build_v1()
         .expect("the descriptor sets are valid");
     let auth = Auth(config.gateway.auth.token.as_deref().map(Arc::from));
-    let api = GatewayServer::with_interceptor(Api { core: core.clone() }, auth.clone());
+    let limits = &config.gateway.limits;
+    let api = tonic::service::interceptor::InterceptedService::new(
+        GatewayServer::new(Api { core: core.clone() }).max_decoding_message_size(limits.max_request_bytes),
+        auth.clone(),
+    );
     // A harness request carries whole messages (1 MiB of content each).
     let harness = tonic::service::interceptor::InterceptedService::new(
         HarnessServer::new(HarnessApi { core: core.clone() })
@@ -166,8 +170,14 @@ pub async fn run_with_reloads(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // Nagle off on accepted sockets: otherwise small streamed events wait
     // for delayed ACKs (measured: ~40 ms a turn).
-    let incoming = tonic::transport::server::TcpIncoming::from(listeners.api).with_nodelay(Some(true));
+    let incoming = tonic::transport::server::TcpIncoming::from(listeners.api)
+        .with_nodelay(Some(true))
+        .with_keepalive(Some(Duration::from_secs(limits.tcp_keepalive_seconds)));
     let serving = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(limits.max_concurrent_streams_per_connection))
+        .http2_keepalive_interval(Some(Duration::from_secs(limits.http2_keepalive_seconds)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(limits.http2_keepalive_timeout_seconds)))
+        .layer(OversizedIsResourceExhausted)
         .add_service(health)
         .add_service(reflection)
         .add_service(api)
@@ -201,4 +211,54 @@ pub async fn run_with_reloads(
         t.await.map_err(|e| ServeError::Metrics(std::io::Error::other(e)))?.map_err(ServeError::Metrics)?;
     }
     Ok(result?)
+}
+
+/// tonic answers a request over the decode limit with OUT_OF_RANGE; the
+/// contract says RESOURCE_EXHAUSTED for every size limit. The gateway's own
+/// handlers never answer OUT_OF_RANGE, so the code alone identifies it; a
+/// request that cannot be decoded never reaches a handler, so its status is
+/// always in a trailers-only response's headers, which is where this looks.
+#[derive(Clone, Copy)]
+struct OversizedIsResourceExhausted;
+
+impl<S> tower::Layer<S> for OversizedIsResourceExhausted {
+    type Service = Oversized<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Oversized(inner)
+    }
+}
+
+#[derive(Clone)]
+struct Oversized<S>(S);
+
+impl<S, Req, B> tower::Service<Req> for Oversized<S>
+where
+    S: tower::Service<Req, Response = tonic::codegen::http::Response<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures_util::future::MapOk<S::Future, fn(S::Response) -> S::Response>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        use futures_util::TryFutureExt;
+        self.0.call(req).map_ok(out_of_range_to_resource_exhausted::<B> as fn(_) -> _)
+    }
+}
+
+fn out_of_range_to_resource_exhausted<B>(
+    mut r: tonic::codegen::http::Response<B>,
+) -> tonic::codegen::http::Response<B> {
+    let code = tonic::Code::OutOfRange as i32;
+    if r.headers().get("grpc-status").is_some_and(|v| v.as_bytes() == code.to_string().as_bytes()) {
+        let exhausted = (tonic::Code::ResourceExhausted as i32).to_string();
+        if let Ok(v) = tonic::codegen::http::HeaderValue::from_str(&exhausted) {
+            r.headers_mut().insert("grpc-status", v);
+        }
+    }
+    r
 }
