@@ -228,7 +228,11 @@ async fn the_python_engine_forgets_a_deleted_session() {
     let transcript = g
         .client
         .clone()
-        .get_transcript(api::GetTranscriptRequest { session: Some(sref_of("gone")), visible_only: false })
+        .get_transcript(api::GetTranscriptRequest {
+            session: Some(sref_of("gone")),
+            visible_only: false,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();

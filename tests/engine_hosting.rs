@@ -441,7 +441,7 @@ async fn subagents_fork_from_the_window_engine_end_and_are_swept() {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let all = c
-            .list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: true })
+            .list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: true, ..Default::default() })
             .await
             .unwrap()
             .into_inner();

@@ -193,7 +193,7 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
     let mut on_disk = HashSet::new();
     for key in &keys {
         let t = c
-            .get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: false })
+            .get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: false, ..Default::default() })
             .await
             .unwrap()
             .into_inner();
@@ -211,7 +211,9 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
         }
         on_disk.extend(t.entries.into_iter().map(|e| e.id));
         // The visible history reads and the session takes new turns.
-        c.get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: true }).await.unwrap();
+        c.get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: true, ..Default::default() })
+            .await
+            .unwrap();
         let req = api::RunTurnRequest {
             session: sref(key),
             message: "still there?".into(),
@@ -254,7 +256,7 @@ async fn a_harness_turn_cut_by_sigkill_is_rewound_when_the_gateway_restarts() {
     let gw = serve(&state, None).await;
     let mut c = client(&gw.endpoint);
     let t = c
-        .get_transcript(api::GetTranscriptRequest { session: sref("cut"), visible_only: false })
+        .get_transcript(api::GetTranscriptRequest { session: sref("cut"), visible_only: false, ..Default::default() })
         .await
         .unwrap()
         .into_inner();

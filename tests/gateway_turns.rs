@@ -53,7 +53,7 @@ async fn seed(g: &TestGateway, key: &str, n: usize) {
 }
 
 async fn branch(g: &TestGateway, key: &str) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
-    let req = api::GetTranscriptRequest { session: session(key), visible_only: false };
+    let req = api::GetTranscriptRequest { session: session(key), visible_only: false, ..Default::default() };
     g.client.clone().get_transcript(req).await.unwrap().into_inner().entries
 }
 
@@ -248,7 +248,7 @@ async fn a_long_offline_conversation_is_compacted_and_shows_its_summary() {
     }
     assert!(compacted >= 1, "a long conversation gets compacted");
 
-    let req = api::GetTranscriptRequest { session: session("long"), visible_only: true };
+    let req = api::GetTranscriptRequest { session: session("long"), visible_only: true, ..Default::default() };
     let visible = g.client.clone().get_transcript(req).await.unwrap().into_inner();
     let Some(Entry::Compaction(c)) = &visible.entries[0].entry else {
         panic!("the visible history starts with the summary")

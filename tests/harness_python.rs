@@ -78,7 +78,11 @@ async fn the_python_example_agent_drives_twenty_tool_turns_through_the_window_en
     let mut c =
         GatewayClient::new(tonic::transport::Endpoint::from_shared(gw.endpoint.clone()).unwrap().connect_lazy());
     let session = Some(api::SessionRef { agent_id: String::new(), session_key: "py".into() });
-    let t = c.get_transcript(api::GetTranscriptRequest { session, visible_only: false }).await.unwrap().into_inner();
+    let t = c
+        .get_transcript(api::GetTranscriptRequest { session, visible_only: false, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
     let messages: Vec<_> =
         t.entries.iter().filter_map(|e| if let Some(Entry::Message(m)) = &e.entry { Some(m) } else { None }).collect();
     assert_eq!(messages.len(), TURNS * 5);

@@ -44,7 +44,7 @@ async fn quarantined(g: &TestGateway) -> bool {
 }
 
 async fn branch(g: &TestGateway, key: &str) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
-    let req = api::GetTranscriptRequest { session: sref(key), visible_only: false };
+    let req = api::GetTranscriptRequest { session: sref(key), visible_only: false, ..Default::default() };
     match g.client.clone().get_transcript(req).await {
         Ok(r) => r.into_inner().entries,
         Err(s) if s.code() == Code::NotFound => Vec::new(),

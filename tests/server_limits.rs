@@ -1,5 +1,6 @@
-//! The client API's server limits: a request over `gateway.limits.maxRequestBytes`
-//! is RESOURCE_EXHAUSTED (tonic alone says OUT_OF_RANGE), one under it runs.
+//! The client API's bounds: a request over `gateway.limits.maxRequestBytes`
+//! is RESOURCE_EXHAUSTED (tonic alone says OUT_OF_RANGE), one under it runs;
+//! ListSessions and GetTranscript answer in bounded pages.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -50,4 +51,68 @@ fn limits_that_cannot_work_are_refused_with_their_key() {
         let err = Config::load(Some(&file), |_| None).unwrap_err().to_string();
         assert!(err.contains(key), "{json}: {err}");
     }
+}
+
+async fn run(g: &TestGateway, key: &str, text: &str) {
+    let mut r = request(text.into());
+    r.session = Some(api::SessionRef { agent_id: String::new(), session_key: key.into() });
+    let mut stream = g.client.clone().run_turn(r).await.unwrap().into_inner();
+    while stream.next().await.is_some() {}
+}
+
+#[tokio::test]
+async fn sessions_and_transcripts_come_in_bounded_pages_that_add_up() {
+    let g = TestGateway::start(Config::default()).await;
+    for i in 0..5 {
+        run(&g, &format!("page-{i}"), "hello").await;
+    }
+    for i in 0..2 {
+        run(&g, "page-0", &format!("more {i}")).await;
+    }
+    let mut keys = Vec::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let req = api::ListSessionsRequest { page_size: 2, page_token: token, ..Default::default() };
+        let page = g.client.clone().list_sessions(req).await.unwrap().into_inner();
+        assert!(page.sessions.len() <= 2);
+        keys.extend(page.sessions.into_iter().map(|s| s.session_key));
+        pages += 1;
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(keys, (0..5).map(|i| format!("page-{i}")).collect::<Vec<_>>());
+    assert_eq!(pages, 3);
+
+    let session = Some(api::SessionRef { agent_id: String::new(), session_key: "page-0".into() });
+    let whole = api::GetTranscriptRequest { session: session.clone(), ..Default::default() };
+    let all = g.client.clone().get_transcript(whole).await.unwrap().into_inner();
+    assert_eq!((all.entries.len(), all.next_page_token.as_str()), (6, ""));
+    let mut ids = Vec::new();
+    let mut token = String::new();
+    loop {
+        let req = api::GetTranscriptRequest {
+            session: session.clone(),
+            page_size: 4,
+            page_token: token,
+            ..Default::default()
+        };
+        let page = g.client.clone().get_transcript(req).await.unwrap().into_inner();
+        ids.extend(page.entries.into_iter().map(|e| e.id));
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(ids, all.entries.iter().map(|e| e.id.clone()).collect::<Vec<_>>());
+
+    let bad = api::GetTranscriptRequest { session, page_token: "nope".into(), ..Default::default() };
+    let e = g.client.clone().get_transcript(bad).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().starts_with("page_token:"), "{}", e.message());
+    let bad = api::ListSessionsRequest { page_token: "x".into(), ..Default::default() };
+    assert_eq!(g.client.clone().list_sessions(bad).await.unwrap_err().code(), Code::InvalidArgument);
+    g.stop().await;
 }

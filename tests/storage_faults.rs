@@ -154,7 +154,7 @@ async fn a_full_disk_fails_the_call_with_a_sentence_and_every_stored_turn_stays_
 
     // Reads still work, and every stored turn is whole: user, then reply.
     let t = c
-        .get_transcript(api::GetTranscriptRequest { session: sref("full"), visible_only: false })
+        .get_transcript(api::GetTranscriptRequest { session: sref("full"), visible_only: false, ..Default::default() })
         .await
         .unwrap()
         .into_inner();

@@ -175,6 +175,14 @@ pub(crate) fn guarded<T: Send + 'static>(
     }))
 }
 
+/// Page sizes: the default and the most one page holds.
+const MAX_SESSIONS_PAGE: u32 = 1000;
+const MAX_TRANSCRIPT_PAGE: u32 = 5000;
+
+fn page_size(asked: u32, max: u32) -> u32 {
+    if asked == 0 { max } else { asked.min(max) }
+}
+
 /// The most rows one ListOutbox answers (also its default).
 const MAX_OUTBOX_ROWS: u32 = 1000;
 /// Blocked rows shown by GetStatus.
@@ -284,7 +292,17 @@ impl Gateway for Api {
         req: Request<api::ListSessionsRequest>,
     ) -> Result<Response<api::ListSessionsResult>, Status> {
         let r = req.into_inner();
-        let stats = self.core.list_sessions(r.agent_id.as_deref(), r.include_archived).await?;
+        let limit = page_size(r.page_size, MAX_SESSIONS_PAGE);
+        let offset: u64 = if r.page_token.is_empty() {
+            0
+        } else {
+            r.page_token.parse().map_err(|_| CoreError::invalid("page_token", "is not a token this gateway issued"))?
+        };
+        // One more than the page tells whether another page follows.
+        let mut stats = self.core.list_sessions(r.agent_id.as_deref(), r.include_archived, offset, limit + 1).await?;
+        let more = stats.len() > limit as usize;
+        stats.truncate(limit as usize);
+        let next_page_token = if more { (offset + u64::from(limit)).to_string() } else { String::new() };
         let sessions = stats
             .into_iter()
             .map(|s| api::SessionInfo {
@@ -298,7 +316,7 @@ impl Gateway for Api {
                 visible_tokens: 0,
             })
             .collect();
-        Ok(Response::new(api::ListSessionsResult { sessions }))
+        Ok(Response::new(api::ListSessionsResult { sessions, next_page_token }))
     }
 
     async fn get_session(&self, req: Request<api::SessionRef>) -> Result<Response<api::SessionInfo>, Status> {
@@ -312,8 +330,26 @@ impl Gateway for Api {
     ) -> Result<Response<api::GetTranscriptResult>, Status> {
         let r = req.into_inner();
         let s = self.session(r.session.as_ref()).await?;
-        let entries = self.core.transcript(&s.session_id, r.visible_only).await?;
-        Ok(Response::new(api::GetTranscriptResult { session: Some(self.session_info(&s).await?), entries }))
+        let mut entries = self.core.transcript(&s.session_id, r.visible_only).await?;
+        if !r.page_token.is_empty() {
+            let after = entries
+                .iter()
+                .position(|e| e.id == r.page_token)
+                .ok_or_else(|| CoreError::invalid("page_token", "names no entry of this transcript"))?;
+            entries.drain(..=after);
+        }
+        let limit = page_size(r.page_size, MAX_TRANSCRIPT_PAGE) as usize;
+        let next_page_token = if entries.len() > limit {
+            entries.truncate(limit);
+            entries.last().map(|e| e.id.clone()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(api::GetTranscriptResult {
+            session: Some(self.session_info(&s).await?),
+            entries,
+            next_page_token,
+        }))
     }
 
     async fn new_session(&self, req: Request<api::SessionRef>) -> Result<Response<api::SessionInfo>, Status> {

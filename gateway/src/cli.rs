@@ -364,12 +364,19 @@ async fn compact_with(client: &mut Client, session: &SessionArg, instructions: O
 pub async fn sessions(cmd: SessionsCommand) -> Result<(), CliError> {
     match cmd {
         SessionsCommand::Ls { conn, all, json } => {
-            let list = connect(&conn)
-                .await?
-                .list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: all })
-                .await
-                .map_err(explain)?;
-            let sessions = list.into_inner().sessions;
+            let mut client = connect(&conn).await?;
+            let mut sessions = Vec::new();
+            let mut page_token = String::new();
+            // Every page (each is bounded by the gateway).
+            loop {
+                let req = api::ListSessionsRequest { agent_id: None, include_archived: all, page_size: 0, page_token };
+                let page = client.list_sessions(req).await.map_err(explain)?.into_inner();
+                sessions.extend(page.sessions);
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                page_token = page.next_page_token;
+            }
             if json {
                 let rows: Vec<_> = sessions.iter().map(session_json).collect();
                 println!("{}", serde_json::to_string_pretty(&rows).unwrap_or_default());
@@ -389,11 +396,19 @@ pub async fn sessions(cmd: SessionsCommand) -> Result<(), CliError> {
             }
         }
         SessionsCommand::Show { conn, key, agent, full, json } => {
-            let req = api::GetTranscriptRequest {
+            let mut client = connect(&conn).await?;
+            let mut req = api::GetTranscriptRequest {
                 session: Some(api::SessionRef { agent_id: agent, session_key: key }),
                 visible_only: !full,
+                ..Default::default()
             };
-            let t = connect(&conn).await?.get_transcript(req).await.map_err(explain)?.into_inner();
+            let mut t = client.get_transcript(req.clone()).await.map_err(explain)?.into_inner();
+            while !t.next_page_token.is_empty() {
+                req.page_token = std::mem::take(&mut t.next_page_token);
+                let page = client.get_transcript(req.clone()).await.map_err(explain)?.into_inner();
+                t.entries.extend(page.entries);
+                t.next_page_token = page.next_page_token;
+            }
             if json {
                 let entries: Vec<_> = t.entries.iter().map(entry_json).collect();
                 println!(

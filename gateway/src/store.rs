@@ -92,8 +92,15 @@ pub trait Store: Send + Sync + 'static {
     /// Starts a fresh session for the key; the previous one becomes
     /// "archived" when `archive`, else "inactive".
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError>;
-    async fn list_sessions(&self, agent: Option<&str>, include_archived: bool)
-    -> Result<Vec<SessionStats>, StoreError>;
+    /// Sessions in (agent, key, creation) order: at most `limit` from
+    /// `offset` on.
+    async fn list_sessions(
+        &self,
+        agent: Option<&str>,
+        include_archived: bool,
+        offset: u64,
+        limit: u32,
+    ) -> Result<Vec<SessionStats>, StoreError>;
     /// Archives the key's active session without starting a new one.
     async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError>;
     /// Deletes every session of the key with its entries, queued commits
@@ -824,6 +831,8 @@ impl Store for SqliteStore {
         &self,
         agent: Option<&str>,
         include_archived: bool,
+        offset: u64,
+        limit: u32,
     ) -> Result<Vec<SessionStats>, StoreError> {
         let agent = agent.map(str::to_owned);
         self.run(move |c| {
@@ -833,9 +842,9 @@ impl Store for SqliteStore {
                    (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id AND e.kind = {KIND_COMPACTION})
                  FROM sessions s
                  WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 OR state != 'archived')
-                 ORDER BY agent_id, session_key, created_at_ms, s.rowid"
+                 ORDER BY agent_id, session_key, created_at_ms, s.rowid LIMIT ?3 OFFSET ?4"
             ))?;
-            let rows = stmt.query_map(params![agent, include_archived], |r| {
+            let rows = stmt.query_map(params![agent, include_archived, limit, offset as i64], |r| {
                 Ok(SessionStats { session: read_session(r)?, entries: r.get(5)?, compactions: r.get(6)? })
             })?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -1564,7 +1573,7 @@ mod tests {
         store.append(&s.session_id, vec![c]).await.unwrap();
         let b = store.branch(&s.session_id).await.unwrap();
         assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
-        let stats = store.list_sessions(None, false).await.unwrap();
+        let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
         assert_eq!((stats[0].entries, stats[0].compactions), (3, 1));
     }
 
@@ -1618,7 +1627,7 @@ mod tests {
         assert_eq!(cmp.first_kept_entry_id, new[1].id, "the summary points into the new branch");
         assert_eq!(crate::transcript::visible(&new).messages.len(), 2);
         // The old branch is still stored; the same rewrite again changes nothing.
-        let stats = store.list_sessions(None, false).await.unwrap();
+        let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
         assert_eq!(stats[0].entries, 4 + 3);
         let Some(Entry::Message(again)) = new[1].entry.clone() else { panic!() };
         assert!(!store.rewrite(&s.session_id, vec![(a[1].id.clone(), again)]).await.unwrap().changed);
@@ -1668,10 +1677,15 @@ mod tests {
         let third = store.replace_session("main", "k", true).await.unwrap();
         assert_ne!(first.session_id, second.session_id);
         assert_eq!(store.session("main", "k", false).await.unwrap().unwrap(), third);
-        let visible: Vec<_> =
-            store.list_sessions(Some("main"), false).await.unwrap().into_iter().map(|s| s.session.state).collect();
+        let visible: Vec<_> = store
+            .list_sessions(Some("main"), false, 0, 100)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| s.session.state)
+            .collect();
         assert_eq!(visible, ["inactive", "active"]);
-        assert_eq!(store.list_sessions(None, true).await.unwrap().len(), 3);
+        assert_eq!(store.list_sessions(None, true, 0, 100).await.unwrap().len(), 3);
         assert_eq!(store.delete_sessions("main", "k").await.unwrap(), 3);
         assert!(matches!(store.append(&third.session_id, vec![user("x")]).await, Err(StoreError::NoSession(_))));
     }

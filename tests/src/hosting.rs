@@ -83,7 +83,7 @@ pub fn completed(events: &[Event]) -> bool {
 }
 
 pub async fn messages(g: &TestGateway, key: &str) -> Vec<String> {
-    let req = api::GetTranscriptRequest { session: session(key), visible_only: false };
+    let req = api::GetTranscriptRequest { session: session(key), visible_only: false, ..Default::default() };
     g.client
         .clone()
         .get_transcript(req)

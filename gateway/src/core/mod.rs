@@ -384,8 +384,10 @@ impl Core {
         &self,
         agent: Option<&str>,
         include_archived: bool,
+        offset: u64,
+        limit: u32,
     ) -> Result<Vec<SessionStats>, CoreError> {
-        Ok(self.store.list_sessions(agent, include_archived).await?)
+        Ok(self.store.list_sessions(agent, include_archived, offset, limit).await?)
     }
 
     /// `/new` (archive = false) or `/reset` (archive = true).

@@ -695,7 +695,7 @@ impl Round {
         let gw = self.api()?;
         let mut out = BTreeMap::new();
         for key in &self.keys {
-            let req = api::GetTranscriptRequest { session: sref(key), visible_only: false };
+            let req = api::GetTranscriptRequest { session: sref(key), visible_only: false, ..Default::default() };
             let r = within(&format!("GetTranscript {key}"), STEP, async {
                 gw.clone().get_transcript(req).await.map(tonic::Response::into_inner).map_err(|s| s.to_string())
             })
