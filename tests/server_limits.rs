@@ -116,3 +116,60 @@ async fn sessions_and_transcripts_come_in_bounded_pages_that_add_up() {
     assert_eq!(g.client.clone().list_sessions(bad).await.unwrap_err().code(), Code::InvalidArgument);
     g.stop().await;
 }
+
+/// A RunTurn to its end; `Err` with the status that ended it.
+async fn turn_status(g: &TestGateway, r: api::RunTurnRequest) -> Result<Vec<api::TurnEvent>, tonic::Status> {
+    let mut s = g.client.clone().run_turn(r).await?.into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = s.next().await {
+        events.push(e?);
+    }
+    Ok(events)
+}
+
+#[tokio::test]
+async fn turns_over_max_concurrent_turns_are_shed_at_once_with_a_pushback() {
+    use ctxgate_proto::gateway::TurnOutcome;
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{Drive, begin, client, text};
+    let mut config = Config::default();
+    config.gateway.limits.max_concurrent_turns = 1;
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    let g = TestGateway::start(config).await;
+    let hc = client(&g.endpoint);
+    let mut held = Drive::open(&hc, begin("holder", "hold the only slot")).await.unwrap();
+    held.context().await.unwrap();
+
+    let shed = turn_status(&g, request("another session".into())).await.unwrap_err();
+    assert_eq!(shed.code(), Code::ResourceExhausted, "{shed:?}");
+    assert!(shed.message().contains("limit of 1 concurrent turns"), "{}", shed.message());
+    assert_eq!(shed.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()), Some("100"));
+    let metrics = ctxgate_tests::metrics_text(g.metrics.unwrap()).await;
+    assert!(metrics.contains("ctxgate_turns_shed_total 1"), "{metrics}");
+
+    held.append(vec![text(Role::Assistant, "done")]).await.unwrap();
+    held.end(TurnOutcome::Accepted).await.unwrap();
+    // The holder's permit goes with its turn, a moment after its stream
+    // ended: a client honouring the pushback gets in.
+    let mut tries = 0;
+    loop {
+        match turn_status(&g, request("now there is room".into())).await {
+            Ok(_) => break,
+            Err(e) if e.code() == Code::ResourceExhausted && tries < 100 => tries += 1,
+            Err(e) => panic!("{e:?}"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let t = g
+        .client
+        .clone()
+        .get_transcript(api::GetTranscriptRequest {
+            session: Some(api::SessionRef { agent_id: String::new(), session_key: "limits".into() }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(t.entries.len(), 2, "the shed turn left nothing; the next one ran");
+    g.stop().await;
+}

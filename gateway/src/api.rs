@@ -27,6 +27,12 @@ impl From<CoreError> for Status {
             CoreError::NoEngine(_) => Status::not_found(e.to_string()),
             CoreError::Precondition(_) | CoreError::Busy(BusyError::Busy) => Status::failed_precondition(e.to_string()),
             CoreError::Busy(BusyError::QueueFull(_)) => Status::resource_exhausted(e.to_string()),
+            CoreError::Overloaded(_) => {
+                let mut s = Status::resource_exhausted(e.to_string());
+                // gRPC's retry pushback: clients with a retry policy wait this long.
+                s.metadata_mut().insert("grpc-retry-pushback-ms", tonic::metadata::MetadataValue::from_static("100"));
+                s
+            }
             CoreError::EngineFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Store(StoreError::NoSession(_)) => Status::not_found("the session no longer exists"),
             // Rolled back whole: nothing half-written; the operator must free space.

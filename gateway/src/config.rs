@@ -71,6 +71,10 @@ pub struct LimitsSection {
     /// A harness stream that sends nothing for this long is ended (its
     /// turn aborted), so a silent client cannot hold a session.
     pub harness_idle_seconds: u64,
+    /// Turns (running or waiting for their session) the gateway takes at
+    /// once; one more is shed at once with RESOURCE_EXHAUSTED and a retry
+    /// pushback, never queued.
+    pub max_concurrent_turns: usize,
     /// HTTP/2 streams one client connection may have open at once; more
     /// are refused by the HTTP/2 layer (REFUSED_STREAM), not queued.
     pub max_concurrent_streams_per_connection: u32,
@@ -90,6 +94,7 @@ impl Default for LimitsSection {
         Self {
             queued_turns_per_session: 8,
             harness_idle_seconds: 300,
+            max_concurrent_turns: 1024,
             max_concurrent_streams_per_connection: 256,
             max_request_bytes: 4 * 1024 * 1024,
             http2_keepalive_seconds: 30,
@@ -359,6 +364,9 @@ impl Config {
         let l = &self.gateway.limits;
         if l.harness_idle_seconds == 0 {
             return Err(invalid("gateway.limits.harnessIdleSeconds", "must be positive"));
+        }
+        if l.max_concurrent_turns == 0 || l.max_concurrent_turns > 1_000_000 {
+            return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
         }
         if l.max_concurrent_streams_per_connection == 0 {
             return Err(invalid("gateway.limits.maxConcurrentStreamsPerConnection", "must be positive"));

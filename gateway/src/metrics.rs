@@ -59,6 +59,7 @@ pub struct Metrics {
     pub turns_by_driver: Family<DriverOutcome, Counter>,
     pub turn_seconds: Histogram,
     pub turns_in_flight: Gauge,
+    pub turns_shed: Counter,
     pub compactions: Family<TriggerOutcome, Counter>,
     pub compaction_seconds: Family<Trigger, Histogram>,
     pub compaction_tokens_before: Counter,
@@ -87,6 +88,7 @@ impl Default for Metrics {
         let turns_by_driver = Family::<DriverOutcome, Counter>::default();
         let turn_seconds = seconds();
         let turns_in_flight = Gauge::default();
+        let turns_shed = Counter::default();
         let compactions = Family::<TriggerOutcome, Counter>::default();
         let compaction_seconds = Family::<Trigger, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         let compaction_tokens_before = Counter::default();
@@ -95,6 +97,7 @@ impl Default for Metrics {
         r.register("turns_by_driver", "Turns by driver (managed, harness) and outcome", turns_by_driver.clone());
         r.register("turn_duration_seconds", "Managed turn duration", turn_seconds.clone());
         r.register("turns_in_flight", "Turns running now", turns_in_flight.clone());
+        r.register("turns_shed", "Turns refused at once over gateway.limits.maxConcurrentTurns", turns_shed.clone());
         r.register("compactions", "Compactions by trigger and outcome", compactions.clone());
         r.register("compaction_duration_seconds", "Compaction duration by trigger", compaction_seconds.clone());
         r.register(
@@ -147,6 +150,7 @@ impl Default for Metrics {
             turns_by_driver,
             turn_seconds,
             turns_in_flight,
+            turns_shed,
             compactions,
             compaction_seconds,
             compaction_tokens_before,

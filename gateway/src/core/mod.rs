@@ -65,6 +65,9 @@ pub enum CoreError {
     EngineFailed(String),
     #[error(transparent)]
     Busy(#[from] BusyError),
+    /// Over `gateway.limits.maxConcurrentTurns`: shed at once.
+    #[error("the gateway is at its limit of {0} concurrent turns; retry shortly")]
+    Overloaded(usize),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -132,6 +135,8 @@ pub struct Core {
     /// Engines known to be durable (their last attach said so; kept in the
     /// store), so turns legacy serves before an attach still reach them.
     durable: Mutex<HashSet<String>>,
+    /// One permit per turn taken (`gateway.limits.maxConcurrentTurns`).
+    admission: Arc<tokio::sync::Semaphore>,
     /// Background maintenance: sessions with a run going, and whether a
     /// follow-up is queued.
     maintenance: Arc<Mutex<std::collections::HashMap<String, bool>>>,
@@ -212,6 +217,7 @@ impl Core {
             ProviderKind::Openai => Arc::new(ModelSummarizer { provider: provider.clone(), max_tokens: 2_048 }),
         };
         let registry = RwLock::new(Arc::new(Registry::build(&config, &metrics)));
+        let admission = Arc::new(tokio::sync::Semaphore::new(config.gateway.limits.max_concurrent_turns));
         Self {
             config,
             store,
@@ -224,6 +230,7 @@ impl Core {
             sessions: Arc::default(),
             bootstrapped: Mutex::default(),
             durable: Mutex::default(),
+            admission,
             maintenance: Arc::default(),
             shutdown: CancellationToken::new(),
         }

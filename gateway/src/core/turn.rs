@@ -95,6 +95,8 @@ pub struct Turn {
     span: tracing::Span,
     /// Held while the turn is open; `None` once closed.
     guard: Option<SessionGuard>,
+    /// The turn's admission permit, released with the turn.
+    _admission: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Core {
@@ -109,6 +111,11 @@ impl Core {
         events: EventSink,
         cancel: CancellationToken,
     ) -> Result<Begun, CoreError> {
+        // Admission control: shed at once over the limit, before any work.
+        let admission = self.admission.clone().try_acquire_owned().map_err(|_| {
+            self.metrics.turns_shed.inc();
+            CoreError::Overloaded(self.config.gateway.limits.max_concurrent_turns)
+        })?;
         let session = self
             .store
             .session(&spec.agent_id, &spec.session_key, true)
@@ -166,6 +173,7 @@ impl Core {
             started: std::time::Instant::now(),
             span: span.clone(),
             guard: Some(guard),
+            _admission: admission,
         };
         turn.start().instrument(span).await
     }
