@@ -16,6 +16,10 @@ IngestBatch. Without a cursor, the request's messages are the whole history.
 Ingest, IngestBatch, AfterTurn and CommitTurn store what they receive
 (idempotent by message id); ForgetSession deletes everything of a session.
 
+It owns its compaction (the gateway calls its Compact and never compacts the
+transcript itself), as a DELTA engine should: a host compaction would change
+what the engine is assumed to hold and force a resync.
+
 It serves grpc.health.v1 and reflection like every ctxgate engine, validates
 every request against the contract, and stops work when a call is cancelled.
 
@@ -413,7 +417,7 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
     def GetInfo(self, request, context):
         return pb.EngineInfo(
             id="py-recency", name="Python recency engine", version="0.2.0",
-            contract_version=CONTRACT_VERSION, owns_compaction=False,
+            contract_version=CONTRACT_VERSION, owns_compaction=True,
             turn_maintenance_mode=pb.TURN_MAINTENANCE_MODE_FOREGROUND,
             implemented_methods=IMPLEMENTED,
             history_delivery=pb.HISTORY_DELIVERY_DELTA)
