@@ -608,3 +608,24 @@ async fn a_malformed_trailer_that_panics_tonic_is_one_failed_call() {
     assert!(reason.contains("panicked"), "{reason}");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_health_check_that_never_answers_times_out_and_the_engine_stays_out_of_service() {
+    let engine = EngineProcess::start(
+        bin("ctxgate-broken-engine"),
+        &["--listen", "127.0.0.1:0", "--honest-info", "--hang-health-check"],
+    )
+    .await
+    .unwrap();
+    let g = TestGateway::start(hosting("bare", &engine.endpoint, &[])).await;
+    // The monitor's Check is bounded (5 s): a hung one is an unreachable
+    // engine, not a frozen monitor.
+    let started = Instant::now();
+    let e = wait_engine(&g, "bare", "unreachable by its health check", |e| e.health == "UNREACHABLE").await;
+    let took = started.elapsed();
+    assert!(took >= Duration::from_secs(4) && took < Duration::from_secs(12), "after the 5 s bound: {took:?}");
+    assert!(e.quarantine.is_some(), "out of service: {e:?}");
+    let events = run_turn(&g, "h", "still answering").await;
+    assert!(completed(&events) && selected(&events).engine_id == "legacy", "{events:?}");
+    g.stop().await;
+}

@@ -4,7 +4,8 @@
 //! not implement, no health or reflection service, non-idempotent ingest,
 //! reordered assembly that splits tool pairs, a Compact stream with events
 //! after its result, non-idempotent commits, INTERNAL on malformed input,
-//! and a hang on oversized content.
+//! and a hang on oversized content. `--hang-health-check` adds a health
+//! service whose Watch is UNIMPLEMENTED and whose Check never answers.
 
 use std::pin::Pin;
 use std::time::Duration;
@@ -136,6 +137,31 @@ struct Args {
     serve: ServeArgs,
     #[arg(long)]
     honest_info: bool,
+    #[arg(long)]
+    hang_health_check: bool,
+}
+
+/// A health service that accepts Check and never answers it.
+struct HangingHealth;
+
+#[tonic::async_trait]
+impl tonic_health::pb::health_server::Health for HangingHealth {
+    async fn check(
+        &self,
+        _: Request<tonic_health::pb::HealthCheckRequest>,
+    ) -> Result<Response<tonic_health::pb::HealthCheckResponse>, Status> {
+        std::future::pending().await
+    }
+
+    type WatchStream =
+        Pin<Box<dyn tokio_stream::Stream<Item = Result<tonic_health::pb::HealthCheckResponse, Status>> + Send>>;
+
+    async fn watch(
+        &self,
+        _: Request<tonic_health::pb::HealthCheckRequest>,
+    ) -> Result<Response<Self::WatchStream>, Status> {
+        Err(Status::unimplemented("no watch: poll Check"))
+    }
 }
 
 #[tokio::main]
@@ -146,10 +172,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let listener = tokio::net::TcpListener::bind(addr).await?;
     println!("listening on {}", listener.local_addr()?);
+    let health = args.hang_health_check.then(|| tonic_health::pb::health_server::HealthServer::new(HangingHealth));
     tonic::transport::Server::builder()
         .add_service(
             raw::ContextEngineServer::new(Broken { honest_info: args.honest_info }).max_decoding_message_size(16 << 20),
         )
+        .add_optional_service(health)
         .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
         .await?;
     Ok(())
