@@ -18,3 +18,6 @@ pub mod server;
 pub mod store;
 pub mod summarize;
 pub mod transcript;
+
+#[cfg(test)]
+mod untrusted_input_tests;
