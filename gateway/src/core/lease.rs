@@ -159,17 +159,8 @@ impl Core {
             return Remap::new();
         }
         let key = (lease.info.id.clone(), session.session_id.clone());
-        {
-            let mut seen = self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner());
-            // Bounded: past the cap the set starts over, and sessions seen
-            // before get Bootstrap once more (engines import idempotently).
-            if seen.len() >= MAX_BOOTSTRAPPED && !seen.contains(&key) {
-                tracing::info!(sessions = seen.len(), "bootstrapped-session set full; starting over");
-                seen.clear();
-            }
-            if !seen.insert(key) {
-                return Remap::new();
-            }
+        if !self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).first_time(key) {
+            return Remap::new();
         }
         let grant = self.grant(lease, session, Some(fence), call.deadline);
         let req = pb::BootstrapRequest {

@@ -131,7 +131,7 @@ pub struct Core {
     /// One turn or compaction at a time per session, and Abort.
     sessions: Arc<SessionLocks>,
     /// (engine, session) pairs bootstrapped by this process.
-    bootstrapped: Mutex<HashSet<(String, String)>>,
+    bootstrapped: Mutex<Forgetful<(String, String)>>,
     /// Engines known to be durable (their last attach said so; kept in the
     /// store), so turns legacy serves before an attach still reach them.
     durable: Mutex<HashSet<String>>,
@@ -182,6 +182,32 @@ enum Unmet {
     FailClosed,
 }
 
+/// A set bounded by starting over when full: for "seen before" facts whose
+/// loss costs only a repeated idempotent call (a Bootstrap), never memory.
+struct Forgetful<T> {
+    set: HashSet<T>,
+    cap: usize,
+}
+
+impl<T: std::hash::Hash + Eq> Forgetful<T> {
+    fn new(cap: usize) -> Self {
+        Self { set: HashSet::new(), cap: cap.max(1) }
+    }
+
+    /// True the first time `key` is seen (since the last start-over).
+    fn first_time(&mut self, key: T) -> bool {
+        if self.set.len() >= self.cap && !self.set.contains(&key) {
+            tracing::info!(entries = self.set.len(), "bounded set full; starting over");
+            self.set.clear();
+        }
+        self.set.insert(key)
+    }
+
+    fn clear(&mut self) {
+        self.set.clear();
+    }
+}
+
 fn now_unix_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
@@ -228,7 +254,7 @@ impl Core {
             host_endpoint: OnceLock::new(),
             summarizer,
             sessions: Arc::default(),
-            bootstrapped: Mutex::default(),
+            bootstrapped: Mutex::new(Forgetful::new(MAX_BOOTSTRAPPED)),
             durable: Mutex::default(),
             admission,
             maintenance: Arc::default(),
@@ -474,6 +500,25 @@ fn truncate_tool_results(messages: &mut [AgentMessage]) {
                 let cut: String = r.text.chars().take(TRUNCATED_TOOL_RESULT_CHARS).collect();
                 r.text = format!("{cut}\n[… truncated by ctxgate to fit the context window]");
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Forgetful;
+
+    #[test]
+    fn a_forgetful_set_never_grows_past_its_cap() {
+        let mut seen = Forgetful::new(3);
+        assert!(seen.first_time(1) && seen.first_time(2) && seen.first_time(3));
+        assert!(!seen.first_time(2), "seen");
+        assert!(seen.first_time(4), "full: starts over with 4");
+        assert_eq!(seen.set.len(), 1);
+        assert!(seen.first_time(1), "1 was forgotten: one more Bootstrap, no unbounded memory");
+        for i in 0..1000 {
+            seen.first_time(i);
+            assert!(seen.set.len() <= 3);
         }
     }
 }
