@@ -36,6 +36,16 @@ fn rows(db: &Path, sql: &str) -> i64 {
     c.query_row(sql, [], |r| r.get(0)).unwrap()
 }
 
+/// SIGKILLs the window engine, deletes its state and starts it again at
+/// the same address (as a restarted container or another replica would).
+async fn lose_state_and_restart(engine: EngineProcess, dir: &Path) -> EngineProcess {
+    let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
+    engine.signal_and_wait("KILL").await.unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+    let args = ["--listen", addr.as_str(), "--state-dir", dir.to_str().unwrap()];
+    EngineProcess::start(ctxgate_tests::bin("ctxgate-engine-window"), &args).await.unwrap()
+}
+
 const FILLER: &str = "context that keeps growing with every turn of this long session ";
 
 #[tokio::test]
@@ -55,13 +65,8 @@ async fn the_window_engine_gets_only_what_is_new_and_resyncs_after_losing_its_st
     assert!(per_turn[11] < history_bytes / 4, "{per_turn:?} vs a history of {history_bytes} bytes");
     assert!(per_turn[11] <= per_turn[1] * 2, "flat, not growing with the session: {per_turn:?}");
 
-    // The engine loses everything and comes back at the same address (as a
-    // restarted container or another replica would).
-    let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
-    engine.signal_and_wait("KILL").await.unwrap();
-    std::fs::remove_dir_all(dir.path()).unwrap();
-    let args = ["--listen", addr.as_str(), "--state-dir", dir.path().to_str().unwrap()];
-    let _engine = EngineProcess::start(ctxgate_tests::bin("ctxgate-engine-window"), &args).await.unwrap();
+    // The engine loses everything and comes back at the same address.
+    let _engine = lose_state_and_restart(engine, dir.path()).await;
     attached(&g, "window").await;
 
     let resynced = run_turn(&g, "long", &turn(12)).await;
@@ -153,11 +158,7 @@ async fn a_resync_after_maintenance_rewrites_delivers_the_rewritten_messages_too
     let texts = messages(&g, "tools").await;
     assert!(texts.iter().any(|t| t.contains("elided by the window engine")), "a rewrite happened: {texts:?}");
 
-    let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
-    engine.signal_and_wait("KILL").await.unwrap();
-    std::fs::remove_dir_all(dir.path()).unwrap();
-    let args = ["--listen", addr.as_str(), "--state-dir", dir.path().to_str().unwrap()];
-    let _engine = EngineProcess::start(ctxgate_tests::bin("ctxgate-engine-window"), &args).await.unwrap();
+    let _engine = lose_state_and_restart(engine, dir.path()).await;
     attached(&g, "window").await;
     assert!(completed(&run_turn(&g, "tools", "what did we read?").await));
     // Everything visible before that turn, rewritten copies included, went
