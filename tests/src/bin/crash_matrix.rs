@@ -64,9 +64,9 @@ use ctxgate_proto::gateway::{
     harness_request::Request as R, turn_event::Event,
 };
 use ctxgate_proto::pb::{Role, TranscriptEntry, transcript_entry::Entry};
-use ctxgate_tests::EngineProcess;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
 use ctxgate_tests::harness::{self, Drive};
+use ctxgate_tests::{EngineProcess, bin};
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -236,34 +236,6 @@ impl Stage {
     }
 }
 
-/// The binaries this one drives, from the same target dir.
-#[derive(Clone)]
-struct Binaries {
-    gateway: PathBuf,
-    engine: PathBuf,
-}
-
-impl Binaries {
-    /// `target/<profile>/` next to this executable (or above it, when it
-    /// runs from `target/<profile>/deps/`).
-    fn find() -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("cannot find this executable: {e}"))?;
-        let mut dir = exe.parent().ok_or_else(|| format!("{} has no directory", exe.display()))?;
-        if dir.file_name().is_some_and(|n| n == "deps") {
-            dir = dir.parent().unwrap_or(dir);
-        }
-        let find = |name: &str| {
-            let path = dir.join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
-            if path.exists() {
-                Ok(path)
-            } else {
-                Err(format!("{} is not built: run `cargo build --workspace --bins` first", path.display()))
-            }
-        };
-        Ok(Self { gateway: find("ctxgate")?, engine: find("ctxgate-engine-window")? })
-    }
-}
-
 /// A running gateway and its clients.
 struct Gateway {
     process: EngineProcess,
@@ -304,7 +276,6 @@ struct Round {
     label: String,
     verbose: bool,
     rng: Rng,
-    bins: Binaries,
     fake: FakeOpenAi,
     engine_state: PathBuf,
     gateway_state: PathBuf,
@@ -327,7 +298,7 @@ struct Round {
 }
 
 impl Round {
-    fn new(index: u32, seed: u64, verbose: bool, bins: Binaries, fake: FakeOpenAi) -> Result<Self, String> {
+    fn new(index: u32, seed: u64, verbose: bool, fake: FakeOpenAi) -> Result<Self, String> {
         let dir = tempfile::Builder::new().prefix("crash-matrix-").tempdir().map_err(|e| format!("a temp dir: {e}"))?;
         let mut rng = Rng::new(seed ^ u64::from(index).wrapping_add(1).wrapping_mul(0xD6E8_FEB8_6659_FD93));
         let keys = (0..rng.between(2, 3)).map(|i| format!("r{index}-s{i}")).collect();
@@ -340,7 +311,6 @@ impl Round {
             label: format!("round {index}"),
             verbose,
             rng,
-            bins,
             fake,
             engine_state,
             gateway_state,
@@ -398,7 +368,7 @@ impl Round {
     async fn start_engine(&mut self) -> Result<(), String> {
         let dir = utf8(&self.engine_state)?;
         let args = ["--listen", "127.0.0.1:0", "--state-dir", dir.as_str()];
-        let program = self.bins.engine.clone();
+        let program = bin("ctxgate-engine-window");
         let process = within("starting the window engine", START_TIMEOUT, async {
             EngineProcess::start(&program, &args).await.map_err(|e| e.to_string())
         })
@@ -416,7 +386,7 @@ impl Round {
             .map_err(|e| format!("writing {}: {e}", self.config_path.display()))?;
         let (state, config) = (utf8(&self.gateway_state)?, utf8(&self.config_path)?);
         let args = ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config.as_str()];
-        let program = self.bins.gateway.clone();
+        let program = bin("ctxgate");
         let process = within("starting the gateway", START_TIMEOUT, async {
             EngineProcess::start(&program, &args).await.map_err(|e| e.to_string())
         })
@@ -1090,17 +1060,12 @@ async fn main() -> ExitCode {
     let args = Args::parse();
     let seed = args.seed.unwrap_or_else(clock_seed);
     eprintln!("crash-matrix: seed {seed} (replay with --seed {seed})");
-    let bins = match Binaries::find() {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("crash-matrix: {e}");
-            return ExitCode::from(2);
-        }
-    };
+    // Fail fast (with the build hint) when a binary is missing.
+    let _ = (bin("ctxgate"), bin("ctxgate-engine-window"));
     let fake = FakeOpenAi::start().await;
     let mut total = Tally::default();
     for index in 0..args.rounds {
-        let tally = match Round::new(index, seed, args.verbose, bins.clone(), fake.clone()) {
+        let tally = match Round::new(index, seed, args.verbose, fake.clone()) {
             Err(e) => {
                 eprintln!("round {index}: FAILED: {e}");
                 Tally::failed_round()
