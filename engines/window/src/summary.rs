@@ -2,7 +2,7 @@
 //! deterministic extractive summariser (same input, same summary).
 
 use ctxgate_engine_sdk::pb::{self, AgentMessage};
-use ctxgate_engine_sdk::{CallContext, EngineError, LLM_COMPLETE};
+use ctxgate_engine_sdk::{CallContext, EngineError, LLM_COMPLETE, extractive};
 
 /// Longest summary kept; older lines go first when over it.
 pub const MAX_SUMMARY_CHARS: usize = 12_000;
@@ -61,7 +61,7 @@ fn prompt(previous: &str, chunk: &[AgentMessage], instructions: Option<&str>) ->
     p.push_str(previous);
     p.push_str("\n</previous-summary>\n<new-messages>\n");
     for m in chunk {
-        p.push_str(&format!("{}: {}\n", role_name(m.role), text(m)));
+        p.push_str(&format!("{}: {}\n", extractive::role_name(m.role), extractive::message_text(m)));
     }
     p.push_str("</new-messages>\n");
     p
@@ -72,7 +72,7 @@ fn prompt(previous: &str, chunk: &[AgentMessage], instructions: Option<&str>) ->
 /// previous summary folded in, identifiers kept.
 pub fn extractive(previous: &str, chunk: &[AgentMessage]) -> String {
     let previous = Some(previous).filter(|p| !p.trim().is_empty());
-    cap(ctxgate_engine_sdk::extractive::extractive(previous, chunk))
+    cap(extractive::extractive(previous, chunk))
 }
 
 fn cap(s: String) -> String {
@@ -80,14 +80,6 @@ fn cap(s: String) -> String {
         return s;
     }
     s.chars().take(MAX_SUMMARY_CHARS).collect()
-}
-
-fn role_name(role: i32) -> &'static str {
-    ctxgate_engine_sdk::extractive::role_name(role)
-}
-
-fn text(m: &AgentMessage) -> String {
-    ctxgate_engine_sdk::extractive::message_text(m)
 }
 
 #[cfg(test)]

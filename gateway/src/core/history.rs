@@ -92,20 +92,19 @@ impl Core {
         base: &pb::HistoryCursor,
     ) -> Result<(), CoreError> {
         let Some(after) = self.store.branch_after(&session.session_id, base).await? else { return Ok(()) };
-        let messages: Vec<&AgentMessage> = after
+        let messages: Vec<(u64, &AgentMessage)> = after
             .iter()
             .filter_map(|e| match &e.entry {
-                Some(Entry::Message(m)) => Some(m),
+                Some(Entry::Message(m)) => Some((e.seq, m)),
                 _ => None,
             })
             .collect();
-        let Some(last) = after.iter().rev().find(|e| matches!(e.entry, Some(Entry::Message(_)))) else { return Ok(()) };
-        let Some(Entry::Message(m)) = &last.entry else { return Ok(()) };
+        let Some(&(seq, last)) = messages.last() else { return Ok(()) };
         let next = pb::HistoryCursor {
-            message_id: m.id.clone(),
-            seq: last.seq,
+            message_id: last.id.clone(),
+            seq,
             message_count: base.message_count + messages.len() as u64,
-            tokens: base.tokens + messages.iter().map(|m| estimate::message_tokens(m)).sum::<u64>(),
+            tokens: base.tokens + messages.iter().map(|(_, m)| estimate::message_tokens(m)).sum::<u64>(),
         };
         Ok(self.store.set_cursor(&session.session_id, &lease.key, Some(next)).await?)
     }
