@@ -156,7 +156,7 @@ fn session_id(events: &[Event]) -> String {
 }
 
 async fn delete(g: &TestGateway, key: &str) {
-    let r = g.client.clone().delete_session(sref_of(key)).await.unwrap().into_inner();
+    let r = g.client.clone().delete_session(sref(key)).await.unwrap().into_inner();
     assert_eq!(r.deleted_sessions, 1);
 }
 
@@ -206,7 +206,7 @@ async fn the_window_engine_forgets_a_deleted_session_but_not_a_reset_one() {
     let (kept_id, gone_id) = (session_id(&kept), session_id(&gone));
     assert!(window_rows(&db, &gone_id) > 0 && window_rows(&db, &kept_id) > 0);
 
-    g.client.clone().reset_session(sref_of("kept")).await.unwrap();
+    g.client.clone().reset_session(sref("kept")).await.unwrap();
     delete(&g, "gone").await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while window_rows(&db, &gone_id) > 0 {
@@ -229,7 +229,7 @@ async fn the_python_engine_forgets_a_deleted_session() {
         .client
         .clone()
         .get_transcript(api::GetTranscriptRequest {
-            session: Some(sref_of("gone")),
+            session: session("gone"),
             visible_only: false,
             ..Default::default()
         })
@@ -254,10 +254,6 @@ async fn the_python_engine_forgets_a_deleted_session() {
     let n = py.ingest_batch(again(held.clone())).await.unwrap().into_inner().ingested_count;
     assert_eq!(n as usize, held.len(), "after the delete the engine held nothing of the session");
     g.stop().await;
-}
-
-fn sref_of(key: &str) -> api::SessionRef {
-    api::SessionRef { agent_id: String::new(), session_key: key.into() }
 }
 
 #[tokio::test]
@@ -285,7 +281,7 @@ async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legac
     let serve = || EngineProcess::start(ctxgate_tests::bin("ctxgate"), &args);
     let turn = |url: String, text: &'static str| async move {
         let mut c = GatewayClient::connect(url).await.unwrap();
-        let req = api::RunTurnRequest { session: Some(sref_of("restart")), message: text.into(), ..Default::default() };
+        let req = api::RunTurnRequest { session: session("restart"), message: text.into(), ..Default::default() };
         let mut s = c.run_turn(req).await.unwrap().into_inner();
         let mut events = Vec::new();
         while let Some(e) = tokio_stream::StreamExt::next(&mut s).await {

@@ -393,10 +393,6 @@ async fn doctor_passes_a_compatible_engine_and_the_cli_lists_and_readmits_engine
     g.stop().await;
 }
 
-fn sref(key: &str) -> api::SessionRef {
-    api::SessionRef { agent_id: String::new(), session_key: key.into() }
-}
-
 #[tokio::test]
 async fn subagents_fork_from_the_window_engine_end_and_are_swept() {
     let dir = tempfile::tempdir().unwrap();

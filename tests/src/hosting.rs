@@ -13,8 +13,14 @@ use tokio_stream::StreamExt;
 
 use crate::{EngineProcess, TestGateway, bin};
 
+/// The session of `key` for agent "main".
+pub fn sref(key: &str) -> api::SessionRef {
+    api::SessionRef { agent_id: String::new(), session_key: key.into() }
+}
+
+/// [`sref`] as the optional field requests carry.
 pub fn session(key: &str) -> Option<api::SessionRef> {
-    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
+    Some(sref(key))
 }
 
 pub async fn fault_engine(faults: &str) -> EngineProcess {
