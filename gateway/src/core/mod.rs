@@ -437,17 +437,19 @@ impl Core {
         let cancel = self.call_token();
         // Under every session's lock: no turn or delivery of the key runs
         // while its rows go, so nothing reaches an engine after its forget.
+        let ids = self.store.session_ids(&agent, &key).await?;
         let mut guards = Vec::new();
-        for session_id in self.store.session_ids(&agent, &key).await? {
-            guards.push(self.enter(&session_id, &cancel, false).await?);
+        for session_id in &ids {
+            guards.push(self.enter(session_id, &cancel, false).await?);
         }
         let deleted = self.store.delete_sessions(&agent, &key).await?;
         drop(guards);
         if deleted == 0 {
             return Err(CoreError::NoSession(key));
         }
-        // Best effort now; the background pass retries what is left.
-        if let Err(e) = self.deliver_forgets().await {
+        // This delete's forgets, best effort now (others' wait for the
+        // background pass, which also retries these).
+        if let Err(e) = self.deliver_forgets(Some(&ids)).await {
             tracing::warn!(error = %e, "ForgetSession delivery failed; retried in the background");
         }
         Ok(deleted)

@@ -201,16 +201,17 @@ impl Core {
             let _guard = self.enter(&session_id, &cancel, false).await?;
             self.drain_commits(&session_id, &engine_id, &cancel, false).await?;
         }
-        self.deliver_forgets().await
+        self.deliver_forgets(None).await
     }
 
-    /// Sends the ForgetSession calls owed for deleted sessions; a failed
-    /// one is retried with backoff, one for an engine that is gone waits.
-    pub(super) async fn deliver_forgets(&self) -> Result<(), CoreError> {
+    /// Sends the ForgetSession calls owed for deleted sessions (`only`
+    /// these sessions' when given); a failed one is retried with backoff,
+    /// one for an engine that is gone waits.
+    pub(super) async fn deliver_forgets(&self, only: Option<&[String]>) -> Result<(), CoreError> {
         let registry = self.registry();
-        for Forget { session_id, engine_id, agent_id, session_key, attempts } in
-            self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?
-        {
+        let due = self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?;
+        let wanted = |f: &Forget| only.is_none_or(|ids| ids.contains(&f.session_id));
+        for Forget { session_id, engine_id, agent_id, session_key, attempts } in due.into_iter().filter(wanted) {
             let Some(engine) = registry.get(&engine_id).filter(|g| !g.is_quarantined()) else { continue };
             let req = pb::ForgetSessionRequest {
                 session_id: session_id.clone(),
