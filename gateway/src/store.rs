@@ -7,7 +7,7 @@
 //! readable and consistent: an append is either all there or not at all.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -15,7 +15,9 @@ use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 
-#[derive(Debug, thiserror::Error)]
+mod worker;
+
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("session {0} does not exist")]
     NoSession(String),
@@ -434,13 +436,11 @@ const KIND_MESSAGE: i64 = 1;
 const KIND_COMPACTION: i64 = 2;
 
 /// The embedded SQLite store. One connection, used from blocking tasks
-/// only: nothing touches SQLite on the async path.
+/// only (nothing touches SQLite on the async path); writes are group
+/// committed (`worker`).
 #[derive(Clone)]
 pub struct SqliteStore {
-    conn: Arc<Mutex<Connection>>,
-    /// The state directory's lock, held while the store lives: one SQLite
-    /// file has one gateway.
-    _lock: Arc<std::fs::File>,
+    db: Arc<worker::Worker>,
 }
 
 fn now_ms() -> i64 {
@@ -528,24 +528,28 @@ impl SqliteStore {
         conn.pragma_update(None, "synchronous", "FULL").map_err(fail)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(fail)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(fail)?;
+        // Every statement of a turn stays prepared.
+        conn.set_prepared_statement_cache_capacity(64);
+        // 8 MiB of pages (SQLite's default is 2): a turn reads its session's
+        // visible history, and re-reading it from the file was the largest
+        // syscall cost at 64 sessions.
+        conn.pragma_update(None, "cache_size", -8192).map_err(fail)?;
         migrate(&mut conn, &file)?;
         recover_open_turns(&mut conn).map_err(|e| match e {
             StoreError::Full(detail) => OpenError::Full(detail),
             other => OpenError::Other { file: file.display().to_string(), detail: other.to_string() },
         })?;
-        Ok(Self { conn: Arc::new(Mutex::new(conn)), _lock: Arc::new(lock) })
+        // The state directory's lock lives as long as the connection: one
+        // SQLite file has one gateway.
+        let worker = worker::Worker::start(conn, lock)
+            .map_err(|e| OpenError::Other { file: file.display().to_string(), detail: e.to_string() })?;
+        Ok(Self { db: Arc::new(worker) })
     }
 
-    async fn run<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut Connection) -> Result<T, StoreError> + Send + 'static,
-    ) -> Result<T, StoreError> {
-        let conn = self.conn.clone();
-        // The blocking task runs to completion even if the caller is
-        // cancelled, so a transaction is never abandoned half way.
-        tokio::task::spawn_blocking(move || f(&mut conn.lock().unwrap_or_else(|e| e.into_inner())))
-            .await
-            .map_err(|e| StoreError::Backend(e.to_string()))?
+    /// Batches committed and the writes they held, since the store opened
+    /// (more writes than batches: group commit at work).
+    pub fn commit_counts(&self) -> (u64, u64) {
+        self.db.counts()
     }
 }
 
@@ -562,11 +566,8 @@ fn read_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<Session> {
 const SESSION_COLS: &str = "session_id, agent_id, session_key, state, created_at_ms";
 
 fn active(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Option<Session>> {
-    c.query_row(
-        &format!("SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'"),
-        params![agent, key],
-        read_session,
-    )
+    c.prepare_cached(&format!("SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'"))?.query_row(params![agent, key],
+        read_session)
     .optional()
 }
 
@@ -578,10 +579,7 @@ fn create(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Session> {
         state: "active".into(),
         created_at_ms: now_ms(),
     };
-    c.execute(
-        "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES (?1, ?2, ?3, 'active', ?4)",
-        params![s.session_id, s.agent_id, s.session_key, s.created_at_ms],
-    )?;
+    c.prepare_cached("INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES (?1, ?2, ?3, 'active', ?4)")?.execute(params![s.session_id, s.agent_id, s.session_key, s.created_at_ms])?;
     Ok(s)
 }
 
@@ -597,7 +595,7 @@ fn read_subagent(r: &rusqlite::Row<'_>) -> rusqlite::Result<Subagent> {
 
 /// Appends entries to the session's active branch inside `tx`.
 fn append_in(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &Connection,
     session_id: &str,
     entries: Vec<NewEntry>,
 ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
@@ -626,18 +624,12 @@ fn append_in(
             turn_id: e.turn_id,
             entry: Some(entry),
         };
-        tx.execute(
-            "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![id, session_id, parent, seq, kind, stored.encode_to_vec()],
-        )?;
+        tx.prepare_cached("INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![id, session_id, parent, seq, kind, stored.encode_to_vec()])?;
         parent = Some(id);
         seq += 1;
         out.push(stored);
     }
-    tx.execute(
-        "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
-        params![session_id, parent, seq],
-    )?;
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?.execute(params![session_id, parent, seq])?;
     Ok(out)
 }
 
@@ -649,12 +641,12 @@ fn decode(body: &[u8]) -> rusqlite::Result<pb::TranscriptEntry> {
 /// The active branch from its leaf back to (and including) `stop`, newest
 /// first; `None` when `stop` is not on it.
 fn branch_back_to(
-    tx: &rusqlite::Transaction<'_>,
+    tx: &Connection,
     session_id: &str,
     stop: &str,
 ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
     let leaf: Option<String> =
-        tx.query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [session_id], |r| r.get(0))?;
+        tx.prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?.query_row([session_id], |r| r.get(0))?;
     let mut stmt = tx.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
     let mut out = Vec::new();
     let mut next = leaf;
@@ -672,9 +664,9 @@ fn branch_back_to(
 
 /// Queues a closed durable turn's commit: the messages from the first
 /// admitted entry to the leaf, and the leaf as the terminal anchor.
-fn queue_commit_in(tx: &rusqlite::Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
+fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
     let first: String =
-        tx.query_row("SELECT first_entry_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))?;
+        tx.prepare_cached("SELECT first_entry_id FROM open_turns WHERE session_id = ?1")?.query_row([session_id], |r| r.get(0))?;
     let mut range = branch_back_to(tx, session_id, &first)?
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
     range.reverse();
@@ -696,10 +688,7 @@ fn queue_commit_in(tx: &rusqlite::Transaction<'_>, session_id: &str, draft: Comm
         terminal.active_message_position += req.messages.len().saturating_sub(1) as u64;
         req.terminal = Some(terminal);
     }
-    tx.execute(
-        "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![session_id, req.advancement_key, draft.engine_id, req.encode_to_vec(), now_ms()],
-    )?;
+    tx.prepare_cached("INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)")?.execute(params![session_id, req.advancement_key, draft.engine_id, req.encode_to_vec(), now_ms()])?;
     Ok(())
 }
 
@@ -707,11 +696,11 @@ fn queue_commit_in(tx: &rusqlite::Transaction<'_>, session_id: &str, draft: Comm
 /// turn's anchor (its last admitted entry). Compaction entries made during
 /// the turn are copied onto the anchor unless they keep from a message the
 /// rewind drops; everything stays in the tree.
-fn rewind_in(tx: &rusqlite::Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
+fn rewind_in(tx: &Connection, session_id: &str) -> Result<(), StoreError> {
     let anchor: Option<String> = tx
         .query_row("SELECT anchor_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))
         .optional()?;
-    tx.execute("DELETE FROM open_turns WHERE session_id = ?1", [session_id])?;
+    tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([session_id])?;
     let Some(anchor) = anchor else { return Ok(()) };
     let Some(mut tail) = branch_back_to(tx, session_id, &anchor)? else {
         // Rewrites follow the anchor; a branch without it was changed by hand.
@@ -734,7 +723,7 @@ fn rewind_in(tx: &rusqlite::Transaction<'_>, session_id: &str) -> Result<(), Sto
             _ => None,
         })
         .collect();
-    tx.execute("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1", params![session_id, anchor])?;
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1")?.execute(params![session_id, anchor])?;
     append_in(tx, session_id, carried)?;
     Ok(())
 }
@@ -798,30 +787,28 @@ fn query_outbox(
 impl Store for SqliteStore {
     async fn session(&self, agent: &str, key: &str, create_missing: bool) -> Result<Option<Session>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
-            let s = match active(&tx, &agent, &key)? {
-                Some(s) => Some(s),
-                None if create_missing => Some(create(&tx, &agent, &key)?),
-                None => None,
-            };
-            tx.commit()?;
-            Ok(s)
-        })
-        .await
+        // Every turn starts here: a read, and a write only to create.
+        let (a, k) = (agent.clone(), key.clone());
+        if let Some(s) = self.db.read(move |c| Ok(active(c, &a, &k)?)).await? {
+            return Ok(Some(s));
+        }
+        if !create_missing {
+            return Ok(None);
+        }
+        self.db
+            .write(move |tx| match active(tx, &agent, &key)? {
+                Some(s) => Ok(Some(s)),
+                None => Ok(Some(create(tx, &agent, &key)?)),
+            })
+            .await
     }
 
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             let state = if archive { "archived" } else { "inactive" };
-            tx.execute(
-                "UPDATE sessions SET state = ?3 WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'",
-                params![agent, key, state],
-            )?;
+            tx.prepare_cached("UPDATE sessions SET state = ?3 WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'")?.execute(params![agent, key, state])?;
             let s = create(&tx, &agent, &key)?;
-            tx.commit()?;
             Ok(s)
         })
         .await
@@ -835,7 +822,7 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> Result<Vec<SessionStats>, StoreError> {
         let agent = agent.map(str::to_owned);
-        self.run(move |c| {
+        self.db.read(move |c| {
             let mut stmt = c.prepare(&format!(
                 "SELECT {SESSION_COLS},
                    (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id),
@@ -854,11 +841,8 @@ impl Store for SqliteStore {
 
     async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
-            let n = c.execute(
-                "UPDATE sessions SET state = 'archived' WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'",
-                params![agent, key],
-            )?;
+        self.db.write(move |c| {
+            let n = c.prepare_cached("UPDATE sessions SET state = 'archived' WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'")?.execute(params![agent, key])?;
             Ok(n > 0)
         })
         .await
@@ -866,27 +850,22 @@ impl Store for SqliteStore {
 
     async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2";
             // Every engine that saw a session, by a call or a queued commit,
             // is owed a ForgetSession; the queue survives a crash.
-            tx.execute(
-                &format!(
+            tx.prepare_cached(&format!(
                     "INSERT OR IGNORE INTO forgets (session_id, engine_id, agent_id, session_key)
                      SELECT session_id, engine_id, ?1, ?2 FROM engine_sessions WHERE session_id IN ({OF_KEY})
                      UNION SELECT session_id, engine_id, ?1, ?2 FROM outbox WHERE session_id IN ({OF_KEY})"
-                ),
-                params![agent, key],
-            )?;
+                ))?.execute(params![agent, key])?;
             for table in ["outbox", "engine_sessions", "cursors", "entries"] {
-                tx.execute(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"), params![agent, key])?;
+                tx.prepare_cached(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"))?.execute(params![agent, key])?;
             }
             // The key's own subagent record (it was a child); a parent's
             // children stay sessions of their own.
-            tx.execute("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2", params![agent, key])?;
-            let n = tx.execute("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2", params![agent, key])?;
-            tx.commit()?;
+            tx.prepare_cached("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?.execute(params![agent, key])?;
+            let n = tx.prepare_cached("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2")?.execute(params![agent, key])?;
             Ok(n as u32)
         })
         .await
@@ -894,7 +873,7 @@ impl Store for SqliteStore {
 
     async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
+        self.db.read(move |c| {
             // Ordered: callers lock them in this order.
             let mut stmt = c.prepare(
                 "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2 ORDER BY session_id",
@@ -907,10 +886,8 @@ impl Store for SqliteStore {
 
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             let out = append_in(&tx, &session_id, entries)?;
-            tx.commit()?;
             Ok(out)
         })
         .await
@@ -925,23 +902,18 @@ impl Store for SqliteStore {
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let (session_id, turn_id) = (session_id.to_owned(), turn_id.to_owned());
         let seen_by = seen_by.map(str::to_owned);
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             // A turn left open (its rewind failed) ends as an abort first.
             rewind_in(&tx, &session_id)?;
             let out = append_in(&tx, &session_id, entries)?;
             let (Some(first), Some(last)) = (out.first(), out.last()) else {
                 return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
             };
-            tx.execute(
-                "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
-                params![session_id, turn_id, first.id, last.id],
-            )?;
+            tx.prepare_cached("INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)")?.execute(params![session_id, turn_id, first.id, last.id])?;
             if let Some(engine) = seen_by {
                 tx.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
                     .execute(params![session_id, engine])?;
             }
-            tx.commit()?;
             Ok(out)
         })
         .await
@@ -949,8 +921,7 @@ impl Store for SqliteStore {
 
     async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             let out = match close {
                 TurnClose::Rewind => {
                     rewind_in(&tx, &session_id)?;
@@ -961,11 +932,10 @@ impl Store for SqliteStore {
                     if let Some(draft) = commit {
                         queue_commit_in(&tx, &session_id, draft)?;
                     }
-                    tx.execute("DELETE FROM open_turns WHERE session_id = ?1", [&session_id])?;
+                    tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
                     out
                 }
             };
-            tx.commit()?;
             Ok(out)
         })
         .await
@@ -980,8 +950,7 @@ impl Store for SqliteStore {
     ) -> Result<bool, StoreError> {
         let (session_id, host_id, epoch, fingerprint) =
             (session_id.to_owned(), host_id.to_owned(), epoch.to_owned(), fingerprint.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             let before: Option<(String, String)> = tx
                 .query_row(
                     "SELECT epoch, fingerprint FROM projections WHERE session_id = ?1 AND host_id = ?2",
@@ -991,12 +960,8 @@ impl Store for SqliteStore {
                 .optional()?;
             let changed = before.as_ref() != Some(&(epoch.clone(), fingerprint.clone()));
             if changed {
-                tx.execute(
-                    "INSERT OR REPLACE INTO projections (session_id, host_id, epoch, fingerprint) VALUES (?1, ?2, ?3, ?4)",
-                    params![session_id, host_id, epoch, fingerprint],
-                )?;
+                tx.prepare_cached("INSERT OR REPLACE INTO projections (session_id, host_id, epoch, fingerprint) VALUES (?1, ?2, ?3, ?4)")?.execute(params![session_id, host_id, epoch, fingerprint])?;
             }
-            tx.commit()?;
             Ok(changed)
         })
         .await
@@ -1004,7 +969,7 @@ impl Store for SqliteStore {
 
     async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
         let (session_id, engine_id) = (session_id.to_owned(), engine_id.to_owned());
-        self.run(move |c| {
+        self.db.read(move |c| {
             let mut stmt = c.prepare_cached(
                 "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
                  WHERE session_id = ?1 AND engine_id = ?2 ORDER BY rowid",
@@ -1029,7 +994,7 @@ impl Store for SqliteStore {
 
     async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError> {
         let engines = engines.to_vec();
-        self.run(move |c| {
+        self.db.read(move |c| {
             // A pair is due when its oldest row is: later rows wait behind it.
             let mut stmt = c.prepare_cached(&format!(
                 "SELECT session_id, engine_id FROM outbox o WHERE rowid =
@@ -1051,9 +1016,8 @@ impl Store for SqliteStore {
         advance: Option<Advance>,
     ) -> Result<(), StoreError> {
         let (s, k) = (session_id.to_owned(), advancement_key.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
-            tx.execute("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2", params![s, k])?;
+        self.db.write(move |tx| {
+            tx.prepare_cached("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2")?.execute(params![s, k])?;
             if let Some(a) = advance {
                 // Only forwards: a redelivered (DUPLICATE) commit moves nothing.
                 tx.prepare_cached(
@@ -1062,14 +1026,13 @@ impl Store for SqliteStore {
                 )?
                 .execute(params![s, a.engine_id, a.last_message_id, a.seq as i64, a.messages as i64, a.tokens as i64])?;
             }
-            tx.commit()?;
             Ok(())
         })
         .await
     }
 
     async fn durable_engines(&self) -> Result<Vec<String>, StoreError> {
-        self.run(|c| {
+        self.db.read(|c| {
             let mut stmt = c.prepare("SELECT engine_id FROM durable_engines")?;
             let rows = stmt.query_map([], |r| r.get(0))?;
             Ok(rows.collect::<rusqlite::Result<_>>()?)
@@ -1079,11 +1042,11 @@ impl Store for SqliteStore {
 
     async fn set_durable(&self, engine_id: &str, durable: bool) -> Result<(), StoreError> {
         let e = engine_id.to_owned();
-        self.run(move |c| {
+        self.db.write(move |c| {
             if durable {
-                c.execute("INSERT OR IGNORE INTO durable_engines (engine_id) VALUES (?1)", [e])?;
+                c.prepare_cached("INSERT OR IGNORE INTO durable_engines (engine_id) VALUES (?1)")?.execute([e])?;
             } else {
-                c.execute("DELETE FROM durable_engines WHERE engine_id = ?1", [e])?;
+                c.prepare_cached("DELETE FROM durable_engines WHERE engine_id = ?1")?.execute([e])?;
             }
             Ok(())
         })
@@ -1092,7 +1055,7 @@ impl Store for SqliteStore {
 
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
-        self.run(move |c| {
+        self.db.read(move |c| {
             Ok(c.prepare_cached(
                 "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = ?1 AND engine_id = ?2",
             )?
@@ -1116,14 +1079,11 @@ impl Store for SqliteStore {
         cursor: Option<pb::HistoryCursor>,
     ) -> Result<(), StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
-        self.run(move |c| {
+        self.db.write(move |c| {
             match cursor {
-                None => c.execute("DELETE FROM cursors WHERE session_id = ?1 AND engine_id = ?2", params![s, e])?,
-                Some(k) => c.execute(
-                    "INSERT OR REPLACE INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![s, e, k.message_id, k.seq as i64, k.message_count as i64, k.tokens as i64],
-                )?,
+                None => c.prepare_cached("DELETE FROM cursors WHERE session_id = ?1 AND engine_id = ?2")?.execute(params![s, e])?,
+                Some(k) => c.prepare_cached("INSERT OR REPLACE INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![s, e, k.message_id, k.seq as i64, k.message_count as i64, k.tokens as i64])?,
             };
             Ok(())
         })
@@ -1136,7 +1096,7 @@ impl Store for SqliteStore {
         cursor: &pb::HistoryCursor,
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
         let (session_id, cursor) = (session_id.to_owned(), cursor.clone());
-        self.run(move |c| {
+        self.db.read(move |c| {
             let leaf: Option<Option<String>> = c
                 .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
                 .optional()?;
@@ -1182,12 +1142,9 @@ impl Store for SqliteStore {
         next_attempt_ms: i64,
     ) -> Result<(), StoreError> {
         let (s, k, e) = (session_id.to_owned(), advancement_key.to_owned(), error.to_owned());
-        self.run(move |c| {
-            c.execute(
-                "UPDATE outbox SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
-                 WHERE session_id = ?1 AND advancement_key = ?2",
-                params![s, k, e, next_attempt_ms],
-            )?;
+        self.db.write(move |c| {
+            c.prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
+                 WHERE session_id = ?1 AND advancement_key = ?2")?.execute(params![s, k, e, next_attempt_ms])?;
             Ok(())
         })
         .await
@@ -1195,13 +1152,10 @@ impl Store for SqliteStore {
 
     async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
         let agent = agent.map(str::to_owned);
-        self.run(move |c| {
+        self.db.read(move |c| {
             let rows = query_outbox(c, "?1 IS NULL OR s.agent_id = ?1", params![agent], limit)?;
-            let total: u32 = c.query_row(
-                "SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE ?1 IS NULL OR s.agent_id = ?1",
-                params![agent],
-                |r| r.get(0),
-            )?;
+            let total: u32 = c.prepare_cached("SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE ?1 IS NULL OR s.agent_id = ?1")?.query_row(params![agent],
+                |r| r.get(0))?;
             let more = total.saturating_sub(rows.len() as u32);
             Ok((rows, more))
         })
@@ -1210,18 +1164,15 @@ impl Store for SqliteStore {
 
     async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| query_outbox(c, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX))
+        self.db.read(move |c| query_outbox(c, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX))
             .await
     }
 
     async fn retry_outbox(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
-            let n = c.execute(
-                "UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
-                   (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)",
-                params![agent, key],
-            )?;
+        self.db.write(move |c| {
+            let n = c.prepare_cached("UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
+                   (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)")?.execute(params![agent, key])?;
             Ok(n as u32)
         })
         .await
@@ -1229,30 +1180,22 @@ impl Store for SqliteStore {
 
     async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             let rows = query_outbox(&tx, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX)?;
             let at = now_ms();
             for r in &rows {
-                tx.execute(
-                    "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-                    params![r.session_id, r.agent_id, r.session_key, r.advancement_key, r.engine_id, r.attempts, r.last_error, at],
-                )?;
-                tx.execute(
-                    "DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2",
-                    params![r.session_id, r.advancement_key],
-                )?;
+                tx.prepare_cached("INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)")?.execute(params![r.session_id, r.agent_id, r.session_key, r.advancement_key, r.engine_id, r.attempts, r.last_error, at])?;
+                tx.prepare_cached("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2")?.execute(params![r.session_id, r.advancement_key])?;
             }
-            tx.commit()?;
             Ok(rows)
         })
         .await
     }
 
     async fn outbox_counts(&self) -> Result<(u32, u32), StoreError> {
-        self.run(|c| {
-            Ok(c.query_row("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox", [], |r| {
+        self.db.read(|c| {
+            Ok(c.prepare_cached("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox")?.query_row([], |r| {
                 Ok((r.get(0)?, r.get(1)?))
             })?)
         })
@@ -1261,7 +1204,7 @@ impl Store for SqliteStore {
 
     async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
-        self.run(move |c| {
+        self.db.write(move |c| {
             c.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
                 .execute(params![s, e])?;
             Ok(())
@@ -1271,7 +1214,7 @@ impl Store for SqliteStore {
 
     async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError> {
         let engines = engines.to_vec();
-        self.run(move |c| {
+        self.db.read(move |c| {
             let mut stmt = c.prepare_cached(&format!(
                 "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
                  WHERE next_attempt_ms <= ?1 AND engine_id IN ({}) ORDER BY rowid LIMIT 256",
@@ -1300,14 +1243,11 @@ impl Store for SqliteStore {
     ) -> Result<(), StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
         let retry = retry_at.map(|(at, why)| (at, why.to_owned()));
-        self.run(move |c| {
+        self.db.write(move |c| {
             match retry {
-                None => c.execute("DELETE FROM forgets WHERE session_id = ?1 AND engine_id = ?2", params![s, e])?,
-                Some((at, why)) => c.execute(
-                    "UPDATE forgets SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
-                     WHERE session_id = ?1 AND engine_id = ?2",
-                    params![s, e, why, at],
-                )?,
+                None => c.prepare_cached("DELETE FROM forgets WHERE session_id = ?1 AND engine_id = ?2")?.execute(params![s, e])?,
+                Some((at, why)) => c.prepare_cached("UPDATE forgets SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
+                     WHERE session_id = ?1 AND engine_id = ?2")?.execute(params![s, e, why, at])?,
             };
             Ok(())
         })
@@ -1316,7 +1256,7 @@ impl Store for SqliteStore {
 
     async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.run(move |c| {
+        self.db.read(move |c| {
             let leaf: Option<Option<String>> = c
                 .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
                 .optional()?;
@@ -1337,7 +1277,7 @@ impl Store for SqliteStore {
 
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.run(move |c| {
+        self.db.read(move |c| {
             let leaf: Option<Option<String>> = c
                 .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
                 .optional()?;
@@ -1379,7 +1319,7 @@ impl Store for SqliteStore {
         let session_id = session_id.to_owned();
         let this = self.clone();
         let branch = self.branch(&session_id).await?;
-        this.run(move |c| {
+        this.db.write(move |tx| {
             let kept = |reason: &str| Ok(RewriteOutcome { reason: reason.into(), ..Default::default() });
             let wanted: std::collections::HashMap<String, AgentMessage> =
                 replacements.into_iter().filter(|(id, _)| !id.trim().is_empty()).collect();
@@ -1397,9 +1337,8 @@ impl Store for SqliteStore {
             let Some(first) = branch.iter().position(|e| matched(e).is_some()) else {
                 return kept("no changed matching message entries");
             };
-            let tx = c.transaction()?;
             let (leaf, mut seq): (Option<String>, i64) =
-                tx.query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [&session_id], |r| {
+                tx.prepare_cached("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1")?.query_row([&session_id], |r| {
                     Ok((r.get(0)?, r.get(1)?))
                 })?;
             // The leaf moved since the branch was read: someone appended; let them win.
@@ -1438,17 +1377,11 @@ impl Store for SqliteStore {
                     turn_id: old.turn_id.clone(),
                     entry: Some(entry),
                 };
-                tx.execute(
-                    "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    params![id, session_id, parent, seq, kind, stored.encode_to_vec()],
-                )?;
+                tx.prepare_cached("INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![id, session_id, parent, seq, kind, stored.encode_to_vec()])?;
                 parent = Some(id);
                 seq += 1;
             }
-            tx.execute(
-                "UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1",
-                params![session_id, parent, seq],
-            )?;
+            tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?.execute(params![session_id, parent, seq])?;
             // An open turn's admitted entries were copied too: follow them.
             for column in ["first_entry_id", "anchor_id"] {
                 let old: Option<String> = tx
@@ -1457,13 +1390,9 @@ impl Store for SqliteStore {
                     })
                     .optional()?;
                 if let Some(new) = old.and_then(|o| remap.get(&o)) {
-                    tx.execute(
-                        &format!("UPDATE open_turns SET {column} = ?2 WHERE session_id = ?1"),
-                        params![session_id, new],
-                    )?;
+                    tx.prepare_cached(&format!("UPDATE open_turns SET {column} = ?2 WHERE session_id = ?1"))?.execute(params![session_id, new])?;
                 }
             }
-            tx.commit()?;
             Ok(RewriteOutcome {
                 changed: true,
                 bytes_freed: freed,
@@ -1476,11 +1405,8 @@ impl Store for SqliteStore {
     }
 
     async fn add_subagent(&self, a: Subagent) -> Result<(), StoreError> {
-        self.run(move |c| {
-            c.execute(
-                "INSERT OR REPLACE INTO subagents (agent_id, child_key, parent_key, rollback_token, expires_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![a.agent_id, a.child_key, a.parent_key, a.rollback_token, a.expires_at_ms],
-            )?;
+        self.db.write(move |c| {
+            c.prepare_cached("INSERT OR REPLACE INTO subagents (agent_id, child_key, parent_key, rollback_token, expires_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)")?.execute(params![a.agent_id, a.child_key, a.parent_key, a.rollback_token, a.expires_at_ms])?;
             Ok(())
         })
         .await
@@ -1488,8 +1414,7 @@ impl Store for SqliteStore {
 
     async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError> {
         let (agent, key) = (agent.to_owned(), child_key.to_owned());
-        self.run(move |c| {
-            let tx = c.transaction()?;
+        self.db.write(move |tx| {
             let s = tx
                 .query_row(
                     "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents WHERE agent_id = ?1 AND child_key = ?2",
@@ -1497,15 +1422,14 @@ impl Store for SqliteStore {
                     read_subagent,
                 )
                 .optional()?;
-            tx.execute("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2", params![agent, key])?;
-            tx.commit()?;
+            tx.prepare_cached("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?.execute(params![agent, key])?;
             Ok(s)
         })
         .await
     }
 
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
-        self.run(move |c| {
+        self.db.read(move |c| {
             let mut stmt = c.prepare(
                 "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= ?1",
             )?;
@@ -1516,7 +1440,7 @@ impl Store for SqliteStore {
     }
 
     async fn count_sessions(&self) -> Result<u32, StoreError> {
-        self.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM sessions WHERE state = 'active'", [], |r| r.get(0))?)).await
+        self.db.read(|c| Ok(c.prepare_cached("SELECT COUNT(*) FROM sessions WHERE state = 'active'")?.query_row([], |r| r.get(0))?)).await
     }
 }
 
@@ -1560,6 +1484,52 @@ mod tests {
             ..Default::default()
         };
         NewEntry { turn_id: "t".into(), entry: Entry::Message(m) }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_writes_share_a_commit_and_a_failing_one_fails_alone() {
+        let (_dir, store, _) = fixture().await;
+        let mut sessions = Vec::new();
+        for i in 0..32 {
+            sessions.push(store.session("main", &format!("k{i}"), true).await.unwrap().unwrap());
+        }
+        // A slow read holds the connection while every write queues.
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let db = store.db.clone();
+        let slow = async move {
+            db.read(move |_| {
+            held_tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                Ok(())
+            })
+            .await
+        };
+        let slow = tokio::spawn(slow);
+        held.recv().unwrap();
+        let before = store.commit_counts();
+        let mut writes: Vec<_> = sessions
+            .iter()
+            .map(|s| {
+                let (store, id) = (store.clone(), s.session_id.clone());
+                tokio::spawn(async move { store.append(&id, vec![user("hi")]).await })
+            })
+            .collect();
+        let doomed = store.clone();
+        writes.push(tokio::spawn(async move { doomed.append("no-such-session", vec![user("lost")]).await }));
+        slow.await.unwrap().unwrap();
+        let mut results = Vec::new();
+        for w in writes {
+            results.push(w.await.unwrap());
+        }
+        let doomed = results.pop().unwrap();
+        assert!(matches!(doomed, Err(StoreError::NoSession(_))), "{doomed:?}");
+        assert!(results.iter().all(Result::is_ok), "{results:?}");
+        let after = store.commit_counts();
+        assert_eq!(after.1 - before.1, 33, "every write ran in a batch");
+        assert!(after.0 - before.0 <= 2, "33 writes queued behind one read took {} commits", after.0 - before.0);
+        for s in &sessions {
+            assert_eq!(store.branch(&s.session_id).await.unwrap().len(), 1, "each write committed");
+        }
     }
 
     #[tokio::test]
@@ -1656,7 +1626,7 @@ mod tests {
             .collect();
         assert_eq!(shape, ["before", "question", "[summary]"], "the turn's message left, its summary stayed");
         // Nothing is lost: the rewound entry is still in the tree.
-        let all: i64 = store.run(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
+        let all: i64 = store.db.read(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
         assert_eq!(all, 5);
         // Closing an accepted turn moves nothing back.
         store.open_turn(&s.session_id, "t2", vec![user("next")], None).await.unwrap();
@@ -1712,7 +1682,8 @@ mod tests {
         let pending = store.pending_commits("s1", "e").await.unwrap();
         assert_eq!(pending.len(), 1);
         assert_eq!((pending[0].attempts, pending[0].next_attempt_ms), (0, 0));
-        let version: i64 = store.conn.lock().unwrap().pragma_query_value(None, "user_version", |r| r.get(0)).unwrap();
+        let version: i64 =
+            store.db.read(|c| Ok(c.pragma_query_value(None, "user_version", |r| r.get(0))?)).await.unwrap();
         assert_eq!(version, MIGRATIONS.len() as i64);
         drop(store);
         SqliteStore::open(dir.path()).expect("opening a current database again is a no-op");
@@ -1747,7 +1718,7 @@ mod tests {
         let dropped = store.drop_outbox("main", "k").await.unwrap();
         assert_eq!(dropped.len(), 2);
         let audited: i64 =
-            store.conn.lock().unwrap().query_row("SELECT COUNT(*) FROM outbox_drops", [], |r| r.get(0)).unwrap();
+            store.db.read(|c| Ok(c.query_row("SELECT COUNT(*) FROM outbox_drops", [], |r| r.get(0))?)).await.unwrap();
         assert_eq!(audited, 2);
         assert_eq!(store.branch(&id).await.unwrap().len(), 2, "a drop leaves the transcript alone");
 

@@ -1,0 +1,457 @@
+//! `loadgen`: load for a real `ctxgate serve` process (and, with `--engine
+//! window`, a real window engine process), offline model, from this process
+//! over loopback.
+//!
+//! - `closed --sessions 64 --seconds 10`: each session sends its next turn
+//!   when the last one ends; turns/s and latency.
+//! - `open --rate 4000 --seconds 5`: arrivals on a fixed schedule, whatever
+//!   the gateway does; latency runs from the *scheduled* time, so a gateway
+//!   that falls behind cannot hide it (no coordinated omission). Counts
+//!   what completed, what was shed (RESOURCE_EXHAUSTED or UNAVAILABLE) and
+//!   what failed otherwise.
+//! - `overload`: `closed` to find saturation S and the p99 at that
+//!   concurrency, then `open` at `--factor` (4) × S on the same gateway;
+//!   prints both and the ratios the issue judges (admitted p99 / unloaded
+//!   p99, RSS / idle RSS).
+//! - `soak --minutes 30`: `closed` for S, then `open` at half of S for the
+//!   whole time; RSS at the start and the end, and every error.
+//!
+//! The gateway's RSS (from /proc) is sampled every 100 ms: idle (after the
+//! warm-up), peak and at the end.
+//!
+//! ```text
+//! cargo build --release --workspace --bins
+//! target/release/loadgen overload --engine legacy
+//! target/release/loadgen overload --engine window
+//! target/release/loadgen soak --minutes 30
+//! ```
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
+use ctxgate_tests::{EngineProcess, bin};
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+#[command(about = "Open- and closed-loop load for a ctxgate gateway process")]
+struct Args {
+    #[command(subcommand)]
+    run: Run,
+    /// The context engine behind the gateway.
+    #[arg(long, value_enum, default_value_t = EngineKind::Legacy, global = true)]
+    engine: EngineKind,
+    /// Client connections to the gateway (streams are spread over them).
+    #[arg(long, default_value_t = 8, global = true)]
+    connections: usize,
+    /// Extra JSON5 lines inside the gateway config's `gateway: { limits: { … } }`.
+    #[arg(long, default_value = "", global = true)]
+    limits: String,
+}
+
+#[derive(Subcommand)]
+enum Run {
+    Closed {
+        #[arg(long, default_value_t = 64)]
+        sessions: usize,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+    },
+    Open {
+        #[arg(long)]
+        rate: f64,
+        #[arg(long, default_value_t = 5.0)]
+        seconds: f64,
+        /// Arrivals go round-robin over this many sessions.
+        #[arg(long, default_value_t = 4096)]
+        sessions: usize,
+    },
+    Overload {
+        #[arg(long, default_value_t = 64)]
+        sessions: usize,
+        #[arg(long, default_value_t = 4.0)]
+        factor: f64,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+    },
+    Soak {
+        #[arg(long, default_value_t = 30.0)]
+        minutes: f64,
+        #[arg(long, default_value_t = 64)]
+        sessions: usize,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum EngineKind {
+    Legacy,
+    Window,
+}
+
+/// What a run saw.
+#[derive(Default)]
+struct Tally {
+    /// Latency of each completed turn, µs.
+    latencies: Vec<u64>,
+    shed: u64,
+    /// Other errors, with the first few messages.
+    errors: u64,
+    samples: Vec<String>,
+}
+
+impl Tally {
+    fn add(&mut self, outcome: Outcome, latency: Duration) {
+        match outcome {
+            Outcome::Completed => self.latencies.push(latency.as_micros() as u64),
+            Outcome::Shed => self.shed += 1,
+            Outcome::Error(e) => {
+                self.errors += 1;
+                if self.samples.len() < 5 {
+                    self.samples.push(e);
+                }
+            }
+        }
+    }
+
+    fn percentile(&self, p: f64) -> Duration {
+        let mut v = self.latencies.clone();
+        v.sort_unstable();
+        if v.is_empty() {
+            return Duration::ZERO;
+        }
+        let i = ((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1;
+        Duration::from_micros(v[i])
+    }
+
+    fn report(&self, what: &str, elapsed: Duration) {
+        let rate = self.latencies.len() as f64 / elapsed.as_secs_f64();
+        println!(
+            "{what}: {} completed ({rate:.0}/s over {:.1} s), {} shed, {} errors; latency p50 {:.2} ms, p90 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+            self.latencies.len(),
+            elapsed.as_secs_f64(),
+            self.shed,
+            self.errors,
+            ms(self.percentile(0.5)),
+            ms(self.percentile(0.9)),
+            ms(self.percentile(0.99)),
+            ms(self.percentile(1.0)),
+        );
+        for s in &self.samples {
+            println!("  error: {s}");
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+enum Outcome {
+    Completed,
+    Shed,
+    Error(String),
+}
+
+/// The gateway (and engine) under load.
+struct Stack {
+    channels: Vec<Channel>,
+    gateway: EngineProcess,
+    _engine: Option<EngineProcess>,
+    _dir: tempfile::TempDir,
+}
+
+impl Stack {
+    async fn start(engine: EngineKind, connections: usize, limits: &str) -> Result<Self, String> {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let path = |p: &str| dir.path().join(p).to_str().map(str::to_owned).ok_or("non-UTF-8 temp dir");
+        let engine_process = match engine {
+            EngineKind::Legacy => None,
+            EngineKind::Window => {
+                let state = path("engine")?;
+                std::fs::create_dir_all(&state).map_err(|e| e.to_string())?;
+                let args = ["--listen", "127.0.0.1:0", "--state-dir", state.as_str()];
+                Some(EngineProcess::start(bin("ctxgate-engine-window"), &args).await.map_err(|e| e.to_string())?)
+            }
+        };
+        let plugins = match &engine_process {
+            None => String::new(),
+            Some(e) => format!(
+                "plugins: {{ slots: {{ contextEngine: 'window' }}, entries: {{ window: {{ endpoint: '{}' }} }} }},",
+                e.endpoint
+            ),
+        };
+        let config = format!("{{ gateway: {{ limits: {{ {limits} }} }}, {plugins} }}\n");
+        let (config_path, state) = (path("ctxgate.json5")?, path("gateway")?);
+        std::fs::write(&config_path, config).map_err(|e| e.to_string())?;
+        let args = ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config_path.as_str()];
+        let gateway = EngineProcess::start(bin("ctxgate"), &args).await.map_err(|e| e.to_string())?;
+        let mut channels = Vec::new();
+        for _ in 0..connections.max(1) {
+            let endpoint = tonic::transport::Endpoint::from_shared(gateway.endpoint.clone()).map_err(|e| e.to_string())?;
+            channels.push(endpoint.tcp_nodelay(true).connect().await.map_err(|e| e.to_string())?);
+        }
+        let stack = Self { channels, gateway, _engine: engine_process, _dir: dir };
+        if engine == EngineKind::Window {
+            stack.wait_attached().await?;
+        }
+        Ok(stack)
+    }
+
+    fn client(&self, i: usize) -> GatewayClient<Channel> {
+        GatewayClient::new(self.channels[i % self.channels.len()].clone())
+    }
+
+    async fn wait_attached(&self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let s = self.client(0).get_status(api::StatusRequest {}).await.map_err(|e| e.to_string())?.into_inner();
+            if s.engines.iter().any(|e| e.id == "window" && e.quarantine.is_none() && !e.name.is_empty()) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("the window engine never attached".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The engines the gateway holds in quarantine, with the reason.
+    async fn quarantined(&self) -> Result<Vec<String>, String> {
+        let s = self.client(0).get_status(api::StatusRequest {}).await.map_err(|e| e.to_string())?.into_inner();
+        Ok(s.engines.iter().filter_map(|e| e.quarantine.as_ref().map(|q| format!("{}: {q:?}", e.id))).collect())
+    }
+
+    fn rss_kib(&self) -> u64 {
+        rss_kib(self.gateway.pid())
+    }
+
+    /// One warm-up turn per session (creating a session is not a steady
+    /// turn's cost).
+    async fn warm_up(&self, sessions: usize) -> Result<(), String> {
+        let tasks: Vec<_> = (0..sessions)
+            .map(|i| {
+                let c = self.client(i);
+                tokio::spawn(async move { one_turn(c, i).await })
+            })
+            .collect();
+        for t in tasks {
+            if let Outcome::Error(e) = t.await.map_err(|e| e.to_string())? {
+                return Err(format!("warm-up: {e}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Peak RSS while `f` runs (sampled every 100 ms).
+struct RssWatch {
+    peak: Arc<AtomicU64>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl RssWatch {
+    fn start(pid: u32) -> Self {
+        let peak = Arc::new(AtomicU64::new(rss_kib(pid)));
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (p, s) = (peak.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(100));
+            while s.run_until_cancelled(tick.tick()).await.is_some() {
+                p.fetch_max(rss_kib(pid), Ordering::Relaxed);
+            }
+        });
+        Self { peak, stop }
+    }
+
+    fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for RssWatch {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn key(i: usize) -> String {
+    format!("load-{i}")
+}
+
+async fn one_turn(mut c: GatewayClient<Channel>, session: usize) -> Outcome {
+    let req = api::RunTurnRequest {
+        session: Some(api::SessionRef { agent_id: String::new(), session_key: key(session) }),
+        message: "How is the build going today?".into(),
+        ..Default::default()
+    };
+    let classify = |s: tonic::Status| match s.code() {
+        tonic::Code::ResourceExhausted | tonic::Code::Unavailable => Outcome::Shed,
+        _ => Outcome::Error(format!("{:?}: {}", s.code(), s.message())),
+    };
+    let mut stream = match c.run_turn(req).await {
+        Ok(s) => s.into_inner(),
+        Err(s) => return classify(s),
+    };
+    let mut done = false;
+    while let Some(e) = stream.next().await {
+        match e.map(|e| e.event) {
+            Ok(Some(Event::Completed(_))) => done = true,
+            Ok(Some(Event::Failed(f))) => return Outcome::Error(format!("turn failed: {}", f.message)),
+            Ok(_) => {}
+            Err(s) => return classify(s),
+        }
+    }
+    if done { Outcome::Completed } else { Outcome::Error("the stream ended without `completed`".into()) }
+}
+
+async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duration) {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let started = Instant::now();
+    let until = started + Duration::from_secs_f64(seconds);
+    let tasks: Vec<_> = (0..sessions)
+        .map(|i| {
+            let (c, tally) = (stack.client(i), tally.clone());
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let t = Instant::now();
+                    let outcome = one_turn(c.clone(), i).await;
+                    tally.lock().unwrap_or_else(|e| e.into_inner()).add(outcome, t.elapsed());
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = started.elapsed();
+    (take(tally), elapsed)
+}
+
+async fn open(stack: &Stack, rate: f64, seconds: f64, sessions: usize) -> (Tally, Duration) {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let n = (rate * seconds).round() as u64;
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(n as usize);
+    for k in 0..n {
+        let scheduled = started + Duration::from_secs_f64(k as f64 / rate);
+        tokio::time::sleep_until(scheduled).await;
+        let session = k as usize % sessions;
+        let (c, tally) = (stack.client(k as usize), tally.clone());
+        tasks.push(tokio::spawn(async move {
+            let outcome = one_turn(c, session).await;
+            tally.lock().unwrap_or_else(|e| e.into_inner()).add(outcome, scheduled.elapsed());
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = started.elapsed();
+    (take(tally), elapsed)
+}
+
+fn take(t: Arc<Mutex<Tally>>) -> Tally {
+    std::mem::take(&mut *t.lock().unwrap_or_else(|e| e.into_inner()))
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+async fn run(args: Args) -> Result<bool, String> {
+    let stack = Stack::start(args.engine, args.connections, &args.limits).await?;
+    let engine = match args.engine {
+        EngineKind::Legacy => "legacy",
+        EngineKind::Window => "window",
+    };
+    let mut ok = true;
+    match args.run {
+        Run::Closed { sessions, seconds } => {
+            stack.warm_up(sessions).await?;
+            let (t, e) = closed(&stack, sessions, seconds).await;
+            t.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
+            ok &= t.errors == 0;
+        }
+        Run::Open { rate, seconds, sessions } => {
+            stack.warm_up(sessions.min(512)).await?;
+            let idle = stack.rss_kib();
+            let watch = RssWatch::start(stack.gateway.pid());
+            let (t, e) = open(&stack, rate, seconds, sessions).await;
+            t.report(&format!("open loop, {engine}, {rate:.0}/s offered"), e);
+            println!("gateway RSS: idle {:.1} MiB, peak {:.1} MiB", mib(idle), mib(watch.peak()));
+            ok &= t.errors == 0;
+        }
+        Run::Overload { sessions, factor, seconds } => {
+            stack.warm_up(sessions).await?;
+            let (base, e) = closed(&stack, sessions, seconds).await;
+            base.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
+            let saturation = base.latencies.len() as f64 / e.as_secs_f64();
+            let rate = saturation * factor;
+            stack.warm_up(sessions.max(512)).await?;
+            let idle = stack.rss_kib();
+            let watch = RssWatch::start(stack.gateway.pid());
+            let (t, e) = open(&stack, rate, seconds / 2.0, 4096).await;
+            t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
+            let quarantined = stack.quarantined().await?;
+            let p99 = ms(t.percentile(0.99)) / ms(base.percentile(0.99)).max(1e-3);
+            let rss = mib(watch.peak()) / mib(idle).max(1e-3);
+            println!(
+                "overload verdict: shed {:.0} %, admitted p99 / closed-loop p99 = {p99:.2} (≤ 3), peak RSS / idle = {rss:.2} ({:.1} / {:.1} MiB, ≤ 2), {} errors, quarantined: {quarantined:?}",
+                100.0 * t.shed as f64 / (t.shed + t.latencies.len() as u64 + t.errors).max(1) as f64,
+                mib(watch.peak()),
+                mib(idle),
+                t.errors,
+            );
+            ok &= t.errors == 0 && quarantined.is_empty() && p99 <= 3.0 && rss <= 2.0;
+        }
+        Run::Soak { minutes, sessions } => {
+            stack.warm_up(sessions).await?;
+            let (base, e) = closed(&stack, sessions, 10.0).await;
+            base.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
+            let rate = base.latencies.len() as f64 / e.as_secs_f64() / 2.0;
+            stack.warm_up(1024).await?;
+            let start = stack.rss_kib();
+            let watch = RssWatch::start(stack.gateway.pid());
+            let (t, e) = open(&stack, rate, minutes * 60.0, 1024).await;
+            let end = stack.rss_kib();
+            t.report(&format!("soak, {engine}, {rate:.0}/s for {minutes} min"), e);
+            let growth = 100.0 * (end as f64 - start as f64) / start.max(1) as f64;
+            println!(
+                "soak verdict: RSS start {:.1} MiB, end {:.1} MiB ({growth:+.1} %), peak {:.1} MiB; {} shed, {} errors",
+                mib(start),
+                mib(end),
+                mib(watch.peak()),
+                t.shed,
+                t.errors
+            );
+            ok &= t.errors == 0 && t.shed == 0 && growth < 5.0;
+        }
+    }
+    Ok(ok)
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    match run(Args::parse()).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("loadgen: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
