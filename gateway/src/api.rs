@@ -27,10 +27,11 @@ impl From<CoreError> for Status {
             CoreError::NoEngine(_) => Status::not_found(e.to_string()),
             CoreError::Precondition(_) | CoreError::Busy(BusyError::Busy) => Status::failed_precondition(e.to_string()),
             CoreError::Busy(BusyError::QueueFull(_)) => Status::resource_exhausted(e.to_string()),
-            CoreError::Overloaded(_) => {
+            CoreError::Overloaded(shed) => {
                 let mut s = Status::resource_exhausted(e.to_string());
                 // gRPC's retry pushback: clients with a retry policy wait this long.
-                s.metadata_mut().insert("grpc-retry-pushback-ms", tonic::metadata::MetadataValue::from_static("100"));
+                let ms = tonic::metadata::MetadataValue::from(shed.retry_after.as_millis() as u64);
+                s.metadata_mut().insert("grpc-retry-pushback-ms", ms);
                 s
             }
             CoreError::EngineFailed(_) => Status::unavailable(e.to_string()),

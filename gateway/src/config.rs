@@ -87,6 +87,30 @@ pub struct LimitsSection {
     pub http2_keepalive_timeout_seconds: u64,
     /// TCP keepalive probes on accepted sockets (seconds).
     pub tcp_keepalive_seconds: u64,
+    /// The turn limit follows measured latency below `maxConcurrentTurns`
+    /// (`core::admission`).
+    pub adaptive_concurrency: AdaptiveConcurrency,
+}
+
+/// `gateway.limits.adaptiveConcurrency`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AdaptiveConcurrency {
+    /// `false`: the limit is `maxConcurrentTurns`, fixed.
+    pub enabled: bool,
+    /// The limit at start (within minLimit..=maxConcurrentTurns).
+    pub initial_limit: usize,
+    /// The limit never goes below this (nor above maxConcurrentTurns).
+    pub min_limit: usize,
+    /// How much slower than the best seen a window's p90 gateway latency
+    /// may be before the limit shrinks (1.1–10).
+    pub tolerance: f64,
+}
+
+impl Default for AdaptiveConcurrency {
+    fn default() -> Self {
+        Self { enabled: true, initial_limit: 32, min_limit: 4, tolerance: 2.0 }
+    }
 }
 
 impl Default for LimitsSection {
@@ -100,6 +124,7 @@ impl Default for LimitsSection {
             http2_keepalive_seconds: 30,
             http2_keepalive_timeout_seconds: 10,
             tcp_keepalive_seconds: 60,
+            adaptive_concurrency: AdaptiveConcurrency::default(),
         }
     }
 }
@@ -367,6 +392,14 @@ impl Config {
         }
         if l.max_concurrent_turns == 0 || l.max_concurrent_turns > 1_000_000 {
             return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
+        }
+        let a = &l.adaptive_concurrency;
+        if a.min_limit == 0 || a.initial_limit == 0 {
+            let key = if a.min_limit == 0 { "minLimit" } else { "initialLimit" };
+            return Err(invalid(&format!("gateway.limits.adaptiveConcurrency.{key}"), "must be positive"));
+        }
+        if !(1.1..=10.0).contains(&a.tolerance) {
+            return Err(invalid("gateway.limits.adaptiveConcurrency.tolerance", "must be between 1.1 and 10"));
         }
         if l.max_concurrent_streams_per_connection == 0 {
             return Err(invalid("gateway.limits.maxConcurrentStreamsPerConnection", "must be positive"));

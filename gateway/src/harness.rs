@@ -194,7 +194,12 @@ impl Drive {
         }
         loop {
             // The harness closing its side before `end` is an abort.
-            let Some(request) = self.next().await? else { return Err(aborted()) };
+            let asked = std::time::Instant::now();
+            let next = self.next().await?;
+            // The harness's own model and tools run while the gateway waits:
+            // not the gateway's latency.
+            turn.outside_gateway(asked.elapsed());
+            let Some(request) = next else { return Err(aborted()) };
             match request {
                 R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),
                 R::Assemble(a) => self.context(turn, a.pending, "assemble.pending").await?,

@@ -60,6 +60,8 @@ pub struct Metrics {
     pub turn_seconds: Histogram,
     pub turns_in_flight: Gauge,
     pub turns_shed: Counter,
+    /// The admission limit (it follows latency: `core::admission`).
+    pub turn_limit: Gauge,
     pub compactions: Family<TriggerOutcome, Counter>,
     pub compaction_seconds: Family<Trigger, Histogram>,
     pub compaction_tokens_before: Counter,
@@ -89,6 +91,7 @@ impl Default for Metrics {
         let turn_seconds = seconds();
         let turns_in_flight = Gauge::default();
         let turns_shed = Counter::default();
+        let turn_limit = Gauge::default();
         let compactions = Family::<TriggerOutcome, Counter>::default();
         let compaction_seconds = Family::<Trigger, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         let compaction_tokens_before = Counter::default();
@@ -97,7 +100,8 @@ impl Default for Metrics {
         r.register("turns_by_driver", "Turns by driver (managed, harness) and outcome", turns_by_driver.clone());
         r.register("turn_duration_seconds", "Managed turn duration", turn_seconds.clone());
         r.register("turns_in_flight", "Turns running now", turns_in_flight.clone());
-        r.register("turns_shed", "Turns refused at once over gateway.limits.maxConcurrentTurns", turns_shed.clone());
+        r.register("turns_shed", "Turns refused at once over the admission limit", turns_shed.clone());
+        r.register("turn_limit", "Turns admitted at once now (adaptive: follows latency)", turn_limit.clone());
         r.register("compactions", "Compactions by trigger and outcome", compactions.clone());
         r.register("compaction_duration_seconds", "Compaction duration by trigger", compaction_seconds.clone());
         r.register(
@@ -151,6 +155,7 @@ impl Default for Metrics {
             turn_seconds,
             turns_in_flight,
             turns_shed,
+            turn_limit,
             compactions,
             compaction_seconds,
             compaction_tokens_before,

@@ -566,8 +566,10 @@ fn read_session(r: &rusqlite::Row<'_>) -> rusqlite::Result<Session> {
 const SESSION_COLS: &str = "session_id, agent_id, session_key, state, created_at_ms";
 
 fn active(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Option<Session>> {
-    c.prepare_cached(&format!("SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'"))?.query_row(params![agent, key],
-        read_session)
+    c.prepare_cached(&format!(
+        "SELECT {SESSION_COLS} FROM sessions WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'"
+    ))?
+    .query_row(params![agent, key], read_session)
     .optional()
 }
 
@@ -624,12 +626,16 @@ fn append_in(
             turn_id: e.turn_id,
             entry: Some(entry),
         };
-        tx.prepare_cached("INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![id, session_id, parent, seq, kind, stored.encode_to_vec()])?;
+        tx.prepare_cached(
+            "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )?
+        .execute(params![id, session_id, parent, seq, kind, stored.encode_to_vec()])?;
         parent = Some(id);
         seq += 1;
         out.push(stored);
     }
-    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?.execute(params![session_id, parent, seq])?;
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?
+        .execute(params![session_id, parent, seq])?;
     Ok(out)
 }
 
@@ -645,8 +651,9 @@ fn branch_back_to(
     session_id: &str,
     stop: &str,
 ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
-    let leaf: Option<String> =
-        tx.prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?.query_row([session_id], |r| r.get(0))?;
+    let leaf: Option<String> = tx
+        .prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
+        .query_row([session_id], |r| r.get(0))?;
     let mut stmt = tx.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
     let mut out = Vec::new();
     let mut next = leaf;
@@ -665,8 +672,9 @@ fn branch_back_to(
 /// Queues a closed durable turn's commit: the messages from the first
 /// admitted entry to the leaf, and the leaf as the terminal anchor.
 fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
-    let first: String =
-        tx.prepare_cached("SELECT first_entry_id FROM open_turns WHERE session_id = ?1")?.query_row([session_id], |r| r.get(0))?;
+    let first: String = tx
+        .prepare_cached("SELECT first_entry_id FROM open_turns WHERE session_id = ?1")?
+        .query_row([session_id], |r| r.get(0))?;
     let mut range = branch_back_to(tx, session_id, &first)?
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
     range.reverse();
@@ -723,7 +731,8 @@ fn rewind_in(tx: &Connection, session_id: &str) -> Result<(), StoreError> {
             _ => None,
         })
         .collect();
-    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1")?.execute(params![session_id, anchor])?;
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1")?
+        .execute(params![session_id, anchor])?;
     append_in(tx, session_id, carried)?;
     Ok(())
 }
@@ -805,13 +814,17 @@ impl Store for SqliteStore {
 
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db.write(move |tx| {
-            let state = if archive { "archived" } else { "inactive" };
-            tx.prepare_cached("UPDATE sessions SET state = ?3 WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'")?.execute(params![agent, key, state])?;
-            let s = create(&tx, &agent, &key)?;
-            Ok(s)
-        })
-        .await
+        self.db
+            .write(move |tx| {
+                let state = if archive { "archived" } else { "inactive" };
+                tx.prepare_cached(
+                    "UPDATE sessions SET state = ?3 WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'",
+                )?
+                .execute(params![agent, key, state])?;
+                let s = create(&tx, &agent, &key)?;
+                Ok(s)
+            })
+            .await
     }
 
     async fn list_sessions(
@@ -822,21 +835,22 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> Result<Vec<SessionStats>, StoreError> {
         let agent = agent.map(str::to_owned);
-        self.db.read(move |c| {
-            let mut stmt = c.prepare(&format!(
-                "SELECT {SESSION_COLS},
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare(&format!(
+                    "SELECT {SESSION_COLS},
                    (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id),
                    (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id AND e.kind = {KIND_COMPACTION})
                  FROM sessions s
                  WHERE (?1 IS NULL OR agent_id = ?1) AND (?2 OR state != 'archived')
                  ORDER BY agent_id, session_key, created_at_ms, s.rowid LIMIT ?3 OFFSET ?4"
-            ))?;
-            let rows = stmt.query_map(params![agent, include_archived, limit, offset as i64], |r| {
-                Ok(SessionStats { session: read_session(r)?, entries: r.get(5)?, compactions: r.get(6)? })
-            })?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+                ))?;
+                let rows = stmt.query_map(params![agent, include_archived, limit, offset as i64], |r| {
+                    Ok(SessionStats { session: read_session(r)?, entries: r.get(5)?, compactions: r.get(6)? })
+                })?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError> {
@@ -850,47 +864,55 @@ impl Store for SqliteStore {
 
     async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db.write(move |tx| {
-            const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2";
-            // Every engine that saw a session, by a call or a queued commit,
-            // is owed a ForgetSession; the queue survives a crash.
-            tx.prepare_cached(&format!(
+        self.db
+            .write(move |tx| {
+                const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2";
+                // Every engine that saw a session, by a call or a queued commit,
+                // is owed a ForgetSession; the queue survives a crash.
+                tx.prepare_cached(&format!(
                     "INSERT OR IGNORE INTO forgets (session_id, engine_id, agent_id, session_key)
                      SELECT session_id, engine_id, ?1, ?2 FROM engine_sessions WHERE session_id IN ({OF_KEY})
                      UNION SELECT session_id, engine_id, ?1, ?2 FROM outbox WHERE session_id IN ({OF_KEY})"
-                ))?.execute(params![agent, key])?;
-            for table in ["outbox", "engine_sessions", "cursors", "entries"] {
-                tx.prepare_cached(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"))?.execute(params![agent, key])?;
-            }
-            // The key's own subagent record (it was a child); a parent's
-            // children stay sessions of their own.
-            tx.prepare_cached("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?.execute(params![agent, key])?;
-            let n = tx.prepare_cached("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2")?.execute(params![agent, key])?;
-            Ok(n as u32)
-        })
-        .await
+                ))?
+                .execute(params![agent, key])?;
+                for table in ["outbox", "engine_sessions", "cursors", "entries"] {
+                    tx.prepare_cached(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"))?
+                        .execute(params![agent, key])?;
+                }
+                // The key's own subagent record (it was a child); a parent's
+                // children stay sessions of their own.
+                tx.prepare_cached("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?
+                    .execute(params![agent, key])?;
+                let n = tx
+                    .prepare_cached("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2")?
+                    .execute(params![agent, key])?;
+                Ok(n as u32)
+            })
+            .await
     }
 
     async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db.read(move |c| {
-            // Ordered: callers lock them in this order.
-            let mut stmt = c.prepare(
-                "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2 ORDER BY session_id",
-            )?;
-            let rows = stmt.query_map(params![agent, key], |r| r.get(0))?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+        self.db
+            .read(move |c| {
+                // Ordered: callers lock them in this order.
+                let mut stmt = c.prepare(
+                    "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2 ORDER BY session_id",
+                )?;
+                let rows = stmt.query_map(params![agent, key], |r| r.get(0))?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.db.write(move |tx| {
-            let out = append_in(&tx, &session_id, entries)?;
-            Ok(out)
-        })
-        .await
+        self.db
+            .write(move |tx| {
+                let out = append_in(&tx, &session_id, entries)?;
+                Ok(out)
+            })
+            .await
     }
 
     async fn open_turn(
@@ -902,43 +924,48 @@ impl Store for SqliteStore {
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let (session_id, turn_id) = (session_id.to_owned(), turn_id.to_owned());
         let seen_by = seen_by.map(str::to_owned);
-        self.db.write(move |tx| {
-            // A turn left open (its rewind failed) ends as an abort first.
-            rewind_in(&tx, &session_id)?;
-            let out = append_in(&tx, &session_id, entries)?;
-            let (Some(first), Some(last)) = (out.first(), out.last()) else {
-                return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
-            };
-            tx.prepare_cached("INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)")?.execute(params![session_id, turn_id, first.id, last.id])?;
-            if let Some(engine) = seen_by {
-                tx.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
-                    .execute(params![session_id, engine])?;
-            }
-            Ok(out)
-        })
-        .await
+        self.db
+            .write(move |tx| {
+                // A turn left open (its rewind failed) ends as an abort first.
+                rewind_in(&tx, &session_id)?;
+                let out = append_in(&tx, &session_id, entries)?;
+                let (Some(first), Some(last)) = (out.first(), out.last()) else {
+                    return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
+                };
+                tx.prepare_cached(
+                    "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![session_id, turn_id, first.id, last.id])?;
+                if let Some(engine) = seen_by {
+                    tx.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
+                        .execute(params![session_id, engine])?;
+                }
+                Ok(out)
+            })
+            .await
     }
 
     async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.db.write(move |tx| {
-            let out = match close {
-                TurnClose::Rewind => {
-                    rewind_in(&tx, &session_id)?;
-                    Vec::new()
-                }
-                TurnClose::Accept { entries, commit } => {
-                    let out = append_in(&tx, &session_id, entries)?;
-                    if let Some(draft) = commit {
-                        queue_commit_in(&tx, &session_id, draft)?;
+        self.db
+            .write(move |tx| {
+                let out = match close {
+                    TurnClose::Rewind => {
+                        rewind_in(&tx, &session_id)?;
+                        Vec::new()
                     }
-                    tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
-                    out
-                }
-            };
-            Ok(out)
-        })
-        .await
+                    TurnClose::Accept { entries, commit } => {
+                        let out = append_in(&tx, &session_id, entries)?;
+                        if let Some(draft) = commit {
+                            queue_commit_in(&tx, &session_id, draft)?;
+                        }
+                        tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
+                        out
+                    }
+                };
+                Ok(out)
+            })
+            .await
     }
 
     async fn record_projection(
@@ -969,44 +996,47 @@ impl Store for SqliteStore {
 
     async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
         let (session_id, engine_id) = (session_id.to_owned(), engine_id.to_owned());
-        self.db.read(move |c| {
-            let mut stmt = c.prepare_cached(
-                "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(
+                    "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
                  WHERE session_id = ?1 AND engine_id = ?2 ORDER BY rowid",
-            )?;
-            let rows = stmt.query_map([&session_id, &engine_id], |r| {
-                let body: Vec<u8> = r.get(1)?;
-                let request = pb::CommitTurnRequest::decode(body.as_slice()).map_err(|e| {
-                    rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e))
+                )?;
+                let rows = stmt.query_map([&session_id, &engine_id], |r| {
+                    let body: Vec<u8> = r.get(1)?;
+                    let request = pb::CommitTurnRequest::decode(body.as_slice()).map_err(|e| {
+                        rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e))
+                    })?;
+                    Ok(PendingCommit {
+                        engine_id: r.get(0)?,
+                        request,
+                        attempts: r.get(2)?,
+                        last_error: r.get(3)?,
+                        next_attempt_ms: r.get(4)?,
+                    })
                 })?;
-                Ok(PendingCommit {
-                    engine_id: r.get(0)?,
-                    request,
-                    attempts: r.get(2)?,
-                    last_error: r.get(3)?,
-                    next_attempt_ms: r.get(4)?,
-                })
-            })?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError> {
         let engines = engines.to_vec();
-        self.db.read(move |c| {
-            // A pair is due when its oldest row is: later rows wait behind it.
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT session_id, engine_id FROM outbox o WHERE rowid =
+        self.db
+            .read(move |c| {
+                // A pair is due when its oldest row is: later rows wait behind it.
+                let mut stmt = c.prepare_cached(&format!(
+                    "SELECT session_id, engine_id FROM outbox o WHERE rowid =
                    (SELECT MIN(rowid) FROM outbox f WHERE f.session_id = o.session_id AND f.engine_id = o.engine_id)
                  AND next_attempt_ms <= ?1 AND engine_id IN ({}) ORDER BY rowid LIMIT 1024",
-                placeholders(engines.len(), 2)
-            ))?;
-            let args = std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
-            let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| Ok((r.get(0)?, r.get(1)?)))?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+                    placeholders(engines.len(), 2)
+                ))?;
+                let args =
+                    std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
+                let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| Ok((r.get(0)?, r.get(1)?)))?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn complete_commit(
@@ -1032,31 +1062,34 @@ impl Store for SqliteStore {
     }
 
     async fn durable_engines(&self) -> Result<Vec<String>, StoreError> {
-        self.db.read(|c| {
-            let mut stmt = c.prepare("SELECT engine_id FROM durable_engines")?;
-            let rows = stmt.query_map([], |r| r.get(0))?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+        self.db
+            .read(|c| {
+                let mut stmt = c.prepare("SELECT engine_id FROM durable_engines")?;
+                let rows = stmt.query_map([], |r| r.get(0))?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn set_durable(&self, engine_id: &str, durable: bool) -> Result<(), StoreError> {
         let e = engine_id.to_owned();
-        self.db.write(move |c| {
-            if durable {
-                c.prepare_cached("INSERT OR IGNORE INTO durable_engines (engine_id) VALUES (?1)")?.execute([e])?;
-            } else {
-                c.prepare_cached("DELETE FROM durable_engines WHERE engine_id = ?1")?.execute([e])?;
-            }
-            Ok(())
-        })
-        .await
+        self.db
+            .write(move |c| {
+                if durable {
+                    c.prepare_cached("INSERT OR IGNORE INTO durable_engines (engine_id) VALUES (?1)")?.execute([e])?;
+                } else {
+                    c.prepare_cached("DELETE FROM durable_engines WHERE engine_id = ?1")?.execute([e])?;
+                }
+                Ok(())
+            })
+            .await
     }
 
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
-        self.db.read(move |c| {
-            Ok(c.prepare_cached(
+        self.db
+            .read(move |c| {
+                Ok(c.prepare_cached(
                 "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = ?1 AND engine_id = ?2",
             )?
             .query_row(params![s, e], |r| {
@@ -1068,8 +1101,8 @@ impl Store for SqliteStore {
                 })
             })
             .optional()?)
-        })
-        .await
+            })
+            .await
     }
 
     async fn set_cursor(
@@ -1096,42 +1129,43 @@ impl Store for SqliteStore {
         cursor: &pb::HistoryCursor,
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
         let (session_id, cursor) = (session_id.to_owned(), cursor.clone());
-        self.db.read(move |c| {
-            let leaf: Option<Option<String>> = c
-                .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
-                .optional()?;
-            let mut next = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
-            let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
-            let mut out = Vec::new();
-            // Seqs fall walking towards the root (a rewrite's copies get
-            // higher ones than the entry they branch from).
-            let mut found = cursor.message_id.is_empty();
-            while let Some(id) = next.take() {
-                let e = stmt.query_row([&id], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
-                // A message by its id (stable across rewrites, whose copies
-                // get new seqs), or a summary by its entry id.
-                if !found
-                    && (e.id == cursor.message_id
-                        || matches!(&e.entry, Some(Entry::Message(m)) if m.id == cursor.message_id))
-                {
-                    found = true;
-                    break;
+        self.db
+            .read(move |c| {
+                let leaf: Option<Option<String>> = c
+                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                    .optional()?;
+                let mut next = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
+                let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+                let mut out = Vec::new();
+                // Seqs fall walking towards the root (a rewrite's copies get
+                // higher ones than the entry they branch from).
+                let mut found = cursor.message_id.is_empty();
+                while let Some(id) = next.take() {
+                    let e = stmt.query_row([&id], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+                    // A message by its id (stable across rewrites, whose copies
+                    // get new seqs), or a summary by its entry id.
+                    if !found
+                        && (e.id == cursor.message_id
+                            || matches!(&e.entry, Some(Entry::Message(m)) if m.id == cursor.message_id))
+                    {
+                        found = true;
+                        break;
+                    }
+                    if e.seq <= cursor.seq {
+                        break;
+                    }
+                    next = e.parent_id.clone();
+                    out.push(e);
                 }
-                if e.seq <= cursor.seq {
-                    break;
+                // Not met on the way back (an empty cursor holds nothing: the
+                // whole branch follows it).
+                if !found {
+                    return Ok(None);
                 }
-                next = e.parent_id.clone();
-                out.push(e);
-            }
-            // Not met on the way back (an empty cursor holds nothing: the
-            // whole branch follows it).
-            if !found {
-                return Ok(None);
-            }
-            out.reverse();
-            Ok(Some(out))
-        })
-        .await
+                out.reverse();
+                Ok(Some(out))
+            })
+            .await
     }
 
     async fn refuse_commit(
@@ -1142,12 +1176,16 @@ impl Store for SqliteStore {
         next_attempt_ms: i64,
     ) -> Result<(), StoreError> {
         let (s, k, e) = (session_id.to_owned(), advancement_key.to_owned(), error.to_owned());
-        self.db.write(move |c| {
-            c.prepare_cached("UPDATE outbox SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
-                 WHERE session_id = ?1 AND advancement_key = ?2")?.execute(params![s, k, e, next_attempt_ms])?;
-            Ok(())
-        })
-        .await
+        self.db
+            .write(move |c| {
+                c.prepare_cached(
+                    "UPDATE outbox SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
+                 WHERE session_id = ?1 AND advancement_key = ?2",
+                )?
+                .execute(params![s, k, e, next_attempt_ms])?;
+                Ok(())
+            })
+            .await
     }
 
     async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
@@ -1164,18 +1202,24 @@ impl Store for SqliteStore {
 
     async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db.read(move |c| query_outbox(c, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX))
+        self.db
+            .read(move |c| query_outbox(c, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX))
             .await
     }
 
     async fn retry_outbox(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db.write(move |c| {
-            let n = c.prepare_cached("UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
-                   (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)")?.execute(params![agent, key])?;
-            Ok(n as u32)
-        })
-        .await
+        self.db
+            .write(move |c| {
+                let n = c
+                    .prepare_cached(
+                        "UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
+                   (SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2)",
+                    )?
+                    .execute(params![agent, key])?;
+                Ok(n as u32)
+            })
+            .await
     }
 
     async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
@@ -1194,45 +1238,48 @@ impl Store for SqliteStore {
     }
 
     async fn outbox_counts(&self) -> Result<(u32, u32), StoreError> {
-        self.db.read(|c| {
-            Ok(c.prepare_cached("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox")?.query_row([], |r| {
-                Ok((r.get(0)?, r.get(1)?))
-            })?)
-        })
-        .await
+        self.db
+            .read(|c| {
+                Ok(c.prepare_cached("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox")?
+                    .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))?)
+            })
+            .await
     }
 
     async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
-        self.db.write(move |c| {
-            c.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
-                .execute(params![s, e])?;
-            Ok(())
-        })
-        .await
+        self.db
+            .write(move |c| {
+                c.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
+                    .execute(params![s, e])?;
+                Ok(())
+            })
+            .await
     }
 
     async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError> {
         let engines = engines.to_vec();
-        self.db.read(move |c| {
-            let mut stmt = c.prepare_cached(&format!(
-                "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(&format!(
+                    "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
                  WHERE next_attempt_ms <= ?1 AND engine_id IN ({}) ORDER BY rowid LIMIT 256",
-                placeholders(engines.len(), 2)
-            ))?;
-            let args = std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
-            let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
-                Ok(Forget {
-                    session_id: r.get(0)?,
-                    engine_id: r.get(1)?,
-                    agent_id: r.get(2)?,
-                    session_key: r.get(3)?,
-                    attempts: r.get(4)?,
-                })
-            })?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+                    placeholders(engines.len(), 2)
+                ))?;
+                let args =
+                    std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
+                let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
+                    Ok(Forget {
+                        session_id: r.get(0)?,
+                        engine_id: r.get(1)?,
+                        agent_id: r.get(2)?,
+                        session_key: r.get(3)?,
+                        attempts: r.get(4)?,
+                    })
+                })?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn settle_forget(
@@ -1243,72 +1290,81 @@ impl Store for SqliteStore {
     ) -> Result<(), StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
         let retry = retry_at.map(|(at, why)| (at, why.to_owned()));
-        self.db.write(move |c| {
-            match retry {
-                None => c.prepare_cached("DELETE FROM forgets WHERE session_id = ?1 AND engine_id = ?2")?.execute(params![s, e])?,
-                Some((at, why)) => c.prepare_cached("UPDATE forgets SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
-                     WHERE session_id = ?1 AND engine_id = ?2")?.execute(params![s, e, why, at])?,
-            };
-            Ok(())
-        })
-        .await
+        self.db
+            .write(move |c| {
+                match retry {
+                    None => c
+                        .prepare_cached("DELETE FROM forgets WHERE session_id = ?1 AND engine_id = ?2")?
+                        .execute(params![s, e])?,
+                    Some((at, why)) => c
+                        .prepare_cached(
+                            "UPDATE forgets SET attempts = attempts + 1, last_error = ?3, next_attempt_ms = ?4
+                     WHERE session_id = ?1 AND engine_id = ?2",
+                        )?
+                        .execute(params![s, e, why, at])?,
+                };
+                Ok(())
+            })
+            .await
     }
 
     async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.db.read(move |c| {
-            let leaf: Option<Option<String>> = c
-                .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
-                .optional()?;
-            let Some(leaf) = leaf else { return Err(StoreError::NoSession(session_id)) };
-            let Some(leaf) = leaf else { return Ok(Vec::new()) };
-            let mut stmt = c.prepare_cached(
-                "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
+        self.db
+            .read(move |c| {
+                let leaf: Option<Option<String>> = c
+                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                    .optional()?;
+                let Some(leaf) = leaf else { return Err(StoreError::NoSession(session_id)) };
+                let Some(leaf) = leaf else { return Ok(Vec::new()) };
+                let mut stmt = c.prepare_cached(
+                    "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
                    SELECT id, parent_id, body, 0 FROM entries WHERE id = ?1
                    UNION ALL
                    SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM entries e JOIN chain ON e.id = chain.parent_id
                  ) SELECT body FROM chain ORDER BY depth DESC",
-            )?;
-            let rows = stmt.query_map([leaf], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
-            Ok(rows.collect::<rusqlite::Result<_>>()?)
-        })
-        .await
+                )?;
+                let rows = stmt.query_map([leaf], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
     }
 
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
-        self.db.read(move |c| {
-            let leaf: Option<Option<String>> = c
-                .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
-                .optional()?;
-            let Some(mut next) = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))? else {
-                return Ok(Vec::new());
-            };
-            let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
-            let mut out = Vec::new();
-            // Walk from the leaf towards the root; stop once the latest
-            // compaction's first kept entry is in hand.
-            let mut stop_at: Option<String> = None;
-            loop {
-                let e = stmt.query_row([&next], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
-                let parent = e.parent_id.clone();
-                let reached = stop_at.as_deref() == Some(e.id.as_str());
-                if stop_at.is_none()
-                    && let Some(Entry::Compaction(cmp)) = &e.entry
-                {
-                    stop_at = Some(cmp.first_kept_entry_id.clone());
+        self.db
+            .read(move |c| {
+                let leaf: Option<Option<String>> = c
+                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                    .optional()?;
+                let Some(mut next) = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))? else {
+                    return Ok(Vec::new());
+                };
+                let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+                let mut out = Vec::new();
+                // Walk from the leaf towards the root; stop once the latest
+                // compaction's first kept entry is in hand.
+                let mut stop_at: Option<String> = None;
+                loop {
+                    let e = stmt.query_row([&next], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
+                    let parent = e.parent_id.clone();
+                    let reached = stop_at.as_deref() == Some(e.id.as_str());
+                    if stop_at.is_none()
+                        && let Some(Entry::Compaction(cmp)) = &e.entry
+                    {
+                        stop_at = Some(cmp.first_kept_entry_id.clone());
+                    }
+                    let summary_keeps_nothing = stop_at.as_deref() == Some("");
+                    out.push(e);
+                    match parent {
+                        Some(p) if !reached && !summary_keeps_nothing => next = p,
+                        _ => break,
+                    }
                 }
-                let summary_keeps_nothing = stop_at.as_deref() == Some("");
-                out.push(e);
-                match parent {
-                    Some(p) if !reached && !summary_keeps_nothing => next = p,
-                    _ => break,
-                }
-            }
-            out.reverse();
-            Ok(out)
-        })
-        .await
+                out.reverse();
+                Ok(out)
+            })
+            .await
     }
 
     async fn rewrite(
@@ -1440,7 +1496,12 @@ impl Store for SqliteStore {
     }
 
     async fn count_sessions(&self) -> Result<u32, StoreError> {
-        self.db.read(|c| Ok(c.prepare_cached("SELECT COUNT(*) FROM sessions WHERE state = 'active'")?.query_row([], |r| r.get(0))?)).await
+        self.db
+            .read(|c| {
+                Ok(c.prepare_cached("SELECT COUNT(*) FROM sessions WHERE state = 'active'")?
+                    .query_row([], |r| r.get(0))?)
+            })
+            .await
     }
 }
 
@@ -1498,7 +1559,7 @@ mod tests {
         let db = store.db.clone();
         let slow = async move {
             db.read(move |_| {
-            held_tx.send(()).unwrap();
+                held_tx.send(()).unwrap();
                 std::thread::sleep(std::time::Duration::from_millis(300));
                 Ok(())
             })
@@ -1626,7 +1687,8 @@ mod tests {
             .collect();
         assert_eq!(shape, ["before", "question", "[summary]"], "the turn's message left, its summary stayed");
         // Nothing is lost: the rewound entry is still in the tree.
-        let all: i64 = store.db.read(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
+        let all: i64 =
+            store.db.read(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
         assert_eq!(all, 5);
         // Closing an accepted turn moves nothing back.
         store.open_turn(&s.session_id, "t2", vec![user("next")], None).await.unwrap();

@@ -116,7 +116,12 @@ impl Core {
             let result = if precheck && checked > ctx.budget {
                 Err(ModelError::ContextOverflow(format!("the prompt is {checked} tokens, the budget {}", ctx.budget)))
             } else {
-                self.call_model(system.as_deref(), messages, &events, turn.cancel()).await
+                let asked = std::time::Instant::now();
+                let r = self.call_model(system.as_deref(), messages, &events, turn.cancel()).await;
+                // The model's time is not the gateway's: admission control
+                // samples only the rest.
+                turn.outside_gateway(asked.elapsed());
+                r
             };
             match result {
                 Ok(reply) => {

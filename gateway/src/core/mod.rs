@@ -4,6 +4,7 @@
 //! speaks its own types ([`types`]) and the engine contract; the client
 //! protos stay in the adapters.
 
+pub mod admission;
 mod compact;
 mod history;
 mod lease;
@@ -65,9 +66,9 @@ pub enum CoreError {
     EngineFailed(String),
     #[error(transparent)]
     Busy(#[from] BusyError),
-    /// Over `gateway.limits.maxConcurrentTurns`: shed at once.
-    #[error("the gateway is at its limit of {0} concurrent turns; retry shortly")]
-    Overloaded(usize),
+    /// Over the admission limit (`core::admission`): shed at once.
+    #[error("the gateway is at its limit of {} concurrent turns; retry in {} ms", .0.limit, .0.retry_after.as_millis())]
+    Overloaded(admission::Shed),
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -136,7 +137,7 @@ pub struct Core {
     /// store), so turns legacy serves before an attach still reach them.
     durable: Mutex<HashSet<String>>,
     /// One permit per turn taken (`gateway.limits.maxConcurrentTurns`).
-    admission: Arc<tokio::sync::Semaphore>,
+    admission: Arc<admission::Admission>,
     /// Background maintenance: sessions with a run going, and whether a
     /// follow-up is queued.
     maintenance: Arc<Mutex<std::collections::HashMap<String, bool>>>,
@@ -243,7 +244,7 @@ impl Core {
             ProviderKind::Openai => Arc::new(ModelSummarizer { provider: provider.clone(), max_tokens: 2_048 }),
         };
         let registry = RwLock::new(Arc::new(Registry::build(&config, &metrics)));
-        let admission = Arc::new(tokio::sync::Semaphore::new(config.gateway.limits.max_concurrent_turns));
+        let admission = Arc::new(admission::Admission::new(&config.gateway.limits));
         Self {
             config,
             store,
@@ -298,6 +299,11 @@ impl Core {
 
     pub fn turns_in_flight(&self) -> u32 {
         self.sessions.running() as u32
+    }
+
+    /// The admission limit now (it follows latency).
+    pub fn turn_limit(&self) -> u32 {
+        self.admission.load().1 as u32
     }
 
     pub fn turns_queued(&self) -> u32 {

@@ -10,6 +10,7 @@ use std::collections::HashSet;
 
 use tracing::Instrument;
 
+use super::admission::Permit;
 use super::*;
 
 /// What `begin` gives back. Built once per turn: not worth a box.
@@ -96,7 +97,7 @@ pub struct Turn {
     /// Held while the turn is open; `None` once closed.
     guard: Option<SessionGuard>,
     /// The turn's admission permit, released with the turn.
-    _admission: tokio::sync::OwnedSemaphorePermit,
+    admission: Permit,
 }
 
 impl Core {
@@ -112,10 +113,11 @@ impl Core {
         cancel: CancellationToken,
     ) -> Result<Begun, CoreError> {
         // Admission control: shed at once over the limit, before any work.
-        let admission = self.admission.clone().try_acquire_owned().map_err(|_| {
+        let admission = self.admission.try_admit().map_err(|shed| {
             self.metrics.turns_shed.inc();
-            CoreError::Overloaded(self.config.gateway.limits.max_concurrent_turns)
+            CoreError::Overloaded(shed)
         })?;
+        self.metrics.turn_limit.set(admission.limit() as i64);
         let session = self
             .store
             .session(&spec.agent_id, &spec.session_key, true)
@@ -173,7 +175,7 @@ impl Core {
             started: std::time::Instant::now(),
             span: span.clone(),
             guard: Some(guard),
-            _admission: admission,
+            admission,
         };
         turn.start().instrument(span).await
     }
@@ -235,6 +237,12 @@ impl Turn {
 
     pub fn turn_id(&self) -> &str {
         &self.turn_id
+    }
+
+    /// Time the turn waited on the model or the client (admission control
+    /// does not count it as the gateway's latency).
+    pub fn outside_gateway(&mut self, waited: std::time::Duration) {
+        self.admission.outside(waited);
     }
 
     pub fn cancel(&self) -> &CancellationToken {

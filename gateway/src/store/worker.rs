@@ -17,8 +17,8 @@
 //! are bounded by admission control. A queued call runs even if its caller
 //! is cancelled, so a transaction is never abandoned half way.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::{mpsc, oneshot};

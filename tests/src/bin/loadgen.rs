@@ -3,7 +3,8 @@
 //! over loopback.
 //!
 //! - `closed --sessions 64 --seconds 10`: each session sends its next turn
-//!   when the last one ends; turns/s and latency.
+//!   when the last one ends (after the pushback the gateway asks for, when
+//!   it shed the last); turns/s and latency.
 //! - `open --rate 4000 --seconds 5`: arrivals on a fixed schedule, whatever
 //!   the gateway does; latency runs from the *scheduled* time, so a gateway
 //!   that falls behind cannot hide it (no coordinated omission). Counts
@@ -109,7 +110,7 @@ impl Tally {
     fn add(&mut self, outcome: Outcome, latency: Duration) {
         match outcome {
             Outcome::Completed => self.latencies.push(latency.as_micros() as u64),
-            Outcome::Shed => self.shed += 1,
+            Outcome::Shed(_) => self.shed += 1,
             Outcome::Error(e) => {
                 self.errors += 1;
                 if self.samples.len() < 5 {
@@ -154,7 +155,8 @@ fn ms(d: Duration) -> f64 {
 
 enum Outcome {
     Completed,
-    Shed,
+    /// With the gateway's `grpc-retry-pushback-ms`.
+    Shed(Option<Duration>),
     Error(String),
 }
 
@@ -189,11 +191,13 @@ impl Stack {
         let config = format!("{{ gateway: {{ limits: {{ {limits} }} }}, {plugins} }}\n");
         let (config_path, state) = (path("ctxgate.json5")?, path("gateway")?);
         std::fs::write(&config_path, config).map_err(|e| e.to_string())?;
-        let args = ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config_path.as_str()];
+        let args =
+            ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config_path.as_str()];
         let gateway = EngineProcess::start(bin("ctxgate"), &args).await.map_err(|e| e.to_string())?;
         let mut channels = Vec::new();
         for _ in 0..connections.max(1) {
-            let endpoint = tonic::transport::Endpoint::from_shared(gateway.endpoint.clone()).map_err(|e| e.to_string())?;
+            let endpoint =
+                tonic::transport::Endpoint::from_shared(gateway.endpoint.clone()).map_err(|e| e.to_string())?;
             channels.push(endpoint.tcp_nodelay(true).connect().await.map_err(|e| e.to_string())?);
         }
         let stack = Self { channels, gateway, _engine: engine_process, _dir: dir };
@@ -300,7 +304,12 @@ async fn one_turn(mut c: GatewayClient<Channel>, session: usize) -> Outcome {
         ..Default::default()
     };
     let classify = |s: tonic::Status| match s.code() {
-        tonic::Code::ResourceExhausted | tonic::Code::Unavailable => Outcome::Shed,
+        tonic::Code::ResourceExhausted | tonic::Code::Unavailable => Outcome::Shed(
+            s.metadata()
+                .get("grpc-retry-pushback-ms")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .map(Duration::from_millis),
+        ),
         _ => Outcome::Error(format!("{:?}: {}", s.code(), s.message())),
     };
     let mut stream = match c.run_turn(req).await {
@@ -330,7 +339,14 @@ async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duratio
                 while Instant::now() < until {
                     let t = Instant::now();
                     let outcome = one_turn(c.clone(), i).await;
+                    // A shed client waits as the gateway asks (as gRPC's
+                    // retry policy does), then sends its next turn.
+                    let pause = match outcome {
+                        Outcome::Shed(p) => p.unwrap_or(Duration::from_millis(100)),
+                        _ => Duration::ZERO,
+                    };
                     tally.lock().unwrap_or_else(|e| e.into_inner()).add(outcome, t.elapsed());
+                    tokio::time::sleep(pause).await;
                 }
             })
         })
