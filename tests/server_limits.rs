@@ -1,6 +1,8 @@
 //! The client API's bounds: a request over `gateway.limits.maxRequestBytes`
 //! is RESOURCE_EXHAUSTED (tonic alone says OUT_OF_RANGE), one under it runs;
-//! ListSessions and GetTranscript answer in bounded pages.
+//! ListSessions and GetTranscript answer in bounded pages; turns over the
+//! admission limit are shed with a pushback; a connection's streams over
+//! its limit wait at the client.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -44,6 +46,14 @@ fn limits_that_cannot_work_are_refused_with_their_key() {
             "gateway.limits.maxConcurrentStreamsPerConnection",
         ),
         ("{ gateway: { limits: { http2KeepaliveSeconds: 0 } } }", "gateway.limits.http2KeepaliveSeconds"),
+        (
+            "{ gateway: { limits: { adaptiveConcurrency: { tolerance: 0.5 } } } }",
+            "gateway.limits.adaptiveConcurrency.tolerance",
+        ),
+        (
+            "{ gateway: { limits: { adaptiveConcurrency: { minLimit: 0 } } } }",
+            "gateway.limits.adaptiveConcurrency.minLimit",
+        ),
     ] {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("c.json5");
@@ -171,5 +181,52 @@ async fn turns_over_max_concurrent_turns_are_shed_at_once_with_a_pushback() {
         .unwrap()
         .into_inner();
     assert_eq!(t.entries.len(), 2, "the shed turn left nothing; the next one ran");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn streams_over_the_per_connection_limit_wait_at_the_client_and_other_connections_go_on() {
+    use ctxgate_proto::gateway::{TurnOutcome, gateway_client::GatewayClient, harness_client::HarnessClient};
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{Drive, begin, text};
+    use std::time::Duration;
+    let mut config = Config::default();
+    config.gateway.limits.max_concurrent_streams_per_connection = 2;
+    let g = TestGateway::start(config).await;
+    // One HTTP/2 connection with two harness turns held open on it.
+    let one = tonic::transport::Endpoint::from_shared(g.endpoint.clone()).unwrap().connect().await.unwrap();
+    let hc = HarnessClient::new(one.clone());
+    let mut a = Drive::open(&hc, begin("a", "hold")).await.unwrap();
+    a.context().await.unwrap();
+    let mut b = Drive::open(&hc, begin("b", "hold")).await.unwrap();
+    b.context().await.unwrap();
+
+    // A third stream on that connection is not opened (the server's
+    // SETTINGS_MAX_CONCURRENT_STREAMS): it waits, and nothing is stored.
+    let third = tokio::spawn(async move {
+        let mut r = request("third".into());
+        r.session = Some(api::SessionRef { agent_id: String::new(), session_key: "c".into() });
+        let mut s = GatewayClient::new(one).run_turn(r).await?.into_inner();
+        let mut last = None;
+        while let Some(e) = s.next().await {
+            last = e?.event;
+        }
+        Ok::<_, tonic::Status>(last)
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!third.is_finished(), "a third stream ran on a connection limited to 2");
+    // Another connection is served meanwhile.
+    run(&g, "d", "other connection").await;
+    let d = api::GetTranscriptRequest { session: Some(ctxgate_tests::hosting::sref("d")), ..Default::default() };
+    assert_eq!(g.client.clone().get_transcript(d).await.unwrap().into_inner().entries.len(), 2);
+    assert!(!third.is_finished());
+
+    // One held turn ends: the waiting stream opens and its turn completes.
+    a.append(vec![text(Role::Assistant, "done")]).await.unwrap();
+    a.end(TurnOutcome::Accepted).await.unwrap();
+    drop(a);
+    let last = tokio::time::timeout(Duration::from_secs(10), third).await.unwrap().unwrap().unwrap();
+    assert!(matches!(last, Some(api::turn_event::Event::Completed(_))), "{last:?}");
+    b.end(TurnOutcome::Aborted).await.unwrap();
     g.stop().await;
 }

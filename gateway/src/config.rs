@@ -338,8 +338,20 @@ impl Config {
 
     fn parse(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        Self::parse_text(&text, path)
+    }
+
+    /// The config in `text` (errors name `path`), validated; no
+    /// environment overrides.
+    pub fn from_text(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let mut config = Self::parse_text(text, path)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn parse_text(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let parse_err = |message: String| ConfigError::Parse { path: path.into(), message };
-        let mut de = json5::Deserializer::from_str(&text).map_err(|e| parse_err(e.to_string()))?;
+        let mut de = json5::Deserializer::from_str(text).map_err(|e| parse_err(e.to_string()))?;
         serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let at = e.path().to_string();
             parse_err(format!("at {at}: {}", e.into_inner()))

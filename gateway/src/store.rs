@@ -15,6 +15,7 @@ use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 
+mod tails;
 mod worker;
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -441,6 +442,7 @@ const KIND_COMPACTION: i64 = 2;
 #[derive(Clone)]
 pub struct SqliteStore {
     db: Arc<worker::Worker>,
+    tails: Arc<std::sync::Mutex<tails::Tails>>,
 }
 
 fn now_ms() -> i64 {
@@ -543,7 +545,7 @@ impl SqliteStore {
         // SQLite file has one gateway.
         let worker = worker::Worker::start(conn, lock)
             .map_err(|e| OpenError::Other { file: file.display().to_string(), detail: e.to_string() })?;
-        Ok(Self { db: Arc::new(worker) })
+        Ok(Self { db: Arc::new(worker), tails: Arc::default() })
     }
 
     /// Batches committed and the writes they held, since the store opened
@@ -1332,10 +1334,13 @@ impl Store for SqliteStore {
 
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
+        let tails = self.tails.clone();
+        let cached = tails.lock().map(|t| t.get(&session_id)).unwrap_or(None);
         self.db
             .read(move |c| {
                 let leaf: Option<Option<String>> = c
-                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                    .prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
+                    .query_row([&session_id], |r| r.get(0))
                     .optional()?;
                 let Some(mut next) = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))? else {
                     return Ok(Vec::new());
@@ -1345,7 +1350,16 @@ impl Store for SqliteStore {
                 // Walk from the leaf towards the root; stop once the latest
                 // compaction's first kept entry is in hand.
                 let mut stop_at: Option<String> = None;
+                let mut spliced: Option<&[pb::TranscriptEntry]> = None;
                 loop {
+                    // The cached tail's leaf, with no newer summary on the
+                    // way: the rest of the walk is that tail.
+                    if stop_at.is_none()
+                        && let Some(t) = cached.as_deref().filter(|t| t.last().is_some_and(|l| l.id == next))
+                    {
+                        spliced = Some(t);
+                        break;
+                    }
                     let e = stmt.query_row([&next], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
                     let parent = e.parent_id.clone();
                     let reached = stop_at.as_deref() == Some(e.id.as_str());
@@ -1362,6 +1376,12 @@ impl Store for SqliteStore {
                     }
                 }
                 out.reverse();
+                if let Some(older) = spliced {
+                    out.splice(0..0, older.iter().cloned());
+                }
+                if let Ok(mut t) = tails.lock() {
+                    t.put(&session_id, out.clone());
+                }
                 Ok(out)
             })
             .await
@@ -1630,6 +1650,47 @@ mod tests {
             assert!(t.len() < 8, "the tail is bounded, not the whole branch ({} entries)", t.len());
             check(b, t);
         }
+    }
+
+    #[tokio::test]
+    async fn the_cached_tail_follows_appends_rewinds_rewrites_and_summaries() {
+        let (_dir, store, s) = fixture().await;
+        let id = s.session_id.clone();
+        let same = async |store: &SqliteStore| {
+            let (b, t) = (store.branch(&id).await.unwrap(), store.visible_tail(&id).await.unwrap());
+            assert_eq!(crate::transcript::visible(&b), crate::transcript::visible(&t));
+            t
+        };
+        let mut last = Vec::new();
+        for i in 0..6 {
+            let turn = format!("t{i}");
+            let entries = vec![user(&format!("q{i}"))];
+            last = store.open_turn(&id, &turn, entries, None).await.unwrap();
+            same(&store).await;
+            if i % 3 == 2 {
+                // An aborted turn: the leaf goes back behind the cached one.
+                store.close_turn(&id, TurnClose::Rewind).await.unwrap();
+            } else {
+                let reply = vec![user(&format!("a{i}"))];
+                store.close_turn(&id, TurnClose::Accept { entries: reply, commit: None }).await.unwrap();
+            }
+            same(&store).await;
+        }
+        // A summary in the new part, then a rewrite of an old message.
+        store.append(&id, vec![compaction("sum", &last[0].id)]).await.unwrap();
+        let t = same(&store).await;
+        assert!(t.len() <= 3, "{t:?}");
+        store.append(&id, vec![user("later")]).await.unwrap();
+        same(&store).await;
+        let replacement = AgentMessage { id: last[0].id.clone(), ..user("rewritten").entry_message() };
+        let r = store.rewrite(&id, vec![(last[0].id.clone(), replacement)]).await.unwrap();
+        assert!(r.changed, "{r:?}");
+        let t = same(&store).await;
+        assert!(
+            t.iter().any(
+                |e| matches!(&e.entry, Some(Entry::Message(m)) if crate::provider::message_text(m) == "rewritten")
+            )
+        );
     }
 
     #[tokio::test]
