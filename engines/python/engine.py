@@ -52,6 +52,9 @@ CONTRACT_VERSION = "1.0"
 # Contract limits (docs/contract.md).
 MAX_GRPC_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_MESSAGE_CONTENT_BYTES = 1024 * 1024
+MAX_METADATA_ENTRIES = 64
+MAX_METADATA_KEY_BYTES = 256
+MAX_METADATA_VALUE_BYTES = 16 * 1024
 MAX_ID_BYTES = 256
 MAX_MESSAGES = 20_000
 KEEP_TURNS = 2
@@ -114,6 +117,13 @@ def check_message(m, field):
                 raise Invalid(f"{at}.tool_call.name", "is required")
         if kind == "tool_result":
             check_id(p.tool_result.tool_call_id, f"{at}.tool_result.tool_call_id")
+    if len(m.metadata) > MAX_METADATA_ENTRIES:
+        raise Invalid(f"{field}.metadata", f"has {len(m.metadata)} entries, the limit is {MAX_METADATA_ENTRIES}",
+                      grpc.StatusCode.RESOURCE_EXHAUSTED)
+    for k, v in m.metadata.items():
+        if len(k.encode()) > MAX_METADATA_KEY_BYTES or len(v.encode()) > MAX_METADATA_VALUE_BYTES:
+            raise Invalid(f"{field}.metadata", f"[{k[:64]}] is over the key ({MAX_METADATA_KEY_BYTES}) or value "
+                          f"({MAX_METADATA_VALUE_BYTES}) byte limit", grpc.StatusCode.RESOURCE_EXHAUSTED)
     size = content_bytes(m)
     if size > MAX_MESSAGE_CONTENT_BYTES:
         raise Invalid(f"{field}.content", f"is {size} bytes, the limit is {MAX_MESSAGE_CONTENT_BYTES}",

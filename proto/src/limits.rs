@@ -7,6 +7,13 @@ pub const MAX_GRPC_MESSAGE_BYTES: usize = 16 * 1024 * 1024;
 /// Largest content of one `AgentMessage` (the summed size of its parts).
 pub const MAX_MESSAGE_CONTENT_BYTES: usize = 1024 * 1024;
 
+/// Most `AgentMessage.metadata` entries, and the longest key and value:
+/// metadata rides along with every message (stored, logged, relayed), so
+/// an engine or client cannot make it the bulk of a reply.
+pub const MAX_METADATA_ENTRIES: usize = 64;
+pub const MAX_METADATA_KEY_BYTES: usize = 256;
+pub const MAX_METADATA_VALUE_BYTES: usize = 16 * 1024;
+
 /// Largest id (message, tool call, session, advancement key).
 pub const MAX_ID_BYTES: usize = 256;
 

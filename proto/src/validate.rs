@@ -6,7 +6,10 @@
 use std::collections::HashSet;
 use std::fmt;
 
-use crate::limits::{MAX_ID_BYTES, MAX_MESSAGE_CONTENT_BYTES, MAX_MESSAGES};
+use crate::limits::{
+    MAX_ID_BYTES, MAX_MESSAGE_CONTENT_BYTES, MAX_MESSAGES, MAX_METADATA_ENTRIES, MAX_METADATA_KEY_BYTES,
+    MAX_METADATA_VALUE_BYTES,
+};
 use crate::pb::{self, AgentMessage, Role, content_part::Part};
 
 /// Why a contract message is not acceptable.
@@ -120,6 +123,22 @@ fn check_message(m: &AgentMessage) -> Result {
             Some(Part::ToolResult(r)) => id(&r.tool_call_id, "").map_err(|v| v.at(at(".tool_result.tool_call_id")))?,
             Some(_) => {}
         }
+    }
+    if m.metadata.len() > MAX_METADATA_ENTRIES {
+        return Err(Violation::too_large(
+            "metadata",
+            format!("has {} entries, the limit is {MAX_METADATA_ENTRIES}", m.metadata.len()),
+        ));
+    }
+    if let Some((k, v)) =
+        m.metadata.iter().find(|(k, v)| k.len() > MAX_METADATA_KEY_BYTES || v.len() > MAX_METADATA_VALUE_BYTES)
+    {
+        let what = if k.len() > MAX_METADATA_KEY_BYTES {
+            format!("has a {}-byte key, the limit is {MAX_METADATA_KEY_BYTES}", k.len())
+        } else {
+            format!("[{k:.64}] is {} bytes, the limit is {MAX_METADATA_VALUE_BYTES}", v.len())
+        };
+        return Err(Violation::too_large("metadata", what));
     }
     let size = content_bytes(m);
     if size > MAX_MESSAGE_CONTENT_BYTES {
@@ -374,6 +393,21 @@ mod tests {
 
     fn result(id: &str) -> Part {
         Part::ToolResult(ToolResult { tool_call_id: id.into(), text: "ok".into(), ..Default::default() })
+    }
+
+    #[test]
+    fn metadata_is_bounded_in_entries_keys_and_values() {
+        let ok = m("a", Role::User, vec![Part::Text("hi".into())]);
+        let with =
+            |entries: Vec<(String, String)>| AgentMessage { metadata: entries.into_iter().collect(), ..ok.clone() };
+        assert!(message(&with(vec![("model".into(), "gpt".into())]), "m").is_ok());
+        let many = with((0..=MAX_METADATA_ENTRIES).map(|i| (format!("k{i}"), String::new())).collect());
+        let long_key = with(vec![("k".repeat(MAX_METADATA_KEY_BYTES + 1), String::new())]);
+        let long_value = with(vec![("k".into(), "v".repeat(MAX_METADATA_VALUE_BYTES + 1))]);
+        for bad in [many, long_key, long_value] {
+            let v = message(&bad, "m").unwrap_err();
+            assert_eq!((v.field.as_str(), v.kind), ("m.metadata", ViolationKind::TooLarge), "{v}");
+        }
     }
 
     #[test]

@@ -70,7 +70,17 @@ fn failure(method: &'static str, s: Status, timeout: Duration) -> EngineCallErro
 
 /// An engine's status message, capped before it is logged or stored.
 fn detail(s: &Status) -> String {
-    s.message().chars().take(500).collect()
+    capped(s.message(), 500)
+}
+
+/// At most `max` characters of an engine's text.
+fn capped(s: &str, max: usize) -> String {
+    s.chars().take(max).collect()
+}
+
+/// Compaction progress as relayed to clients: short fields only.
+fn capped_progress(p: pb::CompactProgress) -> pb::CompactProgress {
+    pb::CompactProgress { stage: capped(&p.stage, 64), message: capped(&p.message, 1024), ..p }
 }
 
 fn violation(method: &'static str, v: impl std::fmt::Display) -> EngineCallError {
@@ -319,8 +329,10 @@ impl Remote {
         }
         let timeout = self.budget(M, call);
         let deadline = Instant::now() + timeout;
-        // Progress crosses from the call's task through a channel.
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        // Progress crosses from the call's task holding only the latest
+        // event: a flood of progress costs one event's memory, and a client
+        // only ever needs the latest.
+        let (tx, mut rx) = tokio::sync::watch::channel::<(u64, Option<pb::CompactProgress>)>((0, None));
         let mut client = self.client.clone();
         let span =
             tracing::debug_span!("engine_call", engine = %self.id, method = M, timeout_ms = timeout.as_millis() as u64);
@@ -337,7 +349,10 @@ impl Remote {
                     }
                     match event.event {
                         Some(Event::Progress(p)) => {
-                            let _ = tx.send(p);
+                            tx.send_modify(|(n, last)| {
+                                *n += 1;
+                                *last = Some(capped_progress(p));
+                            });
                         }
                         Some(Event::Result(r)) => terminal = Some(CompactReply::Done(r)),
                         Some(Event::DelegateToHost(d)) => terminal = Some(CompactReply::DelegateToHost(d)),
@@ -350,13 +365,23 @@ impl Remote {
         ));
         let _abort = AbortOnDrop(task.abort_handle());
         tokio::pin!(task);
+        // The number of the last progress event relayed.
+        let mut relayed = 0;
+        let mut relay = |rx: &mut tokio::sync::watch::Receiver<(u64, Option<pb::CompactProgress>)>| {
+            let latest = rx.borrow_and_update();
+            if latest.0 > relayed
+                && let Some(p) = latest.1.clone()
+            {
+                relayed = latest.0;
+                drop(latest);
+                progress(p);
+            }
+        };
         loop {
             tokio::select! {
-                Some(p) = rx.recv() => progress(p),
+                Ok(()) = rx.changed() => relay(&mut rx),
                 r = &mut task => {
-                    while let Ok(p) = rx.try_recv() {
-                        progress(p);
-                    }
+                    relay(&mut rx);
                     let reply = match r {
                         Ok(r) => r?,
                         Err(e) if e.is_panic() => return Err(EngineCallError::Failed { method: M, code: Code::Internal, detail: "the client task panicked on the engine's reply".into() }),

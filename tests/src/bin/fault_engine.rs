@@ -11,6 +11,13 @@
 //! - `garbage`: Assemble answers a tool result without its call.
 //! - `oversized`: Assemble answers a ~1 MiB message.
 //! - `slow-compact`: Compact streams progress every 50 ms for 1 s.
+//! - `progress-flood`: Compact streams 100 000 progress events, each with
+//!   a 4 KiB stage, as fast as it can, then a result.
+//! - `huge-metadata`: Assemble answers a message with 10 000 metadata
+//!   entries (about 2 MiB).
+//! - `huge-purpose`: Assemble calls Host.LlmComplete with a 16 MiB purpose,
+//!   then with a 1 MiB one, and reports each status code
+//!   (`event purpose <16MiB code>,<1MiB code>`).
 //! - `compact-fails`: Compact answers INTERNAL.
 //! - `needs-threads`: requires the "thread-bootstrap-projection" capability.
 //! - `grant-probe`: Assemble tests its grant (own session, another session,
@@ -123,6 +130,30 @@ async fn probe_grants(ctx: &CallContext, session_id: &str, access: Option<pb::Ho
         };
         event("grant-after", &code);
     });
+}
+
+/// Asks the host for a completion with a 16 MiB purpose, then a 1 MiB one.
+async fn huge_purposes(access: Option<pb::HostAccess>) {
+    let Some(access) = access else {
+        event("purpose", "no-host");
+        return;
+    };
+    let mut raw = HostClient::new(ctxgate_engine_sdk::connect(&access.endpoint).expect("host endpoint"));
+    let token = access.grant.map(|g| g.token).unwrap_or_default();
+    let mut codes = Vec::new();
+    for size in [16 * 1024 * 1024, 1024 * 1024] {
+        let req = pb::LlmCompleteRequest {
+            grant: token.clone(),
+            messages: vec![pb::LlmMessage { role: "user".into(), content: "hi".into() }],
+            purpose: "p".repeat(size),
+            ..Default::default()
+        };
+        codes.push(match raw.llm_complete(req).await {
+            Ok(_) => "ok".to_owned(),
+            Err(s) => format!("{:?}", s.code()),
+        });
+    }
+    event("purpose", &codes.join(","));
 }
 
 impl ContextEngine for Fault {
@@ -238,12 +269,20 @@ impl ContextEngine for Fault {
         if self.has("grant-probe") {
             probe_grants(ctx, &req.session_id, req.host.clone()).await;
         }
+        if self.has("huge-purpose") {
+            huge_purposes(req.host.clone()).await;
+        }
         let mut messages = req.messages;
         if self.has("garbage") {
             messages.insert(0, msg::tool_result("orphan", "no-such-call", "?"));
         }
         if self.has("oversized") {
             messages.push(msg::assistant("huge", &"x".repeat(1_000_000)));
+        }
+        if self.has("huge-metadata") {
+            let mut m = msg::assistant("meta", "look at my metadata");
+            m.metadata = (0..10_000).map(|i| (format!("key-{i}"), "v".repeat(200))).collect();
+            messages.push(m);
         }
         Ok(pb::AssembleResult {
             estimated_tokens: ctxgate_engine_sdk::estimate::messages_tokens(&messages),
@@ -356,6 +395,20 @@ impl ContextEngine for Fault {
         }
         if self.has("compact-fails") {
             return Err(EngineError::Internal("compaction exploded".into()));
+        }
+        if self.has("progress-flood") {
+            let stage = "s".repeat(4096);
+            for i in 0..100_000 {
+                progress.report(&stage, i, 100_000, "flood").await?;
+            }
+            return Ok(CompactOutcome::Done(pb::CompactResult {
+                ok: true,
+                compacted: true,
+                summary: Some("flood summary".into()),
+                tokens_before: 100,
+                tokens_after: Some(10),
+                ..Default::default()
+            }));
         }
         if self.has("slow-compact") {
             for i in 0..20 {

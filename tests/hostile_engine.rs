@@ -1,0 +1,69 @@
+//! Engines that send too much: a flood of compaction progress, a reply
+//! whose metadata is the bulk of it, a 16 MiB `purpose`. The gateway stays
+//! bounded and up, refuses what is over the contract's limits with a clear
+//! status, and the agent keeps its answers.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use ctxgate_proto::gateway as api;
+use ctxgate_tests::hosting::{
+    attached, completed, engine_status, fault_engine, hosting, quarantine_of, run_turn, selected,
+};
+use ctxgate_tests::{TestGateway, compact_to_end};
+use std::time::Duration;
+
+#[tokio::test]
+async fn a_progress_flood_is_coalesced_capped_and_the_compaction_completes() {
+    let engine = fault_engine("progress-flood").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("compact", 60.0)])).await;
+    attached(&g, "fault").await;
+    assert!(completed(&run_turn(&g, "k", "some history first").await));
+    let (events, status) = compact_to_end(&g.client, "k").await;
+    assert!(status.is_none(), "{status:?}");
+    use api::compaction_event::Event as C;
+    let progress: Vec<_> = events
+        .iter()
+        .filter_map(|e| match &e.event {
+            Some(C::Progress(p)) => Some(p),
+            _ => None,
+        })
+        .collect();
+    assert!(progress.len() < 100_000, "100 000 progress events reached the client one for one");
+    assert!(progress.iter().all(|p| p.stage.len() <= 64), "an engine's 4 KiB stage reached the client");
+    let done = events.iter().find_map(|e| match &e.event {
+        Some(C::Done(d)) => Some(d),
+        _ => None,
+    });
+    assert!(done.is_some_and(|d| d.compacted), "{:?}", events.last());
+    assert!(engine_status(&g, "fault").await.quarantine.is_none(), "a chatty engine is not a broken one");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_reply_with_megabytes_of_metadata_is_a_contract_violation_and_the_turn_completes() {
+    let engine = fault_engine("huge-metadata").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let events = run_turn(&g, "m", "hello").await;
+    assert!(completed(&events), "legacy answered the turn: {events:?}");
+    let status = engine_status(&g, "fault").await;
+    let (operation, reason) = quarantine_of(&status);
+    assert_eq!(operation, "Assemble");
+    assert!(reason.contains("metadata"), "{reason}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_16_mib_purpose_is_refused_and_the_gateway_keeps_serving() {
+    let engine = fault_engine("huge-purpose").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 30.0)])).await;
+    attached(&g, "fault").await;
+    let events = run_turn(&g, "p", "hello").await;
+    assert!(completed(&events), "{events:?}");
+    assert_eq!(selected(&events).engine_id, "fault");
+    let line = engine.wait_line("event purpose", Duration::from_secs(10)).await.unwrap();
+    let codes = line.split_whitespace().nth(2).unwrap();
+    assert_eq!(codes, "ResourceExhausted,ResourceExhausted", "{line}");
+    assert!(completed(&run_turn(&g, "p", "still here?").await));
+    g.stop().await;
+}
