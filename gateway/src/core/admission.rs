@@ -321,13 +321,19 @@ mod tests {
 
     #[test]
     fn under_overload_the_limit_settles_near_the_knee_and_latency_within_tolerance() {
-        let mut g = Gradient::new(&limits(true));
-        let seen = overload(&mut g, &mut Instant::now(), 1000, 16.0);
-        let tail = &seen[200..];
-        let (lo, hi) = (*tail.iter().min().unwrap(), *tail.iter().max().unwrap());
-        assert!(lo >= 8 && hi <= 48, "limit oscillates in {lo}..={hi} around a knee of 16: {:?}", &seen[..40]);
-        let worst = latency(hi as f64, 16.0, Duration::from_millis(2));
-        assert!(worst <= Duration::from_millis(2) * 3, "admitted latency {worst:?} vs 2 ms unloaded");
+        for tolerance in [2.0, 4.0] {
+            let mut l = limits(true);
+            l.adaptive_concurrency.tolerance = tolerance;
+            let mut g = Gradient::new(&l);
+            let seen = overload(&mut g, &mut Instant::now(), 1000, 16.0);
+            let tail = &seen[200..];
+            let (lo, hi) = (*tail.iter().min().unwrap(), *tail.iter().max().unwrap());
+            let ceiling = (1.5 * tolerance * 16.0) as usize;
+            assert!(lo >= 8 && hi <= ceiling, "limit in {lo}..={hi} for a knee of 16, tolerance {tolerance}");
+            let worst = latency(hi as f64, 16.0, Duration::from_millis(2));
+            let bound = Duration::from_millis(2).mul_f64(1.5 * tolerance);
+            assert!(worst <= bound, "admitted latency {worst:?} vs 2 ms unloaded, tolerance {tolerance}");
+        }
     }
 
     #[test]
@@ -356,7 +362,7 @@ mod tests {
         assert!(*up.last().unwrap() > 300, "{up:?}");
         // The same gateway takes 40× fewer turns at once (knee 10): it comes down.
         let down = overload(&mut g, &mut now, 200, 10.0);
-        assert!(*down.last().unwrap() <= 40, "{down:?}");
+        assert!(*down.last().unwrap() <= 60, "{down:?}");
     }
 
     #[test]

@@ -10,10 +10,10 @@
 //!   that falls behind cannot hide it (no coordinated omission). Counts
 //!   what completed, what was shed (RESOURCE_EXHAUSTED or UNAVAILABLE) and
 //!   what failed otherwise.
-//! - `overload`: `closed` to find saturation S and the p99 at that
-//!   concurrency, then `open` at `--factor` (4) × S on the same gateway;
-//!   prints both and the ratios the issue judges (admitted p99 / unloaded
-//!   p99, RSS / idle RSS).
+//! - `overload`: `closed` to find saturation S, `open` at S/2 for the
+//!   unloaded p99, then `open` at `--factor` (4) × S on the same gateway;
+//!   prints each and the ratios the issue judges (admitted p99 / unloaded
+//!   p99, RSS / idle RSS, quarantines).
 //! - `soak --minutes 30`: `closed` for S, then `open` at half of S for the
 //!   whole time; RSS at the start and the end, and every error.
 //!
@@ -54,6 +54,10 @@ struct Args {
     /// Extra JSON5 lines inside the gateway config's `gateway: { limits: { … } }`.
     #[arg(long, default_value = "", global = true)]
     limits: String,
+    /// The gateway binary (default: the `ctxgate` built next to this one),
+    /// to compare builds side by side.
+    #[arg(long, global = true)]
+    gateway_bin: Option<std::path::PathBuf>,
 }
 
 #[derive(Subcommand)]
@@ -169,7 +173,9 @@ struct Stack {
 }
 
 impl Stack {
-    async fn start(engine: EngineKind, connections: usize, limits: &str) -> Result<Self, String> {
+    async fn start(args: &Args) -> Result<Self, String> {
+        let (engine, connections, limits) = (args.engine, args.connections, args.limits.as_str());
+        let gateway_bin = args.gateway_bin.clone();
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
         let path = |p: &str| dir.path().join(p).to_str().map(str::to_owned).ok_or("non-UTF-8 temp dir");
         let engine_process = match engine {
@@ -193,7 +199,8 @@ impl Stack {
         std::fs::write(&config_path, config).map_err(|e| e.to_string())?;
         let args =
             ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config_path.as_str()];
-        let gateway = EngineProcess::start(bin("ctxgate"), &args).await.map_err(|e| e.to_string())?;
+        let program = gateway_bin.unwrap_or_else(|| bin("ctxgate"));
+        let gateway = EngineProcess::start(program, &args).await.map_err(|e| e.to_string())?;
         let mut channels = Vec::new();
         for _ in 0..connections.max(1) {
             let endpoint =
@@ -389,7 +396,7 @@ fn mib(kib: u64) -> f64 {
 }
 
 async fn run(args: Args) -> Result<bool, String> {
-    let stack = Stack::start(args.engine, args.connections, &args.limits).await?;
+    let stack = Stack::start(&args).await?;
     let engine = match args.engine {
         EngineKind::Legacy => "legacy",
         EngineKind::Window => "window",
@@ -416,23 +423,26 @@ async fn run(args: Args) -> Result<bool, String> {
             let (base, e) = closed(&stack, sessions, seconds).await;
             base.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
             let saturation = base.latencies.len() as f64 / e.as_secs_f64();
-            let rate = saturation * factor;
             stack.warm_up(sessions.max(512)).await?;
+            // Unloaded: the same open-loop traffic at half of saturation.
+            let (calm, e) = open(&stack, saturation / 2.0, seconds / 2.0, 4096).await;
+            calm.report(&format!("open loop, {engine}, {:.0}/s offered (unloaded: ½ saturation)", saturation / 2.0), e);
+            let rate = saturation * factor;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway.pid());
             let (t, e) = open(&stack, rate, seconds / 2.0, 4096).await;
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
             let quarantined = stack.quarantined().await?;
-            let p99 = ms(t.percentile(0.99)) / ms(base.percentile(0.99)).max(1e-3);
+            let p99 = ms(t.percentile(0.99)) / ms(calm.percentile(0.99)).max(1e-3);
             let rss = mib(watch.peak()) / mib(idle).max(1e-3);
             println!(
-                "overload verdict: shed {:.0} %, admitted p99 / closed-loop p99 = {p99:.2} (≤ 3), peak RSS / idle = {rss:.2} ({:.1} / {:.1} MiB, ≤ 2), {} errors, quarantined: {quarantined:?}",
+                "overload verdict: shed {:.0} %, admitted p99 / unloaded p99 = {p99:.2} (≤ 3), peak RSS / idle = {rss:.2} ({:.1} / {:.1} MiB, ≤ 2), {} errors, quarantined: {quarantined:?}",
                 100.0 * t.shed as f64 / (t.shed + t.latencies.len() as u64 + t.errors).max(1) as f64,
                 mib(watch.peak()),
                 mib(idle),
                 t.errors,
             );
-            ok &= t.errors == 0 && quarantined.is_empty() && p99 <= 3.0 && rss <= 2.0;
+            ok &= t.errors == 0 && calm.errors == 0 && quarantined.is_empty() && p99 <= 3.0 && rss <= 2.0;
         }
         Run::Soak { minutes, sessions } => {
             stack.warm_up(sessions).await?;
