@@ -1335,7 +1335,7 @@ impl Store for SqliteStore {
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
         let tails = self.tails.clone();
-        let cached = tails.lock().map(|t| t.get(&session_id)).unwrap_or(None);
+        let cached = tails.lock().map(|mut t| t.take(&session_id)).unwrap_or(None);
         self.db
             .read(move |c| {
                 let leaf: Option<Option<String>> = c
@@ -1350,14 +1350,12 @@ impl Store for SqliteStore {
                 // Walk from the leaf towards the root; stop once the latest
                 // compaction's first kept entry is in hand.
                 let mut stop_at: Option<String> = None;
-                let mut spliced: Option<&[pb::TranscriptEntry]> = None;
+                let mut spliced = None;
                 loop {
                     // The cached tail's leaf, with no newer summary on the
                     // way: the rest of the walk is that tail.
-                    if stop_at.is_none()
-                        && let Some(t) = cached.as_deref().filter(|t| t.last().is_some_and(|l| l.id == next))
-                    {
-                        spliced = Some(t);
+                    if stop_at.is_none() && cached.as_ref().is_some_and(|t| t.last().is_some_and(|l| l.id == next)) {
+                        spliced = cached;
                         break;
                     }
                     let e = stmt.query_row([&next], |r| decode(&r.get::<_, Vec<u8>>(0)?))?;
@@ -1376,13 +1374,20 @@ impl Store for SqliteStore {
                     }
                 }
                 out.reverse();
-                if let Some(older) = spliced {
-                    out.splice(0..0, older.iter().cloned());
-                }
+                let tail = match spliced {
+                    // Ours alone (taken from the cache): extended in place.
+                    Some(older) => {
+                        let mut all = Arc::try_unwrap(older).unwrap_or_else(|shared| (*shared).clone());
+                        all.extend(out);
+                        all
+                    }
+                    None => out,
+                };
+                let answer = tail.clone();
                 if let Ok(mut t) = tails.lock() {
-                    t.put(&session_id, out.clone());
+                    t.put(&session_id, tail);
                 }
-                Ok(out)
+                Ok(answer)
             })
             .await
     }

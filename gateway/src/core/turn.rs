@@ -720,8 +720,9 @@ impl Turn {
                 ));
             }
             waiting == 0
-        } else if lease.host.has(Capability::AfterTurn) {
-            self.after_turn(history, budget).await && lease.remote
+        } else if lease.remote && lease.host.has(Capability::AfterTurn) {
+            // Legacy keeps nothing of its own: no after-turn to build.
+            self.after_turn(history, budget).await
         } else {
             false
         };

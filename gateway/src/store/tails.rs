@@ -29,9 +29,12 @@ pub(super) struct Tails {
 }
 
 impl Tails {
-    /// The session's cached tail (oldest first), if any.
-    pub(super) fn get(&self, session_id: &str) -> Option<Arc<Vec<pb::TranscriptEntry>>> {
-        self.by_session.get(session_id).map(|(t, _)| t.clone())
+    /// Takes the session's cached tail (oldest first), if any: the reader
+    /// extends it in place and puts it back.
+    pub(super) fn take(&mut self, session_id: &str) -> Option<Arc<Vec<pb::TranscriptEntry>>> {
+        let (tail, size) = self.by_session.remove(session_id)?;
+        self.bytes -= size;
+        Some(tail)
     }
 
     pub(super) fn put(&mut self, session_id: &str, tail: Vec<pb::TranscriptEntry>) {
@@ -59,8 +62,6 @@ impl Tails {
     }
 
     fn forget(&mut self, session_id: &str) {
-        if let Some((_, size)) = self.by_session.remove(session_id) {
-            self.bytes -= size;
-        }
+        self.take(session_id);
     }
 }
