@@ -823,7 +823,7 @@ impl Store for SqliteStore {
                     "UPDATE sessions SET state = ?3 WHERE agent_id = ?1 AND session_key = ?2 AND state = 'active'",
                 )?
                 .execute(params![agent, key, state])?;
-                let s = create(&tx, &agent, &key)?;
+                let s = create(tx, &agent, &key)?;
                 Ok(s)
             })
             .await
@@ -911,7 +911,7 @@ impl Store for SqliteStore {
         let session_id = session_id.to_owned();
         self.db
             .write(move |tx| {
-                let out = append_in(&tx, &session_id, entries)?;
+                let out = append_in(tx, &session_id, entries)?;
                 Ok(out)
             })
             .await
@@ -929,8 +929,8 @@ impl Store for SqliteStore {
         self.db
             .write(move |tx| {
                 // A turn left open (its rewind failed) ends as an abort first.
-                rewind_in(&tx, &session_id)?;
-                let out = append_in(&tx, &session_id, entries)?;
+                rewind_in(tx, &session_id)?;
+                let out = append_in(tx, &session_id, entries)?;
                 let (Some(first), Some(last)) = (out.first(), out.last()) else {
                     return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
                 };
@@ -953,13 +953,13 @@ impl Store for SqliteStore {
             .write(move |tx| {
                 let out = match close {
                     TurnClose::Rewind => {
-                        rewind_in(&tx, &session_id)?;
+                        rewind_in(tx, &session_id)?;
                         Vec::new()
                     }
                     TurnClose::Accept { entries, commit } => {
-                        let out = append_in(&tx, &session_id, entries)?;
+                        let out = append_in(tx, &session_id, entries)?;
                         if let Some(draft) = commit {
-                            queue_commit_in(&tx, &session_id, draft)?;
+                            queue_commit_in(tx, &session_id, draft)?;
                         }
                         tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
                         out
@@ -1227,7 +1227,7 @@ impl Store for SqliteStore {
     async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
         self.db.write(move |tx| {
-            let rows = query_outbox(&tx, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX)?;
+            let rows = query_outbox(tx, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX)?;
             let at = now_ms();
             for r in &rows {
                 tx.prepare_cached("INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
