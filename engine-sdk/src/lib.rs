@@ -27,4 +27,4 @@ pub use endpoint::{Endpoint, channel, connect, engine_client};
 pub use engine::{CompactOutcome, ContextEngine, Progress};
 pub use error::EngineError;
 pub use host::{HostClient, LLM_COMPLETE, READ_TRANSCRIPT};
-pub use server::{Bound, ServeArgs, Server, serve_main, shutdown_signal};
+pub use server::{Bound, ServeArgs, Server, parse_grpc_timeout, serve_main, shutdown_signal};

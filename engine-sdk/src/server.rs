@@ -260,9 +260,14 @@ impl Drop for CallGuard {
     }
 }
 
-/// Reads `grpc-timeout` (up to 8 digits and a unit H M S m u n).
 fn deadline_of(metadata: &tonic::metadata::MetadataMap) -> Option<Instant> {
     let raw = metadata.get("grpc-timeout")?.to_str().ok()?;
+    Some(Instant::now() + parse_grpc_timeout(raw)?)
+}
+
+/// A `grpc-timeout` value (up to 8 digits and a unit H M S m u n); `None`
+/// when it is malformed.
+pub fn parse_grpc_timeout(raw: &str) -> Option<Duration> {
     let (digits, unit) = raw.split_at(raw.len().checked_sub(1)?);
     if digits.is_empty() || digits.len() > 8 {
         return None;
@@ -277,7 +282,7 @@ fn deadline_of(metadata: &tonic::metadata::MetadataMap) -> Option<Instant> {
         "n" => Duration::from_nanos(n),
         _ => return None,
     };
-    Some(Instant::now() + d)
+    Some(d)
 }
 
 async fn until(deadline: Option<Instant>) {

@@ -132,6 +132,18 @@ async fn probe_grants(ctx: &CallContext, session_id: &str, access: Option<pb::Ho
     });
 }
 
+/// A compaction result: 100 tokens became 10.
+fn compacted(summary: &str) -> CompactOutcome {
+    CompactOutcome::Done(pb::CompactResult {
+        ok: true,
+        compacted: true,
+        summary: Some(summary.into()),
+        tokens_before: 100,
+        tokens_after: Some(10),
+        ..Default::default()
+    })
+}
+
 /// Asks the host for a completion with a 16 MiB purpose, then a 1 MiB one.
 async fn huge_purposes(access: Option<pb::HostAccess>) {
     let Some(access) = access else {
@@ -401,28 +413,14 @@ impl ContextEngine for Fault {
             for i in 0..100_000 {
                 progress.report(&stage, i, 100_000, "flood").await?;
             }
-            return Ok(CompactOutcome::Done(pb::CompactResult {
-                ok: true,
-                compacted: true,
-                summary: Some("flood summary".into()),
-                tokens_before: 100,
-                tokens_after: Some(10),
-                ..Default::default()
-            }));
+            return Ok(compacted("flood summary"));
         }
         if self.has("slow-compact") {
             for i in 0..20 {
                 progress.report("thinking", i, 20, format!("step {i}")).await?;
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            return Ok(CompactOutcome::Done(pb::CompactResult {
-                ok: true,
-                compacted: true,
-                summary: Some("fault summary".into()),
-                tokens_before: 100,
-                tokens_after: Some(10),
-                ..Default::default()
-            }));
+            return Ok(compacted("fault summary"));
         }
         Ok(CompactOutcome::DelegateToHost(pb::DelegateToHost {
             reason: Some("built-in is fine".into()),
