@@ -156,6 +156,15 @@ async fn turns_over_max_concurrent_turns_are_shed_at_once_with_a_pushback() {
     assert_eq!(shed.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()), Some("100"));
     let metrics = ctxgate_tests::metrics_text(g.metrics.unwrap()).await;
     assert!(metrics.contains("ctxgate_turns_shed_total 1"), "{metrics}");
+    // The store's group commit is visible: writes, and the commits holding them.
+    let value = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{name}: {metrics}"))
+    };
+    let (commits, writes) = (value("ctxgate_store_commits_total"), value("ctxgate_store_writes_total"));
+    assert!(commits >= 1 && writes >= commits, "{commits} commits, {writes} writes");
 
     held.append(vec![text(Role::Assistant, "done")]).await.unwrap();
     held.end(TurnOutcome::Accepted).await.unwrap();

@@ -51,6 +51,15 @@ pub struct TriggerOutcome {
     pub outcome: String,
 }
 
+/// The store's group-commit counters, kept by the store and exported here.
+#[derive(Clone, Debug, Default)]
+pub struct StoreCounters {
+    /// Write transactions committed (each one fsync).
+    pub commits: Counter,
+    /// Writes in them (more writes than commits: group commit at work).
+    pub writes: Counter,
+}
+
 /// Every metric the gateway keeps. Cheap to clone (shared handles).
 #[derive(Clone)]
 pub struct Metrics {
@@ -85,7 +94,16 @@ fn seconds() -> Histogram {
 
 impl Default for Metrics {
     fn default() -> Self {
+        Self::new(StoreCounters::default())
+    }
+}
+
+impl Metrics {
+    /// The gateway's metrics, exporting the store's counters too.
+    pub fn new(store: StoreCounters) -> Self {
         let mut r = Registry::with_prefix("ctxgate");
+        r.register("store_commits", "Store write transactions committed (one fsync each)", store.commits);
+        r.register("store_writes", "Store writes, grouped into those transactions", store.writes);
         let turns = Family::<Outcome, Counter>::default();
         let turns_by_driver = Family::<DriverOutcome, Counter>::default();
         let turn_seconds = seconds();
@@ -173,9 +191,7 @@ impl Default for Metrics {
             host_llm_calls,
         }
     }
-}
 
-impl Metrics {
     pub fn turn_finished(&self, driver: &str, outcome: &str, took: Duration) {
         self.turns.get_or_create(&Outcome { outcome: outcome.into() }).inc();
         self.turns_by_driver.get_or_create(&DriverOutcome { driver: driver.into(), outcome: outcome.into() }).inc();

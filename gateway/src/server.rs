@@ -107,7 +107,7 @@ pub async fn run_with_reloads(
 ) -> Result<(), ServeError> {
     let config = Arc::new(config);
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
-    let metrics = Metrics::default();
+    let metrics = Metrics::new(store.counters());
     let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, metrics.clone()));
     let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
     core.set_host_endpoint(config.host_endpoint(bound));

@@ -551,7 +551,13 @@ impl SqliteStore {
     /// Batches committed and the writes they held, since the store opened
     /// (more writes than batches: group commit at work).
     pub fn commit_counts(&self) -> (u64, u64) {
-        self.db.counts()
+        let c = self.db.counters();
+        (c.commits.get(), c.writes.get())
+    }
+
+    /// The same counters, for the metrics endpoint.
+    pub fn counters(&self) -> crate::metrics::StoreCounters {
+        self.db.counters()
     }
 }
 

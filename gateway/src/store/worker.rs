@@ -17,13 +17,11 @@
 //! are bounded by admission control. A queued call runs even if its caller
 //! is cancelled, so a transaction is never abandoned half way.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use rusqlite::{Connection, TransactionBehavior};
 use tokio::sync::{mpsc, oneshot};
 
 use super::StoreError;
+use crate::metrics::StoreCounters;
 
 /// Calls waiting for the thread.
 const QUEUE: usize = 1024;
@@ -70,13 +68,6 @@ enum Call {
     Write(Box<dyn Write>),
 }
 
-/// Batches committed and the writes they held.
-#[derive(Default)]
-struct Counts {
-    commits: AtomicU64,
-    writes: AtomicU64,
-}
-
 /// The handle: a queue to the thread. Dropping the last handle stops the
 /// thread after the calls already queued, and waits for it (so the
 /// connection is closed, and the directory lock released, when the store is
@@ -84,7 +75,7 @@ struct Counts {
 pub(super) struct Worker {
     calls: Option<mpsc::Sender<Call>>,
     thread: Option<std::thread::JoinHandle<()>>,
-    counts: Arc<Counts>,
+    counts: StoreCounters,
 }
 
 impl Worker {
@@ -92,7 +83,7 @@ impl Worker {
     /// connection.
     pub(super) fn start<K: Send + 'static>(conn: Connection, keep: K) -> std::io::Result<Self> {
         let (calls, rx) = mpsc::channel(QUEUE);
-        let counts = Arc::new(Counts::default());
+        let counts = StoreCounters::default();
         let c = counts.clone();
         let thread = std::thread::Builder::new().name("ctxgate-store".into()).spawn(move || {
             serve(conn, rx, &c);
@@ -131,9 +122,9 @@ impl Worker {
         answer.await.map_err(|_| StoreError::Backend("a store write panicked".into()))?
     }
 
-    /// Batches committed and writes in them so far.
-    pub(super) fn counts(&self) -> (u64, u64) {
-        (self.counts.commits.load(Ordering::Relaxed), self.counts.writes.load(Ordering::Relaxed))
+    /// Batches committed and the writes they held (shared counters).
+    pub(super) fn counters(&self) -> StoreCounters {
+        self.counts.clone()
     }
 }
 
@@ -148,7 +139,7 @@ impl Drop for Worker {
 
 /// The thread: take what is queued (waiting for the first), run the reads,
 /// commit the writes as one batch, repeat until every handle is gone.
-fn serve(mut conn: Connection, mut rx: mpsc::Receiver<Call>, counts: &Counts) {
+fn serve(mut conn: Connection, mut rx: mpsc::Receiver<Call>, counts: &StoreCounters) {
     let mut batch: Vec<Box<dyn Write>> = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = rx.blocking_recv() {
         let mut next = Some(first);
@@ -169,8 +160,8 @@ fn serve(mut conn: Connection, mut rx: mpsc::Receiver<Call>, counts: &Counts) {
         // call) with it: its batch fails, the connection rolls back.
         let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_batch(&mut conn, &mut batch)))
             .unwrap_or_else(|_| Err(StoreError::Backend("a store write panicked; its batch was rolled back".into())));
-        counts.commits.fetch_add(1, Ordering::Relaxed);
-        counts.writes.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        counts.commits.inc();
+        counts.writes.inc_by(batch.len() as u64);
         for w in batch.drain(..) {
             w.finish(committed.clone());
         }
