@@ -268,8 +268,13 @@ fn deadline_of(metadata: &tonic::metadata::MetadataMap) -> Option<Instant> {
 /// A `grpc-timeout` value (up to 8 digits and a unit H M S m u n); `None`
 /// when it is malformed.
 pub fn parse_grpc_timeout(raw: &str) -> Option<Duration> {
+    // ASCII only: splitting off the unit byte of "ϋ" would panic (found by
+    // the `grpc_timeout` fuzz target).
+    if !raw.is_ascii() {
+        return None;
+    }
     let (digits, unit) = raw.split_at(raw.len().checked_sub(1)?);
-    if digits.is_empty() || digits.len() > 8 {
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
     let n: u64 = digits.parse().ok()?;
@@ -556,9 +561,12 @@ mod tests {
                 "{v}"
             );
         }
-        for bad in ["", "S", "123456789S", "5x", "-1S"] {
+        for bad in ["", "S", "123456789S", "5x", "-1S", "+1S"] {
             m.insert("grpc-timeout", bad.parse().unwrap());
             assert!(deadline_of(&m).is_none(), "{bad:?}");
         }
+        // The fuzz target's crash: a multi-byte last character.
+        assert_eq!(parse_grpc_timeout("\u{3cb}"), None);
+        assert_eq!(parse_grpc_timeout("1\u{3cb}"), None);
     }
 }
