@@ -872,9 +872,14 @@ impl Store for SqliteStore {
 
     async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db
+        let (n, ids) = self
+            .db
             .write(move |tx| {
                 const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = ?1 AND session_key = ?2";
+                let ids: Vec<String> = tx
+                    .prepare_cached(OF_KEY)?
+                    .query_map(params![agent, key], |r| r.get(0))?
+                    .collect::<Result<_, _>>()?;
                 // Every engine that saw a session, by a call or a queued commit,
                 // is owed a ForgetSession; the queue survives a crash.
                 tx.prepare_cached(&format!(
@@ -894,9 +899,14 @@ impl Store for SqliteStore {
                 let n = tx
                     .prepare_cached("DELETE FROM sessions WHERE agent_id = ?1 AND session_key = ?2")?
                     .execute(params![agent, key])?;
-                Ok(n as u32)
+                Ok((n as u32, ids))
             })
-            .await
+            .await?;
+        // What a deleted session said leaves memory with it.
+        if let Ok(mut t) = self.tails.lock() {
+            t.forget(&ids);
+        }
+        Ok(n)
     }
 
     async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
@@ -1622,6 +1632,54 @@ mod tests {
         for s in &sessions {
             assert_eq!(store.branch(&s.session_id).await.unwrap().len(), 1, "each write committed");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_database_mid_batch_answers_each_write_as_it_landed() {
+        let (_dir, store, _) = fixture().await;
+        let mut ids = Vec::new();
+        for i in 0..6 {
+            ids.push(store.session("main", &format!("f{i}"), true).await.unwrap().unwrap().session_id);
+        }
+        // Room for a little more than what is there: the big writes fill it.
+        let pages: i64 = store.db.read(|c| Ok(c.query_row("PRAGMA page_count", [], |r| r.get(0))?)).await.unwrap();
+        store.db.read(move |c| Ok(c.pragma_update(None, "max_page_count", pages + 8)?)).await.unwrap();
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let db = store.db.clone();
+        let slow = tokio::spawn(async move {
+            db.read(move |_| {
+                held_tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                Ok(())
+            })
+            .await
+        });
+        held.recv().unwrap();
+        let writes: Vec<_> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                let (store, id) = (store.clone(), id.clone());
+                // Every other write is far over the room left.
+                let text = if i % 2 == 1 { "x".repeat(200_000) } else { "small".into() };
+                tokio::spawn(async move { store.append(&id, vec![user(&text)]).await })
+            })
+            .collect();
+        slow.await.unwrap().unwrap();
+        let mut failed = 0;
+        for (w, id) in writes.into_iter().zip(&ids) {
+            let answer = w.await.unwrap();
+            let stored = store.branch(id).await.unwrap().len();
+            match answer {
+                Ok(_) => assert_eq!(stored, 1, "answered Ok but not stored"),
+                Err(e) => {
+                    failed += 1;
+                    assert!(matches!(e, StoreError::Full(_) | StoreError::Backend(_)), "{e:?}");
+                    assert_eq!(stored, 0, "answered {e} but stored");
+                }
+            }
+        }
+        assert!(failed >= 3, "the big writes fail ({failed} failed)");
     }
 
     #[tokio::test]

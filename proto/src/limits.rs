@@ -9,7 +9,8 @@ pub const MAX_MESSAGE_CONTENT_BYTES: usize = 1024 * 1024;
 
 /// Most `AgentMessage.metadata` entries, and the longest key and value:
 /// metadata rides along with every message (stored, logged, relayed), so
-/// an engine or client cannot make it the bulk of a reply.
+/// it is bounded like content is (at most ~1 MiB per message, and no
+/// megabyte-sized single value).
 pub const MAX_METADATA_ENTRIES: usize = 64;
 pub const MAX_METADATA_KEY_BYTES: usize = 256;
 pub const MAX_METADATA_VALUE_BYTES: usize = 16 * 1024;

@@ -8,13 +8,23 @@
 //! control (the model's answer in a managed turn, the client's next step in
 //! a harness turn).
 //!
+//! A turn counts from the moment it holds its session (waiting behind the
+//! session's running turn is that turn's time, not the gateway's); a turn
+//! refused before that (busy, no session, unmet host requirements) is no
+//! sample at all.
+//!
 //! The baseline is the p90 latency at low concurrency, measured by a probe
-//! (as Envoy's filter measures its minRTT): at start and every 30 s the
-//! limit drops to `minLimit` until 20 turns admitted under it have ended
-//! (or 2 s passed), their p90 becomes the baseline and the limit is
-//! restored. A baseline taken while the gateway is congested would make
-//! the congestion look normal. Between probes, every window (≥ 100 ms and
-//! ≥ 10 samples, or 1 s) compares its p90 with the baseline:
+//! (as Envoy's filter measures its minRTT): at start, and every 30 s while
+//! the last window was over tolerance, the limit drops to `minLimit` until
+//! 20 turns admitted under it have ended or 2 s passed (whichever comes
+//! first; without samples the old baseline stays), their p90 becomes the
+//! baseline and the limit is restored. A baseline taken while the gateway
+//! is congested would make the congestion look normal; re-measuring only
+//! when congested means a gateway whose turns hold permits for a long time
+//! (slow models) is not squeezed to `minLimit` every 30 s for nothing.
+//! Between probes, every window (≥ 100 ms and ≥ 10 samples, or 1 s)
+//! compares its p90 with the baseline (and lowers the baseline when a full
+//! window was faster):
 //!
 //! - p90 ≤ tolerance × baseline, and the limit was used (at least half of
 //!   it in flight): the limit grows by √limit;
@@ -76,6 +86,8 @@ pub struct Gradient {
     peak: usize,
     /// The last window's p90 (µs).
     last_p90: Option<f64>,
+    /// The last window was over tolerance (the next probe is due then).
+    congested: bool,
 }
 
 fn p90(samples: &mut [u64]) -> f64 {
@@ -104,6 +116,7 @@ impl Gradient {
             window_start: None,
             peak: 0,
             last_p90: None,
+            congested: false,
         }
     }
 
@@ -127,6 +140,26 @@ impl Gradient {
         self.peak = self.peak.max(in_flight);
     }
 
+    /// Ends a probe that has run its time (called on every admission and
+    /// sample, so a probe ends even when no turn does).
+    fn tick(&mut self, now: Instant, in_flight: usize) {
+        if let Phase::Probe { restore, since } = self.phase {
+            let since = since.unwrap_or(now);
+            self.phase = Phase::Probe { restore, since: Some(since) };
+            if self.samples.len() >= PROBE_SAMPLES || now.saturating_duration_since(since) >= PROBE_MAX {
+                if !self.samples.is_empty() {
+                    self.baseline = Some(p90(&mut self.samples));
+                }
+                self.samples.clear();
+                self.limit = restore;
+                self.congested = false;
+                self.phase = Phase::Normal { next_probe: now + PROBE_EVERY };
+                self.window_start = Some(now);
+                self.peak = in_flight;
+            }
+        }
+    }
+
     /// Adds the gateway latency of one turn admitted in probe `epoch`; may
     /// end a probe or a window.
     pub fn sample(&mut self, latency: Duration, now: Instant, in_flight: usize, epoch: u64) {
@@ -134,22 +167,12 @@ impl Gradient {
             return;
         }
         match self.phase {
-            Phase::Probe { restore, since } => {
-                let since = since.unwrap_or(now);
-                self.phase = Phase::Probe { restore, since: Some(since) };
+            Phase::Probe { .. } => {
+                // Turns admitted before the probe ran at the old limit.
                 if epoch == self.epoch {
                     self.samples.push(latency.as_micros() as u64);
                 }
-                let enough = self.samples.len() >= PROBE_SAMPLES
-                    || (!self.samples.is_empty() && now.saturating_duration_since(since) >= PROBE_MAX);
-                if enough {
-                    self.baseline = Some(p90(&mut self.samples));
-                    self.samples.clear();
-                    self.limit = restore;
-                    self.phase = Phase::Normal { next_probe: now + PROBE_EVERY };
-                    self.window_start = Some(now);
-                    self.peak = in_flight;
-                }
+                self.tick(now, in_flight);
             }
             Phase::Normal { next_probe } => {
                 let start = *self.window_start.get_or_insert(now);
@@ -162,7 +185,7 @@ impl Gradient {
                     self.close_window(in_flight);
                     self.window_start = Some(now);
                 }
-                if now >= next_probe {
+                if now >= next_probe && self.congested {
                     self.epoch += 1;
                     self.samples.clear();
                     self.phase = Phase::Probe { restore: self.limit, since: Some(now) };
@@ -173,12 +196,19 @@ impl Gradient {
     }
 
     fn close_window(&mut self, in_flight: usize) {
+        let full = self.samples.len() >= MIN_SAMPLES;
         let p90 = p90(&mut self.samples);
-        // A window faster than the probe saw: the baseline follows it down.
-        let baseline = self.baseline.map_or(p90, |b| b.min(p90));
+        // A full window faster than the probe saw: the baseline follows it
+        // down (a window of one or two samples says too little).
+        let baseline = match self.baseline {
+            Some(b) if full => b.min(p90),
+            Some(b) => b,
+            None => p90,
+        };
         self.baseline = Some(baseline);
         self.last_p90 = Some(p90);
-        if p90 <= self.tolerance * baseline {
+        self.congested = p90 > self.tolerance * baseline;
+        if !self.congested {
             // Grow only a limit that was used: an idle gateway's limit
             // says nothing about what it can take.
             if self.peak as f64 >= self.limit / 2.0 {
@@ -229,6 +259,10 @@ impl Admission {
     /// A permit, or `Shed` at once when the limit is reached.
     pub fn try_admit(self: &Arc<Self>) -> Result<Permit, Shed> {
         let mut s = self.state();
+        let n = s.in_flight;
+        if s.gradient.adaptive {
+            s.gradient.tick(Instant::now(), n);
+        }
         let limit = s.gradient.limit();
         if s.in_flight >= limit {
             return Err(Shed { limit, retry_after: s.gradient.pushback() });
@@ -237,7 +271,14 @@ impl Admission {
         let n = s.in_flight;
         s.gradient.busy(n);
         let epoch = s.gradient.epoch();
-        Ok(Permit { admission: self.clone(), started: Instant::now(), outside: Duration::ZERO, limit, epoch })
+        Ok(Permit {
+            admission: self.clone(),
+            started: Instant::now(),
+            outside: Duration::ZERO,
+            limit,
+            epoch,
+            counts: false,
+        })
     }
 
     /// (turns in flight, current limit).
@@ -254,12 +295,22 @@ pub struct Permit {
     outside: Duration,
     limit: usize,
     epoch: u64,
+    /// Whether its release is a sample (see [`Permit::admitted`]).
+    counts: bool,
 }
 
 impl Permit {
     /// The limit this turn was admitted under.
     pub fn limit(&self) -> usize {
         self.limit
+    }
+
+    /// The turn holds its session and runs: its latency counts from now.
+    /// A permit dropped before this (the turn was refused) is no sample.
+    pub fn admitted(&mut self) {
+        self.started = Instant::now();
+        self.outside = Duration::ZERO;
+        self.counts = true;
     }
 
     /// Time the turn waited on something outside the gateway (the model,
@@ -276,7 +327,9 @@ impl Drop for Permit {
         let mut s = self.admission.state();
         s.in_flight = s.in_flight.saturating_sub(1);
         let n = s.in_flight;
-        s.gradient.sample(latency, now, n, self.epoch);
+        if self.counts {
+            s.gradient.sample(latency, now, n, self.epoch);
+        }
     }
 }
 
@@ -380,25 +433,47 @@ mod tests {
         assert!(a.try_admit().is_ok(), "a released permit admits again");
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn time_spent_outside_the_gateway_is_not_sampled() {
+    /// Rounds of turns at the limit whose model time grows 25 % a round
+    /// (5 ms to 4 s) while the gateway's own part stays 1 ms; the final limit.
+    async fn slowing_model(exclude: bool) -> usize {
         let mut l = limits(true);
         l.adaptive_concurrency.initial_limit = 4;
         l.adaptive_concurrency.min_limit = 4;
         let a = Arc::new(Admission::new(&l));
-        // Windows of fast gateway work around a slow model: the limit sees
-        // only the gateway's part and keeps growing while it is used.
-        // The model's time swings 10× from one round to the next; were it
-        // sampled, the p90 would too, and the limit would shrink.
-        for round in 0..60 {
-            let model = Duration::from_millis(if round % 2 == 0 { 50 } else { 500 });
-            let mut permits: Vec<_> = (0..a.load().1).map(|_| a.try_admit().unwrap()).collect();
+        for round in 0..30 {
+            let model = Duration::from_millis(5).mul_f64(1.25f64.powi(round));
+            let mut permits: Vec<_> = (0..a.load().1)
+                .map(|_| {
+                    let mut p = a.try_admit().unwrap();
+                    p.admitted();
+                    p
+                })
+                .collect();
             tokio::time::advance(model + Duration::from_millis(1)).await;
-            for p in &mut permits {
-                p.outside(model);
+            if exclude {
+                permits.iter_mut().for_each(|p| p.outside(model));
             }
             drop(permits);
         }
-        assert!(a.load().1 > 100, "limit {}", a.load().1);
+        a.load().1
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn time_spent_outside_the_gateway_is_not_sampled() {
+        let (excluded, sampled) = (slowing_model(true).await, slowing_model(false).await);
+        assert!(excluded > 100, "with the model's time excluded the limit grows: {excluded}");
+        assert!(sampled < excluded / 4, "sampled, the slowing model would hold it down: {sampled} vs {excluded}");
+    }
+
+    #[test]
+    fn a_turn_refused_before_it_holds_its_session_is_no_sample() {
+        let mut l = limits(true);
+        l.adaptive_concurrency.initial_limit = 8;
+        let a = Arc::new(Admission::new(&l));
+        for _ in 0..(PROBE_SAMPLES * 5) {
+            drop(a.try_admit().unwrap());
+        }
+        let s = a.state();
+        assert!(s.gradient.probing() && s.gradient.samples.is_empty(), "{:?}", s.gradient);
     }
 }

@@ -113,8 +113,9 @@ impl Core {
         cancel: CancellationToken,
     ) -> Result<Begun, CoreError> {
         // Admission control: shed at once over the limit, before any work.
-        let admission = self.admission.try_admit().map_err(|shed| {
+        let mut admission = self.admission.try_admit().map_err(|shed| {
             self.metrics.turns_shed.inc();
+            self.metrics.turn_limit.set(shed.limit as i64);
             CoreError::Overloaded(shed)
         })?;
         self.metrics.turn_limit.set(admission.limit() as i64);
@@ -130,6 +131,8 @@ impl Core {
             Driver::Harness => Unmet::FailClosed,
         };
         let lease = self.lease(Operation::AgentRun, &spec.host, spec.model, unmet)?;
+        // It holds its session and runs: from here its time is a sample.
+        admission.admitted();
 
         // Admission: the user messages are durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();

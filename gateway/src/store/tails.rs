@@ -7,8 +7,9 @@
 //! cached tail is valid for as long as its leaf is an ancestor of the
 //! session's leaf; the walk splices it in when it meets that leaf, and
 //! otherwise (a rewind, a rewrite, a compaction in the new part) simply
-//! reads on as it would without a cache. Bounded by bytes; the oldest
-//! entries go first.
+//! reads on as it would without a cache. Bounded by encoded bytes; the
+//! least recently stored tails go first. A deleted session's tail is
+//! dropped with it.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -19,49 +20,90 @@ use prost::Message as _;
 /// Encoded bytes of cached entries, all sessions together.
 const MAX_BYTES: usize = 16 * 1024 * 1024;
 
+struct Tail {
+    entries: Arc<Vec<pb::TranscriptEntry>>,
+    bytes: usize,
+    /// When it was stored: `order` entries with another number are stale.
+    stored: u64,
+}
+
 #[derive(Default)]
 pub(super) struct Tails {
-    by_session: HashMap<String, (Arc<Vec<pb::TranscriptEntry>>, usize)>,
-    /// Sessions in the order their tails were stored (a session may be
-    /// listed more than once; only its latest store counts).
-    order: VecDeque<String>,
+    by_session: HashMap<String, Tail>,
+    /// (session, when stored), oldest first; stale pairs are skipped.
+    order: VecDeque<(String, u64)>,
     bytes: usize,
+    clock: u64,
 }
 
 impl Tails {
-    /// Takes the session's cached tail (oldest first), if any: the reader
-    /// extends it in place and puts it back.
+    /// Takes the session's cached tail (oldest entry first), if any: the
+    /// reader extends it in place and puts it back.
     pub(super) fn take(&mut self, session_id: &str) -> Option<Arc<Vec<pb::TranscriptEntry>>> {
-        let (tail, size) = self.by_session.remove(session_id)?;
-        self.bytes -= size;
-        Some(tail)
+        let tail = self.by_session.remove(session_id)?;
+        self.bytes -= tail.bytes;
+        Some(tail.entries)
     }
 
-    pub(super) fn put(&mut self, session_id: &str, tail: Vec<pb::TranscriptEntry>) {
-        let size: usize = tail.iter().map(|e| e.encoded_len()).sum();
-        self.forget(session_id);
-        if size > MAX_BYTES / 4 {
+    pub(super) fn put(&mut self, session_id: &str, entries: Vec<pb::TranscriptEntry>) {
+        let bytes: usize = entries.iter().map(|e| e.encoded_len()).sum();
+        self.take(session_id);
+        if bytes > MAX_BYTES / 4 {
             return;
         }
-        while self.bytes + size > MAX_BYTES {
-            let Some(oldest) = self.order.pop_front() else { break };
-            self.forget(&oldest);
+        while self.bytes + bytes > MAX_BYTES {
+            let Some((oldest, stored)) = self.order.pop_front() else { break };
+            if self.by_session.get(&oldest).is_some_and(|t| t.stored == stored) {
+                self.take(&oldest);
+            }
         }
-        self.bytes += size;
-        self.by_session.insert(session_id.to_owned(), (Arc::new(tail), size));
-        self.order.push_back(session_id.to_owned());
-        // Stale duplicates in `order` are bounded by the live ones.
+        self.clock += 1;
+        self.bytes += bytes;
+        self.by_session.insert(session_id.to_owned(), Tail { entries: Arc::new(entries), bytes, stored: self.clock });
+        self.order.push_back((session_id.to_owned(), self.clock));
+        // Stale pairs are bounded by the live ones.
         if self.order.len() > 2 * self.by_session.len() + 64 {
             let live = &self.by_session;
-            let mut seen = std::collections::HashSet::new();
-            let mut kept: VecDeque<String> =
-                self.order.drain(..).rev().filter(|s| live.contains_key(s) && seen.insert(s.clone())).collect();
-            kept.make_contiguous().reverse();
-            self.order = kept;
+            self.order.retain(|(s, stored)| live.get(s).is_some_and(|t| t.stored == *stored));
         }
     }
 
-    fn forget(&mut self, session_id: &str) {
-        self.take(session_id);
+    /// Drops the sessions' tails (they were deleted).
+    pub(super) fn forget(&mut self, session_ids: &[String]) {
+        for s in session_ids {
+            self.take(s);
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.by_session.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tail(bytes: usize) -> Vec<pb::TranscriptEntry> {
+        vec![pb::TranscriptEntry { id: "x".repeat(bytes), ..Default::default() }]
+    }
+
+    #[test]
+    fn the_least_recently_stored_tails_go_first_and_a_fresh_one_stays() {
+        let mut t = Tails::default();
+        let quarter = MAX_BYTES / 4 - 16;
+        for round in 0..5 {
+            // "hot" is stored again every round; the others once each.
+            t.put("hot", tail(quarter));
+            t.put(&format!("cold-{round}"), tail(quarter));
+        }
+        assert!(t.take("hot").is_some(), "the most recently stored tail was evicted");
+        assert!(t.take("cold-0").is_none() && t.take("cold-4").is_some());
+        assert!(t.bytes <= MAX_BYTES);
+        t.put("gone", tail(10));
+        t.forget(&["gone".to_owned()]);
+        assert!(t.take("gone").is_none());
+        assert!(t.len() <= 4 && t.order.len() <= 2 * t.len() + 64);
     }
 }

@@ -25,14 +25,15 @@ use crate::metrics::StoreCounters;
 
 /// Calls waiting for the thread.
 const QUEUE: usize = 1024;
-/// Writes in one transaction at most (a bound on how long one batch holds
-/// its callers).
+/// Calls gathered into one round at most (reads and writes: a bound on how
+/// long one batch holds its callers, whatever the mix).
 const MAX_BATCH: usize = 256;
 
 /// One write, run inside the batch's transaction.
 trait Write: Send {
-    /// Runs the write; `true` when it succeeded (its savepoint is kept).
-    fn run(&mut self, c: &Connection) -> bool;
+    /// Runs the write; its error when it failed (its savepoint is rolled
+    /// back).
+    fn run(&mut self, c: &Connection) -> Result<(), StoreError>;
     /// Answers the caller once the batch committed (or failed to).
     fn finish(self: Box<Self>, committed: Result<(), StoreError>);
 }
@@ -44,12 +45,12 @@ struct Pending<T, F> {
 }
 
 impl<T: Send, F: FnOnce(&Connection) -> Result<T, StoreError> + Send> Write for Pending<T, F> {
-    fn run(&mut self, c: &Connection) -> bool {
-        let Some(f) = self.f.take() else { return false };
+    fn run(&mut self, c: &Connection) -> Result<(), StoreError> {
+        let Some(f) = self.f.take() else { return Err(StoreError::Backend("the write ran twice".into())) };
         let r = f(c);
-        let ok = r.is_ok();
+        let outcome = r.as_ref().map(drop).map_err(Clone::clone);
         self.result = Some(r);
-        ok
+        outcome
     }
 
     fn finish(self: Box<Self>, committed: Result<(), StoreError>) {
@@ -142,14 +143,15 @@ impl Drop for Worker {
 fn serve(mut conn: Connection, mut rx: mpsc::Receiver<Call>, counts: &StoreCounters) {
     let mut batch: Vec<Box<dyn Write>> = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = rx.blocking_recv() {
-        let mut next = Some(first);
+        let (mut next, mut gathered) = (Some(first), 0);
         while let Some(call) = next.take() {
             match call {
                 // A read that panics drops its answer; the thread goes on.
                 Call::Read(read) => drop(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(&mut conn)))),
                 Call::Write(w) => batch.push(w),
             }
-            if batch.len() < MAX_BATCH {
+            gathered += 1;
+            if gathered < MAX_BATCH {
                 next = rx.try_recv().ok();
             }
         }
@@ -160,8 +162,10 @@ fn serve(mut conn: Connection, mut rx: mpsc::Receiver<Call>, counts: &StoreCount
         // call) with it: its batch fails, the connection rolls back.
         let committed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_batch(&mut conn, &mut batch)))
             .unwrap_or_else(|_| Err(StoreError::Backend("a store write panicked; its batch was rolled back".into())));
-        counts.commits.inc();
-        counts.writes.inc_by(batch.len() as u64);
+        if committed.is_ok() {
+            counts.commits.inc();
+            counts.writes.inc_by(batch.len() as u64);
+        }
         for w in batch.drain(..) {
             w.finish(committed.clone());
         }
@@ -172,10 +176,20 @@ fn run_batch(conn: &mut Connection, batch: &mut [Box<dyn Write>]) -> Result<(), 
     let mut tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     for w in batch.iter_mut() {
         let sp = tx.savepoint()?;
-        if w.run(&sp) {
-            sp.commit()?;
+        match w.run(&sp) {
+            Ok(()) => sp.commit()?,
+            // Rolled back to where it began, on drop…
+            Err(e) => {
+                drop(sp);
+                // …unless SQLite rolled back the whole transaction (a full
+                // disk, an I/O error): then the writes before it are gone
+                // too, and running the rest would commit them outside the
+                // batch. The batch fails with that error.
+                if tx.is_autocommit() {
+                    return Err(e);
+                }
+            }
         }
-        // Dropped without commit: rolled back to where it began.
     }
     tx.commit()?;
     Ok(())

@@ -244,17 +244,29 @@ impl Stack {
 
     /// One warm-up turn per session (creating a session is not a steady
     /// turn's cost).
+    /// 16 at a time; a shed warm-up turn is retried after its pushback,
+    /// so every session is created before anything is measured.
     async fn warm_up(&self, sessions: usize) -> Result<(), String> {
-        let tasks: Vec<_> = (0..sessions)
-            .map(|i| {
-                let c = self.client(i);
-                tokio::spawn(async move { one_turn(c, i).await })
-            })
-            .collect();
-        for t in tasks {
-            if let Outcome::Error(e) = t.await.map_err(|e| e.to_string())? {
-                return Err(format!("warm-up: {e}"));
+        let mut set = tokio::task::JoinSet::new();
+        for i in 0..sessions {
+            if set.len() >= 16
+                && let Some(r) = set.join_next().await
+            {
+                r.map_err(|e| e.to_string())??;
             }
+            let c = self.client(i);
+            set.spawn(async move {
+                loop {
+                    match one_turn(c.clone(), i).await {
+                        Outcome::Completed => return Ok(()),
+                        Outcome::Shed(p) => tokio::time::sleep(p.unwrap_or(Duration::from_millis(100))).await,
+                        Outcome::Error(e) => return Err(format!("warm-up: {e}")),
+                    }
+                }
+            });
+        }
+        while let Some(r) = set.join_next().await {
+            r.map_err(|e| e.to_string())??;
         }
         Ok(())
     }
@@ -369,20 +381,20 @@ async fn open(stack: &Stack, rate: f64, seconds: f64, sessions: usize) -> (Tally
     let tally = Arc::new(Mutex::new(Tally::default()));
     let n = (rate * seconds).round() as u64;
     let started = Instant::now();
-    let mut tasks = Vec::with_capacity(n as usize);
+    // Finished arrivals are reaped as it goes (a soak makes millions).
+    let mut tasks = tokio::task::JoinSet::new();
     for k in 0..n {
         let scheduled = started + Duration::from_secs_f64(k as f64 / rate);
         tokio::time::sleep_until(scheduled).await;
+        while tasks.try_join_next().is_some() {}
         let session = k as usize % sessions;
         let (c, tally) = (stack.client(k as usize), tally.clone());
-        tasks.push(tokio::spawn(async move {
+        tasks.spawn(async move {
             let outcome = one_turn(c, session).await;
             tally.lock().unwrap_or_else(|e| e.into_inner()).add(outcome, scheduled.elapsed());
-        }));
+        });
     }
-    for t in tasks {
-        let _ = t.await;
-    }
+    while tasks.join_next().await.is_some() {}
     let elapsed = started.elapsed();
     (take(tally), elapsed)
 }
@@ -410,7 +422,7 @@ async fn run(args: Args) -> Result<bool, String> {
             ok &= t.errors == 0;
         }
         Run::Open { rate, seconds, sessions } => {
-            stack.warm_up(sessions.min(512)).await?;
+            stack.warm_up(sessions).await?;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway.pid());
             let (t, e) = open(&stack, rate, seconds, sessions).await;
@@ -423,7 +435,7 @@ async fn run(args: Args) -> Result<bool, String> {
             let (base, e) = closed(&stack, sessions, seconds).await;
             base.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
             let saturation = base.latencies.len() as f64 / e.as_secs_f64();
-            stack.warm_up(sessions.max(512)).await?;
+            stack.warm_up(4096).await?;
             // Unloaded: the same open-loop traffic at half of saturation.
             let (calm, e) = open(&stack, saturation / 2.0, seconds / 2.0, 4096).await;
             calm.report(&format!("open loop, {engine}, {:.0}/s offered (unloaded: ½ saturation)", saturation / 2.0), e);
