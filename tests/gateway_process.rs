@@ -130,10 +130,22 @@ struct Acknowledged {
     admitted: HashSet<String>,
     completed: HashSet<String>,
     compactions: HashSet<String>,
+    /// Sessions with a completed turn (each exists on disk).
+    sessions: HashSet<String>,
+}
+
+/// How long to wait before retrying a turn the gateway shed (a fresh
+/// gateway admits only `minLimit` turns while it measures its baseline).
+fn shed_pushback(s: &tonic::Status) -> Option<Duration> {
+    (s.code() == tonic::Code::ResourceExhausted).then(|| {
+        let ms = s.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()?.parse().ok());
+        Duration::from_millis(ms.unwrap_or(100))
+    })
 }
 
 /// Runs turns on `key` until the gateway dies, recording every entry id the
-/// gateway acknowledged.
+/// gateway acknowledged; a shed turn is retried after its pushback, as a
+/// client must.
 async fn churn(url: String, key: String, acked: Arc<Mutex<Acknowledged>>) {
     let mut c = client(&url);
     for i in 0.. {
@@ -143,10 +155,27 @@ async fn churn(url: String, key: String, acked: Arc<Mutex<Acknowledged>>) {
             system_prompt: None,
             ..Default::default()
         };
-        let Ok(resp) = c.run_turn(req).await else { return };
-        let mut stream = resp.into_inner();
+        let mut stream = match c.run_turn(req).await {
+            Ok(resp) => resp.into_inner(),
+            Err(s) => match shed_pushback(&s) {
+                Some(wait) => {
+                    tokio::time::sleep(wait).await;
+                    continue;
+                }
+                None => return,
+            },
+        };
         while let Some(e) = stream.next().await {
-            let Ok(e) = e else { return };
+            let e = match e {
+                Ok(e) => e,
+                Err(s) => match shed_pushback(&s) {
+                    Some(wait) => {
+                        tokio::time::sleep(wait).await;
+                        break;
+                    }
+                    None => return,
+                },
+            };
             let mut a = acked.lock().unwrap();
             match e.event {
                 Some(Event::Admitted(x)) => {
@@ -154,6 +183,7 @@ async fn churn(url: String, key: String, acked: Arc<Mutex<Acknowledged>>) {
                 }
                 Some(Event::Completed(x)) => {
                     a.completed.insert(x.entry_id);
+                    a.sessions.insert(key.clone());
                 }
                 Some(Event::CompactionDone(d)) => {
                     a.compactions.extend(d.entry_id);
@@ -179,7 +209,11 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
             keys.iter().map(|k| tokio::spawn(churn(gw.endpoint.clone(), k.clone(), acked.clone()))).collect();
         // Let turns and compactions pile up, then kill mid-flight.
         let target = (round + 1) * 60;
-        while acked.lock().unwrap().completed.len() < target {
+        // Every session has run (a shed worker waits out its pushback).
+        let running = |a: &Acknowledged| a.completed.len() >= target && a.sessions.len() == keys.len();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        while !running(&acked.lock().unwrap()) {
+            assert!(tokio::time::Instant::now() < deadline, "round {round}: not every session ran within 120 s");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         gw.signal_and_wait("KILL").await.unwrap();
