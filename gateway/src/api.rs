@@ -41,6 +41,9 @@ impl From<CoreError> for Status {
                 tracing::error!(%detail, "the state storage is full");
                 Status::resource_exhausted("the gateway's state storage is full; nothing of this call was stored")
             }
+            // The turn's lease was taken over: nothing of the refused write
+            // was stored; the session goes on at the gateway that holds it.
+            CoreError::Store(e @ StoreError::Fenced(_)) => Status::aborted(e.to_string()),
             CoreError::Store(StoreError::Backend(detail)) => {
                 // Internal detail goes to the log, not to clients.
                 tracing::error!(%detail, "store failure");

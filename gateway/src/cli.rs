@@ -612,7 +612,7 @@ pub async fn serve(
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
-    let store = crate::server::open_store(&cfg).map_err(|e| CliError(e.to_string()))?;
+    let store = crate::server::open_store(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;
     let metrics = listeners.metrics.as_ref().and_then(|l| l.local_addr().ok());

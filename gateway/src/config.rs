@@ -29,6 +29,8 @@ pub struct Config {
     pub gateway: GatewaySection,
     /// Where the gateway keeps its SQLite store.
     pub state_dir: PathBuf,
+    /// A shared store instead (several gateways on one state).
+    pub store: StoreSection,
     pub models: ModelsSection,
     pub agents: AgentsSection,
     pub plugins: PluginsSection,
@@ -131,6 +133,34 @@ impl Default for LimitsSection {
             tcp_keepalive_seconds: 60,
             adaptive_concurrency: AdaptiveConcurrency::default(),
         }
+    }
+}
+
+/// `store`: unset, the gateway keeps SQLite in `stateDir`; a
+/// `postgres://` URL shares one PostgreSQL among several gateways.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct StoreSection {
+    /// `postgres://user[:password]@host[:port]/database` (env
+    /// `CTXGATE_STORE_URL`).
+    pub url: Option<String>,
+    /// How long a session lease lasts unless renewed (renewed every third
+    /// of it while a turn runs): how soon a dead gateway's sessions are
+    /// taken over.
+    pub lease_seconds: f64,
+    /// PostgreSQL connections this gateway keeps at most.
+    pub pool_size: usize,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self { url: None, lease_seconds: 10.0, pool_size: 16 }
+    }
+}
+
+impl StoreSection {
+    pub fn lease(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.lease_seconds)
     }
 }
 
@@ -322,6 +352,7 @@ pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("CTXGATE_METRICS_LISTEN", "gateway.metricsListen"),
     ("CTXGATE_AUTH_TOKEN", "gateway.auth.token"),
     ("CTXGATE_STATE_DIR", "stateDir"),
+    ("CTXGATE_STORE_URL", "store.url"),
     ("CTXGATE_MODEL_PROVIDER", "models.provider"),
     ("CTXGATE_MODEL_BASE_URL", "models.baseUrl"),
     ("CTXGATE_MODEL_API_KEY", "models.apiKey"),
@@ -372,6 +403,7 @@ impl Config {
                 "CTXGATE_METRICS_LISTEN" => self.gateway.metrics_listen = v,
                 "CTXGATE_AUTH_TOKEN" => self.gateway.auth.token = Some(v),
                 "CTXGATE_STATE_DIR" => self.state_dir = v.into(),
+                "CTXGATE_STORE_URL" => self.store.url = Some(v).filter(|v| !v.is_empty()),
                 "CTXGATE_MODEL_PROVIDER" => {
                     self.models.provider = match v.as_str() {
                         "offline" => ProviderKind::Offline,
@@ -394,6 +426,24 @@ impl Config {
         self.metrics_addr()?;
         if self.state_dir.as_os_str().is_empty() {
             self.state_dir = PathBuf::from("ctxgate-state");
+        }
+        if let Some(url) = &self.store.url {
+            if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+                return Err(invalid(
+                    "store.url",
+                    "expected a postgres:// URL (leave it unset for SQLite in stateDir)".to_string(),
+                ));
+            }
+            if let Err(e) = url.parse::<tokio_postgres::Config>() {
+                return Err(invalid("store.url", format!("not a PostgreSQL URL: {e}")));
+            }
+        }
+        let lease = self.store.lease_seconds;
+        if !(lease.is_finite() && (1.0..=3600.0).contains(&lease)) {
+            return Err(invalid("store.leaseSeconds", format!("{lease} is outside 1–3600")));
+        }
+        if !(1..=1024).contains(&self.store.pool_size) {
+            return Err(invalid("store.poolSize", format!("{} is outside 1–1024", self.store.pool_size)));
         }
         if let Some(e) = &self.gateway.host_endpoint
             && e.parse::<ctxgate_engine_sdk::Endpoint>().is_err()

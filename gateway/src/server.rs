@@ -18,7 +18,8 @@ use crate::core::Core;
 use crate::harness::HarnessApi;
 use crate::host::HostService;
 use crate::metrics::Metrics;
-use crate::store::SqliteStore;
+use crate::store::postgres::PostgresStore;
+use crate::store::{SqliteStore, Store};
 
 pub const GATEWAY_SERVICE: &str = "ctxgate.v1.Gateway";
 pub const HARNESS_SERVICE: &str = "ctxgate.v1.Harness";
@@ -85,14 +86,35 @@ impl tonic::service::Interceptor for Auth {
 /// running turns and compactions, and drains.
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
     let (_keep, reloads) = tokio::sync::mpsc::channel(1);
-    let store = open_store(&config)?;
+    let store = open_store(&config).await?;
     run_with_reloads(config, store, listeners, shutdown, reloads).await
 }
 
 /// The configured store, opened (and migrated) before any port is bound:
 /// a state dir that cannot be used is a sentence and a non-zero exit.
-pub fn open_store(config: &Config) -> Result<SqliteStore, ServeError> {
-    Ok(SqliteStore::open(&config.state_dir)?)
+pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
+    Ok(match &config.store.url {
+        Some(url) => {
+            let pg = PostgresStore::open(url, config.store.pool_size).await?;
+            OpenedStore { counters: pg.counters(), store: Arc::new(pg) }
+        }
+        None => {
+            let sqlite = SqliteStore::open(&config.state_dir)?;
+            OpenedStore { counters: sqlite.counters(), store: Arc::new(sqlite) }
+        }
+    })
+}
+
+/// The configured store with its commit counters (metrics).
+pub struct OpenedStore {
+    pub store: Arc<dyn Store>,
+    pub counters: crate::metrics::StoreCounters,
+}
+
+impl From<SqliteStore> for OpenedStore {
+    fn from(s: SqliteStore) -> Self {
+        Self { counters: s.counters(), store: Arc::new(s) }
+    }
 }
 
 /// [`run`] on an opened store, applying every configuration received on
@@ -100,15 +122,16 @@ pub fn open_store(config: &Config) -> Result<SqliteStore, ServeError> {
 /// re-resolved).
 pub async fn run_with_reloads(
     config: Config,
-    store: SqliteStore,
+    store: impl Into<OpenedStore>,
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
     mut reloads: tokio::sync::mpsc::Receiver<Config>,
 ) -> Result<(), ServeError> {
     let config = Arc::new(config);
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
-    let metrics = Metrics::new(store.counters());
-    let core = Arc::new(Core::new(config.clone(), Arc::new(store), provider, metrics.clone()));
+    let OpenedStore { store, counters } = store.into();
+    let metrics = Metrics::new(counters);
+    let core = Arc::new(Core::new(config.clone(), store, provider, metrics.clone()));
     let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
     core.set_host_endpoint(config.host_endpoint(bound));
     core.load_durable_engines().await.map_err(|e| ServeError::StoreRead(e.to_string()))?;
@@ -131,6 +154,10 @@ pub async fn run_with_reloads(
                 tick.tick().await;
                 if let Err(e) = core.sweep_subagents().await {
                     tracing::warn!(error = %e, "subagent sweep failed");
+                }
+                // Turns left open by a gateway that died (shared store).
+                if let Err(e) = core.recover_abandoned_turns().await {
+                    tracing::warn!(error = %e, "recovering abandoned turns failed");
                 }
                 // Durable turns an engine has not accepted yet are retried here.
                 if let Err(e) = core.drain_outbox().await {

@@ -8,13 +8,14 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 
+pub mod postgres;
 mod tails;
 mod worker;
 
@@ -28,6 +29,10 @@ pub enum StoreError {
     Full(String),
     #[error("storage failure: {0}")]
     Backend(String),
+    /// A write for a session this gateway no longer holds (its lease
+    /// expired and another gateway took the session over): refused whole.
+    #[error("session {0} was taken over by another gateway; this gateway's write was refused")]
+    Fenced(String),
 }
 
 impl From<rusqlite::Error> for StoreError {
@@ -229,6 +234,80 @@ pub trait Store: Send + Sync + 'static {
     async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError>;
     /// Subagents whose ttl ended before `now_ms`.
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError>;
+
+    // --- sessions shared by several gateways ---------------------------------
+    //
+    // A store that one gateway owns (SQLite: the directory lock) needs none
+    // of this, so these default to "always yours". A shared store leases
+    // sessions: a turn holds its session's lease (owner, expiry, fencing
+    // token) while it runs, and every write of the session checks the token
+    // the store handed out, so a gateway whose lease was taken over can
+    // never write again.
+
+    /// Whether several gateways share this store.
+    fn shared(&self) -> bool {
+        false
+    }
+
+    /// Claims `session_id` for this gateway for `ttl`, when nobody else
+    /// holds it (a turn left open by an earlier holder is rewound first, as
+    /// an abort is). `interrupt`: ask the holder to stop (busy policy
+    /// interrupt) when it is held.
+    async fn claim_session(&self, session_id: &str, ttl: Duration, interrupt: bool) -> Result<Claimed, StoreError> {
+        let _ = (ttl, interrupt);
+        Ok(Claimed::Held(Claim { session_id: session_id.into(), token: 0 }))
+    }
+
+    /// Extends a held claim: `Held`, `Interrupted` (another gateway asked
+    /// its turn to stop) or `Lost` (the lease expired and someone took it).
+    async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {
+        let _ = (claim, ttl);
+        Ok(Renewal::Held)
+    }
+
+    /// Gives a claim up (a no-op when it was taken over meanwhile).
+    async fn release_claim(&self, claim: &Claim) -> Result<(), StoreError> {
+        let _ = claim;
+        Ok(())
+    }
+
+    /// Asks whichever gateway holds `session_id` to stop its turn; true if
+    /// one held it.
+    async fn interrupt_holder(&self, session_id: &str) -> Result<bool, StoreError> {
+        let _ = session_id;
+        Ok(false)
+    }
+
+    /// Sessions with a turn left open by a gateway whose lease on them
+    /// lapsed (it died): claiming one rewinds the turn. A store one gateway
+    /// owns rewinds them all when it opens.
+    async fn abandoned_turns(&self) -> Result<Vec<String>, StoreError> {
+        Ok(Vec::new())
+    }
+}
+
+/// A session held by this gateway in a shared store; `token` fences its
+/// writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    pub session_id: String,
+    pub token: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claimed {
+    Held(Claim),
+    /// Another gateway holds the session.
+    Busy {
+        owner: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewal {
+    Held,
+    Interrupted,
+    Lost,
 }
 
 /// A durable turn's commit before the turn is closed.
@@ -683,8 +762,17 @@ fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Res
     let first: String = tx
         .prepare_cached("SELECT first_entry_id FROM open_turns WHERE session_id = ?1")?
         .query_row([session_id], |r| r.get(0))?;
-    let mut range = branch_back_to(tx, session_id, &first)?
+    let range = branch_back_to(tx, session_id, &first)?
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
+    let engine = draft.engine_id.clone();
+    let req = commit_request(draft, range);
+    tx.prepare_cached("INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)")?.execute(params![session_id, req.advancement_key, engine, req.encode_to_vec(), now_ms()])?;
+    Ok(())
+}
+
+/// A closed turn's CommitTurn: `range` is the branch from its leaf back to
+/// the turn's first admitted entry (newest first, as walked).
+fn commit_request(draft: CommitDraft, mut range: Vec<pb::TranscriptEntry>) -> pb::CommitTurnRequest {
     range.reverse();
     let mut req = draft.request;
     req.messages = range
@@ -704,8 +792,7 @@ fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Res
         terminal.active_message_position += req.messages.len().saturating_sub(1) as u64;
         req.terminal = Some(terminal);
     }
-    tx.prepare_cached("INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)")?.execute(params![session_id, req.advancement_key, draft.engine_id, req.encode_to_vec(), now_ms()])?;
-    Ok(())
+    req
 }
 
 /// Rewinds the session's open turn (if any): the leaf goes back to the
@@ -718,19 +805,31 @@ fn rewind_in(tx: &Connection, session_id: &str) -> Result<(), StoreError> {
         .optional()?;
     tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([session_id])?;
     let Some(anchor) = anchor else { return Ok(()) };
-    let Some(mut tail) = branch_back_to(tx, session_id, &anchor)? else {
+    let Some(tail) = branch_back_to(tx, session_id, &anchor)? else {
         // Rewrites follow the anchor; a branch without it was changed by hand.
         tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
         return Ok(());
     };
+    let Some(carried) = rewind_carries(tail) else { return Ok(()) };
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1")?
+        .execute(params![session_id, anchor])?;
+    append_in(tx, session_id, carried)?;
+    Ok(())
+}
+
+/// What a rewind puts back on the anchor: `tail` is the branch from the
+/// leaf back to the anchor (newest first). `None` when the turn added no
+/// message (nothing to rewind); else the compactions made during the turn
+/// that keep from no dropped message, oldest first.
+fn rewind_carries(mut tail: Vec<pb::TranscriptEntry>) -> Option<Vec<NewEntry>> {
     tail.pop();
     tail.reverse();
     let dropped: std::collections::HashSet<&str> =
         tail.iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).map(|e| e.id.as_str()).collect();
     if dropped.is_empty() {
-        return Ok(());
+        return None;
     }
-    let carried: Vec<NewEntry> = tail
+    let carried = tail
         .iter()
         .filter_map(|e| match &e.entry {
             Some(Entry::Compaction(cmp)) if !dropped.contains(cmp.first_kept_entry_id.as_str()) => {
@@ -739,10 +838,7 @@ fn rewind_in(tx: &Connection, session_id: &str) -> Result<(), StoreError> {
             _ => None,
         })
         .collect();
-    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1")?
-        .execute(params![session_id, anchor])?;
-    append_in(tx, session_id, carried)?;
-    Ok(())
+    Some(carried)
 }
 
 /// Turns left open by a gateway that died end as aborted ones do.
@@ -798,6 +894,99 @@ fn query_outbox(
         })
     })?;
     Ok(rows.collect::<rusqlite::Result<_>>()?)
+}
+
+/// A rewrite worked out from the branch it applies to: the copies to
+/// append (ids, parents and seqs assigned) and what it did.
+struct RewritePlan {
+    entries: Vec<pb::TranscriptEntry>,
+    outcome: RewriteOutcome,
+}
+
+impl RewritePlan {
+    /// The new leaf and the session's next seq after the copies.
+    fn leaf_and_next_seq(&self, seq: i64) -> (Option<String>, i64) {
+        (self.entries.last().map(|e| e.id.clone()), seq + self.entries.len() as i64)
+    }
+}
+
+fn kind_of(e: &pb::TranscriptEntry) -> i64 {
+    if matches!(e.entry, Some(Entry::Compaction(_))) { KIND_COMPACTION } else { KIND_MESSAGE }
+}
+
+/// Plans a rewrite of `branch` (read before the write transaction; `leaf`
+/// and `seq` are the session's as the transaction sees them). `Err` is
+/// the outcome when nothing changes, with its reason.
+fn plan_rewrite(
+    branch: &[pb::TranscriptEntry],
+    replacements: Vec<(String, AgentMessage)>,
+    leaf: Option<&str>,
+    mut seq: i64,
+) -> Result<RewritePlan, RewriteOutcome> {
+    let kept = |reason: &str| RewriteOutcome { reason: reason.into(), ..Default::default() };
+    let wanted: std::collections::HashMap<String, AgentMessage> =
+        replacements.into_iter().filter(|(id, _)| !id.trim().is_empty()).collect();
+    if wanted.is_empty() {
+        return Err(kept("no replacements requested"));
+    }
+    if branch.is_empty() {
+        return Err(kept("empty session"));
+    }
+    // Matches by message id, only where the content really changes.
+    let matched = |e: &pb::TranscriptEntry| match &e.entry {
+        Some(Entry::Message(m)) => wanted.get(&m.id).filter(|new| new.content != m.content),
+        _ => None,
+    };
+    let Some(first) = branch.iter().position(|e| matched(e).is_some()) else {
+        return Err(kept("no changed matching message entries"));
+    };
+    // The leaf moved since the branch was read: someone appended; let them win.
+    if leaf != branch.last().map(|e| e.id.as_str()) {
+        return Err(kept("the branch changed while rewriting"));
+    }
+    let mut parent = branch[first].parent_id.clone();
+    let mut remap = std::collections::HashMap::new();
+    let (mut freed, mut rewritten) = (0i64, 0u32);
+    let mut entries = Vec::new();
+    for old in &branch[first..] {
+        let id = new_id();
+        remap.insert(old.id.clone(), id.clone());
+        let entry = match (&old.entry, matched(old)) {
+            (Some(Entry::Message(m)), Some(new)) => {
+                freed += ctxgate_proto::validate::content_bytes(m) as i64
+                    - ctxgate_proto::validate::content_bytes(new) as i64;
+                rewritten += 1;
+                // Engines know messages by id: the replacement keeps it.
+                Entry::Message(AgentMessage { id: m.id.clone(), ..new.clone() })
+            }
+            (Some(Entry::Compaction(cmp)), _) => {
+                let mut cmp = cmp.clone();
+                if let Some(n) = remap.get(&cmp.first_kept_entry_id) {
+                    cmp.first_kept_entry_id = n.clone();
+                }
+                Entry::Compaction(cmp)
+            }
+            (Some(other), None) => other.clone(),
+            (None, _) => continue,
+        };
+        entries.push(pb::TranscriptEntry {
+            id: id.clone(),
+            parent_id: parent.clone(),
+            seq: seq as u64,
+            turn_id: old.turn_id.clone(),
+            entry: Some(entry),
+        });
+        parent = Some(id);
+        seq += 1;
+    }
+    let outcome = RewriteOutcome {
+        changed: true,
+        bytes_freed: freed,
+        rewritten_entries: rewritten,
+        reason: String::new(),
+        remap,
+    };
+    Ok(RewritePlan { entries, outcome })
 }
 
 #[async_trait]
@@ -1417,68 +1606,19 @@ impl Store for SqliteStore {
         let this = self.clone();
         let branch = self.branch(&session_id).await?;
         this.db.write(move |tx| {
-            let kept = |reason: &str| Ok(RewriteOutcome { reason: reason.into(), ..Default::default() });
-            let wanted: std::collections::HashMap<String, AgentMessage> =
-                replacements.into_iter().filter(|(id, _)| !id.trim().is_empty()).collect();
-            if wanted.is_empty() {
-                return kept("no replacements requested");
-            }
-            if branch.is_empty() {
-                return kept("empty session");
-            }
-            // Matches by message id, only where the content really changes.
-            let matched = |e: &pb::TranscriptEntry| match &e.entry {
-                Some(Entry::Message(m)) => wanted.get(&m.id).filter(|new| new.content != m.content),
-                _ => None,
-            };
-            let Some(first) = branch.iter().position(|e| matched(e).is_some()) else {
-                return kept("no changed matching message entries");
-            };
-            let (leaf, mut seq): (Option<String>, i64) =
+            let (leaf, seq): (Option<String>, i64) =
                 tx.prepare_cached("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1")?.query_row([&session_id], |r| {
                     Ok((r.get(0)?, r.get(1)?))
                 })?;
-            // The leaf moved since the branch was read: someone appended; let them win.
-            if leaf.as_deref() != branch.last().map(|e| e.id.as_str()) {
-                return kept("the branch changed while rewriting");
+            let plan = match plan_rewrite(&branch, replacements, leaf.as_deref(), seq) {
+                Ok(plan) => plan,
+                Err(kept) => return Ok(kept),
+            };
+            for e in &plan.entries {
+                tx.prepare_cached("INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![e.id, session_id, e.parent_id, e.seq as i64, kind_of(e), e.encode_to_vec()])?;
             }
-            let mut parent = branch[first].parent_id.clone();
-            let mut remap = std::collections::HashMap::new();
-            let (mut freed, mut rewritten) = (0i64, 0u32);
-            for old in &branch[first..] {
-                let id = new_id();
-                remap.insert(old.id.clone(), id.clone());
-                let entry = match (&old.entry, matched(old)) {
-                    (Some(Entry::Message(m)), Some(new)) => {
-                        freed += ctxgate_proto::validate::content_bytes(m) as i64
-                            - ctxgate_proto::validate::content_bytes(new) as i64;
-                        rewritten += 1;
-                        // Engines know messages by id: the replacement keeps it.
-                        Entry::Message(AgentMessage { id: m.id.clone(), ..new.clone() })
-                    }
-                    (Some(Entry::Compaction(cmp)), _) => {
-                        let mut cmp = cmp.clone();
-                        if let Some(n) = remap.get(&cmp.first_kept_entry_id) {
-                            cmp.first_kept_entry_id = n.clone();
-                        }
-                        Entry::Compaction(cmp)
-                    }
-                    (Some(other), None) => other.clone(),
-                    (None, _) => continue,
-                };
-                let kind = if matches!(entry, Entry::Compaction(_)) { KIND_COMPACTION } else { KIND_MESSAGE };
-                let stored = pb::TranscriptEntry {
-                    id: id.clone(),
-                    parent_id: parent.clone(),
-                    seq: seq as u64,
-                    turn_id: old.turn_id.clone(),
-                    entry: Some(entry),
-                };
-                tx.prepare_cached("INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![id, session_id, parent, seq, kind, stored.encode_to_vec()])?;
-                parent = Some(id);
-                seq += 1;
-            }
-            tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?.execute(params![session_id, parent, seq])?;
+            let (leaf, next) = plan.leaf_and_next_seq(seq);
+            tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?.execute(params![session_id, leaf, next])?;
             // An open turn's admitted entries were copied too: follow them.
             for column in ["first_entry_id", "anchor_id"] {
                 let old: Option<String> = tx
@@ -1486,17 +1626,11 @@ impl Store for SqliteStore {
                         r.get(0)
                     })
                     .optional()?;
-                if let Some(new) = old.and_then(|o| remap.get(&o)) {
+                if let Some(new) = old.and_then(|o| plan.outcome.remap.get(&o)) {
                     tx.prepare_cached(&format!("UPDATE open_turns SET {column} = ?2 WHERE session_id = ?1"))?.execute(params![session_id, new])?;
                 }
             }
-            Ok(RewriteOutcome {
-                changed: true,
-                bytes_freed: freed,
-                rewritten_entries: rewritten,
-                reason: String::new(),
-                remap,
-            })
+            Ok(plan.outcome)
         })
         .await
     }
@@ -1550,15 +1684,6 @@ impl Store for SqliteStore {
 mod tests {
     use super::*;
     use ctxgate_proto::pb::{CompactionEntry, ContentPart, Role, content_part::Part};
-
-    impl NewEntry {
-        fn entry_message(self) -> AgentMessage {
-            match self.entry {
-                Entry::Message(m) => m,
-                _ => unreachable!(),
-            }
-        }
-    }
 
     /// A store in a temp dir with one session for key "k".
     async fn fixture() -> (tempfile::TempDir, SqliteStore, Session) {
@@ -1683,118 +1808,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn append_chains_entries_and_branch_reads_them_back_in_order() {
-        let (_dir, store, s) = fixture().await;
-        let a = store.append(&s.session_id, vec![user("one"), user("two")]).await.unwrap();
-        assert_eq!(a[1].parent_id.as_deref(), Some(a[0].id.as_str()));
-        let Some(Entry::Message(m)) = &a[0].entry else { panic!() };
-        assert_eq!(m.id, a[0].id, "message id is the entry id");
-        let c = compaction("s", &a[1].id);
-        store.append(&s.session_id, vec![c]).await.unwrap();
-        let b = store.branch(&s.session_id).await.unwrap();
-        assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
-        let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
-        assert_eq!((stats[0].entries, stats[0].compactions), (3, 1));
-    }
-
-    #[tokio::test]
-    async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch() {
-        let (_dir, store, s) = fixture().await;
-        let check = |b: Vec<pb::TranscriptEntry>, t: Vec<pb::TranscriptEntry>| {
-            assert_eq!(crate::transcript::visible(&b), crate::transcript::visible(&t));
-            assert!(t.len() <= b.len());
-        };
-        check(store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
-        let mut ids = Vec::new();
-        for round in 0..4 {
-            let added =
-                store.append(&s.session_id, (0..5).map(|i| user(&format!("{round}-{i}"))).collect()).await.unwrap();
-            ids.extend(added.into_iter().map(|e| e.id));
-            // Keep the last 3 messages, then once keep nothing at all.
-            let first_kept = if round == 2 { String::new() } else { ids[ids.len() - 3].clone() };
-            let c = compaction(&format!("s{round}"), &first_kept);
-            store.append(&s.session_id, vec![c]).await.unwrap();
-            store.append(&s.session_id, vec![user("after")]).await.unwrap();
-            let (b, t) = (store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
-            assert!(t.len() < 8, "the tail is bounded, not the whole branch ({} entries)", t.len());
-            check(b, t);
-        }
-    }
-
-    #[tokio::test]
-    async fn the_cached_tail_follows_appends_rewinds_rewrites_and_summaries() {
-        let (_dir, store, s) = fixture().await;
-        let id = s.session_id.clone();
-        let same = async |store: &SqliteStore| {
-            let (b, t) = (store.branch(&id).await.unwrap(), store.visible_tail(&id).await.unwrap());
-            assert_eq!(crate::transcript::visible(&b), crate::transcript::visible(&t));
-            t
-        };
-        let mut last = Vec::new();
-        for i in 0..6 {
-            let turn = format!("t{i}");
-            let entries = vec![user(&format!("q{i}"))];
-            last = store.open_turn(&id, &turn, entries, None).await.unwrap();
-            same(&store).await;
-            if i % 3 == 2 {
-                // An aborted turn: the leaf goes back behind the cached one.
-                store.close_turn(&id, TurnClose::Rewind).await.unwrap();
-            } else {
-                let reply = vec![user(&format!("a{i}"))];
-                store.close_turn(&id, TurnClose::Accept { entries: reply, commit: None }).await.unwrap();
-            }
-            same(&store).await;
-        }
-        // A summary in the new part, then a rewrite of an old message.
-        store.append(&id, vec![compaction("sum", &last[0].id)]).await.unwrap();
-        let t = same(&store).await;
-        assert!(t.len() <= 3, "{t:?}");
-        store.append(&id, vec![user("later")]).await.unwrap();
-        same(&store).await;
-        let replacement = AgentMessage { id: last[0].id.clone(), ..user("rewritten").entry_message() };
-        let r = store.rewrite(&id, vec![(last[0].id.clone(), replacement)]).await.unwrap();
-        assert!(r.changed, "{r:?}");
-        let t = same(&store).await;
-        assert!(
-            t.iter().any(
-                |e| matches!(&e.entry, Some(Entry::Message(m)) if crate::provider::message_text(m) == "rewritten")
-            )
-        );
-    }
-
-    #[tokio::test]
-    async fn a_rewrite_branches_keeps_the_old_branch_and_remaps_summaries() {
-        let (_dir, store, s) = fixture().await;
-        let a = store.append(&s.session_id, vec![user("one"), user(&"big ".repeat(100)), user("three")]).await.unwrap();
-        let c = compaction("s", &a[1].id);
-        store.append(&s.session_id, vec![c]).await.unwrap();
-        let old = store.branch(&s.session_id).await.unwrap();
-
-        let Some(Entry::Message(mut small)) = a[1].entry.clone() else { panic!() };
-        small.content = user("elided").entry_message().content;
-        let out = store
-            .rewrite(&s.session_id, vec![(a[1].id.clone(), small), (String::new(), AgentMessage::default())])
-            .await
-            .unwrap();
-        assert!(out.changed && out.rewritten_entries == 1 && out.bytes_freed > 300, "{out:?}");
-
-        let new = store.branch(&s.session_id).await.unwrap();
-        assert_eq!(new[0].id, old[0].id, "the branch starts at the parent of the first replaced entry");
-        assert_ne!(new[1].id, old[1].id);
-        let Some(Entry::Message(m)) = &new[1].entry else { panic!() };
-        assert_eq!(m.id, a[1].id, "message ids stay stable");
-        assert_eq!(crate::provider::message_text(m), "elided");
-        let Some(Entry::Compaction(cmp)) = &new[3].entry else { panic!() };
-        assert_eq!(cmp.first_kept_entry_id, new[1].id, "the summary points into the new branch");
-        assert_eq!(crate::transcript::visible(&new).messages.len(), 2);
-        // The old branch is still stored; the same rewrite again changes nothing.
-        let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
-        assert_eq!(stats[0].entries, 4 + 3);
-        let Some(Entry::Message(again)) = new[1].entry.clone() else { panic!() };
-        assert!(!store.rewrite(&s.session_id, vec![(a[1].id.clone(), again)]).await.unwrap().changed);
-    }
-
-    #[tokio::test]
     async fn a_turn_left_open_by_a_crash_is_rewound_at_open_and_keeps_its_compactions() {
         let (dir, store, s) = fixture().await;
         store.append(&s.session_id, vec![user("before")]).await.unwrap();
@@ -1830,29 +1843,6 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn new_and_reset_start_fresh_sessions_and_delete_removes_all() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = SqliteStore::open(dir.path()).unwrap();
-        assert!(store.session("main", "k", false).await.unwrap().is_none());
-        let first = store.session("main", "k", true).await.unwrap().unwrap();
-        let second = store.replace_session("main", "k", false).await.unwrap();
-        let third = store.replace_session("main", "k", true).await.unwrap();
-        assert_ne!(first.session_id, second.session_id);
-        assert_eq!(store.session("main", "k", false).await.unwrap().unwrap(), third);
-        let visible: Vec<_> = store
-            .list_sessions(Some("main"), false, 0, 100)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|s| s.session.state)
-            .collect();
-        assert_eq!(visible, ["inactive", "active"]);
-        assert_eq!(store.list_sessions(None, true, 0, 100).await.unwrap().len(), 3);
-        assert_eq!(store.delete_sessions("main", "k").await.unwrap(), 3);
-        assert!(matches!(store.append(&third.session_id, vec![user("x")]).await, Err(StoreError::NoSession(_))));
-    }
-
-    #[tokio::test]
     async fn a_database_from_before_versioning_is_migrated_and_keeps_its_queued_commits() {
         let dir = tempfile::tempdir().unwrap();
         {
@@ -1879,74 +1869,5 @@ mod tests {
         assert_eq!(version, MIGRATIONS.len() as i64);
         drop(store);
         SqliteStore::open(dir.path()).expect("opening a current database again is a no-op");
-    }
-
-    #[tokio::test]
-    async fn refusals_back_off_drops_are_audited_and_deletes_leave_forgets() {
-        let (_dir, store, s) = fixture().await;
-        let id = s.session_id.clone();
-        let draft = |key: &str| CommitDraft {
-            engine_id: "e".into(),
-            request: pb::CommitTurnRequest { advancement_key: key.into(), ..Default::default() },
-        };
-        for key in ["t1", "t2"] {
-            store.open_turn(&id, key, vec![user(key)], Some("e")).await.unwrap();
-            let accept = TurnClose::Accept { entries: vec![], commit: Some(draft(key)) };
-            store.close_turn(&id, accept).await.unwrap();
-        }
-        assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap(), [(id.clone(), "e".to_owned())]);
-        store.refuse_commit(&id, "t1", "poison", 5_000).await.unwrap();
-        assert!(
-            store.due_commits(4_999, &["e".to_owned()]).await.unwrap().is_empty(),
-            "the oldest row waits out its backoff"
-        );
-        assert_eq!(store.due_commits(5_000, &["e".to_owned()]).await.unwrap().len(), 1);
-        assert_eq!(store.outbox_counts().await.unwrap(), (2, 1));
-        let rows = store.outbox_of_key("main", "k").await.unwrap();
-        assert_eq!((rows[0].attempts, rows[0].last_error.as_deref()), (1, Some("poison")));
-
-        store.retry_outbox("main", "k").await.unwrap();
-        assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap().len(), 1, "retry makes it due now");
-        let dropped = store.drop_outbox("main", "k").await.unwrap();
-        assert_eq!(dropped.len(), 2);
-        let audited: i64 =
-            store.db.read(|c| Ok(c.query_row("SELECT COUNT(*) FROM outbox_drops", [], |r| r.get(0))?)).await.unwrap();
-        assert_eq!(audited, 2);
-        assert_eq!(store.branch(&id).await.unwrap().len(), 2, "a drop leaves the transcript alone");
-
-        store.delete_sessions("main", "k").await.unwrap();
-        let forgets = store.pending_forgets(0, &["e".to_owned()]).await.unwrap();
-        assert_eq!(forgets.len(), 1, "the engine that served the session is owed a forget");
-        assert_eq!((forgets[0].session_id.as_str(), forgets[0].engine_id.as_str()), (id.as_str(), "e"));
-        store.settle_forget(&id, "e", Some((10, "down"))).await.unwrap();
-        assert!(store.pending_forgets(9, &["e".to_owned()]).await.unwrap().is_empty());
-        store.settle_forget(&id, "e", None).await.unwrap();
-        assert!(store.pending_forgets(i64::MAX, &["e".to_owned()]).await.unwrap().is_empty());
-    }
-
-    #[tokio::test]
-    async fn branch_after_reads_back_to_the_cursor_and_follows_rewrites() {
-        let (_dir, store, s) = fixture().await;
-        let id = s.session_id.clone();
-        let a = store.append(&id, vec![user("one"), user("two"), user("three")]).await.unwrap();
-        let at = |e: &pb::TranscriptEntry| pb::HistoryCursor {
-            message_id: e.id.clone(),
-            seq: e.seq,
-            message_count: 0,
-            tokens: 0,
-        };
-        let ids = |v: Vec<pb::TranscriptEntry>| v.into_iter().map(|e| e.id).collect::<Vec<_>>();
-        let after = store.branch_after(&id, &at(&a[1])).await.unwrap().unwrap();
-        assert_eq!(ids(after), [a[2].id.clone()]);
-        assert_eq!(store.branch_after(&id, &pb::HistoryCursor::default()).await.unwrap().unwrap().len(), 3);
-        let unknown = pb::HistoryCursor { message_id: "gone".into(), seq: 2, ..Default::default() };
-        assert!(store.branch_after(&id, &unknown).await.unwrap().is_none(), "not on the branch");
-        // A rewrite of "one" copies the branch under new ids; "two" keeps its message id.
-        let Some(Entry::Message(mut small)) = a[0].entry.clone() else { unreachable!() };
-        small.content = user("1").entry_message().content;
-        assert!(store.rewrite(&id, vec![(a[0].id.clone(), small)]).await.unwrap().changed);
-        let after = store.branch_after(&id, &at(&a[1])).await.unwrap().expect("followed through the copy");
-        assert_eq!(after.len(), 1);
-        assert!(matches!(&after[0].entry, Some(Entry::Message(m)) if m.id == a[2].id));
     }
 }

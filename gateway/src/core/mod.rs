@@ -5,6 +5,7 @@
 //! protos stay in the adapters.
 
 pub mod admission;
+mod claims;
 mod compact;
 mod history;
 mod lease;
@@ -35,6 +36,7 @@ use crate::store::{NewEntry, Session, SessionStats, Store, StoreError, Subagent}
 use crate::summarize::{Extractive, ModelSummarizer, Summarizer};
 use crate::transcript::{self, Visible};
 
+use claims::Held;
 pub use managed::{ManagedTurn, TurnEnd};
 pub use outbox::EngineState;
 pub use sessions::BusyError;
@@ -375,20 +377,16 @@ impl Core {
     /// for work that is not a turn. `bounded`: a client's (manual
     /// compaction) waits in the session's bounded queue; the gateway's own
     /// (the outbox, background maintenance) is bounded by construction.
-    async fn enter(
-        &self,
-        session_id: &str,
-        cancel: &CancellationToken,
-        bounded: bool,
-    ) -> Result<SessionGuard, CoreError> {
+    async fn enter(&self, session_id: &str, cancel: &CancellationToken, bounded: bool) -> Result<Held, CoreError> {
         let limit = bounded.then_some(self.config.gateway.limits.queued_turns_per_session);
-        Ok(self.sessions.enter(session_id, cancel, BusyPolicy::Enqueue, limit).await?)
+        self.hold(session_id, cancel, BusyPolicy::Enqueue, limit).await
     }
 
-    /// Fires the running turn's or compaction's token. True if one ran.
+    /// Fires the running turn's or compaction's token (on a shared store,
+    /// also another gateway's, at its next lease renewal). True if one ran.
     pub async fn abort(&self, agent: &str, key: &str) -> Result<bool, CoreError> {
         let Some(s) = self.store.session(agent, key, false).await? else { return Ok(false) };
-        Ok(self.sessions.abort(&s.session_id))
+        Ok(self.sessions.abort(&s.session_id) || self.store.interrupt_holder(&s.session_id).await?)
     }
 
     async fn visible(&self, session_id: &str) -> Result<Visible, CoreError> {

@@ -198,10 +198,32 @@ impl Core {
                 continue;
             }
             let cancel = self.call_token();
-            let _guard = self.enter(&session_id, &cancel, false).await?;
+            // Held by another gateway: its turn drains it.
+            let _guard = match self.hold(&session_id, &cancel, BusyPolicy::Reject, None).await {
+                Err(CoreError::Busy(BusyError::Busy)) => continue,
+                held => held?,
+            };
             self.drain_commits(&session_id, &engine_id, &cancel, false).await?;
         }
         self.deliver_forgets(None).await
+    }
+
+    /// Rewinds the turns of gateways that died holding their session (a
+    /// shared store; nothing to do on one the gateway owns).
+    pub async fn recover_abandoned_turns(&self) -> Result<u32, CoreError> {
+        let mut n = 0;
+        for session_id in self.store.abandoned_turns().await? {
+            // The claim rewinds the turn; a session in use meanwhile is skipped.
+            match self.hold(&session_id, &self.call_token(), BusyPolicy::Reject, None).await {
+                Ok(_held) => n += 1,
+                Err(CoreError::Busy(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        if n > 0 {
+            tracing::info!(turns = n, "turns left open by gateways that died were rewound");
+        }
+        Ok(n)
     }
 
     /// Sends the ForgetSession calls owed for deleted sessions (`only`

@@ -95,7 +95,7 @@ pub struct Turn {
     started: std::time::Instant,
     span: tracing::Span,
     /// Held while the turn is open; `None` once closed.
-    guard: Option<SessionGuard>,
+    guard: Option<Held>,
     /// The turn's admission permit, released with the turn.
     admission: Permit,
 }
@@ -125,7 +125,7 @@ impl Core {
             .await?
             .ok_or_else(|| CoreError::NoSession(spec.session_key.clone()))?;
         let limit = self.config.gateway.limits.queued_turns_per_session;
-        let guard = self.sessions.enter(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
+        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
         let unmet = match spec.driver {
             Driver::Managed => Unmet::Degrade,
             Driver::Harness => Unmet::FailClosed,

@@ -1,0 +1,100 @@
+//! A session across gateways: the local lock (one turn at a time in this
+//! process, with its busy policy and bounded queue) and, on a shared store,
+//! the session's lease (one gateway at a time), renewed while held.
+//!
+//! The busy policy reads the same across gateways: `reject` fails at once
+//! when another gateway holds the session; `enqueue` waits (polling the
+//! lease, the caller's cancel ends the wait) while holding the local lock,
+//! so this gateway's other waiters queue behind it as usual; `interrupt`
+//! flags the holder's lease, whose renewal stops its turn. A renewal that
+//! finds the lease taken over cancels the running turn: its writes would
+//! be fenced anyway.
+
+use super::*;
+use crate::store::{Claim, Claimed, Renewal};
+
+/// First and longest pause between two claims of a session another
+/// gateway holds.
+const FIRST_POLL: Duration = Duration::from_millis(10);
+const MAX_POLL: Duration = Duration::from_millis(250);
+
+/// Holds a session; dropping it releases the lease, then the local lock.
+pub struct Held {
+    /// Stops the renewal, which then releases the lease.
+    _lease: Option<tokio_util::sync::DropGuard>,
+    _local: SessionGuard,
+}
+
+impl Core {
+    /// Enters `session_id` under `policy` here and, on a shared store, claims
+    /// it from the other gateways; `cancel` is the work's token (Abort,
+    /// interrupts and a lost lease fire it).
+    pub(super) async fn hold(
+        &self,
+        session_id: &str,
+        cancel: &CancellationToken,
+        policy: BusyPolicy,
+        queue_limit: Option<usize>,
+    ) -> Result<Held, CoreError> {
+        let local = self.sessions.enter(session_id, cancel, policy, queue_limit).await?;
+        if !self.store.shared() {
+            return Ok(Held { _lease: None, _local: local });
+        }
+        let ttl = self.config.store.lease();
+        let mut pause = FIRST_POLL;
+        loop {
+            match self.store.claim_session(session_id, ttl, policy == BusyPolicy::Interrupt).await? {
+                Claimed::Held(claim) => {
+                    let lease = Some(renew(self.store.clone(), claim, ttl, cancel.clone()));
+                    return Ok(Held { _lease: lease, _local: local });
+                }
+                Claimed::Busy { owner } => {
+                    if policy == BusyPolicy::Reject {
+                        tracing::debug!(session = session_id, owner, "session held by another gateway");
+                        return Err(CoreError::Busy(BusyError::Busy));
+                    }
+                    tokio::select! {
+                        biased;
+                        () = cancel.cancelled() => return Err(CoreError::Busy(BusyError::Cancelled)),
+                        () = tokio::time::sleep(pause) => {}
+                    }
+                    pause = (pause * 2).min(MAX_POLL);
+                }
+            }
+        }
+    }
+}
+
+/// Renews `claim` every third of `ttl` until the guard drops, then
+/// releases it.
+fn renew(store: Arc<dyn Store>, claim: Claim, ttl: Duration, work: CancellationToken) -> tokio_util::sync::DropGuard {
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(ttl / 3);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        let mut lost = false;
+        loop {
+            tokio::select! {
+                () = stopped.cancelled() => break,
+                _ = tick.tick(), if !lost => match store.renew_claim(&claim, ttl).await {
+                    Ok(Renewal::Held) => {}
+                    Ok(Renewal::Interrupted) => work.cancel(),
+                    Ok(Renewal::Lost) => {
+                        tracing::warn!(session = claim.session_id, "the session's lease was taken over by another gateway; its turn here stops");
+                        lost = true;
+                        work.cancel();
+                    }
+                    // Retried at the next tick; a lease that lapsed meanwhile reads as lost then.
+                    Err(e) => tracing::warn!(session = claim.session_id, error = %e, "lease renewal failed"),
+                },
+            }
+        }
+        if let Err(e) = store.release_claim(&claim).await {
+            // It expires by itself.
+            tracing::warn!(session = claim.session_id, error = %e, "lease release failed");
+        }
+    });
+    stop.drop_guard()
+}
