@@ -5,6 +5,7 @@
 pub mod fake_openai;
 pub mod harness;
 pub mod hosting;
+pub mod postgres;
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -164,7 +165,7 @@ impl TestGateway {
         let metrics = listeners.metrics.as_ref().map(|l| l.local_addr().expect("addr"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (reloads, reload_rx) = tokio::sync::mpsc::channel(1);
-        let store = ctxgate::server::open_store(&config).expect("the store opens");
+        let store = ctxgate::server::open_store(&config).await.expect("the store opens");
         let task = tokio::spawn(ctxgate::server::run_with_reloads(
             config,
             store,

@@ -1,0 +1,155 @@
+//! A PostgreSQL server of the test's own: a fresh cluster in a temporary
+//! directory on a free loopback port, stopped (and removed) when dropped.
+//! PostgreSQL refuses to run as root, so as root the cluster is made and
+//! run as the `postgres` user (the Debian package creates it).
+
+use std::os::unix::fs::chown;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Postgres {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+/// Where the server binaries are: `CTXGATE_PG_BIN`, else Debian's
+/// `/usr/lib/postgresql/<version>/bin` (the newest).
+fn bin_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("CTXGATE_PG_BIN") {
+        return d.into();
+    }
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path().join("bin")).filter(|p| p.join("initdb").exists()).collect())
+        .unwrap_or_default();
+    versions.sort();
+    versions.pop().unwrap_or_else(|| {
+        panic!(
+            "PostgreSQL server binaries not found (initdb); install postgresql-15 (.ci/run does) or set CTXGATE_PG_BIN"
+        )
+    })
+}
+
+/// (uid, gid) of the `postgres` user, when running as root.
+fn run_as() -> Option<(u32, u32)> {
+    let me = std::fs::read_to_string("/proc/self/status").ok()?;
+    let uid_line = me.lines().find(|l| l.starts_with("Uid:"))?;
+    if uid_line.split_whitespace().nth(1)? != "0" {
+        return None;
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    let fields: Vec<&str> = passwd.lines().find(|l| l.starts_with("postgres:"))?.split(':').collect();
+    Some((fields.get(2)?.parse().ok()?, fields.get(3)?.parse().ok()?))
+}
+
+fn command(bin: &Path, user: Option<(u32, u32)>) -> Command {
+    let mut c = Command::new(bin);
+    if let Some((uid, gid)) = user {
+        c.uid(uid).gid(gid);
+    }
+    c.env("LC_ALL", "C").stdin(Stdio::null());
+    c
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
+}
+
+impl Postgres {
+    /// A new cluster, started and accepting connections. `durable`: keep
+    /// PostgreSQL's fsync on (benchmarks); tests turn it off for speed.
+    pub async fn start(durable: bool) -> Self {
+        let bin = bin_dir();
+        let user = run_as();
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        if let Some((uid, gid)) = user {
+            chown(dir.path(), Some(uid), Some(gid)).expect("chown the cluster directory to postgres");
+        }
+        let data = dir.path().join("data");
+        let (data_arg, sock) = (data.display().to_string(), dir.path().display().to_string());
+        let out = command(&bin.join("initdb"), user)
+            .args(["-D", &data_arg, "-U", "postgres", "-A", "trust", "-E", "UTF8", "--locale=C"])
+            .arg("--no-sync")
+            .output()
+            .expect("initdb runs");
+        assert!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        let port = free_port();
+        let sync = if durable { "on" } else { "off" };
+        let log = std::fs::File::create(dir.path().join("postgres.log")).expect("a log file");
+        if let Some((uid, gid)) = user {
+            chown(dir.path().join("postgres.log"), Some(uid), Some(gid)).expect("chown the log");
+        }
+        let child = command(&bin.join("postgres"), user)
+            .args(["-D", &data_arg, "-p", &port.to_string(), "-k", &sock])
+            .args(["-c", "listen_addresses=127.0.0.1", "-c", &format!("fsync={sync}")])
+            .args(["-c", &format!("synchronous_commit={sync}"), "-c", "max_connections=300"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("postgres starts");
+        let pg = Self { child, port, _dir: dir };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match tokio_postgres::connect(&pg.url("postgres"), tokio_postgres::NoTls).await {
+                Ok(_) => break,
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "PostgreSQL did not accept connections in 30 s: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+        pg
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The URL of database `db` on this server.
+    pub fn url(&self, db: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{db}", self.port)
+    }
+
+    /// Creates database `name`; its URL.
+    pub async fn database(&self, name: &str) -> String {
+        self.sql("postgres", &format!("CREATE DATABASE \"{name}\"")).await;
+        self.url(name)
+    }
+
+    /// Runs `sql` in database `db`.
+    pub async fn sql(&self, db: &str, sql: &str) {
+        let (client, conn) = tokio_postgres::connect(&self.url(db), tokio_postgres::NoTls).await.expect("connect");
+        let conn = tokio::spawn(conn);
+        client.batch_execute(sql).await.unwrap_or_else(|e| panic!("{sql}: {e:?}"));
+        drop(client);
+        let _ = conn.await;
+    }
+
+    /// The first column of the first row of `sql` in database `db`, as i64.
+    pub async fn count(&self, db: &str, sql: &str) -> i64 {
+        let (client, conn) = tokio_postgres::connect(&self.url(db), tokio_postgres::NoTls).await.expect("connect");
+        let conn = tokio::spawn(conn);
+        let n = client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e:?}")).get(0);
+        drop(client);
+        let _ = conn.await;
+        n
+    }
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // SIGINT: fast shutdown (no waiting for clients); then make sure.
+        let _ = Command::new("kill").args(["-INT", &self.child.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

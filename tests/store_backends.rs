@@ -1,0 +1,490 @@
+//! One store test suite, two backends: every case runs against SQLite in a
+//! temporary directory and against a PostgreSQL server the test starts
+//! (its own cluster, a fresh database per case). Then the cases only a
+//! shared store has: session leases, fencing, abandoned turns.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ctxgate::store::postgres::PostgresStore;
+use ctxgate::store::{Claimed, CommitDraft, NewEntry, Renewal, Session, SqliteStore, Store, StoreError, TurnClose};
+use ctxgate_proto::pb::{
+    self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
+};
+use ctxgate_tests::postgres::Postgres;
+
+/// A case's store, and a way to count rows behind its back.
+struct Fx {
+    store: Arc<dyn Store>,
+    backend: Backend,
+}
+
+enum Backend {
+    Sqlite(tempfile::TempDir),
+    Postgres { pg: Arc<Postgres>, db: String },
+}
+
+impl Fx {
+    fn store(&self) -> &dyn Store {
+        &*self.store
+    }
+
+    /// The session of key "k" (created).
+    async fn session(&self) -> Session {
+        self.store.session("main", "k", true).await.unwrap().unwrap()
+    }
+
+    /// Rows in `table`, read directly from the database.
+    async fn count(&self, table: &str) -> i64 {
+        let sql = format!("SELECT COUNT(*) FROM {table}");
+        match &self.backend {
+            Backend::Sqlite(dir) => {
+                let c = rusqlite::Connection::open(dir.path().join(ctxgate::store::DB_FILE)).unwrap();
+                c.query_row(&sql, [], |r| r.get(0)).unwrap()
+            }
+            Backend::Postgres { pg, db } => pg.count(db, &sql).await,
+        }
+    }
+}
+
+fn compaction(summary: &str, first_kept: &str) -> NewEntry {
+    NewEntry {
+        turn_id: "c".into(),
+        entry: Entry::Compaction(CompactionEntry {
+            summary: summary.into(),
+            first_kept_entry_id: first_kept.into(),
+            ..Default::default()
+        }),
+    }
+}
+
+fn user(text: &str) -> NewEntry {
+    let m = AgentMessage {
+        role: Role::User as i32,
+        content: vec![ContentPart { part: Some(Part::Text(text.into())) }],
+        ..Default::default()
+    };
+    NewEntry { turn_id: "t".into(), entry: Entry::Message(m) }
+}
+
+trait EntryMessage {
+    fn entry_message(self) -> AgentMessage;
+}
+
+impl EntryMessage for NewEntry {
+    fn entry_message(self) -> AgentMessage {
+        match self.entry {
+            Entry::Message(m) => m,
+            Entry::Compaction(_) => panic!("not a message"),
+        }
+    }
+}
+
+/// Runs each case on a fresh store made by `$fresh` (an async closure
+/// taking the case's name).
+macro_rules! cases {
+    ($fresh:expr) => {
+        for (name, case) in CASES {
+            eprintln!("case {name}");
+            let fx = $fresh(name).await;
+            case(&fx).await;
+        }
+    };
+}
+
+type Case = for<'a> fn(&'a Fx) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 'a>>;
+
+macro_rules! case_list {
+    ($($name:ident),* $(,)?) => {
+        const CASES: &[(&str, Case)] = &[$((stringify!($name), |fx| Box::pin($name(fx)))),*];
+    };
+}
+
+case_list!(
+    append_chains_entries_and_branch_reads_them_back_in_order,
+    the_visible_tail_gives_the_same_visible_history_as_the_whole_branch,
+    the_cached_tail_follows_appends_rewinds_rewrites_and_summaries,
+    a_rewrite_branches_keeps_the_old_branch_and_remaps_summaries,
+    new_and_reset_start_fresh_sessions_and_delete_removes_all,
+    refusals_back_off_drops_are_audited_and_deletes_leave_forgets,
+    branch_after_reads_back_to_the_cursor_and_follows_rewrites,
+    a_closed_turn_queues_its_commit_with_the_turn_messages_and_a_delivery_moves_the_cursor,
+    subagents_projections_and_durable_engines_round_trip,
+);
+
+#[tokio::test]
+async fn every_case_on_sqlite() {
+    cases!(async |_: &str| {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SqliteStore::open(dir.path()).unwrap();
+        Fx { store: Arc::new(store), backend: Backend::Sqlite(dir) }
+    });
+}
+
+#[tokio::test]
+async fn every_case_on_postgres() {
+    let pg = Arc::new(Postgres::start(false).await);
+    cases!(async |name: &str| {
+        let url = pg.database(name).await;
+        let store = PostgresStore::open(&url, 4).await.unwrap();
+        Fx { store: Arc::new(store), backend: Backend::Postgres { pg: pg.clone(), db: name.to_owned() } }
+    });
+}
+
+async fn a_closed_turn_queues_its_commit_with_the_turn_messages_and_a_delivery_moves_the_cursor(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let id = s.session_id.clone();
+    store.append(&id, vec![user("before")]).await.unwrap();
+    let cursor = pb::HistoryCursor { message_id: "m0".into(), seq: 1, message_count: 1, tokens: 3 };
+    store.set_cursor(&id, "e", Some(cursor.clone())).await.unwrap();
+    assert_eq!(store.cursor(&id, "e").await.unwrap(), Some(cursor));
+    let admitted = store.open_turn(&id, "t1", vec![user("question")], Some("e")).await.unwrap();
+    store.append(&id, vec![user("tool")]).await.unwrap();
+    let draft = CommitDraft {
+        engine_id: "e".into(),
+        request: pb::CommitTurnRequest { advancement_key: "t1".into(), ..Default::default() },
+    };
+    let closed = TurnClose::Accept { entries: vec![user("answer")], commit: Some(draft) };
+    let reply = store.close_turn(&id, closed).await.unwrap();
+    let pending = store.pending_commits(&id, "e").await.unwrap();
+    assert_eq!(pending.len(), 1);
+    let req = &pending[0].request;
+    let texts: Vec<String> = req.messages.iter().map(ctxgate::provider::message_text).collect();
+    assert_eq!(texts, ["question", "tool", "answer"], "the turn's messages, from admission to reply");
+    assert_eq!(req.terminal.as_ref().map(|t| t.entry_id.as_str()), Some(reply[0].id.as_str()));
+    assert_eq!(admitted[0].seq, 2);
+    let advance = ctxgate::store::Advance {
+        engine_id: "e".into(),
+        last_message_id: reply[0].id.clone(),
+        seq: reply[0].seq,
+        messages: 3,
+        tokens: 9,
+    };
+    store.complete_commit(&id, "t1", Some(advance.clone())).await.unwrap();
+    assert!(store.pending_commits(&id, "e").await.unwrap().is_empty());
+    let moved = store.cursor(&id, "e").await.unwrap().unwrap();
+    assert_eq!(
+        (moved.message_id.as_str(), moved.seq, moved.message_count, moved.tokens),
+        (reply[0].id.as_str(), 4, 4, 12)
+    );
+    // A redelivery moves nothing back or forward.
+    store.complete_commit(&id, "t1", Some(advance)).await.unwrap();
+    assert_eq!(store.cursor(&id, "e").await.unwrap().unwrap().message_count, 4);
+    assert_eq!(store.count_sessions().await.unwrap(), 1);
+}
+
+async fn subagents_projections_and_durable_engines_round_trip(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let child = ctxgate::store::Subagent {
+        agent_id: "main".into(),
+        child_key: "child".into(),
+        parent_key: "k".into(),
+        rollback_token: Some("r".into()),
+        expires_at_ms: Some(100),
+    };
+    store.add_subagent(child.clone()).await.unwrap();
+    assert!(store.expired_subagents(99).await.unwrap().is_empty());
+    assert_eq!(store.expired_subagents(100).await.unwrap(), std::slice::from_ref(&child));
+    assert_eq!(store.take_subagent("main", "child").await.unwrap(), Some(child));
+    assert_eq!(store.take_subagent("main", "child").await.unwrap(), None);
+
+    assert!(store.record_projection(&s.session_id, "h", "e1", "f1").await.unwrap(), "first time: inject");
+    assert!(!store.record_projection(&s.session_id, "h", "e1", "f1").await.unwrap(), "unchanged");
+    assert!(store.record_projection(&s.session_id, "h", "e1", "f2").await.unwrap(), "changed");
+
+    store.set_durable("e", true).await.unwrap();
+    store.set_durable("e", true).await.unwrap();
+    assert_eq!(store.durable_engines().await.unwrap(), ["e"]);
+    store.set_durable("e", false).await.unwrap();
+    assert!(store.durable_engines().await.unwrap().is_empty());
+    store.note_engine_session(&s.session_id, "e").await.unwrap();
+    store.note_engine_session(&s.session_id, "e").await.unwrap();
+    assert_eq!(fx.count("engine_sessions").await, 1);
+    assert!(store.archive_session("main", "k").await.unwrap());
+    assert!(!store.archive_session("main", "k").await.unwrap());
+    assert_eq!(store.session_ids("main", "k").await.unwrap(), std::slice::from_ref(&s.session_id));
+}
+async fn append_chains_entries_and_branch_reads_them_back_in_order(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let a = store.append(&s.session_id, vec![user("one"), user("two")]).await.unwrap();
+    assert_eq!(a[1].parent_id.as_deref(), Some(a[0].id.as_str()));
+    let Some(Entry::Message(m)) = &a[0].entry else { panic!() };
+    assert_eq!(m.id, a[0].id, "message id is the entry id");
+    let c = compaction("s", &a[1].id);
+    store.append(&s.session_id, vec![c]).await.unwrap();
+    let b = store.branch(&s.session_id).await.unwrap();
+    assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
+    let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
+    assert_eq!((stats[0].entries, stats[0].compactions), (3, 1));
+}
+
+async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let check = |b: Vec<pb::TranscriptEntry>, t: Vec<pb::TranscriptEntry>| {
+        assert_eq!(ctxgate::transcript::visible(&b), ctxgate::transcript::visible(&t));
+        assert!(t.len() <= b.len());
+    };
+    check(store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
+    let mut ids = Vec::new();
+    for round in 0..4 {
+        let added = store.append(&s.session_id, (0..5).map(|i| user(&format!("{round}-{i}"))).collect()).await.unwrap();
+        ids.extend(added.into_iter().map(|e| e.id));
+        // Keep the last 3 messages, then once keep nothing at all.
+        let first_kept = if round == 2 { String::new() } else { ids[ids.len() - 3].clone() };
+        let c = compaction(&format!("s{round}"), &first_kept);
+        store.append(&s.session_id, vec![c]).await.unwrap();
+        store.append(&s.session_id, vec![user("after")]).await.unwrap();
+        let (b, t) = (store.branch(&s.session_id).await.unwrap(), store.visible_tail(&s.session_id).await.unwrap());
+        assert!(t.len() < 8, "the tail is bounded, not the whole branch ({} entries)", t.len());
+        check(b, t);
+    }
+}
+
+async fn the_cached_tail_follows_appends_rewinds_rewrites_and_summaries(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let id = s.session_id.clone();
+    let same = async |store: &dyn Store| {
+        let (b, t) = (store.branch(&id).await.unwrap(), store.visible_tail(&id).await.unwrap());
+        assert_eq!(ctxgate::transcript::visible(&b), ctxgate::transcript::visible(&t));
+        t
+    };
+    let mut last = Vec::new();
+    for i in 0..6 {
+        let turn = format!("t{i}");
+        let entries = vec![user(&format!("q{i}"))];
+        last = store.open_turn(&id, &turn, entries, None).await.unwrap();
+        same(store).await;
+        if i % 3 == 2 {
+            // An aborted turn: the leaf goes back behind the cached one.
+            store.close_turn(&id, TurnClose::Rewind).await.unwrap();
+        } else {
+            let reply = vec![user(&format!("a{i}"))];
+            store.close_turn(&id, TurnClose::Accept { entries: reply, commit: None }).await.unwrap();
+        }
+        same(store).await;
+    }
+    // A summary in the new part, then a rewrite of an old message.
+    store.append(&id, vec![compaction("sum", &last[0].id)]).await.unwrap();
+    let t = same(store).await;
+    assert!(t.len() <= 3, "{t:?}");
+    store.append(&id, vec![user("later")]).await.unwrap();
+    same(store).await;
+    let replacement = AgentMessage { id: last[0].id.clone(), ..user("rewritten").entry_message() };
+    let r = store.rewrite(&id, vec![(last[0].id.clone(), replacement)]).await.unwrap();
+    assert!(r.changed, "{r:?}");
+    let t = same(store).await;
+    assert!(
+        t.iter()
+            .any(|e| matches!(&e.entry, Some(Entry::Message(m)) if ctxgate::provider::message_text(m) == "rewritten"))
+    );
+}
+
+async fn a_rewrite_branches_keeps_the_old_branch_and_remaps_summaries(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let a = store.append(&s.session_id, vec![user("one"), user(&"big ".repeat(100)), user("three")]).await.unwrap();
+    let c = compaction("s", &a[1].id);
+    store.append(&s.session_id, vec![c]).await.unwrap();
+    let old = store.branch(&s.session_id).await.unwrap();
+
+    let Some(Entry::Message(mut small)) = a[1].entry.clone() else { panic!() };
+    small.content = user("elided").entry_message().content;
+    let out = store
+        .rewrite(&s.session_id, vec![(a[1].id.clone(), small), (String::new(), AgentMessage::default())])
+        .await
+        .unwrap();
+    assert!(out.changed && out.rewritten_entries == 1 && out.bytes_freed > 300, "{out:?}");
+
+    let new = store.branch(&s.session_id).await.unwrap();
+    assert_eq!(new[0].id, old[0].id, "the branch starts at the parent of the first replaced entry");
+    assert_ne!(new[1].id, old[1].id);
+    let Some(Entry::Message(m)) = &new[1].entry else { panic!() };
+    assert_eq!(m.id, a[1].id, "message ids stay stable");
+    assert_eq!(ctxgate::provider::message_text(m), "elided");
+    let Some(Entry::Compaction(cmp)) = &new[3].entry else { panic!() };
+    assert_eq!(cmp.first_kept_entry_id, new[1].id, "the summary points into the new branch");
+    assert_eq!(ctxgate::transcript::visible(&new).messages.len(), 2);
+    // The old branch is still stored; the same rewrite again changes nothing.
+    let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
+    assert_eq!(stats[0].entries, 4 + 3);
+    let Some(Entry::Message(again)) = new[1].entry.clone() else { panic!() };
+    assert!(!store.rewrite(&s.session_id, vec![(a[1].id.clone(), again)]).await.unwrap().changed);
+}
+
+async fn new_and_reset_start_fresh_sessions_and_delete_removes_all(fx: &Fx) {
+    let store = fx.store();
+    assert!(store.session("main", "k", false).await.unwrap().is_none());
+    let first = store.session("main", "k", true).await.unwrap().unwrap();
+    let second = store.replace_session("main", "k", false).await.unwrap();
+    let third = store.replace_session("main", "k", true).await.unwrap();
+    assert_ne!(first.session_id, second.session_id);
+    assert_eq!(store.session("main", "k", false).await.unwrap().unwrap(), third);
+    let visible: Vec<_> =
+        store.list_sessions(Some("main"), false, 0, 100).await.unwrap().into_iter().map(|s| s.session.state).collect();
+    assert_eq!(visible, ["inactive", "active"]);
+    assert_eq!(store.list_sessions(None, true, 0, 100).await.unwrap().len(), 3);
+    assert_eq!(store.delete_sessions("main", "k").await.unwrap(), 3);
+    assert!(matches!(store.append(&third.session_id, vec![user("x")]).await, Err(StoreError::NoSession(_))));
+}
+
+async fn refusals_back_off_drops_are_audited_and_deletes_leave_forgets(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let id = s.session_id.clone();
+    let draft = |key: &str| CommitDraft {
+        engine_id: "e".into(),
+        request: pb::CommitTurnRequest { advancement_key: key.into(), ..Default::default() },
+    };
+    for key in ["t1", "t2"] {
+        store.open_turn(&id, key, vec![user(key)], Some("e")).await.unwrap();
+        let accept = TurnClose::Accept { entries: vec![], commit: Some(draft(key)) };
+        store.close_turn(&id, accept).await.unwrap();
+    }
+    assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap(), [(id.clone(), "e".to_owned())]);
+    store.refuse_commit(&id, "t1", "poison", 5_000).await.unwrap();
+    assert!(
+        store.due_commits(4_999, &["e".to_owned()]).await.unwrap().is_empty(),
+        "the oldest row waits out its backoff"
+    );
+    assert_eq!(store.due_commits(5_000, &["e".to_owned()]).await.unwrap().len(), 1);
+    assert_eq!(store.outbox_counts().await.unwrap(), (2, 1));
+    let rows = store.outbox_of_key("main", "k").await.unwrap();
+    assert_eq!((rows[0].attempts, rows[0].last_error.as_deref()), (1, Some("poison")));
+
+    store.retry_outbox("main", "k").await.unwrap();
+    assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap().len(), 1, "retry makes it due now");
+    let dropped = store.drop_outbox("main", "k").await.unwrap();
+    assert_eq!(dropped.len(), 2);
+    assert_eq!(fx.count("outbox_drops").await, 2);
+    assert_eq!(store.branch(&id).await.unwrap().len(), 2, "a drop leaves the transcript alone");
+
+    store.delete_sessions("main", "k").await.unwrap();
+    let forgets = store.pending_forgets(0, &["e".to_owned()]).await.unwrap();
+    assert_eq!(forgets.len(), 1, "the engine that served the session is owed a forget");
+    assert_eq!((forgets[0].session_id.as_str(), forgets[0].engine_id.as_str()), (id.as_str(), "e"));
+    store.settle_forget(&id, "e", Some((10, "down"))).await.unwrap();
+    assert!(store.pending_forgets(9, &["e".to_owned()]).await.unwrap().is_empty());
+    store.settle_forget(&id, "e", None).await.unwrap();
+    assert!(store.pending_forgets(i64::MAX, &["e".to_owned()]).await.unwrap().is_empty());
+}
+
+async fn branch_after_reads_back_to_the_cursor_and_follows_rewrites(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let id = s.session_id.clone();
+    let a = store.append(&id, vec![user("one"), user("two"), user("three")]).await.unwrap();
+    let at = |e: &pb::TranscriptEntry| pb::HistoryCursor {
+        message_id: e.id.clone(),
+        seq: e.seq,
+        message_count: 0,
+        tokens: 0,
+    };
+    let ids = |v: Vec<pb::TranscriptEntry>| v.into_iter().map(|e| e.id).collect::<Vec<_>>();
+    let after = store.branch_after(&id, &at(&a[1])).await.unwrap().unwrap();
+    assert_eq!(ids(after), [a[2].id.clone()]);
+    assert_eq!(store.branch_after(&id, &pb::HistoryCursor::default()).await.unwrap().unwrap().len(), 3);
+    let unknown = pb::HistoryCursor { message_id: "gone".into(), seq: 2, ..Default::default() };
+    assert!(store.branch_after(&id, &unknown).await.unwrap().is_none(), "not on the branch");
+    // A rewrite of "one" copies the branch under new ids; "two" keeps its message id.
+    let Some(Entry::Message(mut small)) = a[0].entry.clone() else { unreachable!() };
+    small.content = user("1").entry_message().content;
+    assert!(store.rewrite(&id, vec![(a[0].id.clone(), small)]).await.unwrap().changed);
+    let after = store.branch_after(&id, &at(&a[1])).await.unwrap().expect("followed through the copy");
+    assert_eq!(after.len(), 1);
+    assert!(matches!(&after[0].entry, Some(Entry::Message(m)) if m.id == a[2].id));
+}
+
+// --- what only a shared store has ---------------------------------------------
+
+const TTL: Duration = Duration::from_millis(300);
+
+/// Two gateways' stores on one fresh database.
+async fn two_gateways(pg: &Postgres, db: &str) -> (PostgresStore, PostgresStore) {
+    let url = pg.database(db).await;
+    (PostgresStore::open(&url, 2).await.unwrap(), PostgresStore::open(&url, 2).await.unwrap())
+}
+
+fn texts(branch: &[pb::TranscriptEntry]) -> Vec<String> {
+    branch
+        .iter()
+        .map(|e| match &e.entry {
+            Some(Entry::Message(m)) => ctxgate::provider::message_text(m),
+            Some(Entry::Compaction(c)) => format!("[{}]", c.summary),
+            None => String::new(),
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_it() {
+    let pg = Postgres::start(false).await;
+    let (a, b) = two_gateways(&pg, "leases").await;
+    // Created at once by both: one active session for the key.
+    let (sa, sb) = tokio::join!(a.session("main", "k", true), b.session("main", "k", true));
+    let (sa, sb) = (sa.unwrap().unwrap(), sb.unwrap().unwrap());
+    assert_eq!(sa.session_id, sb.session_id);
+    let id = sa.session_id;
+
+    let Claimed::Held(held) = a.claim_session(&id, TTL, false).await.unwrap() else { panic!("free at first") };
+    assert!(matches!(b.claim_session(&id, TTL, false).await.unwrap(), Claimed::Busy { .. }));
+    a.append(&id, vec![user("a1")]).await.unwrap();
+    // Busy policy interrupt: the holder hears it at its next renewal.
+    assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Held);
+    assert!(matches!(b.claim_session(&id, TTL, true).await.unwrap(), Claimed::Busy { .. }));
+    assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Interrupted);
+
+    // `a` stops renewing (paused, partitioned): the lease lapses, `b` takes over.
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    let Claimed::Held(took) = b.claim_session(&id, TTL, false).await.unwrap() else { panic!("the lease lapsed") };
+    assert!(took.token > held.token, "every claim gets a newer token");
+    let stale = a.append(&id, vec![user("stale")]).await;
+    assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
+    let stale = a.close_turn(&id, TurnClose::Accept { entries: vec![user("stale")], commit: None }).await;
+    assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
+    assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Lost);
+    b.append(&id, vec![user("b1")]).await.unwrap();
+    assert_eq!(texts(&b.branch(&id).await.unwrap()), ["a1", "b1"], "nothing of the stale writes landed");
+
+    // The stale release changes nothing; a real one frees the session at once.
+    a.release_claim(&held).await.unwrap();
+    assert!(matches!(a.claim_session(&id, TTL, false).await.unwrap(), Claimed::Busy { .. }));
+    b.release_claim(&took).await.unwrap();
+    let Claimed::Held(again) = a.claim_session(&id, TTL, false).await.unwrap() else { panic!("released") };
+    a.append(&id, vec![user("a2")]).await.unwrap();
+    a.release_claim(&again).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_turn_left_open_by_a_dead_gateway_is_rewound_once_its_lease_lapses() {
+    let pg = Postgres::start(false).await;
+    let (a, b) = two_gateways(&pg, "abandoned").await;
+    let id = a.session("main", "k", true).await.unwrap().unwrap().session_id;
+    a.append(&id, vec![user("before")]).await.unwrap();
+    let Claimed::Held(_) = a.claim_session(&id, TTL, false).await.unwrap() else { panic!() };
+    let admitted = a.open_turn(&id, "t1", vec![user("question")], None).await.unwrap();
+    a.append(&id, vec![NewEntry { turn_id: "t1".into(), entry: user("tool traffic").entry }]).await.unwrap();
+    a.append(&id, vec![compaction("summary", &admitted[0].id)]).await.unwrap();
+    drop(a); // dies holding the lease
+
+    assert!(b.abandoned_turns().await.unwrap().is_empty(), "the lease is still live");
+    assert!(matches!(b.claim_session(&id, TTL, false).await.unwrap(), Claimed::Busy { .. }));
+    tokio::time::sleep(TTL + Duration::from_millis(100)).await;
+    assert_eq!(b.abandoned_turns().await.unwrap(), std::slice::from_ref(&id));
+    let Claimed::Held(claim) = b.claim_session(&id, TTL, false).await.unwrap() else { panic!("lapsed") };
+    // As an abort: the turn's message leaves the branch, its summary stays.
+    assert_eq!(texts(&b.branch(&id).await.unwrap()), ["before", "question", "[summary]"]);
+    assert_eq!(pg.count("abandoned", "SELECT COUNT(*) FROM entries").await, 5, "nothing left the tree");
+    assert!(b.abandoned_turns().await.unwrap().is_empty());
+    b.release_claim(&claim).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_database_with_a_newer_schema_is_refused_with_a_sentence() {
+    let pg = Postgres::start(false).await;
+    let url = pg.database("newer").await;
+    drop(PostgresStore::open(&url, 1).await.unwrap());
+    pg.sql("newer", "UPDATE ctxgate_schema SET version = 99").await;
+    let Err(e) = PostgresStore::open(&url, 1).await else { panic!("a newer schema opens") };
+    let e = e.to_string();
+    assert!(e.contains("newer ctxgate") && e.contains("99"), "{e}");
+    assert!(!e.contains("password"), "{e}");
+}
