@@ -32,6 +32,7 @@ use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Transaction};
 use prost::Message as _;
 use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{NoTls, Row};
 
 use super::{
@@ -276,12 +277,34 @@ impl PostgresStore {
     async fn fence(&self, tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
         let Some(token) = self.held_token(session_id) else { return Ok(()) };
         let row =
-            tx.query_opt("SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE", &[&session_id]).await?;
+            q_opt(tx, "SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE", &[&session_id]).await?;
         match row.map(|r| r.get::<_, i64>(0)) {
             Some(t) if t == token => Ok(()),
             _ => Err(StoreError::Fenced(session_id.into())),
         }
     }
+}
+
+/// Statements by their text, prepared once per connection (deadpool keeps
+/// them): one round trip per statement instead of two.
+async fn q<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.query(&st, p).await?)
+}
+
+async fn q_opt<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.query_opt(&st, p).await?)
+}
+
+async fn q_one<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<Row, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.query_one(&st, p).await?)
+}
+
+async fn exec<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.execute(&st, p).await?)
 }
 
 /// Applies the migrations the database lacks, under an advisory lock.
@@ -356,13 +379,13 @@ const OUTBOX_COLS: &str = "s.agent_id, s.session_key, o.session_id, o.advancemen
 async fn active(c: &impl GenericClient, agent: &str, key: &str) -> Result<Option<Session>, StoreError> {
     let sql =
         format!("SELECT {SESSION_COLS} FROM sessions WHERE agent_id = $1 AND session_key = $2 AND state = 'active'");
-    Ok(c.query_opt(&sql, &[&agent, &key]).await?.as_ref().map(read_session))
+    Ok(q_opt(c, &sql, &[&agent, &key]).await?.as_ref().map(read_session))
 }
 
 /// Creates the key's active session unless another gateway just did.
 async fn create(c: &impl GenericClient, agent: &str, key: &str) -> Result<Session, StoreError> {
     let id = new_id();
-    c.execute(
+    exec(c, 
         "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES ($1, $2, $3, 'active', $4)
          ON CONFLICT (agent_id, session_key) WHERE state = 'active' DO NOTHING",
         &[&id, &agent, &key, &now_ms()],
@@ -373,8 +396,7 @@ async fn create(c: &impl GenericClient, agent: &str, key: &str) -> Result<Sessio
 
 /// The session's (leaf, next seq), locking its row for this transaction.
 async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>, i64), StoreError> {
-    let row = tx
-        .query_opt("SELECT leaf_id, next_seq FROM sessions WHERE session_id = $1 FOR UPDATE", &[&session_id])
+    let row = q_opt(tx, "SELECT leaf_id, next_seq FROM sessions WHERE session_id = $1 FOR UPDATE", &[&session_id])
         .await?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
     Ok((row.get(0), row.get(1)))
@@ -382,7 +404,7 @@ async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>,
 
 async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
     let seq = e.seq as i64;
-    tx.execute(
+    exec(tx, 
         "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES ($1, $2, $3, $4, $5, $6)",
         &[&e.id, &session_id, &e.parent_id, &seq, &kind_of(e), &e.encode_to_vec()],
     )
@@ -391,7 +413,7 @@ async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::Transcript
 }
 
 async fn set_head(tx: &Transaction<'_>, session_id: &str, leaf: Option<&str>, next: i64) -> Result<(), StoreError> {
-    tx.execute("UPDATE sessions SET leaf_id = $2, next_seq = $3 WHERE session_id = $1", &[&session_id, &leaf, &next])
+    exec(tx, "UPDATE sessions SET leaf_id = $2, next_seq = $3 WHERE session_id = $1", &[&session_id, &leaf, &next])
         .await?;
     Ok(())
 }
@@ -431,14 +453,12 @@ async fn append_in(
 
 /// The active branch, oldest first (one recursive query).
 async fn branch_of(c: &impl GenericClient, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
-    let leaf: Option<String> = c
-        .query_opt("SELECT leaf_id FROM sessions WHERE session_id = $1", &[&session_id])
+    let leaf: Option<String> = q_opt(c, "SELECT leaf_id FROM sessions WHERE session_id = $1", &[&session_id])
         .await?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?
         .get(0);
     let Some(leaf) = leaf else { return Ok(Vec::new()) };
-    let rows = c
-        .query(
+    let rows = q(c, 
             "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
                SELECT id, parent_id, body, 0 FROM entries WHERE id = $1
                UNION ALL
@@ -465,8 +485,7 @@ async fn branch_back_to(
 }
 
 async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
-    let anchor: Option<String> = tx
-        .query_opt("DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
+    let anchor: Option<String> = q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
         .await?
         .map(|r| r.get(0));
     let Some(anchor) = anchor else { return Ok(()) };
@@ -511,7 +530,7 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         let state = if archive { "archived" } else { "inactive" };
-        tx.execute(
+        exec(&tx, 
             "UPDATE sessions SET state = $3 WHERE agent_id = $1 AND session_key = $2 AND state = 'active'",
             &[&agent, &key, &state],
         )
@@ -537,7 +556,7 @@ impl Store for PostgresStore {
              WHERE ($1::TEXT IS NULL OR agent_id = $1) AND ($2 OR state != 'archived')
              ORDER BY agent_id, session_key, created_at_ms, ord LIMIT $3 OFFSET $4"
         );
-        let rows = c.query(&sql, &[&agent, &include_archived, &i64::from(limit), &(offset as i64)]).await?;
+        let rows = q(&c, &sql, &[&agent, &include_archived, &i64::from(limit), &(offset as i64)]).await?;
         Ok(rows
             .iter()
             .map(|r| SessionStats {
@@ -550,8 +569,7 @@ impl Store for PostgresStore {
 
     async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError> {
         let c = self.client().await?;
-        let n = c
-            .execute(
+        let n = exec(&c, 
                 "UPDATE sessions SET state = 'archived' WHERE agent_id = $1 AND session_key = $2 AND state = 'active'",
                 &[&agent, &key],
             )
@@ -564,7 +582,7 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2";
-        tx.execute(
+        exec(&tx, 
             &format!(
                 "INSERT INTO forgets (session_id, engine_id, agent_id, session_key)
                  SELECT session_id, engine_id, $1, $2 FROM engine_sessions WHERE session_id IN ({OF_KEY})
@@ -575,19 +593,18 @@ impl Store for PostgresStore {
         )
         .await?;
         for table in ["outbox", "engine_sessions", "cursors", "session_leases"] {
-            tx.execute(&format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"), &[&agent, &key]).await?;
+            exec(&tx, &format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"), &[&agent, &key]).await?;
         }
-        tx.execute("DELETE FROM subagents WHERE agent_id = $1 AND child_key = $2", &[&agent, &key]).await?;
+        exec(&tx, "DELETE FROM subagents WHERE agent_id = $1 AND child_key = $2", &[&agent, &key]).await?;
         // Entries, projections and open turns go with their session (cascade).
-        let n = tx.execute("DELETE FROM sessions WHERE agent_id = $1 AND session_key = $2", &[&agent, &key]).await?;
+        let n = exec(&tx, "DELETE FROM sessions WHERE agent_id = $1 AND session_key = $2", &[&agent, &key]).await?;
         self.commit(tx).await?;
         Ok(n as u32)
     }
 
     async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
         let c = self.client().await?;
-        let rows = c
-            .query(
+        let rows = q(&c, 
                 "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2 ORDER BY session_id",
                 &[&agent, &key],
             )
@@ -627,7 +644,7 @@ impl Store for PostgresStore {
 
     async fn count_sessions(&self) -> Result<u32, StoreError> {
         let c = self.client().await?;
-        let n: i64 = c.query_one("SELECT COUNT(*) FROM sessions WHERE state = 'active'", &[]).await?.get(0);
+        let n: i64 = q_one(&c, "SELECT COUNT(*) FROM sessions WHERE state = 'active'", &[]).await?.get(0);
         Ok(n as u32)
     }
 
@@ -650,13 +667,12 @@ impl Store for PostgresStore {
         }
         let (leaf, next) = plan.leaf_and_next_seq(seq);
         set_head(&tx, session_id, leaf.as_deref(), next).await?;
-        if let Some(r) = tx
-            .query_opt("SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id])
+        if let Some(r) = q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id])
             .await?
         {
             let follow = |old: String| plan.outcome.remap.get(&old).cloned().unwrap_or(old);
             let (first, anchor) = (follow(r.get(0)), follow(r.get(1)));
-            tx.execute(
+            exec(&tx, 
                 "UPDATE open_turns SET first_entry_id = $2, anchor_id = $3 WHERE session_id = $1",
                 &[&session_id, &first, &anchor],
             )
@@ -681,13 +697,13 @@ impl Store for PostgresStore {
         let (Some(first), Some(last)) = (out.first(), out.last()) else {
             return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
         };
-        tx.execute(
+        exec(&tx, 
             "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
             &[&session_id, &turn_id, &first.id, &last.id],
         )
         .await?;
         if let Some(engine) = seen_by {
-            tx.execute(
+            exec(&tx, 
                 "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
                 &[&session_id, &engine],
             )
@@ -711,7 +727,7 @@ impl Store for PostgresStore {
                 if let Some(draft) = commit {
                     queue_commit(&tx, session_id, draft).await?;
                 }
-                tx.execute("DELETE FROM open_turns WHERE session_id = $1", &[&session_id]).await?;
+                exec(&tx, "DELETE FROM open_turns WHERE session_id = $1", &[&session_id]).await?;
                 out
             }
         };
@@ -729,8 +745,7 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         self.fence(&tx, session_id).await?;
-        let before = tx
-            .query_opt(
+        let before = q_opt(&tx, 
                 "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2",
                 &[&session_id, &host_id],
             )
@@ -738,7 +753,7 @@ impl Store for PostgresStore {
             .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
         let changed = before.as_ref().is_none_or(|(e, f)| e != epoch || f != fingerprint);
         if changed {
-            tx.execute(
+            exec(&tx, 
                 "INSERT INTO projections (session_id, host_id, epoch, fingerprint) VALUES ($1, $2, $3, $4)
                  ON CONFLICT (session_id, host_id) DO UPDATE SET epoch = EXCLUDED.epoch, fingerprint = EXCLUDED.fingerprint",
                 &[&session_id, &host_id, &epoch, &fingerprint],
@@ -751,8 +766,7 @@ impl Store for PostgresStore {
 
     async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
         let c = self.client().await?;
-        let rows = c
-            .query(
+        let rows = q(&c, 
                 "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
                  WHERE session_id = $1 AND engine_id = $2 ORDER BY ord",
                 &[&session_id, &engine_id],
@@ -779,8 +793,7 @@ impl Store for PostgresStore {
         let tx = c.transaction().await?;
         // Rows another gateway's pass is reading right now are skipped, not
         // waited for; sessions leased by a running turn drain at its start.
-        let rows = tx
-            .query(
+        let rows = q(&tx, 
                 "SELECT o.session_id, o.engine_id FROM outbox o
                  LEFT JOIN session_leases l ON l.session_id = o.session_id
                  WHERE o.next_attempt_ms <= $1 AND o.engine_id = ANY($2)
@@ -803,13 +816,13 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         self.fence(&tx, session_id).await?;
-        tx.execute(
+        exec(&tx, 
             "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
             &[&session_id, &advancement_key],
         )
         .await?;
         if let Some(a) = advance {
-            tx.execute(
+            exec(&tx, 
                 "UPDATE cursors SET message_id = $3, seq = $4, message_count = message_count + $5, tokens = tokens + $6
                  WHERE session_id = $1 AND engine_id = $2 AND seq < $4",
                 &[
@@ -828,7 +841,7 @@ impl Store for PostgresStore {
 
     async fn durable_engines(&self) -> Result<Vec<String>, StoreError> {
         let c = self.client().await?;
-        Ok(c.query("SELECT engine_id FROM durable_engines", &[]).await?.iter().map(|r| r.get(0)).collect())
+        Ok(q(&c, "SELECT engine_id FROM durable_engines", &[]).await?.iter().map(|r| r.get(0)).collect())
     }
 
     async fn set_durable(&self, engine_id: &str, durable: bool) -> Result<(), StoreError> {
@@ -838,14 +851,13 @@ impl Store for PostgresStore {
         } else {
             "DELETE FROM durable_engines WHERE engine_id = $1"
         };
-        c.execute(sql, &[&engine_id]).await?;
+        exec(&c, sql, &[&engine_id]).await?;
         Ok(())
     }
 
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
         let c = self.client().await?;
-        let row = c
-            .query_opt(
+        let row = q_opt(&c, 
                 "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = $1 AND engine_id = $2",
                 &[&session_id, &engine_id],
             )
@@ -869,11 +881,11 @@ impl Store for PostgresStore {
         self.fence(&tx, session_id).await?;
         match cursor {
             None => {
-                tx.execute("DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])
+                exec(&tx, "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])
                     .await?
             }
             Some(k) => {
-                tx.execute(
+                exec(&tx, 
                     "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
                      VALUES ($1, $2, $3, $4, $5, $6)
                      ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
@@ -928,7 +940,7 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         self.fence(&tx, session_id).await?;
-        tx.execute(
+        exec(&tx, 
             "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
              WHERE session_id = $1 AND advancement_key = $2",
             &[&session_id, &advancement_key, &error, &next_attempt_ms],
@@ -940,14 +952,12 @@ impl Store for PostgresStore {
     async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
         let c = self.client().await?;
         let filter = "$1::TEXT IS NULL OR s.agent_id = $1";
-        let rows = c
-            .query(
+        let rows = q(&c, 
                 &format!("SELECT {OUTBOX_COLS} WHERE {filter} ORDER BY o.ord LIMIT $2"),
                 &[&agent, &i64::from(limit)],
             )
             .await?;
-        let total: i64 = c
-            .query_one(
+        let total: i64 = q_one(&c, 
                 &format!("SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE {filter}"),
                 &[&agent],
             )
@@ -961,13 +971,12 @@ impl Store for PostgresStore {
     async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
         let c = self.client().await?;
         let sql = format!("SELECT {OUTBOX_COLS} WHERE s.agent_id = $1 AND s.session_key = $2 ORDER BY o.ord");
-        Ok(c.query(&sql, &[&agent, &key]).await?.iter().map(read_outbox).collect())
+        Ok(q(&c, &sql, &[&agent, &key]).await?.iter().map(read_outbox).collect())
     }
 
     async fn retry_outbox(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let c = self.client().await?;
-        let n = c
-            .execute(
+        let n = exec(&c, 
                 "UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
                    (SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2)",
                 &[&agent, &key],
@@ -981,17 +990,17 @@ impl Store for PostgresStore {
         let tx = c.transaction().await?;
         let sql =
             format!("SELECT {OUTBOX_COLS} WHERE s.agent_id = $1 AND s.session_key = $2 ORDER BY o.ord FOR UPDATE OF o");
-        let rows: Vec<OutboxRow> = tx.query(&sql, &[&agent, &key]).await?.iter().map(read_outbox).collect();
+        let rows: Vec<OutboxRow> = q(&tx, &sql, &[&agent, &key]).await?.iter().map(read_outbox).collect();
         let at = now_ms();
         for r in &rows {
             let attempts = r.attempts as i32;
-            tx.execute(
+            exec(&tx, 
                 "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                 &[&r.session_id, &r.agent_id, &r.session_key, &r.advancement_key, &r.engine_id, &attempts, &r.last_error, &at],
             )
             .await?;
-            tx.execute(
+            exec(&tx, 
                 "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
                 &[&r.session_id, &r.advancement_key],
             )
@@ -1003,13 +1012,13 @@ impl Store for PostgresStore {
 
     async fn outbox_counts(&self) -> Result<(u32, u32), StoreError> {
         let c = self.client().await?;
-        let r = c.query_one("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox", &[]).await?;
+        let r = q_one(&c, "SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox", &[]).await?;
         Ok((r.get::<_, i64>(0) as u32, r.get::<_, i64>(1) as u32))
     }
 
     async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError> {
         let c = self.client().await?;
-        c.execute(
+        exec(&c, 
             "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
             &[&session_id, &engine_id],
         )
@@ -1019,8 +1028,7 @@ impl Store for PostgresStore {
 
     async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError> {
         let c = self.client().await?;
-        let rows = c
-            .query(
+        let rows = q(&c, 
                 "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
                  WHERE next_attempt_ms <= $1 AND engine_id = ANY($2) ORDER BY ord LIMIT 256",
                 &[&now_ms, &engines],
@@ -1047,11 +1055,11 @@ impl Store for PostgresStore {
         let c = self.client().await?;
         match retry_at {
             None => {
-                c.execute("DELETE FROM forgets WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])
+                exec(&c, "DELETE FROM forgets WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])
                     .await?
             }
             Some((at, why)) => {
-                c.execute(
+                exec(&c, 
                     "UPDATE forgets SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
                      WHERE session_id = $1 AND engine_id = $2",
                     &[&session_id, &engine_id, &why, &at],
@@ -1064,7 +1072,7 @@ impl Store for PostgresStore {
 
     async fn add_subagent(&self, a: Subagent) -> Result<(), StoreError> {
         let c = self.client().await?;
-        c.execute(
+        exec(&c, 
             "INSERT INTO subagents (agent_id, child_key, parent_key, rollback_token, expires_at_ms) VALUES ($1, $2, $3, $4, $5)
              ON CONFLICT (agent_id, child_key) DO UPDATE SET parent_key = EXCLUDED.parent_key,
                 rollback_token = EXCLUDED.rollback_token, expires_at_ms = EXCLUDED.expires_at_ms",
@@ -1076,8 +1084,7 @@ impl Store for PostgresStore {
 
     async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError> {
         let c = self.client().await?;
-        let row = c
-            .query_opt(
+        let row = q_opt(&c, 
                 "DELETE FROM subagents WHERE agent_id = $1 AND child_key = $2
                  RETURNING agent_id, child_key, parent_key, rollback_token, expires_at_ms",
                 &[&agent, &child_key],
@@ -1088,8 +1095,7 @@ impl Store for PostgresStore {
 
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
         let c = self.client().await?;
-        let rows = c
-            .query(
+        let rows = q(&c, 
                 "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents
                  WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= $1",
                 &[&now_ms],
@@ -1105,15 +1111,15 @@ impl Store for PostgresStore {
     async fn claim_session(&self, session_id: &str, ttl: Duration, interrupt: bool) -> Result<Claimed, StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
-        let Some(row) = tx.query_opt(CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
+        let Some(row) = q_opt(&tx, CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
             let row = if interrupt {
-                tx.query_opt(
+                q_opt(&tx, 
                     "UPDATE session_leases SET interrupt = true WHERE session_id = $1 AND owner IS NOT NULL RETURNING owner",
                     &[&session_id],
                 )
                 .await?
             } else {
-                tx.query_opt("SELECT owner FROM session_leases WHERE session_id = $1", &[&session_id]).await?
+                q_opt(&tx, "SELECT owner FROM session_leases WHERE session_id = $1", &[&session_id]).await?
             };
             tx.commit().await?;
             let owner = row.and_then(|r| r.get::<_, Option<String>>(0)).unwrap_or_default();
@@ -1129,8 +1135,7 @@ impl Store for PostgresStore {
 
     async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {
         let c = self.client().await?;
-        let row = c
-            .query_opt(
+        let row = q_opt(&c, 
                 "UPDATE session_leases SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
                  WHERE session_id = $1 AND token = $2 RETURNING interrupt",
                 &[&claim.session_id, &claim.token, &millis(ttl)],
@@ -1151,7 +1156,7 @@ impl Store for PostgresStore {
             }
         }
         let c = self.client().await?;
-        c.execute(
+        exec(&c, 
             "UPDATE session_leases SET owner = NULL, interrupt = false, expires_at = clock_timestamp()
              WHERE session_id = $1 AND token = $2",
             &[&claim.session_id, &claim.token],
@@ -1162,8 +1167,7 @@ impl Store for PostgresStore {
 
     async fn interrupt_holder(&self, session_id: &str) -> Result<bool, StoreError> {
         let c = self.client().await?;
-        let n = c
-            .execute(
+        let n = exec(&c, 
                 "UPDATE session_leases SET interrupt = true
                  WHERE session_id = $1 AND owner IS NOT NULL AND expires_at >= clock_timestamp()",
                 &[&session_id],
@@ -1174,8 +1178,7 @@ impl Store for PostgresStore {
 
     async fn abandoned_turns(&self) -> Result<Vec<String>, StoreError> {
         let c = self.client().await?;
-        let rows = c
-            .query(
+        let rows = q(&c, 
                 "SELECT o.session_id FROM open_turns o LEFT JOIN session_leases l USING (session_id)
                  WHERE l.owner IS NULL OR l.expires_at < clock_timestamp() LIMIT 256",
                 &[],
@@ -1186,8 +1189,7 @@ impl Store for PostgresStore {
 }
 
 async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
-    let first: String = tx
-        .query_opt("SELECT first_entry_id FROM open_turns WHERE session_id = $1", &[&session_id])
+    let first: String = q_opt(tx, "SELECT first_entry_id FROM open_turns WHERE session_id = $1", &[&session_id])
         .await?
         .ok_or_else(|| StoreError::Backend("a commit is queued for a turn that is not open".into()))?
         .get(0);
@@ -1196,7 +1198,7 @@ async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
     let engine = draft.engine_id.clone();
     let req = commit_request(draft, range);
-    tx.execute(
+    exec(tx, 
         "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES ($1, $2, $3, $4, $5)",
         &[&session_id, &req.advancement_key, &engine, &req.encode_to_vec(), &now_ms()],
     )
