@@ -18,11 +18,46 @@ use crate::store::{Claim, Claimed, Renewal};
 const FIRST_POLL: Duration = Duration::from_millis(10);
 const MAX_POLL: Duration = Duration::from_millis(250);
 
-/// Holds a session; dropping it releases the lease, then the local lock.
+/// Holds a session; dropping it releases the lease (in the background),
+/// then the local lock. [`Held::release`] releases the lease first.
 pub struct Held {
-    /// Stops the renewal, which then releases the lease.
-    _lease: Option<tokio_util::sync::DropGuard>,
+    lease: Option<Lease>,
     _local: SessionGuard,
+}
+
+struct Lease {
+    store: Arc<dyn Store>,
+    /// `None` once released.
+    claim: Option<Claim>,
+    _renewal: tokio_util::sync::DropGuard,
+}
+
+impl Held {
+    /// Gives the session up now: a turn releases its lease before its
+    /// caller hears the outcome, so that the caller's next turn, sent to
+    /// any gateway, finds the session free.
+    pub async fn release(mut self) {
+        if let Some(mut lease) = self.lease.take()
+            && let Some(claim) = lease.claim.take()
+            && let Err(e) = lease.store.release_claim(&claim).await
+        {
+            // It expires by itself.
+            tracing::warn!(session = claim.session_id, error = %e, "lease release failed");
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let Some(claim) = self.claim.take() else { return };
+        let store = self.store.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        runtime.spawn(async move {
+            if let Err(e) = store.release_claim(&claim).await {
+                tracing::warn!(session = claim.session_id, error = %e, "lease release failed");
+            }
+        });
+    }
 }
 
 impl Core {
@@ -38,15 +73,16 @@ impl Core {
     ) -> Result<Held, CoreError> {
         let local = self.sessions.enter(session_id, cancel, policy, queue_limit).await?;
         if !self.store.shared() {
-            return Ok(Held { _lease: None, _local: local });
+            return Ok(Held { lease: None, _local: local });
         }
         let ttl = self.config.store.lease();
         let mut pause = FIRST_POLL;
         loop {
             match self.store.claim_session(session_id, ttl, policy == BusyPolicy::Interrupt).await? {
                 Claimed::Held(claim) => {
-                    let lease = Some(renew(self.store.clone(), claim, ttl, cancel.clone()));
-                    return Ok(Held { _lease: lease, _local: local });
+                    let renewal = renew(self.store.clone(), claim.clone(), ttl, cancel.clone());
+                    let lease = Lease { store: self.store.clone(), claim: Some(claim), _renewal: renewal };
+                    return Ok(Held { lease: Some(lease), _local: local });
                 }
                 Claimed::Busy { owner } => {
                     if policy == BusyPolicy::Reject {
@@ -65,8 +101,7 @@ impl Core {
     }
 }
 
-/// Renews `claim` every third of `ttl` until the guard drops, then
-/// releases it.
+/// Renews `claim` every third of `ttl` until the guard drops.
 fn renew(store: Arc<dyn Store>, claim: Claim, ttl: Duration, work: CancellationToken) -> tokio_util::sync::DropGuard {
     let stop = CancellationToken::new();
     let stopped = stop.clone();
@@ -90,10 +125,6 @@ fn renew(store: Arc<dyn Store>, claim: Claim, ttl: Duration, work: CancellationT
                     Err(e) => tracing::warn!(session = claim.session_id, error = %e, "lease renewal failed"),
                 },
             }
-        }
-        if let Err(e) = store.release_claim(&claim).await {
-            // It expires by itself.
-            tracing::warn!(session = claim.session_id, error = %e, "lease release failed");
         }
     });
     stop.drop_guard()

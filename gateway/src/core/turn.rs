@@ -676,7 +676,7 @@ impl Turn {
         let label = if result.is_ok() { outcome.label() } else { "error" };
         self.core.metrics.turns_in_flight.dec();
         self.core.metrics.turn_finished(self.driver.as_str(), label, self.started.elapsed());
-        drop(guard);
+        guard.release().await;
         result
     }
 

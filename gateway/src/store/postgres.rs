@@ -276,8 +276,7 @@ impl PostgresStore {
     /// makes a takeover wait for this transaction (or this one see it).
     async fn fence(&self, tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
         let Some(token) = self.held_token(session_id) else { return Ok(()) };
-        let row =
-            q_opt(tx, "SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE", &[&session_id]).await?;
+        let row = q_opt(tx, "SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE", &[&session_id]).await?;
         match row.map(|r| r.get::<_, i64>(0)) {
             Some(t) if t == token => Ok(()),
             _ => Err(StoreError::Fenced(session_id.into())),
@@ -385,7 +384,7 @@ async fn active(c: &impl GenericClient, agent: &str, key: &str) -> Result<Option
 /// Creates the key's active session unless another gateway just did.
 async fn create(c: &impl GenericClient, agent: &str, key: &str) -> Result<Session, StoreError> {
     let id = new_id();
-    exec(c, 
+    exec(c,
         "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES ($1, $2, $3, 'active', $4)
          ON CONFLICT (agent_id, session_key) WHERE state = 'active' DO NOTHING",
         &[&id, &agent, &key, &now_ms()],
@@ -404,7 +403,8 @@ async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>,
 
 async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
     let seq = e.seq as i64;
-    exec(tx, 
+    exec(
+        tx,
         "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES ($1, $2, $3, $4, $5, $6)",
         &[&e.id, &session_id, &e.parent_id, &seq, &kind_of(e), &e.encode_to_vec()],
     )
@@ -458,15 +458,16 @@ async fn branch_of(c: &impl GenericClient, session_id: &str) -> Result<Vec<pb::T
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?
         .get(0);
     let Some(leaf) = leaf else { return Ok(Vec::new()) };
-    let rows = q(c, 
-            "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
+    let rows = q(
+        c,
+        "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
                SELECT id, parent_id, body, 0 FROM entries WHERE id = $1
                UNION ALL
                SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM entries e JOIN chain ON e.id = chain.parent_id
              ) SELECT body FROM chain ORDER BY depth DESC",
-            &[&leaf],
-        )
-        .await?;
+        &[&leaf],
+    )
+    .await?;
     rows.iter().map(|r| decode(r, 0)).collect()
 }
 
@@ -485,9 +486,10 @@ async fn branch_back_to(
 }
 
 async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
-    let anchor: Option<String> = q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
-        .await?
-        .map(|r| r.get(0));
+    let anchor: Option<String> =
+        q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
+            .await?
+            .map(|r| r.get(0));
     let Some(anchor) = anchor else { return Ok(()) };
     let Some(tail) = branch_back_to(tx, session_id, &anchor).await? else {
         tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
@@ -530,7 +532,8 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         let state = if archive { "archived" } else { "inactive" };
-        exec(&tx, 
+        exec(
+            &tx,
             "UPDATE sessions SET state = $3 WHERE agent_id = $1 AND session_key = $2 AND state = 'active'",
             &[&agent, &key, &state],
         )
@@ -569,11 +572,12 @@ impl Store for PostgresStore {
 
     async fn archive_session(&self, agent: &str, key: &str) -> Result<bool, StoreError> {
         let c = self.client().await?;
-        let n = exec(&c, 
-                "UPDATE sessions SET state = 'archived' WHERE agent_id = $1 AND session_key = $2 AND state = 'active'",
-                &[&agent, &key],
-            )
-            .await?;
+        let n = exec(
+            &c,
+            "UPDATE sessions SET state = 'archived' WHERE agent_id = $1 AND session_key = $2 AND state = 'active'",
+            &[&agent, &key],
+        )
+        .await?;
         self.counts.writes.inc();
         Ok(n > 0)
     }
@@ -582,7 +586,8 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2";
-        exec(&tx, 
+        exec(
+            &tx,
             &format!(
                 "INSERT INTO forgets (session_id, engine_id, agent_id, session_key)
                  SELECT session_id, engine_id, $1, $2 FROM engine_sessions WHERE session_id IN ({OF_KEY})
@@ -604,11 +609,12 @@ impl Store for PostgresStore {
 
     async fn session_ids(&self, agent: &str, key: &str) -> Result<Vec<String>, StoreError> {
         let c = self.client().await?;
-        let rows = q(&c, 
-                "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2 ORDER BY session_id",
-                &[&agent, &key],
-            )
-            .await?;
+        let rows = q(
+            &c,
+            "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2 ORDER BY session_id",
+            &[&agent, &key],
+        )
+        .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
@@ -667,12 +673,13 @@ impl Store for PostgresStore {
         }
         let (leaf, next) = plan.leaf_and_next_seq(seq);
         set_head(&tx, session_id, leaf.as_deref(), next).await?;
-        if let Some(r) = q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id])
-            .await?
+        if let Some(r) =
+            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id]).await?
         {
             let follow = |old: String| plan.outcome.remap.get(&old).cloned().unwrap_or(old);
             let (first, anchor) = (follow(r.get(0)), follow(r.get(1)));
-            exec(&tx, 
+            exec(
+                &tx,
                 "UPDATE open_turns SET first_entry_id = $2, anchor_id = $3 WHERE session_id = $1",
                 &[&session_id, &first, &anchor],
             )
@@ -697,13 +704,15 @@ impl Store for PostgresStore {
         let (Some(first), Some(last)) = (out.first(), out.last()) else {
             return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
         };
-        exec(&tx, 
+        exec(
+            &tx,
             "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
             &[&session_id, &turn_id, &first.id, &last.id],
         )
         .await?;
         if let Some(engine) = seen_by {
-            exec(&tx, 
+            exec(
+                &tx,
                 "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
                 &[&session_id, &engine],
             )
@@ -745,15 +754,16 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         self.fence(&tx, session_id).await?;
-        let before = q_opt(&tx, 
-                "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2",
-                &[&session_id, &host_id],
-            )
-            .await?
-            .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
+        let before = q_opt(
+            &tx,
+            "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2",
+            &[&session_id, &host_id],
+        )
+        .await?
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
         let changed = before.as_ref().is_none_or(|(e, f)| e != epoch || f != fingerprint);
         if changed {
-            exec(&tx, 
+            exec(&tx,
                 "INSERT INTO projections (session_id, host_id, epoch, fingerprint) VALUES ($1, $2, $3, $4)
                  ON CONFLICT (session_id, host_id) DO UPDATE SET epoch = EXCLUDED.epoch, fingerprint = EXCLUDED.fingerprint",
                 &[&session_id, &host_id, &epoch, &fingerprint],
@@ -766,12 +776,13 @@ impl Store for PostgresStore {
 
     async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError> {
         let c = self.client().await?;
-        let rows = q(&c, 
-                "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
+        let rows = q(
+            &c,
+            "SELECT engine_id, payload, attempts, last_error, next_attempt_ms FROM outbox
                  WHERE session_id = $1 AND engine_id = $2 ORDER BY ord",
-                &[&session_id, &engine_id],
-            )
-            .await?;
+            &[&session_id, &engine_id],
+        )
+        .await?;
         rows.iter()
             .map(|r| {
                 let body: &[u8] = r.get(1);
@@ -793,7 +804,7 @@ impl Store for PostgresStore {
         let tx = c.transaction().await?;
         // Rows another gateway's pass is reading right now are skipped, not
         // waited for; sessions leased by a running turn drain at its start.
-        let rows = q(&tx, 
+        let rows = q(&tx,
                 "SELECT o.session_id, o.engine_id FROM outbox o
                  LEFT JOIN session_leases l ON l.session_id = o.session_id
                  WHERE o.next_attempt_ms <= $1 AND o.engine_id = ANY($2)
@@ -816,13 +827,15 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         self.fence(&tx, session_id).await?;
-        exec(&tx, 
+        exec(
+            &tx,
             "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
             &[&session_id, &advancement_key],
         )
         .await?;
         if let Some(a) = advance {
-            exec(&tx, 
+            exec(
+                &tx,
                 "UPDATE cursors SET message_id = $3, seq = $4, message_count = message_count + $5, tokens = tokens + $6
                  WHERE session_id = $1 AND engine_id = $2 AND seq < $4",
                 &[
@@ -857,11 +870,12 @@ impl Store for PostgresStore {
 
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
         let c = self.client().await?;
-        let row = q_opt(&c, 
-                "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = $1 AND engine_id = $2",
-                &[&session_id, &engine_id],
-            )
-            .await?;
+        let row = q_opt(
+            &c,
+            "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = $1 AND engine_id = $2",
+            &[&session_id, &engine_id],
+        )
+        .await?;
         Ok(row.map(|r| pb::HistoryCursor {
             message_id: r.get(0),
             seq: r.get::<_, i64>(1) as u64,
@@ -885,7 +899,8 @@ impl Store for PostgresStore {
                     .await?
             }
             Some(k) => {
-                exec(&tx, 
+                exec(
+                    &tx,
                     "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
                      VALUES ($1, $2, $3, $4, $5, $6)
                      ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
@@ -940,7 +955,8 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         self.fence(&tx, session_id).await?;
-        exec(&tx, 
+        exec(
+            &tx,
             "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
              WHERE session_id = $1 AND advancement_key = $2",
             &[&session_id, &advancement_key, &error, &next_attempt_ms],
@@ -952,17 +968,19 @@ impl Store for PostgresStore {
     async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
         let c = self.client().await?;
         let filter = "$1::TEXT IS NULL OR s.agent_id = $1";
-        let rows = q(&c, 
-                &format!("SELECT {OUTBOX_COLS} WHERE {filter} ORDER BY o.ord LIMIT $2"),
-                &[&agent, &i64::from(limit)],
-            )
-            .await?;
-        let total: i64 = q_one(&c, 
-                &format!("SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE {filter}"),
-                &[&agent],
-            )
-            .await?
-            .get(0);
+        let rows = q(
+            &c,
+            &format!("SELECT {OUTBOX_COLS} WHERE {filter} ORDER BY o.ord LIMIT $2"),
+            &[&agent, &i64::from(limit)],
+        )
+        .await?;
+        let total: i64 = q_one(
+            &c,
+            &format!("SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE {filter}"),
+            &[&agent],
+        )
+        .await?
+        .get(0);
         let rows: Vec<OutboxRow> = rows.iter().map(read_outbox).collect();
         let more = (total as u32).saturating_sub(rows.len() as u32);
         Ok((rows, more))
@@ -976,12 +994,13 @@ impl Store for PostgresStore {
 
     async fn retry_outbox(&self, agent: &str, key: &str) -> Result<u32, StoreError> {
         let c = self.client().await?;
-        let n = exec(&c, 
-                "UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
+        let n = exec(
+            &c,
+            "UPDATE outbox SET next_attempt_ms = 0 WHERE session_id IN
                    (SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2)",
-                &[&agent, &key],
-            )
-            .await?;
+            &[&agent, &key],
+        )
+        .await?;
         Ok(n as u32)
     }
 
@@ -994,13 +1013,14 @@ impl Store for PostgresStore {
         let at = now_ms();
         for r in &rows {
             let attempts = r.attempts as i32;
-            exec(&tx, 
+            exec(&tx,
                 "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                 &[&r.session_id, &r.agent_id, &r.session_key, &r.advancement_key, &r.engine_id, &attempts, &r.last_error, &at],
             )
             .await?;
-            exec(&tx, 
+            exec(
+                &tx,
                 "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
                 &[&r.session_id, &r.advancement_key],
             )
@@ -1018,7 +1038,8 @@ impl Store for PostgresStore {
 
     async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError> {
         let c = self.client().await?;
-        exec(&c, 
+        exec(
+            &c,
             "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
             &[&session_id, &engine_id],
         )
@@ -1028,12 +1049,13 @@ impl Store for PostgresStore {
 
     async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError> {
         let c = self.client().await?;
-        let rows = q(&c, 
-                "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
+        let rows = q(
+            &c,
+            "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
                  WHERE next_attempt_ms <= $1 AND engine_id = ANY($2) ORDER BY ord LIMIT 256",
-                &[&now_ms, &engines],
-            )
-            .await?;
+            &[&now_ms, &engines],
+        )
+        .await?;
         Ok(rows
             .iter()
             .map(|r| Forget {
@@ -1059,7 +1081,8 @@ impl Store for PostgresStore {
                     .await?
             }
             Some((at, why)) => {
-                exec(&c, 
+                exec(
+                    &c,
                     "UPDATE forgets SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
                      WHERE session_id = $1 AND engine_id = $2",
                     &[&session_id, &engine_id, &why, &at],
@@ -1072,7 +1095,7 @@ impl Store for PostgresStore {
 
     async fn add_subagent(&self, a: Subagent) -> Result<(), StoreError> {
         let c = self.client().await?;
-        exec(&c, 
+        exec(&c,
             "INSERT INTO subagents (agent_id, child_key, parent_key, rollback_token, expires_at_ms) VALUES ($1, $2, $3, $4, $5)
              ON CONFLICT (agent_id, child_key) DO UPDATE SET parent_key = EXCLUDED.parent_key,
                 rollback_token = EXCLUDED.rollback_token, expires_at_ms = EXCLUDED.expires_at_ms",
@@ -1084,23 +1107,25 @@ impl Store for PostgresStore {
 
     async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError> {
         let c = self.client().await?;
-        let row = q_opt(&c, 
-                "DELETE FROM subagents WHERE agent_id = $1 AND child_key = $2
+        let row = q_opt(
+            &c,
+            "DELETE FROM subagents WHERE agent_id = $1 AND child_key = $2
                  RETURNING agent_id, child_key, parent_key, rollback_token, expires_at_ms",
-                &[&agent, &child_key],
-            )
-            .await?;
+            &[&agent, &child_key],
+        )
+        .await?;
         Ok(row.as_ref().map(read_subagent))
     }
 
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
         let c = self.client().await?;
-        let rows = q(&c, 
-                "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents
+        let rows = q(
+            &c,
+            "SELECT agent_id, child_key, parent_key, rollback_token, expires_at_ms FROM subagents
                  WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= $1",
-                &[&now_ms],
-            )
-            .await?;
+            &[&now_ms],
+        )
+        .await?;
         Ok(rows.iter().map(read_subagent).collect())
     }
 
@@ -1113,7 +1138,7 @@ impl Store for PostgresStore {
         let tx = c.transaction().await?;
         let Some(row) = q_opt(&tx, CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
             let row = if interrupt {
-                q_opt(&tx, 
+                q_opt(&tx,
                     "UPDATE session_leases SET interrupt = true WHERE session_id = $1 AND owner IS NOT NULL RETURNING owner",
                     &[&session_id],
                 )
@@ -1135,12 +1160,13 @@ impl Store for PostgresStore {
 
     async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {
         let c = self.client().await?;
-        let row = q_opt(&c, 
-                "UPDATE session_leases SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
+        let row = q_opt(
+            &c,
+            "UPDATE session_leases SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
                  WHERE session_id = $1 AND token = $2 RETURNING interrupt",
-                &[&claim.session_id, &claim.token, &millis(ttl)],
-            )
-            .await?;
+            &[&claim.session_id, &claim.token, &millis(ttl)],
+        )
+        .await?;
         Ok(match row.map(|r| r.get::<_, bool>(0)) {
             None => Renewal::Lost,
             Some(true) => Renewal::Interrupted,
@@ -1156,7 +1182,8 @@ impl Store for PostgresStore {
             }
         }
         let c = self.client().await?;
-        exec(&c, 
+        exec(
+            &c,
             "UPDATE session_leases SET owner = NULL, interrupt = false, expires_at = clock_timestamp()
              WHERE session_id = $1 AND token = $2",
             &[&claim.session_id, &claim.token],
@@ -1167,23 +1194,25 @@ impl Store for PostgresStore {
 
     async fn interrupt_holder(&self, session_id: &str) -> Result<bool, StoreError> {
         let c = self.client().await?;
-        let n = exec(&c, 
-                "UPDATE session_leases SET interrupt = true
+        let n = exec(
+            &c,
+            "UPDATE session_leases SET interrupt = true
                  WHERE session_id = $1 AND owner IS NOT NULL AND expires_at >= clock_timestamp()",
-                &[&session_id],
-            )
-            .await?;
+            &[&session_id],
+        )
+        .await?;
         Ok(n > 0)
     }
 
     async fn abandoned_turns(&self) -> Result<Vec<String>, StoreError> {
         let c = self.client().await?;
-        let rows = q(&c, 
-                "SELECT o.session_id FROM open_turns o LEFT JOIN session_leases l USING (session_id)
+        let rows = q(
+            &c,
+            "SELECT o.session_id FROM open_turns o LEFT JOIN session_leases l USING (session_id)
                  WHERE l.owner IS NULL OR l.expires_at < clock_timestamp() LIMIT 256",
-                &[],
-            )
-            .await?;
+            &[],
+        )
+        .await?;
         Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 }
@@ -1198,7 +1227,7 @@ async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
     let engine = draft.engine_id.clone();
     let req = commit_request(draft, range);
-    exec(tx, 
+    exec(tx,
         "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES ($1, $2, $3, $4, $5)",
         &[&session_id, &req.advancement_key, &engine, &req.encode_to_vec(), &now_ms()],
     )

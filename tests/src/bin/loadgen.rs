@@ -58,6 +58,20 @@ struct Args {
     /// to compare builds side by side.
     #[arg(long, global = true)]
     gateway_bin: Option<std::path::PathBuf>,
+    /// The store: SQLite in each gateway's state dir, or a PostgreSQL
+    /// cluster this run starts (fsync on) and every gateway shares.
+    #[arg(long, value_enum, default_value_t = StoreKind::Sqlite, global = true)]
+    store: StoreKind,
+    /// Gateway processes (more than one needs `--store postgres`); a
+    /// session's consecutive turns go to different gateways.
+    #[arg(long, default_value_t = 1, global = true)]
+    gateways: usize,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq)]
+enum StoreKind {
+    Sqlite,
+    Postgres,
 }
 
 #[derive(Subcommand)]
@@ -164,11 +178,15 @@ enum Outcome {
     Error(String),
 }
 
-/// The gateway (and engine) under load.
+/// The gateways (and engine, and PostgreSQL) under load.
 struct Stack {
+    /// Connection-major: channel `j` goes to gateway `j % gateways`.
     channels: Vec<Channel>,
+    /// The first gateway (its RSS is what is reported).
     gateway: EngineProcess,
+    _more: Vec<EngineProcess>,
     _engine: Option<EngineProcess>,
+    _postgres: Option<ctxgate_tests::postgres::Postgres>,
     _dir: tempfile::TempDir,
 }
 
@@ -194,20 +212,39 @@ impl Stack {
                 e.endpoint
             ),
         };
-        let config = format!("{{ gateway: {{ limits: {{ {limits} }} }}, {plugins} }}\n");
-        let (config_path, state) = (path("ctxgate.json5")?, path("gateway")?);
+        if args.gateways > 1 && args.store != StoreKind::Postgres {
+            return Err("several gateways need one shared store: add --store postgres".into());
+        }
+        let postgres = match args.store {
+            StoreKind::Sqlite => None,
+            StoreKind::Postgres => Some(ctxgate_tests::postgres::Postgres::start(true).await),
+        };
+        let store = match &postgres {
+            None => String::new(),
+            Some(pg) => format!("store: {{ url: '{}' }},", pg.database("loadgen").await),
+        };
+        let config = format!("{{ gateway: {{ limits: {{ {limits} }} }}, {plugins} {store} }}\n");
+        let config_path = path("ctxgate.json5")?;
         std::fs::write(&config_path, config).map_err(|e| e.to_string())?;
-        let args =
-            ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config_path.as_str()];
         let program = gateway_bin.unwrap_or_else(|| bin("ctxgate"));
-        let gateway = EngineProcess::start(program, &args).await.map_err(|e| e.to_string())?;
+        let mut gateways = Vec::new();
+        for g in 0..args.gateways.max(1) {
+            let state = path(&format!("gateway-{g}"))?;
+            let args =
+                ["serve", "--listen", "127.0.0.1:0", "--state-dir", state.as_str(), "--config", config_path.as_str()];
+            gateways.push(EngineProcess::start(&program, &args).await.map_err(|e| e.to_string())?);
+        }
         let mut channels = Vec::new();
         for _ in 0..connections.max(1) {
-            let endpoint =
-                tonic::transport::Endpoint::from_shared(gateway.endpoint.clone()).map_err(|e| e.to_string())?;
-            channels.push(endpoint.tcp_nodelay(true).connect().await.map_err(|e| e.to_string())?);
+            for g in &gateways {
+                let endpoint =
+                    tonic::transport::Endpoint::from_shared(g.endpoint.clone()).map_err(|e| e.to_string())?;
+                channels.push(endpoint.tcp_nodelay(true).connect().await.map_err(|e| e.to_string())?);
+            }
         }
-        let stack = Self { channels, gateway, _engine: engine_process, _dir: dir };
+        let gateway = gateways.remove(0);
+        let stack =
+            Self { channels, gateway, _more: gateways, _engine: engine_process, _postgres: postgres, _dir: dir };
         if engine == EngineKind::Window {
             stack.wait_attached().await?;
         }
@@ -353,11 +390,16 @@ async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duratio
     let until = started + Duration::from_secs_f64(seconds);
     let tasks: Vec<_> = (0..sessions)
         .map(|i| {
-            let (c, tally) = (stack.client(i), tally.clone());
+            let (clients, tally) =
+                ((0..stack.channels.len()).map(|k| stack.client(i + k)).collect::<Vec<_>>(), tally.clone());
             tokio::spawn(async move {
+                let mut n = 0;
                 while Instant::now() < until {
                     let t = Instant::now();
-                    let outcome = one_turn(c.clone(), i).await;
+                    // The next connection each turn: with several gateways,
+                    // the next gateway.
+                    let outcome = one_turn(clients[n % clients.len()].clone(), i).await;
+                    n += 1;
                     // A shed client waits as the gateway asks (as gRPC's
                     // retry policy does), then sends its next turn.
                     let pause = match outcome {
