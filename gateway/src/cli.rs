@@ -616,7 +616,11 @@ pub async fn serve(
     let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;
     let metrics = listeners.metrics.as_ref().and_then(|l| l.local_addr().ok());
-    tracing::info!(%addr, ?metrics, state_dir = %cfg.state_dir.display(), provider = ?cfg.models.provider, "ctxgate serving");
+    let store_at = match &cfg.store.url {
+        Some(url) => crate::store::postgres::redacted(url),
+        None => cfg.state_dir.display().to_string(),
+    };
+    tracing::info!(%addr, ?metrics, store = %store_at, provider = ?cfg.models.provider, "ctxgate serving");
     println!("listening on {addr}");
     let _ = std::io::stdout().flush();
     // SIGHUP re-reads the config file and applies its engine settings.

@@ -183,8 +183,8 @@ pub struct PostgresStore {
     counts: crate::metrics::StoreCounters,
 }
 
-/// `store.url` with any password replaced, for messages.
-fn redacted(url: &str) -> String {
+/// `store.url` without its password (or user), for messages and logs.
+pub fn redacted(url: &str) -> String {
     match url.parse::<tokio_postgres::Config>() {
         Ok(c) => {
             let hosts: Vec<String> = c
@@ -453,21 +453,22 @@ async fn append_in(
 
 /// The active branch, oldest first (one recursive query).
 async fn branch_of(c: &impl GenericClient, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
-    let leaf: Option<String> = q_opt(c, "SELECT leaf_id FROM sessions WHERE session_id = $1", &[&session_id])
-        .await?
-        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?
-        .get(0);
-    let Some(leaf) = leaf else { return Ok(Vec::new()) };
+    // One statement from the session's leaf; an empty answer is an empty
+    // session or none at all (told apart only then).
     let rows = q(
         c,
         "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
-               SELECT id, parent_id, body, 0 FROM entries WHERE id = $1
+               SELECT e.id, e.parent_id, e.body, 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+                WHERE s.session_id = $1
                UNION ALL
                SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM entries e JOIN chain ON e.id = chain.parent_id
              ) SELECT body FROM chain ORDER BY depth DESC",
-        &[&leaf],
+        &[&session_id],
     )
     .await?;
+    if rows.is_empty() && q_opt(c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none() {
+        return Err(StoreError::NoSession(session_id.to_owned()));
+    }
     rows.iter().map(|r| decode(r, 0)).collect()
 }
 
@@ -503,15 +504,19 @@ async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreEr
 }
 
 /// The claim statement: takes a free, expired or own (an earlier turn of
-/// this gateway, released or not) lease, with the next token.
+/// this gateway, released or not) lease, with the next token; and says
+/// whether a turn was left open (then the claim rewinds it). One statement,
+/// one round trip, in the common case.
 const CLAIM: &str = "
-INSERT INTO session_leases (session_id, owner, token, expires_at)
-VALUES ($1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond')
-ON CONFLICT (session_id) DO UPDATE
-   SET owner = EXCLUDED.owner, token = session_leases.token + 1, expires_at = EXCLUDED.expires_at, interrupt = false
- WHERE session_leases.owner IS NULL OR session_leases.owner = EXCLUDED.owner
-    OR session_leases.expires_at < clock_timestamp()
-RETURNING token";
+WITH claimed AS (
+  INSERT INTO session_leases (session_id, owner, token, expires_at)
+  VALUES ($1, $2, 1, clock_timestamp() + $3 * interval '1 millisecond')
+  ON CONFLICT (session_id) DO UPDATE
+     SET owner = EXCLUDED.owner, token = session_leases.token + 1, expires_at = EXCLUDED.expires_at, interrupt = false
+   WHERE session_leases.owner IS NULL OR session_leases.owner = EXCLUDED.owner
+      OR session_leases.expires_at < clock_timestamp()
+  RETURNING token
+) SELECT token, EXISTS (SELECT 1 FROM open_turns WHERE session_id = $1) FROM claimed";
 
 fn millis(d: Duration) -> f64 {
     d.as_millis() as f64
@@ -1134,28 +1139,31 @@ impl Store for PostgresStore {
     }
 
     async fn claim_session(&self, session_id: &str, ttl: Duration, interrupt: bool) -> Result<Claimed, StoreError> {
-        let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        let Some(row) = q_opt(&tx, CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
+        let c = self.client().await?;
+        let Some(row) = q_opt(&c, CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
             let row = if interrupt {
-                q_opt(&tx,
-                    "UPDATE session_leases SET interrupt = true WHERE session_id = $1 AND owner IS NOT NULL RETURNING owner",
-                    &[&session_id],
-                )
-                .await?
+                let sql = "UPDATE session_leases SET interrupt = true
+                            WHERE session_id = $1 AND owner IS NOT NULL RETURNING owner";
+                q_opt(&c, sql, &[&session_id]).await?
             } else {
-                q_opt(&tx, "SELECT owner FROM session_leases WHERE session_id = $1", &[&session_id]).await?
+                q_opt(&c, "SELECT owner FROM session_leases WHERE session_id = $1", &[&session_id]).await?
             };
-            tx.commit().await?;
             let owner = row.and_then(|r| r.get::<_, Option<String>>(0)).unwrap_or_default();
             return Ok(Claimed::Busy { owner });
         };
-        let token: i64 = row.get(0);
-        // Whoever held it before left a turn open: it ends as an abort.
-        rewind_in(&tx, session_id).await?;
-        self.commit(tx).await?;
+        let (token, left_open): (i64, bool) = (row.get(0), row.get(1));
         self.held.lock().unwrap_or_else(|e| e.into_inner()).insert(session_id.into(), token);
-        Ok(Claimed::Held(Claim { session_id: session_id.into(), token }))
+        let claim = Claim { session_id: session_id.into(), token };
+        if left_open {
+            // Whoever held it before left a turn open: it ends as an
+            // abort, fenced by this claim (a newer one would refuse it).
+            drop(c);
+            if let Err(e) = self.close_turn(session_id, TurnClose::Rewind).await {
+                self.release_claim(&claim).await.ok();
+                return Err(e);
+            }
+        }
+        Ok(Claimed::Held(claim))
     }
 
     async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {

@@ -66,6 +66,9 @@ struct Args {
     /// session's consecutive turns go to different gateways.
     #[arg(long, default_value_t = 1, global = true)]
     gateways: usize,
+    /// PostgreSQL connections per gateway (`store.poolSize`).
+    #[arg(long, default_value_t = 16, global = true)]
+    pool_size: usize,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -221,7 +224,9 @@ impl Stack {
         };
         let store = match &postgres {
             None => String::new(),
-            Some(pg) => format!("store: {{ url: '{}' }},", pg.database("loadgen").await),
+            Some(pg) => {
+                format!("store: {{ url: '{}', poolSize: {} }},", pg.database("loadgen").await, args.pool_size)
+            }
         };
         let config = format!("{{ gateway: {{ limits: {{ {limits} }} }}, {plugins} {store} }}\n");
         let config_path = path("ctxgate.json5")?;
