@@ -150,11 +150,14 @@ pub struct StoreSection {
     pub lease_seconds: f64,
     /// PostgreSQL connections this gateway keeps at most.
     pub pool_size: usize,
+    /// PEM certificates to trust for the server when the URL asks for TLS
+    /// (`sslmode=require`); default: the public web roots.
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for StoreSection {
     fn default() -> Self {
-        Self { url: None, lease_seconds: 10.0, pool_size: 16 }
+        Self { url: None, lease_seconds: 10.0, pool_size: 16, ca_file: None }
     }
 }
 

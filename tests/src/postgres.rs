@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 pub struct Postgres {
     child: Child,
     port: u16,
+    /// The CA that signed the server's certificate, when it speaks TLS.
+    cert: Option<PathBuf>,
     _dir: tempfile::TempDir,
 }
 
@@ -61,6 +63,22 @@ impl Postgres {
     /// A new cluster, started and accepting connections. `durable`: keep
     /// PostgreSQL's fsync on (benchmarks); tests turn it off for speed.
     pub async fn start(durable: bool) -> Self {
+        Self::start_with(durable, false).await
+    }
+
+    /// A cluster that also accepts TLS, with a certificate for `localhost`
+    /// and 127.0.0.1 signed by a CA of its own ([`Postgres::cert`]), made
+    /// by `openssl`.
+    pub async fn start_tls() -> Self {
+        Self::start_with(false, true).await
+    }
+
+    /// The CA certificate (PEM) of a TLS cluster.
+    pub fn cert(&self) -> Option<&Path> {
+        self.cert.as_deref()
+    }
+
+    async fn start_with(durable: bool, tls: bool) -> Self {
         let bin = bin_dir();
         let user = run_as();
         let dir = tempfile::tempdir().expect("a temporary directory");
@@ -75,6 +93,44 @@ impl Postgres {
             .output()
             .expect("initdb runs");
         assert!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        let (mut ssl, mut cert) = (Vec::new(), None);
+        if tls {
+            let d = dir.path();
+            let (crt, key) = (d.join("server.crt"), d.join("server.key"));
+            std::fs::write(
+                d.join("server.ext"),
+                "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
+            )
+            .expect("write the extensions");
+            // A CA, and a server certificate it signs (a self-signed CA
+            // cannot be the server's own certificate under webpki).
+            let openssl = |args: &[&str]| {
+                let out = Command::new("openssl").current_dir(d).args(args).output().expect("openssl runs");
+                assert!(out.status.success(), "openssl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+            };
+            let ca = "req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=ctxgate-test-ca -keyout ca.key -out ca.crt";
+            let csr = "req -newkey rsa:2048 -nodes -subj /CN=localhost -keyout server.key -out server.csr";
+            let sign = "x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -days 1 \
+                        -extfile server.ext -out server.crt";
+            for step in [ca, csr, sign] {
+                openssl(&step.split_whitespace().collect::<Vec<_>>());
+            }
+            for f in [&crt, &key] {
+                if let Some((uid, gid)) = user {
+                    chown(f, Some(uid), Some(gid)).expect("chown the certificate to postgres");
+                }
+            }
+            std::fs::set_permissions(&key, std::os::unix::fs::PermissionsExt::from_mode(0o600)).expect("chmod the key");
+            ssl = vec![
+                "-c".to_owned(),
+                "ssl=on".to_owned(),
+                "-c".to_owned(),
+                format!("ssl_cert_file={}", crt.display()),
+                "-c".to_owned(),
+                format!("ssl_key_file={}", key.display()),
+            ];
+            cert = Some(d.join("ca.crt"));
+        }
         let port = free_port();
         let sync = if durable { "on" } else { "off" };
         let log = std::fs::File::create(dir.path().join("postgres.log")).expect("a log file");
@@ -85,11 +141,12 @@ impl Postgres {
             .args(["-D", &data_arg, "-p", &port.to_string(), "-k", &sock])
             .args(["-c", "listen_addresses=127.0.0.1", "-c", &format!("fsync={sync}")])
             .args(["-c", &format!("synchronous_commit={sync}"), "-c", "max_connections=300"])
+            .args(&ssl)
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
             .expect("postgres starts");
-        let pg = Self { child, port, _dir: dir };
+        let pg = Self { child, port, cert, _dir: dir };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             match tokio_postgres::connect(&pg.url("postgres"), tokio_postgres::NoTls).await {

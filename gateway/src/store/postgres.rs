@@ -24,16 +24,18 @@
 //! gateways starting together migrate once.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Transaction};
 use prost::Message as _;
+use tokio_postgres::Row;
+use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{NoTls, Row};
 
 use super::{
     Advance, Claim, Claimed, CommitDraft, Forget, KIND_COMPACTION, NewEntry, OpenError, OutboxRow, PendingCommit,
@@ -202,6 +204,32 @@ pub fn redacted(url: &str) -> String {
     }
 }
 
+/// rustls (ring) trusting `ca_file`'s certificates, or the public roots.
+fn tls_connector(ca_file: Option<&Path>) -> Result<tokio_postgres_rustls::MakeRustlsConnect, String> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+        Some(path) => {
+            let shown = path.display();
+            let certs = CertificateDer::pem_file_iter(path)
+                .map_err(|e| format!("store.caFile {shown} cannot be read: {e}"))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("store.caFile {shown} is not PEM certificates: {e}"))?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(format!("store.caFile {shown} holds no usable certificate"));
+            }
+        }
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+}
+
 /// A connection error as the operator needs it.
 fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
     let at = redacted(url);
@@ -223,16 +251,22 @@ fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
 impl PostgresStore {
     /// Connects to `url`, migrates the schema and checks it is not newer
     /// than this build; fails with a sentence (before any port is bound).
-    pub async fn open(url: &str, pool_size: usize) -> Result<Self, OpenError> {
-        let config: tokio_postgres::Config = url.parse().map_err(|e| OpenError::Other {
+    /// TLS only when the URL says `sslmode=require`, and then verified (the
+    /// server's name and chain, against `ca_file` or the public roots);
+    /// otherwise plaintext (`prefer` does not mean an unverified TLS).
+    pub async fn open(url: &str, pool_size: usize, ca_file: Option<&Path>) -> Result<Self, OpenError> {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| OpenError::Other {
             file: "store.url".into(),
             detail: format!("not a PostgreSQL URL ({e}); expected postgres://user[:password]@host[:port]/database"),
         })?;
-        let mut config = config;
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(5));
         }
-        let manager = Manager::from_config(config, NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+        if config.get_ssl_mode() == SslMode::Prefer {
+            config.ssl_mode(SslMode::Disable);
+        }
+        let tls = tls_connector(ca_file).map_err(|detail| OpenError::Other { file: redacted(url), detail })?;
+        let manager = Manager::from_config(config, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
         let pool = Pool::builder(manager)
             .max_size(pool_size.max(1))
             .runtime(deadpool_postgres::Runtime::Tokio1)
