@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::hosting::{fault_engine, sref};
-use ctxgate_tests::postgres::Postgres;
+use ctxgate_tests::postgres::{Postgres, pg_options};
 use ctxgate_tests::{EngineProcess, bin};
 use tokio_stream::StreamExt;
 
@@ -282,7 +282,7 @@ async fn a_wrong_unreachable_or_newer_store_stops_serve_with_a_sentence_before_b
     assert!(!e.contains("secret"), "the password stays out of messages: {e}");
 
     // A database a newer ctxgate migrated.
-    drop(ctxgate::store::postgres::PostgresStore::open(&newer, 1, None).await.unwrap());
+    drop(ctxgate::store::postgres::PostgresStore::open(&newer, &pg_options(1, None)).await.unwrap());
     pg.sql("newer", "UPDATE ctxgate_schema SET version = version + 1").await;
     let e = serve(&newer).await;
     assert!(e.contains("newer ctxgate") && e.contains("upgrade ctxgate"), "{e}");

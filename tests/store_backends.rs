@@ -14,7 +14,7 @@ use ctxgate::store::{Claimed, CommitDraft, NewEntry, Renewal, Session, SqliteSto
 use ctxgate_proto::pb::{
     self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
 };
-use ctxgate_tests::postgres::Postgres;
+use ctxgate_tests::postgres::{Postgres, pg_options};
 
 /// A case's store, and a way to count rows behind its back.
 struct Fx {
@@ -129,7 +129,7 @@ async fn every_case_on_postgres() {
     let pg = Arc::new(Postgres::start(false).await);
     cases!(async |name: &str| {
         let url = pg.database(name).await;
-        let store = PostgresStore::open(&url, 4, None).await.unwrap();
+        let store = PostgresStore::open(&url, &pg_options(4, None)).await.unwrap();
         Fx { store: Arc::new(store), backend: Backend::Postgres { pg: pg.clone(), db: name.to_owned() } }
     });
 }
@@ -401,7 +401,10 @@ const TTL: Duration = Duration::from_millis(300);
 /// Two gateways' stores on one fresh database.
 async fn two_gateways(pg: &Postgres, db: &str) -> (PostgresStore, PostgresStore) {
     let url = pg.database(db).await;
-    (PostgresStore::open(&url, 2, None).await.unwrap(), PostgresStore::open(&url, 2, None).await.unwrap())
+    (
+        PostgresStore::open(&url, &pg_options(2, None)).await.unwrap(),
+        PostgresStore::open(&url, &pg_options(2, None)).await.unwrap(),
+    )
 }
 
 fn texts(branch: &[pb::TranscriptEntry]) -> Vec<String> {
@@ -482,9 +485,9 @@ async fn a_turn_left_open_by_a_dead_gateway_is_rewound_once_its_lease_lapses() {
 async fn a_database_with_a_newer_schema_is_refused_with_a_sentence() {
     let pg = Postgres::start(false).await;
     let url = pg.database("newer").await;
-    drop(PostgresStore::open(&url, 1, None).await.unwrap());
+    drop(PostgresStore::open(&url, &pg_options(1, None)).await.unwrap());
     pg.sql("newer", "UPDATE ctxgate_schema SET version = 99").await;
-    let Err(e) = PostgresStore::open(&url, 1, None).await else { panic!("a newer schema opens") };
+    let Err(e) = PostgresStore::open(&url, &pg_options(1, None)).await else { panic!("a newer schema opens") };
     let e = e.to_string();
     assert!(e.contains("newer ctxgate") && e.contains("99"), "{e}");
     assert!(!e.contains("password"), "{e}");
@@ -496,7 +499,8 @@ async fn tls_to_postgres_is_verified_and_a_wrong_ca_or_a_plaintext_server_is_a_s
     let url = pg.database("tls").await;
     let ca = pg.cert().unwrap().to_owned();
     let require = format!("{url}?sslmode=require");
-    let store = PostgresStore::open(&require.replace("127.0.0.1", "localhost"), 1, Some(&ca)).await.unwrap();
+    let store =
+        PostgresStore::open(&require.replace("127.0.0.1", "localhost"), &pg_options(1, Some(&ca))).await.unwrap();
     store.session("main", "k", true).await.unwrap();
     let tls = pg
         .count(
@@ -508,19 +512,23 @@ async fn tls_to_postgres_is_verified_and_a_wrong_ca_or_a_plaintext_server_is_a_s
     drop(store);
 
     // The public roots do not know a self-signed server.
-    let Err(e) = PostgresStore::open(&require, 1, None).await else { panic!("an unknown issuer was trusted") };
+    let Err(e) = PostgresStore::open(&require, &pg_options(1, None)).await else {
+        panic!("an unknown issuer was trusted")
+    };
     assert!(e.to_string().contains("cannot connect to PostgreSQL") && e.to_string().contains("certificate"), "{e}");
     eprintln!("wrong CA: {e}");
     // Without sslmode=require: plaintext, as before.
-    PostgresStore::open(&url, 1, Some(&ca)).await.unwrap();
+    PostgresStore::open(&url, &pg_options(1, Some(&ca))).await.unwrap();
     let plain = Postgres::start(false).await;
     let url = plain.database("plain").await;
-    let Err(e) = PostgresStore::open(&format!("{url}?sslmode=require"), 1, Some(&ca)).await else {
+    let Err(e) = PostgresStore::open(&format!("{url}?sslmode=require"), &pg_options(1, Some(&ca))).await else {
         panic!("TLS required from a plaintext server")
     };
     assert!(e.to_string().contains("TLS"), "{e}");
     eprintln!("plaintext server: {e}");
     // A CA file that is not one.
-    let Err(e) = PostgresStore::open(&require, 1, Some(Path::new("/etc/hostname"))).await else { panic!() };
+    let Err(e) = PostgresStore::open(&require, &pg_options(1, Some(Path::new("/etc/hostname")))).await else {
+        panic!()
+    };
     assert!(e.to_string().contains("store.caFile"), "{e}");
 }

@@ -44,6 +44,10 @@ impl From<CoreError> for Status {
             // The turn's lease was taken over: nothing of the refused write
             // was stored; the session goes on at the gateway that holds it.
             CoreError::Store(e @ StoreError::Fenced(_)) => Status::aborted(e.to_string()),
+            CoreError::Store(StoreError::Unavailable(detail)) => {
+                tracing::warn!(%detail, "store unavailable");
+                Status::unavailable("the gateway's store is unavailable right now; retry shortly")
+            }
             CoreError::Store(StoreError::Backend(detail)) => {
                 // Internal detail goes to the log, not to clients.
                 tracing::error!(%detail, "store failure");

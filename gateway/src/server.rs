@@ -95,7 +95,7 @@ pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Out
 pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
     Ok(match &config.store.url {
         Some(url) => {
-            let pg = PostgresStore::open(url, config.store.pool_size, config.store.ca_file.as_deref()).await?;
+            let pg = PostgresStore::open(url, &config.store).await?;
             OpenedStore { counters: pg.counters(), store: Arc::new(pg) }
         }
         None => {

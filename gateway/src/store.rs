@@ -33,6 +33,10 @@ pub enum StoreError {
     /// expired and another gateway took the session over): refused whole.
     #[error("session {0} was taken over by another gateway; this gateway's write was refused")]
     Fenced(String),
+    /// The shared store cannot be reached or is overloaded right now
+    /// (connection lost, pool exhausted, lock timeout): retry later.
+    #[error("the store is unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl From<rusqlite::Error> for StoreError {

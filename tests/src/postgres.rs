@@ -195,6 +195,12 @@ impl Postgres {
     }
 }
 
+/// `store` settings for a test's PostgresStore: `pool` connections,
+/// `ca` to trust for TLS.
+pub fn pg_options(pool: usize, ca: Option<&Path>) -> ctxgate::config::StoreSection {
+    ctxgate::config::StoreSection { pool_size: pool, ca_file: ca.map(Path::to_path_buf), ..Default::default() }
+}
+
 impl Drop for Postgres {
     fn drop(&mut self) {
         // SIGINT: fast shutdown (no waiting for clients); then make sure.

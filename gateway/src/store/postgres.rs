@@ -157,20 +157,47 @@ impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
         let detail = match e.as_db_error() {
             Some(db) => format!("PostgreSQL: {} ({})", db.message(), db.code().code()),
-            None => format!("PostgreSQL: {e}"),
+            None => format!("PostgreSQL: {}", with_causes(&e)),
         };
+        let transient = [
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::LOCK_NOT_AVAILABLE,
+            SqlState::QUERY_CANCELED,
+            SqlState::TOO_MANY_CONNECTIONS,
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT,
+        ];
         match e.code() {
-            Some(c) if *c == SqlState::DISK_FULL || *c == SqlState::PROGRAM_LIMIT_EXCEEDED => Self::Full(detail),
+            Some(c) if *c == SqlState::DISK_FULL => Self::Full(detail),
+            Some(c) if *c == SqlState::FOREIGN_KEY_VIOLATION => Self::NoSession(detail),
+            Some(c) if transient.contains(c) => Self::Unavailable(detail),
+            // No SQLSTATE: the connection broke, or never came up.
+            None => Self::Unavailable(detail),
             _ => Self::Backend(detail),
         }
     }
+}
+
+/// An error with its sources (tokio-postgres' own text leaves them out).
+fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s = format!("{s}: {inner}");
+        src = inner.source();
+    }
+    s
 }
 
 impl From<deadpool_postgres::PoolError> for StoreError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
         match e {
             deadpool_postgres::PoolError::Backend(e) => e.into(),
-            other => Self::Backend(format!("PostgreSQL connection pool: {other}")),
+            // Every connection busy for the pool's whole wait, or none can be made.
+            other => Self::Unavailable(format!("PostgreSQL connection pool: {other}")),
         }
     }
 }
@@ -178,6 +205,8 @@ impl From<deadpool_postgres::PoolError> for StoreError {
 /// The PostgreSQL store.
 pub struct PostgresStore {
     pool: Pool,
+    /// Lease renewals only.
+    renewals: Pool,
     /// This gateway's name in lease rows (host, process, a random part).
     owner: String,
     /// Sessions this gateway holds, with their fencing tokens.
@@ -235,15 +264,7 @@ fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
     let at = redacted(url);
     let detail = match e.as_db_error() {
         Some(db) => db.message().to_owned(),
-        None => {
-            let mut s = e.to_string();
-            let mut src = std::error::Error::source(e);
-            while let Some(inner) = src {
-                s = format!("{s}: {inner}");
-                src = inner.source();
-            }
-            s
-        }
+        None => with_causes(e),
     };
     OpenError::Other { file: at, detail: format!("cannot connect to PostgreSQL: {detail}") }
 }
@@ -254,7 +275,7 @@ impl PostgresStore {
     /// TLS only when the URL says `sslmode=require`, and then verified (the
     /// server's name and chain, against `ca_file` or the public roots);
     /// otherwise plaintext (`prefer` does not mean an unverified TLS).
-    pub async fn open(url: &str, pool_size: usize, ca_file: Option<&Path>) -> Result<Self, OpenError> {
+    pub async fn open(url: &str, opts: &crate::config::StoreSection) -> Result<Self, OpenError> {
         let mut config: tokio_postgres::Config = url.parse().map_err(|e| OpenError::Other {
             file: "store.url".into(),
             detail: format!("not a PostgreSQL URL ({e}); expected postgres://user[:password]@host[:port]/database"),
@@ -265,16 +286,36 @@ impl PostgresStore {
         if config.get_ssl_mode() == SslMode::Prefer {
             config.ssl_mode(SslMode::Disable);
         }
-        let tls = tls_connector(ca_file).map_err(|detail| OpenError::Other { file: redacted(url), detail })?;
-        let manager = Manager::from_config(config, tls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
-        let pool = Pool::builder(manager)
-            .max_size(pool_size.max(1))
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(Duration::from_secs(5)))
-            .build()
-            .map_err(|e| OpenError::Other { file: redacted(url), detail: e.to_string() })?;
-        let mut client = pool.get().await.map_err(|e| match e {
+        // No lock or open transaction outlives a lease: a gateway paused
+        // or cut off inside a write would otherwise hold the lease row (and
+        // so every takeover) until the server noticed the dead connection.
+        let lease_ms = opts.lease().as_millis();
+        let mut options = config.get_options().unwrap_or("").to_owned();
+        options.push_str(&format!(
+            " -c lock_timeout={lease_ms} -c idle_in_transaction_session_timeout={lease_ms} -c statement_timeout={}",
+            lease_ms.max(30_000)
+        ));
+        config.options(options.trim());
+        let tls = tls_connector(opts.ca_file.as_deref())
+            .map_err(|detail| OpenError::Other { file: redacted(url), detail })?;
+        let pool = |size: usize| {
+            let manager = Manager::from_config(
+                config.clone(),
+                tls.clone(),
+                ManagerConfig { recycling_method: RecyclingMethod::Fast },
+            );
+            Pool::builder(manager)
+                .max_size(size)
+                .runtime(deadpool_postgres::Runtime::Tokio1)
+                .wait_timeout(Some(Duration::from_secs(10)))
+                .create_timeout(Some(Duration::from_secs(5)))
+                .build()
+                .map_err(|e| OpenError::Other { file: redacted(url), detail: e.to_string() })
+        };
+        // Renewals get connections of their own: a busy pool must not let
+        // leases lapse under the turns that hold them.
+        let (main, renewals) = (pool(opts.pool_size.max(1))?, pool(2)?);
+        let mut client = main.get().await.map_err(|e| match e {
             deadpool_postgres::PoolError::Backend(e) => connect_error(url, &e),
             other => OpenError::Other { file: redacted(url), detail: format!("cannot connect to PostgreSQL: {other}") },
         })?;
@@ -282,7 +323,13 @@ impl PostgresStore {
         drop(client);
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
         let owner = format!("{}/{}/{}", host.trim(), std::process::id(), &new_id()[..8]);
-        Ok(Self { pool, owner, held: Mutex::default(), counts: crate::metrics::StoreCounters::default() })
+        Ok(Self {
+            pool: main,
+            renewals,
+            owner,
+            held: Mutex::default(),
+            counts: crate::metrics::StoreCounters::default(),
+        })
     }
 
     /// Transactions committed (one per write), for the metrics endpoint.
@@ -1201,7 +1248,7 @@ impl Store for PostgresStore {
     }
 
     async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {
-        let c = self.client().await?;
+        let c = self.renewals.get().await?;
         let row = q_opt(
             &c,
             "UPDATE session_leases SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
