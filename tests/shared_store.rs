@@ -31,7 +31,18 @@ async fn gateway(dir: &Path, name: &str, url: &str, engine: &str) -> EngineProce
     let args = ["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap(), "--state-dir"];
     let mut args: Vec<&str> = args.to_vec();
     args.push(state.to_str().unwrap());
-    EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts")
+    let g = EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts");
+    // Turns before the engine's first attach anywhere are legacy's and not
+    // recorded for it (as on one gateway): wait until this one attached.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let s = client(&g.endpoint).get_status(api::StatusRequest {}).await.unwrap().into_inner();
+        if s.engines.iter().any(|e| e.id == "fault" && e.quarantine.is_none() && !e.name.is_empty()) {
+            return g;
+        }
+        assert!(Instant::now() < deadline, "{name}: the engine never attached");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn client(url: &str) -> GatewayClient<tonic::transport::Channel> {

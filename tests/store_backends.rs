@@ -396,7 +396,9 @@ async fn branch_after_reads_back_to_the_cursor_and_follows_rewrites(fx: &Fx) {
 
 // --- what only a shared store has ---------------------------------------------
 
-const TTL: Duration = Duration::from_millis(300);
+/// Short, but long enough that a loaded machine does not let a live lease
+/// lapse between two statements of a test.
+const TTL: Duration = Duration::from_millis(1500);
 
 /// Two gateways' stores on one fresh database.
 async fn two_gateways(pg: &Postgres, db: &str) -> (PostgresStore, PostgresStore) {
@@ -444,6 +446,16 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
     let stale = a.close_turn(&id, TurnClose::Accept { entries: vec![user("stale")], commit: None }).await;
     assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
+    // Every other write of the session, too.
+    let fenced =
+        |r: Result<(), StoreError>, what: &str| assert!(matches!(r, Err(StoreError::Fenced(_))), "{what}: {r:?}");
+    fenced(a.open_turn(&id, "t9", vec![user("stale")], None).await.map(drop), "open_turn");
+    fenced(a.rewrite(&id, vec![("x".into(), user("y").entry_message())]).await.map(drop), "rewrite");
+    fenced(a.set_cursor(&id, "e", None).await, "set_cursor");
+    fenced(a.complete_commit(&id, "t1", None).await, "complete_commit");
+    fenced(a.refuse_commit(&id, "t1", "no", 0).await, "refuse_commit");
+    fenced(a.record_projection(&id, "h", "e", "f").await.map(drop), "record_projection");
+    fenced(a.delete_sessions("main", "k").await.map(drop), "delete_sessions");
     assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Lost);
     b.append(&id, vec![user("b1")]).await.unwrap();
     assert_eq!(texts(&b.branch(&id).await.unwrap()), ["a1", "b1"], "nothing of the stale writes landed");

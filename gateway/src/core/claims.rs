@@ -77,8 +77,12 @@ impl Core {
         }
         let ttl = self.config.store.lease();
         let mut pause = FIRST_POLL;
+        // Interrupt asks the holder to stop once, not every holder after it.
+        let mut interrupt = policy == BusyPolicy::Interrupt;
         loop {
-            match self.store.claim_session(session_id, ttl, policy == BusyPolicy::Interrupt).await? {
+            let claimed = self.store.claim_session(session_id, ttl, interrupt).await?;
+            interrupt = false;
+            match claimed {
                 Claimed::Held(claim) => {
                     let renewal = renew(self.store.clone(), claim.clone(), ttl, cancel.clone());
                     let lease = Lease { store: self.store.clone(), claim: Some(claim), _renewal: renewal };
@@ -109,21 +113,38 @@ fn renew(store: Arc<dyn Store>, claim: Claim, ttl: Duration, work: CancellationT
         let mut tick = tokio::time::interval(ttl / 3);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        // When the lease surely still ran: from before the last renewal
+        // that succeeded was sent.
+        let mut held_since = tokio::time::Instant::now();
         let mut lost = false;
         loop {
             tokio::select! {
                 () = stopped.cancelled() => break,
-                _ = tick.tick(), if !lost => match store.renew_claim(&claim, ttl).await {
-                    Ok(Renewal::Held) => {}
-                    Ok(Renewal::Interrupted) => work.cancel(),
-                    Ok(Renewal::Lost) => {
-                        tracing::warn!(session = claim.session_id, "the session's lease was taken over by another gateway; its turn here stops");
-                        lost = true;
-                        work.cancel();
+                _ = tick.tick(), if !lost => {
+                    let sent = tokio::time::Instant::now();
+                    match store.renew_claim(&claim, ttl).await {
+                        Ok(Renewal::Held) => held_since = sent,
+                        Ok(Renewal::Interrupted) => {
+                            held_since = sent;
+                            work.cancel();
+                        }
+                        Ok(Renewal::Lost) => {
+                            tracing::warn!(session = claim.session_id, "the session's lease was taken over by another gateway; its turn here stops");
+                            lost = true;
+                            work.cancel();
+                        }
+                        // The store is out of reach: the turn goes on while its
+                        // lease may still run, and stops once it may not (its
+                        // writes would be refused anyway; its engine calls and
+                        // model requests must not go on either).
+                        Err(e) if held_since.elapsed() >= ttl => {
+                            tracing::warn!(session = claim.session_id, error = %e, "the session's lease could not be renewed before it ran out; its turn here stops");
+                            lost = true;
+                            work.cancel();
+                        }
+                        Err(e) => tracing::warn!(session = claim.session_id, error = %e, "lease renewal failed; retried"),
                     }
-                    // Retried at the next tick; a lease that lapsed meanwhile reads as lost then.
-                    Err(e) => tracing::warn!(session = claim.session_id, error = %e, "lease renewal failed"),
-                },
+                }
             }
         }
     });

@@ -200,10 +200,17 @@ impl Core {
             let cancel = self.call_token();
             // Held by another gateway: its turn drains it.
             let _guard = match self.hold(&session_id, &cancel, BusyPolicy::Reject, None).await {
+                Ok(held) => held,
                 Err(CoreError::Busy(BusyError::Busy)) => continue,
-                held => held?,
+                // One session's trouble must not stop the pass for the others.
+                Err(e) => {
+                    tracing::warn!(session = session_id, error = %e, "outbox: session not entered; next pass");
+                    continue;
+                }
             };
-            self.drain_commits(&session_id, &engine_id, &cancel, false).await?;
+            if let Err(e) = self.drain_commits(&session_id, &engine_id, &cancel, false).await {
+                tracing::warn!(session = session_id, engine = engine_id, error = %e, "outbox drain failed; next pass");
+            }
         }
         self.deliver_forgets(None).await
     }
@@ -217,7 +224,9 @@ impl Core {
             match self.hold(&session_id, &self.call_token(), BusyPolicy::Reject, None).await {
                 Ok(_held) => n += 1,
                 Err(CoreError::Busy(_)) => {}
-                Err(e) => return Err(e),
+                Err(e) => {
+                    tracing::warn!(session = session_id, error = %e, "an abandoned turn was not rewound; next pass")
+                }
             }
         }
         if n > 0 {

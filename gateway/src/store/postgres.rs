@@ -143,9 +143,10 @@ CREATE TABLE cursors (
 );
 CREATE TABLE durable_engines (engine_id TEXT PRIMARY KEY);
 -- A session's lease; the row stays after a release so that tokens only
--- ever grow (a stale holder's token never matches again).
+-- ever grow (a stale holder's token never matches again); it goes with its
+-- session, whose id is never used again.
 CREATE TABLE session_leases (
-    session_id TEXT PRIMARY KEY,
+    session_id TEXT PRIMARY KEY REFERENCES sessions (session_id) ON DELETE CASCADE,
     owner      TEXT,
     token      BIGINT NOT NULL,
     expires_at TIMESTAMPTZ NOT NULL,
@@ -643,9 +644,10 @@ impl Store for PostgresStore {
                (SELECT COUNT(*) FROM entries e WHERE e.session_id = s.session_id AND e.kind = {KIND_COMPACTION})
              FROM sessions s
              WHERE ($1::TEXT IS NULL OR agent_id = $1) AND ($2 OR state != 'archived')
-             ORDER BY agent_id, session_key, created_at_ms, ord LIMIT $3 OFFSET $4"
+             ORDER BY agent_id COLLATE \"C\", session_key COLLATE \"C\", created_at_ms, ord LIMIT $3 OFFSET $4"
         );
-        let rows = q(&c, &sql, &[&agent, &include_archived, &i64::from(limit), &(offset as i64)]).await?;
+        let rows =
+            q(&c, &sql, &[&agent, &include_archived, &i64::from(limit), &(offset.min(i64::MAX as u64) as i64)]).await?;
         Ok(rows
             .iter()
             .map(|r| SessionStats {
@@ -672,6 +674,7 @@ impl Store for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         const OF_KEY: &str = "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2";
+        let ids: Vec<String> = q(&tx, OF_KEY, &[&agent, &key]).await?.iter().map(|r| r.get(0)).collect();
         exec(
             &tx,
             &format!(
@@ -683,7 +686,10 @@ impl Store for PostgresStore {
             &[&agent, &key],
         )
         .await?;
-        for table in ["outbox", "engine_sessions", "cursors", "session_leases"] {
+        for id in &ids {
+            self.fence(&tx, id).await?;
+        }
+        for table in ["outbox", "engine_sessions", "cursors"] {
             exec(&tx, &format!("DELETE FROM {table} WHERE session_id IN ({OF_KEY})"), &[&agent, &key]).await?;
         }
         exec(&tx, "DELETE FROM subagents WHERE agent_id = $1 AND child_key = $2", &[&agent, &key]).await?;
@@ -1013,7 +1019,8 @@ impl Store for PostgresStore {
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
         let branch = self.branch(session_id).await?;
         if cursor.message_id.is_empty() {
-            return Ok(Some(branch));
+            // An empty cursor holds nothing of the branch but what its seq says.
+            return Ok(Some(branch.into_iter().filter(|e| e.seq > cursor.seq).collect()));
         }
         // As SQLite walks it: from the leaf back, stopping at the cursor's
         // message (by message id or entry id) or at a seq it already has.
@@ -1098,6 +1105,7 @@ impl Store for PostgresStore {
         let rows: Vec<OutboxRow> = q(&tx, &sql, &[&agent, &key]).await?.iter().map(read_outbox).collect();
         let at = now_ms();
         for r in &rows {
+            self.fence(&tx, &r.session_id).await?;
             let attempts = r.attempts as i32;
             exec(&tx,
                 "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
@@ -1298,7 +1306,7 @@ impl Store for PostgresStore {
         let rows = q(
             &c,
             "SELECT o.session_id FROM open_turns o LEFT JOIN session_leases l USING (session_id)
-                 WHERE l.owner IS NULL OR l.expires_at < clock_timestamp() LIMIT 256",
+                 WHERE l.owner IS NULL OR l.expires_at < clock_timestamp() ORDER BY random() LIMIT 256",
             &[],
         )
         .await?;
