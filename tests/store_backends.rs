@@ -544,3 +544,22 @@ async fn tls_to_postgres_is_verified_and_a_wrong_ca_or_a_plaintext_server_is_a_s
     };
     assert!(e.to_string().contains("store.caFile"), "{e}");
 }
+
+#[tokio::test]
+async fn outbox_passes_of_two_gateways_split_the_due_rows() {
+    let pg = Postgres::start(false).await;
+    let (a, b) = two_gateways(&pg, "passes").await;
+    let engines = ["e".to_owned()];
+    for key in ["k1", "k2"] {
+        let id = a.session("main", key, true).await.unwrap().unwrap().session_id;
+        a.open_turn(&id, key, vec![user(key)], Some("e")).await.unwrap();
+        let draft = CommitDraft {
+            engine_id: "e".into(),
+            request: pb::CommitTurnRequest { advancement_key: key.into(), ..Default::default() },
+        };
+        a.close_turn(&id, TurnClose::Accept { entries: vec![], commit: Some(draft) }).await.unwrap();
+    }
+    assert_eq!(a.due_commits(0, &engines).await.unwrap().len(), 2);
+    assert!(b.due_commits(0, &engines).await.unwrap().is_empty(), "the other gateway's pass has them");
+    assert_eq!(a.due_commits(0, &engines).await.unwrap().len(), 2, "its own next pass takes them again");
+}

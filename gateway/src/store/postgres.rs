@@ -82,6 +82,9 @@ CREATE TABLE outbox (
     attempts        INTEGER NOT NULL DEFAULT 0,
     last_error      TEXT,
     next_attempt_ms BIGINT NOT NULL DEFAULT 0,
+    -- The gateway whose outbox pass claimed the row, until when.
+    picked_by       TEXT,
+    picked_until    TIMESTAMPTZ,
     PRIMARY KEY (session_id, advancement_key)
 );
 CREATE INDEX outbox_by_engine ON outbox (session_id, engine_id, ord);
@@ -600,6 +603,10 @@ WITH claimed AS (
   RETURNING token
 ) SELECT token, EXISTS (SELECT 1 FROM open_turns WHERE session_id = $1) FROM claimed";
 
+/// How long an outbox pass keeps the rows it claimed from other gateways'
+/// passes (then they are anyone's again, should this gateway have died).
+const PASS_PICK: Duration = Duration::from_secs(5);
+
 fn millis(d: Duration) -> f64 {
     d.as_millis() as f64
 }
@@ -892,22 +899,37 @@ impl Store for PostgresStore {
     }
 
     async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError> {
-        let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        // Rows another gateway's pass is reading right now are skipped, not
-        // waited for; sessions leased by a running turn drain at its start.
-        let rows = q(&tx,
-                "SELECT o.session_id, o.engine_id FROM outbox o
+        let c = self.client().await?;
+        // Claims the due heads of queues for this gateway's pass, so that
+        // concurrent passes of several gateways split them: rows another
+        // pass is claiming are skipped, not waited for; rows another pass
+        // claimed stay its own for PASS_PICK (its next pass takes them
+        // again). Sessions leased by a running
+        // turn are left out (the turn drains them at its start). Delivery
+        // itself runs under the session's lease, which is what makes it
+        // one gateway's at a time.
+        let rows = q(
+            &c,
+            "WITH due AS (
+               SELECT o.session_id, o.advancement_key FROM outbox o
                  LEFT JOIN session_leases l ON l.session_id = o.session_id
-                 WHERE o.next_attempt_ms <= $1 AND o.engine_id = ANY($2)
-                   AND (l.owner IS NULL OR l.expires_at < clock_timestamp())
-                   AND o.ord = (SELECT MIN(f.ord) FROM outbox f WHERE f.session_id = o.session_id AND f.engine_id = o.engine_id)
-                 ORDER BY o.ord LIMIT 1024 FOR UPDATE OF o SKIP LOCKED",
-                &[&now_ms, &engines],
-            )
-            .await?;
-        tx.commit().await?;
-        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+                WHERE o.next_attempt_ms <= $1 AND o.engine_id = ANY($2)
+                  AND (l.owner IS NULL OR l.expires_at < clock_timestamp())
+                  AND (o.picked_until IS NULL OR o.picked_until < clock_timestamp() OR o.picked_by = $3)
+                  AND o.ord = (SELECT MIN(f.ord) FROM outbox f
+                                WHERE f.session_id = o.session_id AND f.engine_id = o.engine_id)
+                ORDER BY o.ord LIMIT 1024
+                FOR UPDATE OF o SKIP LOCKED
+             )
+             UPDATE outbox o SET picked_by = $3, picked_until = clock_timestamp() + $4 * interval '1 millisecond'
+               FROM due WHERE o.session_id = due.session_id AND o.advancement_key = due.advancement_key
+             RETURNING o.session_id, o.engine_id, o.ord",
+            &[&now_ms, &engines, &self.owner, &millis(PASS_PICK)],
+        )
+        .await?;
+        let mut due: Vec<(i64, String, String)> = rows.iter().map(|r| (r.get(2), r.get(0), r.get(1))).collect();
+        due.sort_unstable();
+        Ok(due.into_iter().map(|(_, s, e)| (s, e)).collect())
     }
 
     async fn complete_commit(
