@@ -11,15 +11,21 @@
 //!   [`StoreError::Fenced`] and writes nothing.
 //! - **Abandoned turns**: a gateway that dies leaves its open turn and its
 //!   lease; once the lease has expired, the next claim of the session (or
-//!   the recovery pass) rewinds the turn as an abort, in the claim's
-//!   transaction. Nothing is rewound at start: other gateways are running.
-//! - **The outbox**: due rows are picked with `FOR UPDATE SKIP LOCKED`, so
-//!   gateways' passes split them; a delivery runs under the session's
-//!   lease and the engine deduplicates by advancement key, so each turn
-//!   reaches the engine's record once.
+//!   the recovery pass, through a claim) rewinds the turn as an abort, in a
+//!   transaction fenced by the new claim's token. Nothing is rewound at
+//!   start: other gateways are running.
+//! - **Locks never outlive a lease**: connections carry `lock_timeout` and
+//!   `idle_in_transaction_session_timeout` of one lease, so a gateway
+//!   paused inside a write cannot hold the lease row past its expiry.
+//! - **The outbox**: a pass claims the due heads of queues with `FOR
+//!   UPDATE SKIP LOCKED` (picked for a few seconds), so gateways' passes
+//!   split them; a delivery runs under the session's lease and the engine
+//!   deduplicates by advancement key, so each turn reaches the engine's
+//!   record once.
 //! - No visible-tail cache: another gateway may have appended since.
 //!
-//! Each method is one transaction; the schema is versioned
+//! Each write is one transaction (a claim that finds a turn left open is
+//! two: the claim, then the fenced rewind); the schema is versioned
 //! (`ctxgate_schema`) and migrated at start under an advisory lock, so
 //! gateways starting together migrate once.
 
