@@ -11,8 +11,8 @@ use std::time::Duration;
 use ctxgate_engine_sdk::pb::{self, compact_event::Event};
 use ctxgate_engine_sdk::testkit::{TestEngine, TestHost, msg};
 use ctxgate_engine_sdk::{
-    CallContext, CompactOutcome, ContextEngine, Endpoint, EngineError, Progress, READ_TRANSCRIPT, Server, connect,
-    engine_client,
+    CallContext, CompactOutcome, ContextEngine, Endpoint, EngineError, HostPolicy, Progress, READ_TRANSCRIPT, Server,
+    connect, engine_client,
 };
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
@@ -248,6 +248,43 @@ async fn host_callbacks_need_a_grant_for_the_same_session() {
         matches!(next_seen(&mut seen).await, Seen::Transcript(Err(e)) if e == Code::FailedPrecondition.to_string())
     );
     c.get_info(pb::GetInfoRequest {}).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_host_endpoint_that_is_not_the_caller_is_never_dialled_unless_allowed() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // A canary on another loopback address: any connection to it is a dial.
+    let canary = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let foreign = canary.local_addr().unwrap().to_string();
+    let dials = Arc::new(AtomicUsize::new(0));
+    let counted = dials.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = canary.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            drop(socket);
+        }
+    });
+    let host = TestHost::start().await.unwrap();
+    let mut access = host.grant("read", &[READ_TRANSCRIPT], Duration::from_secs(30));
+    access.endpoint = foreign.clone();
+
+    let allowed = HostPolicy::allow(vec![foreign.parse().unwrap()]);
+    for (policy, dialled) in [(HostPolicy::default(), false), (allowed, true)] {
+        let (engine, mut seen, _) = probe();
+        let e = TestEngine::start_server(Server::new(engine).host_policy(policy)).await.unwrap();
+        let mut req = tonic::Request::new(pb::AssembleRequest { host: Some(access.clone()), ..assemble("read") });
+        req.set_timeout(Duration::from_secs(5));
+        e.client.clone().assemble(req).await.unwrap();
+        next_seen(&mut seen).await;
+        let read = next_seen(&mut seen).await;
+        if dialled {
+            assert!(matches!(read, Seen::Transcript(Err(ref e)) if e != "no host"), "{read:?}");
+            assert!(dials.load(Ordering::SeqCst) > 0, "a listed endpoint is called");
+        } else {
+            assert!(matches!(read, Seen::Transcript(Err(ref e)) if e == "no host"), "{read:?}");
+            assert_eq!(dials.load(Ordering::SeqCst), 0, "the engine never connected to {foreign}");
+        }
+    }
 }
 
 #[tokio::test]

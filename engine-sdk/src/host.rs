@@ -109,26 +109,167 @@ fn bounded<T>(ctx: &CallContext, msg: T) -> tonic::Request<T> {
     req
 }
 
+/// Which host endpoints an engine calls back. A request names its host
+/// endpoint, and whoever reaches the engine's port can send a request: an
+/// engine that dialled whatever it was told could be made to connect
+/// anywhere and hand over the grant. So an endpoint is called only when it
+/// is on the allow-list (`--host-allow`) or, with no list, when it is the
+/// address of the peer that made the call (a name is resolved first); a
+/// caller on a unix socket is a local process, so loopback endpoints are
+/// its. A unix socket named by a request is never dialled unless listed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostPolicy {
+    allow: Vec<Endpoint>,
+}
+
+/// Why a host endpoint was not called.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    #[error("host endpoint {0} is not on this engine's --host-allow list")]
+    NotListed(String),
+    #[error(
+        "host endpoint {endpoint} is not the calling peer ({peer}); start the engine with --host-allow {endpoint} to trust it"
+    )]
+    NotThePeer { endpoint: String, peer: String },
+    #[error("host endpoint {0} is a unix socket named by a request; only --host-allow can name one")]
+    UnixSocket(String),
+    #[error("host endpoint {0} is not a valid endpoint")]
+    Invalid(String),
+}
+
+/// Where the call came from: an IP address, or a local process on a unix
+/// socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Peer {
+    Ip(std::net::IpAddr),
+    Local,
+}
+
+impl std::fmt::Display for Peer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Ip(ip) => write!(f, "{ip}"),
+            Self::Local => f.write_str("a local process on a unix socket"),
+        }
+    }
+}
+
+/// The same address however it is written (`::ffff:127.0.0.1` is 127.0.0.1).
+fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, std::net::IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+impl HostPolicy {
+    /// Only these endpoints; none: the calling peer's address.
+    pub fn allow(allow: Vec<Endpoint>) -> Self {
+        Self { allow }
+    }
+
+    /// Whether `endpoint` may be called for a call from `peer`.
+    pub async fn check(&self, endpoint: &str, peer: Peer) -> Result<Endpoint, Refused> {
+        let parsed: Endpoint = endpoint.parse().map_err(|_| Refused::Invalid(endpoint.into()))?;
+        if !self.allow.is_empty() {
+            return if self.allow.contains(&parsed) { Ok(parsed) } else { Err(Refused::NotListed(endpoint.into())) };
+        }
+        let ips: Vec<std::net::IpAddr> = match &parsed {
+            Endpoint::Unix(_) => return Err(Refused::UnixSocket(endpoint.into())),
+            Endpoint::Tcp(addr) => vec![addr.ip()],
+            // Resolved now, bounded: a name that does not resolve to the peer is refused.
+            Endpoint::Host(name, port) => {
+                let lookup = tokio::net::lookup_host((name.as_str(), *port));
+                match tokio::time::timeout(std::time::Duration::from_secs(2), lookup).await {
+                    Ok(Ok(addrs)) => addrs.map(|a| a.ip()).collect(),
+                    _ => Vec::new(),
+                }
+            }
+        };
+        let mine = match peer {
+            Peer::Ip(p) => ips.iter().any(|ip| canonical(*ip) == canonical(p)),
+            Peer::Local => ips.iter().any(|ip| ip.is_loopback()),
+        };
+        if mine { Ok(parsed) } else { Err(Refused::NotThePeer { endpoint: endpoint.into(), peer: peer.to_string() }) }
+    }
+}
+
+/// Host endpoints remembered at most (channels to the hosts this engine
+/// serves; more means something sends many: start over).
+const MAX_HOST_CHANNELS: usize = 64;
+
 /// Channels to host endpoints, shared by all calls of one server so each
-/// call does not open a new connection.
+/// call does not open a new connection; only endpoints the policy allows.
 #[derive(Default, Debug)]
 pub(crate) struct HostChannels {
+    policy: HostPolicy,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
 impl HostChannels {
-    /// A client for `access`, or `None` when the call carries no usable grant.
-    pub(crate) fn client(self: &Arc<Self>, access: Option<&pb::HostAccess>) -> Option<HostClient> {
+    pub(crate) fn new(policy: HostPolicy) -> Self {
+        Self { policy, channels: Mutex::default() }
+    }
+
+    /// A client for `access` from `peer`, or `None` when the call carries no
+    /// usable grant or names a host endpoint the policy refuses (logged:
+    /// the engine then works without host callbacks).
+    pub(crate) async fn client(self: &Arc<Self>, access: Option<&pb::HostAccess>, peer: Peer) -> Option<HostClient> {
         let access = access?;
         let grant = access.grant.clone().filter(|g| !g.token.is_empty())?;
-        let endpoint: Endpoint = access.endpoint.parse().ok()?;
+        let endpoint = match self.policy.check(&access.endpoint, peer).await {
+            Ok(e) => e,
+            Err(refused) => {
+                tracing::warn!(%refused, "host callbacks refused for this call");
+                return None;
+            }
+        };
         let channel = {
             let mut map = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+            if map.len() >= MAX_HOST_CHANNELS && !map.contains_key(&access.endpoint) {
+                map.clear();
+            }
             map.entry(access.endpoint.clone()).or_insert_with(|| channel(&endpoint)).clone()
         };
         let client = RawHostClient::new(channel)
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
         Some(HostClient { client, grant })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> Peer {
+        Peer::Ip(s.parse().unwrap())
+    }
+
+    #[tokio::test]
+    async fn by_default_only_the_calling_peer_is_called_back() {
+        let p = HostPolicy::default();
+        assert!(p.check("127.0.0.1:7300", ip("127.0.0.1")).await.is_ok());
+        assert!(p.check("http://127.0.0.1:7300", ip("127.0.0.1")).await.is_ok());
+        assert!(p.check("localhost:7300", ip("127.0.0.1")).await.is_ok());
+        assert!(p.check("127.0.0.1:7300", ip("::ffff:127.0.0.1")).await.is_ok(), "the same address, v4-mapped");
+        assert!(matches!(p.check("10.1.2.3:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
+        assert!(matches!(p.check("127.0.0.2:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
+        assert!(matches!(p.check("unix:///run/gw.sock", Peer::Local).await, Err(Refused::UnixSocket(_))));
+        assert!(matches!(p.check("name.invalid:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
+        assert!(matches!(p.check("not an endpoint", ip("127.0.0.1")).await, Err(Refused::Invalid(_))));
+        // A caller on the unix socket is local: loopback is its.
+        assert!(p.check("127.0.0.1:7300", Peer::Local).await.is_ok());
+        assert!(p.check("10.1.2.3:7300", Peer::Local).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn an_allow_list_is_all_that_is_called_back() {
+        let p = HostPolicy::allow(vec!["10.0.0.5:7300".parse().unwrap(), "unix:///run/gw.sock".parse().unwrap()]);
+        assert!(p.check("http://10.0.0.5:7300", ip("192.168.1.1")).await.is_ok());
+        assert!(p.check("unix:///run/gw.sock", Peer::Local).await.is_ok());
+        let e = p.check("127.0.0.1:7300", ip("127.0.0.1")).await.unwrap_err();
+        assert_eq!(e, Refused::NotListed("127.0.0.1:7300".into()), "the peer is not trusted by itself then");
+        assert!(e.to_string().contains("--host-allow"), "{e}");
     }
 }

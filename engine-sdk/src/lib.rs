@@ -26,5 +26,5 @@ pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};
 pub use endpoint::{Endpoint, channel, connect, engine_client};
 pub use engine::{CompactOutcome, ContextEngine, Progress};
 pub use error::EngineError;
-pub use host::{HostClient, LLM_COMPLETE, READ_TRANSCRIPT};
+pub use host::{HostClient, HostPolicy, LLM_COMPLETE, Peer, READ_TRANSCRIPT, Refused};
 pub use server::{Bound, ServeArgs, Server, parse_grpc_timeout, serve_main, shutdown_signal};

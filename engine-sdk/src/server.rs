@@ -19,7 +19,7 @@ use tonic_health::ServingStatus;
 
 use crate::endpoint::Endpoint;
 use crate::engine::{CompactOutcome, ContextEngine, Progress};
-use crate::host::HostChannels;
+use crate::host::{HostChannels, HostPolicy, Peer};
 use crate::limits::MAX_GRPC_MESSAGE_BYTES;
 use crate::pb::{self, context_engine_server as raw};
 use crate::{CallContext, EngineError};
@@ -39,6 +39,11 @@ pub struct ServeArgs {
     /// quarantine). GetInfo is never refused.
     #[arg(long, default_value_t = DEFAULT_MAX_CONCURRENT_CALLS)]
     pub max_concurrent_calls: usize,
+    /// A host endpoint this engine may call back (HOST:PORT, http://HOST:PORT
+    /// or unix:///PATH), repeatable. None: only the address of the peer that
+    /// made the call (a host name is resolved to check it).
+    #[arg(long = "host-allow", value_name = "ENDPOINT")]
+    pub host_allow: Vec<Endpoint>,
 }
 
 /// The default cap on engine calls in flight.
@@ -55,6 +60,7 @@ pub async fn serve_main<E: ContextEngine>(engine: E, args: ServeArgs) -> Result<
     let bound = Server::new(engine)
         .drain_timeout(Duration::from_secs(args.drain_seconds))
         .max_concurrent_calls(args.max_concurrent_calls)
+        .host_policy(HostPolicy::allow(args.host_allow))
         .bind(&args.listen)
         .await?;
     {
@@ -99,6 +105,7 @@ pub struct Server<E> {
     engine: Arc<E>,
     drain: Duration,
     max_calls: usize,
+    hosts: HostPolicy,
 }
 
 enum Listener {
@@ -121,7 +128,19 @@ impl<E: ContextEngine> Server<E> {
     }
 
     pub fn from_arc(engine: Arc<E>) -> Self {
-        Self { engine, drain: Duration::from_secs(10), max_calls: DEFAULT_MAX_CONCURRENT_CALLS }
+        Self {
+            engine,
+            drain: Duration::from_secs(10),
+            max_calls: DEFAULT_MAX_CONCURRENT_CALLS,
+            hosts: HostPolicy::default(),
+        }
+    }
+
+    /// Which host endpoints calls may name (default: the calling peer's
+    /// address only; see [`HostPolicy`]).
+    pub fn host_policy(mut self, policy: HostPolicy) -> Self {
+        self.hosts = policy;
+        self
     }
 
     /// Engine calls served at once (default 1024, at least 1); one more is
@@ -191,7 +210,8 @@ impl<E: ContextEngine> Bound<E> {
             .expect("the contract's descriptor set is valid");
         let slots = Arc::new(tokio::sync::Semaphore::new(self.server.max_calls));
         let max_calls = self.server.max_calls;
-        let service = EngineService { engine: self.server.engine, hosts: Arc::default(), slots, max_calls };
+        let hosts = Arc::new(HostChannels::new(self.server.hosts));
+        let service = EngineService { engine: self.server.engine, hosts, slots, max_calls };
         let engine = raw::ContextEngineServer::new(service)
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
@@ -327,8 +347,11 @@ impl<E: ContextEngine> EngineService<E> {
         }
     }
 
-    fn context(&self, metadata: &tonic::metadata::MetadataMap, host: Option<&pb::HostAccess>) -> CallContext {
-        CallContext { deadline: deadline_of(metadata), cancel: CancellationToken::new(), host: self.hosts.client(host) }
+    async fn context<T>(&self, req: &Request<T>, host: Option<&pb::HostAccess>) -> CallContext {
+        // No TCP peer: the call came over the unix socket.
+        let peer = req.remote_addr().map_or(Peer::Local, |a| Peer::Ip(a.ip()));
+        let host = self.hosts.client(host, peer).await;
+        CallContext { deadline: deadline_of(req.metadata()), cancel: CancellationToken::new(), host }
     }
 
     /// Validates, then runs one unary engine method in its own task, bounded
@@ -349,7 +372,7 @@ impl<E: ContextEngine> EngineService<E> {
         let msg = req.get_ref();
         check(msg)?;
         let permit = self.admit(method)?;
-        let ctx = self.context(req.metadata(), host(msg));
+        let ctx = self.context(&req, host(msg)).await;
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
         let fut = call(self.engine.clone(), ctx, req.into_inner());
         let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", method));
@@ -431,7 +454,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     async fn compact(&self, req: Request<pb::CompactRequest>) -> Unary<CompactStream> {
         validate::request::compact(req.get_ref())?;
         let permit = self.admit("Compact")?;
-        let ctx = self.context(req.metadata(), req.get_ref().host.as_ref());
+        let ctx = self.context(&req, req.get_ref().host.as_ref()).await;
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();

@@ -25,10 +25,14 @@ pub struct TestEngine {
 
 impl TestEngine {
     pub async fn start<E: ContextEngine>(engine: E) -> std::io::Result<Self> {
-        let bound = Server::new(engine)
-            .drain_timeout(Duration::from_secs(2))
-            .bind(&Endpoint::Tcp(([127, 0, 0, 1], 0).into()))
-            .await?;
+        Self::start_server(Server::new(engine)).await
+    }
+
+    /// [`TestEngine::start`] with a server built by the caller (a host
+    /// policy, a call limit).
+    pub async fn start_server<E: ContextEngine>(server: Server<E>) -> std::io::Result<Self> {
+        let bound =
+            server.drain_timeout(Duration::from_secs(2)).bind(&Endpoint::Tcp(([127, 0, 0, 1], 0).into())).await?;
         let endpoint = format!("http://{}", bound.local_endpoint());
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(bound.serve(async {
