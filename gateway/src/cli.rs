@@ -1,6 +1,7 @@
 //! The `ctxgate` command line: `serve`, and the client commands that talk
 //! to a running gateway (`chat`, `compact`, `sessions`, `status`).
 
+use std::error::Error as _;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -179,6 +180,78 @@ pub struct Conn {
     /// Bearer token, when the gateway requires one.
     #[arg(long, env = "CTXGATE_AUTH_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// For an https:// gateway: the CA (PEM) its certificate must chain to
+    /// (default: the public web roots).
+    #[arg(long, env = "CTXGATE_TLS_CA")]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// A client certificate (PEM) for a gateway that requires one (mTLS),
+    /// with `--tls-key`.
+    #[arg(long, env = "CTXGATE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    #[arg(long, env = "CTXGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+}
+
+impl Conn {
+    /// The client TLS settings for an https:// gateway.
+    fn tls(&self) -> Result<tonic::transport::ClientTlsConfig, CliError> {
+        let read = |flag: &str, p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| CliError(format!("{flag} {}: {e}", p.display())))
+        };
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        tls = match &self.tls_ca {
+            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--tls-ca", ca)?)),
+            None => tls.with_webpki_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            let identity = tonic::transport::Identity::from_pem(read("--tls-cert", cert)?, read("--tls-key", key)?);
+            tls = tls.identity(identity);
+        }
+        Ok(tls)
+    }
+}
+
+/// An error with its sources (transport errors say what went wrong only
+/// there).
+pub(crate) fn causes(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s = format!("{s}: {inner}");
+        src = inner.source();
+    }
+    s
+}
+
+/// What a failed connection means, when TLS is why.
+fn tls_hint(detail: &str, https: bool) -> Option<&'static str> {
+    let hints: &[(&str, &str)] = &[
+        ("UnknownIssuer", "its certificate is not signed by a CA you trust (--tls-ca)"),
+        ("Expired", "its certificate has expired"),
+        ("NotValidForName", "its certificate is not for that host name"),
+        ("CertificateRequired", "it requires a client certificate (--tls-cert and --tls-key)"),
+        ("UnknownCA", "it does not trust your client certificate's CA"),
+        ("BadCertificate", "it refused your client certificate"),
+        ("InvalidContentType", "it does not speak TLS at that address (use http://)"),
+        ("CorruptMessage", "it does not speak TLS at that address (use http://)"),
+    ];
+    if let Some((_, hint)) = hints.iter().find(|(k, _)| detail.contains(k)) {
+        return Some(hint);
+    }
+    // Connected, then dropped at once (or TLS bytes read as HTTP/2).
+    let dropped = ["frame with invalid size", "connection closed", "broken pipe", "reset by peer"]
+        .iter()
+        .any(|k| detail.contains(k));
+    match (dropped, https) {
+        // A TLS gateway spoken to in plaintext.
+        (true, false) => Some("it may expect TLS (use https:// and --tls-ca)"),
+        // With TLS 1.3 a refused client certificate shows only as the
+        // gateway closing the connection right after the handshake.
+        (true, true) => Some(
+            "it closed the connection after the TLS handshake: it may require a client certificate its CA signed (--tls-cert and --tls-key)",
+        ),
+        (false, _) => None,
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -216,15 +289,31 @@ impl tonic::service::Interceptor for Bearer {
 }
 
 async fn connect(conn: &Conn) -> Result<Client, CliError> {
-    let endpoint = Channel::from_shared(conn.gateway.clone())
+    let mut endpoint = Channel::from_shared(conn.gateway.clone())
         .map_err(|_| CliError(format!("{:?} is not a gateway URL (expected http://HOST:PORT)", conn.gateway)))?
         .connect_timeout(Duration::from_secs(5));
-    let channel = endpoint.connect().await.map_err(|_| {
-        CliError(format!(
-            "Cannot reach the gateway at {}. Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)",
+    let https = conn.gateway.starts_with("https://");
+    if https {
+        endpoint = endpoint.tls_config(conn.tls()?).map_err(|e| CliError(format!("TLS: {}", causes(&e))))?;
+    }
+    let unreachable = |detail: String| match tls_hint(&detail, https) {
+        Some(hint) => CliError(format!("The gateway at {} refused the connection: {hint}.", conn.gateway)),
+        None => CliError(format!(
+            "Cannot reach the gateway at {} ({detail}). Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)",
             conn.gateway
-        ))
-    })?;
+        )),
+    };
+    let channel = endpoint.connect().await.map_err(|e| unreachable(causes(&e)))?;
+    // One health check (not behind the bearer token): a TLS mismatch shows
+    // on the first call, and is worded here where the connection is known.
+    let check = tonic_health::pb::health_client::HealthClient::new(channel.clone())
+        .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
+        .await;
+    if let Err(s) = check
+        && s.source().is_some()
+    {
+        return Err(unreachable(causes(&s)));
+    }
     let token = match &conn.token {
         Some(t) => Some(
             format!("Bearer {t}")
@@ -612,6 +701,7 @@ pub async fn serve(
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
+    crate::server::server_builder(&cfg).map_err(|e| CliError(e.to_string()))?;
     let store = crate::server::open_store(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;

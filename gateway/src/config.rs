@@ -49,6 +49,41 @@ pub struct GatewaySection {
     /// engines run in other containers.
     pub host_endpoint: Option<String>,
     pub limits: LimitsSection,
+    /// TLS on the client API (and the Host service engines call back).
+    pub tls: Option<TlsSection>,
+}
+
+/// `gateway.tls`: the API's certificate and key (PEM); with `clientCa`,
+/// every client must present a certificate that CA signed (mTLS).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TlsSection {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsSection {
+    /// The server's TLS settings, read now; a file that cannot be read or
+    /// holds no PEM is a sentence naming its key.
+    pub fn server_config(&self) -> Result<tonic::transport::ServerTlsConfig, ConfigError> {
+        let read = |key: &str, path: &Path, marker: &str, what: &str| {
+            let pem = std::fs::read(path).map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
+            if !String::from_utf8_lossy(&pem).contains(marker) {
+                return Err(invalid(key, format!("{} holds no PEM {what}", path.display())));
+            }
+            Ok(pem)
+        };
+        let cert = read("gateway.tls.cert", &self.cert, "-----BEGIN CERTIFICATE", "certificate")?;
+        let key = read("gateway.tls.key", &self.key, "PRIVATE KEY-----", "private key")?;
+        let mut tls =
+            tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key));
+        if let Some(ca) = &self.client_ca {
+            let ca = read("gateway.tls.clientCa", ca, "-----BEGIN CERTIFICATE", "certificate")?;
+            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(ca));
+        }
+        Ok(tls)
+    }
 }
 
 impl Default for GatewaySection {
@@ -59,6 +94,7 @@ impl Default for GatewaySection {
             auth: AuthSection::default(),
             host_endpoint: None,
             limits: LimitsSection::default(),
+            tls: None,
         }
     }
 }
@@ -440,6 +476,9 @@ impl Config {
             if let Err(e) = url.parse::<tokio_postgres::Config>() {
                 return Err(invalid("store.url", format!("not a PostgreSQL URL: {e}")));
             }
+        }
+        if let Some(tls) = &self.gateway.tls {
+            tls.server_config()?;
         }
         let lease = self.store.lease_seconds;
         if !(lease.is_finite() && (1.0..=3600.0).contains(&lease)) {

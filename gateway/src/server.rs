@@ -32,6 +32,8 @@ pub enum ServeError {
     Store(#[from] crate::store::OpenError),
     #[error("model provider: {0}")]
     Provider(String),
+    #[error("{0}")]
+    Tls(String),
     #[error("reading the store failed: {0}")]
     StoreRead(String),
     #[error("serving failed: {0}")]
@@ -103,6 +105,15 @@ pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
             OpenedStore { counters: sqlite.counters(), store: Arc::new(sqlite) }
         }
     })
+}
+
+/// The API server, with `gateway.tls` when set (checked by `serve` before
+/// it binds: a key that does not match its certificate is a sentence).
+pub fn server_builder(config: &Config) -> Result<tonic::transport::Server, ServeError> {
+    let builder = tonic::transport::Server::builder();
+    let Some(tls) = &config.gateway.tls else { return Ok(builder) };
+    let tls = tls.server_config().map_err(|e| ServeError::Tls(e.to_string()))?;
+    builder.tls_config(tls).map_err(|e| ServeError::Tls(format!("gateway.tls: {}", crate::cli::causes(&e))))
 }
 
 /// The configured store with its commit counters (metrics).
@@ -200,7 +211,7 @@ pub async fn run_with_reloads(
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.api)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(limits.tcp_keepalive_seconds)));
-    let serving = tonic::transport::Server::builder()
+    let serving = server_builder(&config)?
         .max_concurrent_streams(Some(limits.max_concurrent_streams_per_connection))
         .http2_keepalive_interval(Some(Duration::from_secs(limits.http2_keepalive_seconds)))
         .http2_keepalive_timeout(Some(Duration::from_secs(limits.http2_keepalive_timeout_seconds)))

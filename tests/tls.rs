@@ -1,0 +1,182 @@
+//! TLS on the client API, through the `ctxgate` binary as a user runs it:
+//! the CLI reaches an https:// gateway with the CA it trusts, mTLS admits a
+//! client certificate the gateway's CA signed, and a wrong CA, an expired
+//! certificate, a missing client certificate and a plaintext peer each
+//! fail with a sentence that says which.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::path::{Path, PathBuf};
+
+use ctxgate_tests::{EngineProcess, bin};
+use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
+
+/// A CA that signs what the test needs.
+struct Ca {
+    issuer: Issuer<'static, KeyPair>,
+    pem: String,
+}
+
+impl Ca {
+    fn new(name: &str) -> Self {
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.distinguished_name.push(rcgen::DnType::CommonName, name);
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        let key = KeyPair::generate().unwrap();
+        let cert = p.self_signed(&key).unwrap();
+        Self { pem: cert.pem(), issuer: Issuer::new(p, key) }
+    }
+
+    /// A leaf for `names`, as server or client; `expired`: valid in 2020 only.
+    fn leaf(&self, names: &[&str], server: bool, expired: bool) -> (String, String) {
+        let mut p = CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>()).unwrap();
+        p.extended_key_usages =
+            vec![if server { ExtendedKeyUsagePurpose::ServerAuth } else { ExtendedKeyUsagePurpose::ClientAuth }];
+        if expired {
+            p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+            p.not_after = rcgen::date_time_ymd(2020, 1, 2);
+        }
+        let key = KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let p = dir.join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+async fn serve(dir: &Path, name: &str, tls: &str) -> EngineProcess {
+    let config = write(dir, &format!("{name}.json5"), &format!("{{ gateway: {{ tls: {{ {tls} }} }} }}"));
+    let state = dir.join(name);
+    let args = ["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap(), "--state-dir"];
+    let mut args = args.to_vec();
+    args.push(state.to_str().unwrap());
+    EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts")
+}
+
+/// `ctxgate status` against `url` with `flags`: exit code, stdout, stderr.
+async fn status(url: &str, flags: &[&str]) -> (Option<i32>, String, String) {
+    let out = tokio::process::Command::new(bin("ctxgate"))
+        .args(["status", "--gateway", url])
+        .args(flags)
+        .output()
+        .await
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
+fn https(g: &EngineProcess) -> String {
+    g.endpoint.replace("http://", "https://")
+}
+
+#[tokio::test]
+async fn the_cli_reaches_an_https_gateway_and_each_tls_mistake_says_which() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
+    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let other_pem = write(d, "other.pem", &other.pem);
+    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
+    let (crt, key) = (write(d, "server.crt", &crt), write(d, "server.key", &key));
+    let tls = format!("cert: {:?}, key: {:?}", crt.to_str().unwrap(), key.to_str().unwrap());
+    let g = serve(d, "plain-tls", &tls).await;
+    let ca_flag = ["--tls-ca", ca_pem.to_str().unwrap()];
+
+    let (code, out, err) = status(&https(&g), &ca_flag).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("model"), "{out}");
+
+    let (code, _, err) = status(&https(&g), &["--tls-ca", other_pem.to_str().unwrap()]).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("not signed by a CA you trust"), "wrong CA: {err}");
+
+    let (code, _, err) = status(&g.endpoint, &[]).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("TLS") && err.contains("https://"), "plaintext client, TLS gateway: {err}");
+
+    // An expired server certificate.
+    let (old, old_key) = ca.leaf(&["localhost", "127.0.0.1"], true, true);
+    let (old, old_key) = (write(d, "old.crt", &old), write(d, "old.key", &old_key));
+    let expired =
+        serve(d, "expired", &format!("cert: {:?}, key: {:?}", old.to_str().unwrap(), old_key.to_str().unwrap())).await;
+    let (code, _, err) = status(&https(&expired), &ca_flag).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("expired"), "expired certificate: {err}");
+
+    // A TLS client against a plaintext gateway.
+    let plain = EngineProcess::start(
+        bin("ctxgate"),
+        &["serve", "--listen", "127.0.0.1:0", "--state-dir", d.join("plain").to_str().unwrap()],
+    )
+    .await
+    .unwrap();
+    let (code, _, err) = status(&https(&plain), &ca_flag).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("does not speak TLS"), "TLS client, plaintext gateway: {err}");
+}
+
+#[tokio::test]
+async fn mtls_admits_a_client_the_gateways_ca_signed_and_refuses_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
+    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
+    let (crt, key) = (write(d, "server.crt", &crt), write(d, "server.key", &key));
+    let tls = format!(
+        "cert: {:?}, key: {:?}, clientCa: {:?}",
+        crt.to_str().unwrap(),
+        key.to_str().unwrap(),
+        ca_pem.to_str().unwrap()
+    );
+    let g = serve(d, "mtls", &tls).await;
+    let ca_flag = ["--tls-ca", ca_pem.to_str().unwrap()];
+    let client = |ca: &Ca, name: &str| {
+        let (c, k) = ca.leaf(&["client"], false, false);
+        (write(d, &format!("{name}.crt"), &c), write(d, &format!("{name}.key"), &k))
+    };
+    let (good, good_key) = client(&ca, "good");
+    let (bad, bad_key) = client(&other, "bad");
+
+    let flags = |c: &Path, k: &Path| {
+        let mut f: Vec<String> = ca_flag.iter().map(|s| (*s).to_owned()).collect();
+        f.extend(["--tls-cert".into(), c.display().to_string(), "--tls-key".into(), k.display().to_string()]);
+        f
+    };
+    let good_flags = flags(&good, &good_key);
+    let (code, _, err) = status(&https(&g), &good_flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(code, Some(0), "a client the CA signed: {err}");
+
+    let bad_flags = flags(&bad, &bad_key);
+    let (code, _, err) = status(&https(&g), &bad_flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
+    assert_eq!(code, Some(1));
+    assert!(err.to_lowercase().contains("certificate"), "a client another CA signed: {err}");
+
+    let (code, _, err) = status(&https(&g), &ca_flag).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("client certificate"), "no client certificate: {err}");
+}
+
+#[tokio::test]
+async fn a_tls_key_that_is_not_pem_stops_serve_before_binding() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("ctxgate test CA");
+    let (crt, _) = ca.leaf(&["localhost"], true, false);
+    let crt = write(d, "server.crt", &crt);
+    let key = write(d, "server.key", "not a key");
+    let config = write(d, "c.json5", &format!("{{ gateway: {{ tls: {{ cert: {:?}, key: {:?} }} }} }}", crt, key));
+    let out = tokio::process::Command::new(bin("ctxgate"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(out.stdout.is_empty(), "nothing was bound");
+    assert!(err.contains("gateway.tls.key") && err.contains("private key"), "{err}");
+}
