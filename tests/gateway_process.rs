@@ -311,3 +311,30 @@ async fn a_harness_turn_cut_by_sigkill_is_rewound_when_the_gateway_restarts() {
     let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
     assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
 }
+
+#[tokio::test]
+async fn health_subcommands_exit_zero_when_serving_and_one_with_a_sentence_otherwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let gw = serve(&dir.path().join("state"), None).await;
+    let (code, out, err) = ctxgate(&["health", "--gateway", &gw.endpoint]).await;
+    assert_eq!((code, out.trim()), (Some(0), "SERVING"), "{err}");
+    let (code, _, err) = ctxgate(&["health", "--gateway", "http://127.0.0.1:1"]).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("Cannot reach the gateway at http://127.0.0.1:1"), "{err}");
+
+    let engine = ctxgate_tests::start_window(&dir.path().join("window"), &[]).await;
+    let check = async |endpoint: &str| {
+        let out = Command::new(bin("ctxgate-engine-window")).args(["health", "--endpoint", endpoint]).output().await;
+        let out = out.unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = check(&engine.endpoint).await;
+    assert_eq!((code, out.trim()), (Some(0), "SERVING"), "{err}");
+    let (code, _, err) = check("127.0.0.1:1").await;
+    assert_eq!(code, Some(1));
+    assert!(err.starts_with("ctxgate-engine-window: the engine at 127.0.0.1:1 cannot be checked"), "{err}");
+}

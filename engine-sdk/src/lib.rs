@@ -17,6 +17,7 @@ mod endpoint;
 mod engine;
 mod error;
 pub mod extractive;
+pub mod health;
 mod host;
 mod server;
 pub mod testkit;

@@ -92,6 +92,12 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// A grpc.health.v1 check of the gateway: exit 0 when it is SERVING,
+    /// 1 otherwise (container health checks: the images have no shell).
+    Health {
+        #[command(flatten)]
+        conn: Conn,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -289,6 +295,21 @@ impl tonic::service::Interceptor for Bearer {
 }
 
 async fn connect(conn: &Conn) -> Result<Client, CliError> {
+    let channel = channel(conn).await?;
+    let token = match &conn.token {
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse()
+                .map_err(|_| CliError("the token has characters a header cannot carry".into()))?,
+        ),
+        None => None,
+    };
+    Ok(GatewayClient::with_interceptor(channel, Bearer(token))
+        .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES))
+}
+
+/// A checked connection to the gateway (TLS when https://).
+async fn channel(conn: &Conn) -> Result<Channel, CliError> {
     let mut endpoint = Channel::from_shared(conn.gateway.clone())
         .map_err(|_| CliError(format!("{:?} is not a gateway URL (expected http://HOST:PORT)", conn.gateway)))?
         .connect_timeout(Duration::from_secs(5));
@@ -314,16 +335,25 @@ async fn connect(conn: &Conn) -> Result<Client, CliError> {
     {
         return Err(unreachable(causes(&s)));
     }
-    let token = match &conn.token {
-        Some(t) => Some(
-            format!("Bearer {t}")
-                .parse()
-                .map_err(|_| CliError("the token has characters a header cannot carry".into()))?,
-        ),
-        None => None,
+    Ok(channel)
+}
+
+/// `ctxgate health`: SERVING, or a sentence and exit code 1.
+pub async fn health(conn: &Conn) -> Result<(), CliError> {
+    let channel = channel(conn).await?;
+    let req = tonic_health::pb::HealthCheckRequest { service: crate::server::GATEWAY_SERVICE.into() };
+    let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = match tokio::time::timeout(Duration::from_secs(3), client.check(req)).await {
+        Err(_) => return Err(CliError(format!("The gateway at {} did not answer within 3 s.", conn.gateway))),
+        Ok(r) => r.map_err(explain)?.into_inner().status(),
     };
-    Ok(GatewayClient::with_interceptor(channel, Bearer(token))
-        .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES))
+    match status {
+        tonic_health::pb::health_check_response::ServingStatus::Serving => {
+            println!("SERVING");
+            Ok(())
+        }
+        other => Err(CliError(format!("The gateway at {} reports {}.", conn.gateway, other.as_str_name()))),
+    }
 }
 
 /// Words a status for the user.

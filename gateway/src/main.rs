@@ -14,6 +14,7 @@ async fn main() -> ExitCode {
         Command::Compact { conn, session, instructions } => cli::compact(&conn, &session, instructions).await,
         Command::Sessions { command } => cli::sessions(command).await,
         Command::Status { conn, json } => cli::status(&conn, json).await,
+        Command::Health { conn } => cli::health(&conn).await,
         Command::Engines { command } => cli::engines(command).await,
         Command::Outbox { command } => cli::outbox(command).await,
         Command::Doctor { config, fix } => ctxgate::doctor::run(config.as_deref(), fix).await,

@@ -22,8 +22,21 @@ struct Args {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Args::parse();
+async fn main() -> std::process::ExitCode {
+    // `ctxgate-engine-window health --endpoint ADDR`: the container health check.
+    if let Some(code) = ctxgate_engine_sdk::health::subcommand("ctxgate-engine-window").await {
+        return code;
+    }
+    match run(Args::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("ctxgate-engine-window: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let config =
         Config { keep_turns: args.keep_turns, max_tool_result_bytes: args.max_tool_result_bytes, ..Config::default() };
     let engine = WindowEngine::open(&args.state_dir, config)?;
