@@ -180,3 +180,49 @@ async fn a_tls_key_that_is_not_pem_stops_serve_before_binding() {
     assert!(out.stdout.is_empty(), "nothing was bound");
     assert!(err.contains("gateway.tls.key") && err.contains("private key"), "{err}");
 }
+
+#[tokio::test]
+async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_certificate_keeps_it_out() {
+    use ctxgate::config::EngineTls;
+    use ctxgate_tests::TestGateway;
+    use ctxgate_tests::hosting::{attached, engine_status, hosting, run_turn, selected};
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
+    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let other_pem = write(d, "other.pem", &other.pem);
+    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
+    let (crt, key) = (write(d, "engine.crt", &crt), write(d, "engine.key", &key));
+    let (gw, gw_key) = ca.leaf(&["ctxgate-gateway"], false, false);
+    let (gw, gw_key) = (write(d, "gateway.crt", &gw), write(d, "gateway.key", &gw_key));
+    let flags = ["--tls-cert", crt.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    let flags = [&flags[..], &["--tls-client-ca", ca_pem.to_str().unwrap()]].concat();
+    let engine = ctxgate_tests::start_window(&d.join("window"), &flags).await;
+    let endpoint = engine.endpoint.replace("http://", "https://");
+
+    let config = |ca: &Path, client: bool| {
+        let mut c = hosting("window", &endpoint, &[]);
+        let tls = EngineTls {
+            ca: Some(ca.to_owned()),
+            cert: client.then(|| gw.clone()),
+            key: client.then(|| gw_key.clone()),
+            server_name: None,
+        };
+        c.plugins.entries.get_mut("window").unwrap().tls = Some(tls);
+        c
+    };
+    let good = TestGateway::start(config(&ca_pem, true)).await;
+    attached(&good, "window").await;
+    let events = run_turn(&good, "over-mtls", "hello").await;
+    assert_eq!(selected(&events).engine_id, "window", "the turn ran on the engine over mTLS");
+
+    for (what, c) in
+        [("a CA that did not sign it", config(&other_pem, true)), ("no client certificate", config(&ca_pem, false))]
+    {
+        let g = TestGateway::start(c).await;
+        let events = run_turn(&g, "refused", "hello").await;
+        assert_eq!(selected(&events).engine_id, "legacy", "{what}: legacy answers");
+        let e = engine_status(&g, "window").await;
+        assert!(e.name.is_empty() || e.quarantine.is_some(), "{what}: the engine never attached: {e:?}");
+    }
+}

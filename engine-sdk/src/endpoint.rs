@@ -75,16 +75,17 @@ pub fn connect(endpoint: &str) -> Result<Channel, BadEndpoint> {
 /// off, and HTTP/2 keepalive pings no more often than every 5 minutes
 /// without ever pinging an idle connection — what gRPC C-core, Java and Go
 /// servers accept by default (more often earns a GOAWAY "too_many_pings").
+/// Every channel's settings: connect timeout, no Nagle, keepalive.
+fn tuned(e: TonicEndpoint) -> TonicEndpoint {
+    e.connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(300))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .keep_alive_while_idle(false)
+}
+
 pub fn channel(endpoint: &Endpoint) -> Channel {
-    let base = |uri: String| {
-        TonicEndpoint::from_shared(uri)
-            .expect("a parsed endpoint is a valid URI")
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(300))
-            .keep_alive_timeout(Duration::from_secs(20))
-            .keep_alive_while_idle(false)
-    };
+    let base = |uri: String| tuned(TonicEndpoint::from_shared(uri).expect("a parsed endpoint is a valid URI"));
     match endpoint {
         Endpoint::Tcp(addr) => base(format!("http://{addr}")).connect_lazy(),
         Endpoint::Host(host, port) => base(format!("http://{host}:{port}")).connect_lazy(),
@@ -96,6 +97,18 @@ pub fn channel(endpoint: &Endpoint) -> Channel {
             }))
         }
     }
+}
+
+/// A TLS channel (rustls) to a TCP `endpoint`, not yet connected; a unix
+/// socket takes no TLS.
+pub fn tls_channel(endpoint: &Endpoint, tls: tonic::transport::ClientTlsConfig) -> Result<Channel, String> {
+    let uri = match endpoint {
+        Endpoint::Tcp(addr) => format!("https://{addr}"),
+        Endpoint::Host(host, port) => format!("https://{host}:{port}"),
+        Endpoint::Unix(_) => return Err("a unix socket takes no TLS (use a file mode instead)".into()),
+    };
+    let e = tuned(TonicEndpoint::from_shared(uri).map_err(|e| e.to_string())?);
+    Ok(e.tls_config(tls).map_err(|e| e.to_string())?.connect_lazy())
 }
 
 /// The generated engine client over `channel`, with the contract's limits.

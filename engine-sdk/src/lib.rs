@@ -24,7 +24,7 @@ pub mod testkit;
 
 pub use context::CallContext;
 pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};
-pub use endpoint::{Endpoint, channel, connect, engine_client};
+pub use endpoint::{Endpoint, channel, connect, engine_client, tls_channel};
 pub use engine::{CompactOutcome, ContextEngine, Progress};
 pub use error::EngineError;
 pub use host::{HostClient, HostPolicy, LLM_COMPLETE, Peer, READ_TRANSCRIPT, Refused};

@@ -44,6 +44,31 @@ pub struct ServeArgs {
     /// made the call (a host name is resolved to check it).
     #[arg(long = "host-allow", value_name = "ENDPOINT")]
     pub host_allow: Vec<Endpoint>,
+    /// Serve TLS with this certificate (PEM), with `--tls-key`.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
+    /// With TLS: only clients (the gateway) presenting a certificate this CA
+    /// (PEM) signed are served (mTLS).
+    #[arg(long, requires = "tls_cert")]
+    pub tls_client_ca: Option<std::path::PathBuf>,
+}
+
+impl ServeArgs {
+    /// The server TLS the options ask for, read now (a file that cannot be
+    /// read is a sentence naming its option).
+    pub fn tls(&self) -> Result<Option<tonic::transport::ServerTlsConfig>, String> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
+        let read =
+            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
+        let identity = tonic::transport::Identity::from_pem(read("--tls-cert", cert)?, read("--tls-key", key)?);
+        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
+        if let Some(ca) = &self.tls_client_ca {
+            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read("--tls-client-ca", ca)?));
+        }
+        Ok(Some(tls))
+    }
 }
 
 /// The default cap on engine calls in flight.
@@ -60,7 +85,8 @@ pub async fn serve_main<E: ContextEngine>(engine: E, args: ServeArgs) -> Result<
     let bound = Server::new(engine)
         .drain_timeout(Duration::from_secs(args.drain_seconds))
         .max_concurrent_calls(args.max_concurrent_calls)
-        .host_policy(HostPolicy::allow(args.host_allow))
+        .host_policy(HostPolicy::allow(args.host_allow.clone()))
+        .tls(args.tls()?)
         .bind(&args.listen)
         .await?;
     {
@@ -106,6 +132,7 @@ pub struct Server<E> {
     drain: Duration,
     max_calls: usize,
     hosts: HostPolicy,
+    tls: Option<tonic::transport::ServerTlsConfig>,
 }
 
 enum Listener {
@@ -133,7 +160,14 @@ impl<E: ContextEngine> Server<E> {
             drain: Duration::from_secs(10),
             max_calls: DEFAULT_MAX_CONCURRENT_CALLS,
             hosts: HostPolicy::default(),
+            tls: None,
         }
+    }
+
+    /// Serves TLS (rustls) when given: over TCP only.
+    pub fn tls(mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> Self {
+        self.tls = tls;
+        self
     }
 
     /// Which host endpoints calls may name (default: the calling peer's
@@ -217,8 +251,11 @@ impl<E: ContextEngine> Bound<E> {
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
 
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let router =
-            tonic::transport::Server::builder().add_service(health).add_service(reflection).add_service(engine);
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = self.server.tls.clone() {
+            builder = builder.tls_config(tls)?;
+        }
+        let router = builder.add_service(health).add_service(reflection).add_service(engine);
         let stopped = async {
             let _ = stop_rx.await;
         };

@@ -338,9 +338,61 @@ pub struct EngineEntry {
     /// Calls in flight to this engine at once; one more is shed (legacy
     /// answers it) without quarantine.
     pub max_concurrent_calls: usize,
-    /// Not supported yet: present only so a config that asks for TLS fails
-    /// loudly instead of silently talking plaintext.
-    pub tls: Option<serde_json::Value>,
+    /// TLS to the engine (the endpoint is then `https://HOST:PORT`).
+    pub tls: Option<EngineTls>,
+}
+
+/// `plugins.entries.<id>.tls`: what the gateway trusts and presents.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct EngineTls {
+    /// The CA (PEM) the engine's certificate must chain to (default: the
+    /// public web roots).
+    pub ca: Option<PathBuf>,
+    /// The gateway's client certificate and key (PEM), for engines that
+    /// require one (mTLS).
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// The name the engine's certificate must carry (default: the
+    /// endpoint's host).
+    pub server_name: Option<String>,
+}
+
+impl EngineEntry {
+    /// Whether calls to this engine use TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.endpoint.starts_with("https://")
+    }
+
+    /// The endpoint without its `https://` (the SDK's endpoint syntax).
+    pub fn address(&self) -> &str {
+        self.endpoint.strip_prefix("https://").unwrap_or(&self.endpoint)
+    }
+
+    /// The client TLS for an https:// engine, read now.
+    pub fn client_tls(&self, id: &str) -> Result<tonic::transport::ClientTlsConfig, ConfigError> {
+        let key = |k: &str| format!("plugins.entries.{id}.tls.{k}");
+        let read = |k: &str, p: &Path| {
+            std::fs::read(p).map_err(|e| invalid(&key(k), format!("cannot read {}: {e}", p.display())))
+        };
+        let t = self.tls.clone().unwrap_or_default();
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        tls = match &t.ca {
+            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("ca", ca)?)),
+            None => tls.with_webpki_roots(),
+        };
+        match (&t.cert, &t.key) {
+            (Some(c), Some(k)) => {
+                tls = tls.identity(tonic::transport::Identity::from_pem(read("cert", c)?, read("key", k)?));
+            }
+            (None, None) => {}
+            _ => return Err(invalid(&key("cert"), "cert and key go together")),
+        }
+        if let Some(name) = &t.server_name {
+            tls = tls.domain_name(name.clone());
+        }
+        Ok(tls)
+    }
 }
 
 impl Default for EngineEntry {
@@ -573,10 +625,10 @@ impl Config {
                 ));
             }
             ctxgate_proto::validate::id(id, "id").map_err(|v| invalid(&format!("plugins.entries.{id}"), v.problem))?;
-            if e.endpoint.parse::<ctxgate_engine_sdk::Endpoint>().is_err() {
+            if e.address().parse::<ctxgate_engine_sdk::Endpoint>().is_err() {
                 return Err(invalid(
                     &key("endpoint"),
-                    format!("{:?}: expected http://HOST:PORT or unix:///PATH", e.endpoint),
+                    format!("{:?}: expected http://HOST:PORT, https://HOST:PORT or unix:///PATH", e.endpoint),
                 ));
             }
             for (m, secs) in &e.timeouts {
@@ -596,11 +648,17 @@ impl Config {
             if !(1..=100_000).contains(&e.max_concurrent_calls) {
                 return Err(invalid(&key("maxConcurrentCalls"), "must be between 1 and 100000"));
             }
-            if e.tls.is_some() {
+            if e.tls.is_some() && !e.uses_tls() {
                 return Err(invalid(
-                    &key("tls"),
-                    "TLS to engines is not supported yet: run engines on loopback or a unix socket, or let the mesh sidecar do mTLS",
+                    &key("endpoint"),
+                    "with plugins.entries.<id>.tls the endpoint is https://HOST:PORT",
                 ));
+            }
+            if e.uses_tls() {
+                if e.address().starts_with("unix://") {
+                    return Err(invalid(&key("endpoint"), "a unix socket takes no TLS"));
+                }
+                e.client_tls(id)?;
             }
         }
         Ok(())

@@ -89,8 +89,13 @@ fn violation(method: &'static str, v: impl std::fmt::Display) -> EngineCallError
 
 impl Remote {
     pub fn new(id: &str, entry: &EngineEntry, compact_timeout: Duration) -> Result<Self, String> {
-        let endpoint: ctxgate_engine_sdk::Endpoint = entry.endpoint.parse().map_err(|e| format!("{e}"))?;
-        let channel = ctxgate_engine_sdk::channel(&endpoint);
+        let endpoint: ctxgate_engine_sdk::Endpoint = entry.address().parse().map_err(|e| format!("{e}"))?;
+        let channel = if entry.uses_tls() {
+            let tls = entry.client_tls(id).map_err(|e| e.to_string())?;
+            ctxgate_engine_sdk::tls_channel(&endpoint, tls)?
+        } else {
+            ctxgate_engine_sdk::channel(&endpoint)
+        };
         let client = ContextEngineClient::new(channel.clone())
             .max_decoding_message_size(entry.max_message_bytes)
             .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES);
