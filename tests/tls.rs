@@ -27,6 +27,15 @@ impl Ca {
         Self { pem: cert.pem(), issuer: Issuer::new(p, key) }
     }
 
+    /// A leaf for `names` that serves and is a client too.
+    fn leaf_both(&self, names: &[&str]) -> (String, String) {
+        let mut p = CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>()).unwrap();
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let key = KeyPair::generate().unwrap();
+        let cert = p.signed_by(&key, &self.issuer).unwrap();
+        (cert.pem(), key.serialize_pem())
+    }
+
     /// A leaf for `names`, as server or client; `expired`: valid in 2020 only.
     fn leaf(&self, names: &[&str], server: bool, expired: bool) -> (String, String) {
         let mut p = CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>()).unwrap();
@@ -225,4 +234,79 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
         let e = engine_status(&g, "window").await;
         assert!(e.name.is_empty() || e.quarantine.is_some(), "{what}: the engine never attached: {e:?}");
     }
+}
+
+#[tokio::test]
+async fn mtls_everywhere_client_to_gateway_gateway_to_engine_and_the_engines_callbacks() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("ctxgate test CA");
+    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let pair = |name: &str| {
+        let (c, k) = ca.leaf_both(&["localhost", "127.0.0.1"]);
+        (write(d, &format!("{name}.crt"), &c), write(d, &format!("{name}.key"), &k))
+    };
+    let (gw, gw_key) = pair("gateway");
+    let (en, en_key) = pair("engine");
+    let (cli, cli_key) = pair("cli");
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--fault",
+        "grant-probe",
+        "--tls-cert",
+        &s(&en),
+        "--tls-key",
+        &s(&en_key),
+        "--tls-client-ca",
+        &s(&ca_pem),
+        "--host-ca",
+        &s(&ca_pem),
+    ];
+    let engine = EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.unwrap();
+    let tls = format!("cert: {:?}, key: {:?}, clientCa: {:?}", s(&gw), s(&gw_key), s(&ca_pem));
+    let plugins = format!(
+        "plugins: {{ slots: {{ contextEngine: 'fault' }}, entries: {{ fault: {{ endpoint: {:?}, tls: {{ ca: {:?}, cert: {:?}, key: {:?} }} }} }} }}",
+        engine.endpoint.replace("http://", "https://"),
+        s(&ca_pem),
+        s(&gw),
+        s(&gw_key)
+    );
+    let config = write(d, "all.json5", &format!("{{ gateway: {{ tls: {{ {tls} }} }}, {plugins} }}"));
+    let state = d.join("state");
+    let g = EngineProcess::start(
+        bin("ctxgate"),
+        &["serve", "--listen", "127.0.0.1:0", "--config", &s(&config), "--state-dir", &s(&state)],
+    )
+    .await
+    .unwrap();
+    let url = https(&g);
+    let flags = ["--tls-ca", &s(&ca_pem), "--tls-cert", &s(&cli), "--tls-key", &s(&cli_key)];
+    // Wait for the gateway to attach the engine (over mTLS).
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, out, err) = status(&url, &[&flags[..], &["--json"]].concat()).await;
+        assert_eq!(code, Some(0), "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let fault = v["engines"].as_array().unwrap().iter().find(|e| e["id"] == "fault").cloned().unwrap();
+        if fault["quarantine"].is_null() && fault["name"] != "" {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the engine never attached over mTLS: {out}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = tokio::process::Command::new(bin("ctxgate"))
+        .args(["chat", "--gateway", &url, "--session", "all-tls", "-m", "hello"])
+        .args(flags)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The engine read the session back through the Host service, over TLS.
+    let line = engine.wait_line("event grant-own ", Duration::from_secs(10)).await.expect("the engine called back");
+    // `event grant-own <entries read> <time>`: a number, not `error:…`.
+    let n = line.trim_start_matches("event grant-own ").split(' ').next().unwrap_or_default();
+    assert!(n.parse::<u32>().is_ok(), "the callback read the transcript: {line}");
 }

@@ -168,9 +168,11 @@ impl HostPolicy {
         Self { allow }
     }
 
-    /// Whether `endpoint` may be called for a call from `peer`.
+    /// Whether `endpoint` may be called for a call from `peer` (an
+    /// `https://` endpoint is matched by its address).
     pub async fn check(&self, endpoint: &str, peer: Peer) -> Result<Endpoint, Refused> {
-        let parsed: Endpoint = endpoint.parse().map_err(|_| Refused::Invalid(endpoint.into()))?;
+        let address = endpoint.strip_prefix("https://").unwrap_or(endpoint);
+        let parsed: Endpoint = address.parse().map_err(|_| Refused::Invalid(endpoint.into()))?;
         if !self.allow.is_empty() {
             return if self.allow.contains(&parsed) { Ok(parsed) } else { Err(Refused::NotListed(endpoint.into())) };
         }
@@ -203,12 +205,22 @@ const MAX_HOST_CHANNELS: usize = 64;
 #[derive(Default, Debug)]
 pub(crate) struct HostChannels {
     policy: HostPolicy,
+    /// For `https://` host endpoints: what to trust and present.
+    tls: Option<tonic::transport::ClientTlsConfig>,
     channels: Mutex<HashMap<String, Channel>>,
 }
 
 impl HostChannels {
-    pub(crate) fn new(policy: HostPolicy) -> Self {
-        Self { policy, channels: Mutex::default() }
+    pub(crate) fn new(policy: HostPolicy, tls: Option<tonic::transport::ClientTlsConfig>) -> Self {
+        Self { policy, tls, channels: Mutex::default() }
+    }
+
+    fn open(&self, endpoint: &Endpoint, https: bool) -> Result<Channel, String> {
+        if !https {
+            return Ok(channel(endpoint));
+        }
+        let tls = self.tls.clone().unwrap_or_else(|| tonic::transport::ClientTlsConfig::new().with_webpki_roots());
+        crate::endpoint::tls_channel(endpoint, tls)
     }
 
     /// A client for `access` from `peer`, or `None` when the call carries no
@@ -229,7 +241,16 @@ impl HostChannels {
             if map.len() >= MAX_HOST_CHANNELS && !map.contains_key(&access.endpoint) {
                 map.clear();
             }
-            map.entry(access.endpoint.clone()).or_insert_with(|| channel(&endpoint)).clone()
+            match map.get(&access.endpoint) {
+                Some(c) => c.clone(),
+                None => match self.open(&endpoint, access.endpoint.starts_with("https://")) {
+                    Ok(c) => map.entry(access.endpoint.clone()).or_insert(c).clone(),
+                    Err(e) => {
+                        tracing::warn!(endpoint = access.endpoint, error = e, "host callbacks refused for this call");
+                        return None;
+                    }
+                },
+            }
         };
         let client = RawHostClient::new(channel)
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)

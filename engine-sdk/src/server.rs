@@ -53,6 +53,11 @@ pub struct ServeArgs {
     /// (PEM) signed are served (mTLS).
     #[arg(long, requires = "tls_cert")]
     pub tls_client_ca: Option<std::path::PathBuf>,
+    /// The CA (PEM) an https:// host endpoint's certificate must chain to
+    /// (default: the public web roots); host callbacks then present
+    /// `--tls-cert` as the client certificate, when given.
+    #[arg(long)]
+    pub host_ca: Option<std::path::PathBuf>,
 }
 
 impl ServeArgs {
@@ -69,6 +74,22 @@ impl ServeArgs {
         }
         Ok(Some(tls))
     }
+
+    /// The client TLS for https:// host endpoints.
+    pub fn host_tls(&self) -> Result<tonic::transport::ClientTlsConfig, String> {
+        let read =
+            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        tls = match &self.host_ca {
+            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--host-ca", ca)?)),
+            None => tls.with_webpki_roots(),
+        };
+        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
+            tls =
+                tls.identity(tonic::transport::Identity::from_pem(read("--tls-cert", cert)?, read("--tls-key", key)?));
+        }
+        Ok(tls)
+    }
 }
 
 /// The default cap on engine calls in flight.
@@ -82,13 +103,7 @@ const PUSHBACK_MS: u64 = 50;
 /// drains. Engine binaries call this from `main`.
 pub async fn serve_main<E: ContextEngine>(engine: E, args: ServeArgs) -> Result<(), Box<dyn std::error::Error>> {
     init_tracing();
-    let bound = Server::new(engine)
-        .drain_timeout(Duration::from_secs(args.drain_seconds))
-        .max_concurrent_calls(args.max_concurrent_calls)
-        .host_policy(HostPolicy::allow(args.host_allow.clone()))
-        .tls(args.tls()?)
-        .bind(&args.listen)
-        .await?;
+    let bound = Server::new(engine).options(&args)?.bind(&args.listen).await?;
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "listening on {}", bound.local_endpoint())?;
@@ -133,6 +148,7 @@ pub struct Server<E> {
     max_calls: usize,
     hosts: HostPolicy,
     tls: Option<tonic::transport::ServerTlsConfig>,
+    host_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 enum Listener {
@@ -161,7 +177,27 @@ impl<E: ContextEngine> Server<E> {
             max_calls: DEFAULT_MAX_CONCURRENT_CALLS,
             hosts: HostPolicy::default(),
             tls: None,
+            host_tls: None,
         }
+    }
+
+    /// Every option of `args` but `--listen` (bind to it): drain, call
+    /// limit, host allow-list, TLS. An engine that builds its own server
+    /// calls this, so that no option it accepts goes unused.
+    pub fn options(self, args: &ServeArgs) -> Result<Self, String> {
+        Ok(self
+            .drain_timeout(Duration::from_secs(args.drain_seconds))
+            .max_concurrent_calls(args.max_concurrent_calls)
+            .host_policy(HostPolicy::allow(args.host_allow.clone()))
+            .tls(args.tls()?)
+            .host_tls(args.host_tls()?))
+    }
+
+    /// What to trust and present calling back https:// host endpoints
+    /// (default: the public web roots, no client certificate).
+    pub fn host_tls(mut self, tls: tonic::transport::ClientTlsConfig) -> Self {
+        self.host_tls = Some(tls);
+        self
     }
 
     /// Serves TLS (rustls) when given: over TCP only.
@@ -244,7 +280,7 @@ impl<E: ContextEngine> Bound<E> {
             .expect("the contract's descriptor set is valid");
         let slots = Arc::new(tokio::sync::Semaphore::new(self.server.max_calls));
         let max_calls = self.server.max_calls;
-        let hosts = Arc::new(HostChannels::new(self.server.hosts));
+        let hosts = Arc::new(HostChannels::new(self.server.hosts, self.server.host_tls.clone()));
         let service = EngineService { engine: self.server.engine, hosts, slots, max_calls };
         let engine = raw::ContextEngineServer::new(service)
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)

@@ -540,9 +540,12 @@ impl Config {
             return Err(invalid("store.poolSize", format!("{} is outside 1–1024", self.store.pool_size)));
         }
         if let Some(e) = &self.gateway.host_endpoint
-            && e.parse::<ctxgate_engine_sdk::Endpoint>().is_err()
+            && e.strip_prefix("https://").unwrap_or(e).parse::<ctxgate_engine_sdk::Endpoint>().is_err()
         {
-            return Err(invalid("gateway.hostEndpoint", format!("{e:?}: expected http://HOST:PORT or unix:///PATH")));
+            return Err(invalid(
+                "gateway.hostEndpoint",
+                format!("{e:?}: expected http://HOST:PORT, https://HOST:PORT or unix:///PATH"),
+            ));
         }
         if self.gateway.limits.queued_turns_per_session > 10_000 {
             return Err(invalid("gateway.limits.queuedTurnsPerSession", "is over 10000"));
@@ -649,10 +652,7 @@ impl Config {
                 return Err(invalid(&key("maxConcurrentCalls"), "must be between 1 and 100000"));
             }
             if e.tls.is_some() && !e.uses_tls() {
-                return Err(invalid(
-                    &key("endpoint"),
-                    "with plugins.entries.<id>.tls the endpoint is https://HOST:PORT",
-                ));
+                return Err(invalid(&key("tls"), "TLS needs an https://HOST:PORT endpoint"));
             }
             if e.uses_tls() {
                 if e.address().starts_with("unix://") {
@@ -699,7 +699,9 @@ impl Config {
             return e.clone();
         }
         let ip = if bound.ip().is_unspecified() { std::net::IpAddr::from([127, 0, 0, 1]) } else { bound.ip() };
-        format!("http://{}", SocketAddr::new(ip, bound.port()))
+        // The Host service shares the API port, and its TLS.
+        let scheme = if self.gateway.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", SocketAddr::new(ip, bound.port()))
     }
 
     /// Tokens kept free for the reply.
