@@ -9,7 +9,8 @@ use ctxgate_engine_sdk::conformance::{Options, Outcome, Report, run};
 use ctxgate_tests::{EngineProcess, bin, start_window};
 
 async fn kit(endpoint: &str, case_timeout: Duration) -> Report {
-    let report = run(&Options { endpoint: endpoint.to_owned(), case_timeout }).await.expect("valid endpoint");
+    let report =
+        run(&Options { endpoint: endpoint.to_owned(), case_timeout, tls: None }).await.expect("valid endpoint");
     eprintln!("{}", report.to_text());
     report
 }

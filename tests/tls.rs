@@ -310,3 +310,32 @@ async fn mtls_everywhere_client_to_gateway_gateway_to_engine_and_the_engines_cal
     let n = line.trim_start_matches("event grant-own ").split(' ').next().unwrap_or_default();
     assert!(n.parse::<u32>().is_ok(), "the callback read the transcript: {line}");
 }
+
+#[tokio::test]
+async fn the_conformance_kit_checks_the_python_engine_over_mtls() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("ctxgate test CA");
+    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
+    let (crt, key) = (write(d, "py.crt", &crt), write(d, "py.key", &key));
+    let (cli, cli_key) = ca.leaf(&["kit"], false, false);
+    let (cli, cli_key) = (write(d, "kit.crt", &cli), write(d, "kit.key", &cli_key));
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let flags = ["--tls-cert", &s(&crt), "--tls-key", &s(&key), "--tls-client-ca", &s(&ca_pem)];
+    let engine = ctxgate_tests::start_python_with(&d.join("py"), &flags).await;
+    let endpoint = engine.endpoint.replace("http://", "https://");
+    let kit = async |extra: &[&str]| {
+        let out = tokio::process::Command::new(bin("ctxgate-conformance"))
+            .args(["--endpoint", &endpoint, "--tls-ca", &s(&ca_pem), "--case-timeout-ms", "20000"])
+            .args(extra)
+            .output()
+            .await
+            .unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let (code, report) = kit(&["--tls-cert", &s(&cli), "--tls-key", &s(&cli_key)]).await;
+    assert_eq!(code, Some(0), "the kit passes over mTLS:\n{report}");
+    let (code, report) = kit(&[]).await;
+    assert_ne!(code, Some(0), "without a client certificate the engine serves nothing:\n{report}");
+}

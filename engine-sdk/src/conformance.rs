@@ -22,9 +22,12 @@ use crate::{connect, engine_client};
 /// How to run the suite.
 #[derive(Debug, Clone)]
 pub struct Options {
+    /// `http://HOST:PORT`, `https://HOST:PORT` (with `tls`) or `unix:///PATH`.
     pub endpoint: String,
     /// A case that takes longer fails as hung.
     pub case_timeout: Duration,
+    /// For an `https://` endpoint: what to trust and present.
+    pub tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
@@ -113,7 +116,13 @@ pub const CASES: &[(&str, CaseFn)] = &[
 
 /// Runs every case against `opts.endpoint`.
 pub async fn run(opts: &Options) -> Result<Report, crate::endpoint::BadEndpoint> {
-    let channel = connect(&opts.endpoint)?;
+    let channel = match (opts.endpoint.strip_prefix("https://"), &opts.tls) {
+        (Some(address), Some(tls)) => {
+            let bad = || crate::endpoint::BadEndpoint { input: opts.endpoint.clone() };
+            crate::endpoint::tls_channel(&address.parse()?, tls.clone()).map_err(|_| bad())?
+        }
+        _ => connect(&opts.endpoint)?,
+    };
     let mut kit = Kit { engine: engine_client(channel.clone()), channel, info: None };
     kit.info =
         kit.engine.clone().get_info(timed(pb::GetInfoRequest {}, opts.case_timeout)).await.ok().map(|r| r.into_inner());

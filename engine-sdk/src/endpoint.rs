@@ -23,7 +23,7 @@ pub enum Endpoint {
 #[derive(Debug, thiserror::Error)]
 #[error("invalid endpoint {input:?}: expected http://HOST:PORT, HOST:PORT or unix:///PATH")]
 pub struct BadEndpoint {
-    input: String,
+    pub(crate) input: String,
 }
 
 impl FromStr for Endpoint {
@@ -71,10 +71,6 @@ pub fn connect(endpoint: &str) -> Result<Channel, BadEndpoint> {
     Ok(channel(&parsed))
 }
 
-/// A lazily connecting channel to `endpoint`: connect timeout 5 s, Nagle
-/// off, and HTTP/2 keepalive pings no more often than every 5 minutes
-/// without ever pinging an idle connection — what gRPC C-core, Java and Go
-/// servers accept by default (more often earns a GOAWAY "too_many_pings").
 /// Every channel's settings: connect timeout, no Nagle, keepalive.
 fn tuned(e: TonicEndpoint) -> TonicEndpoint {
     e.connect_timeout(Duration::from_secs(5))
@@ -84,6 +80,10 @@ fn tuned(e: TonicEndpoint) -> TonicEndpoint {
         .keep_alive_while_idle(false)
 }
 
+/// A lazily connecting channel to `endpoint`: connect timeout 5 s, Nagle
+/// off, and HTTP/2 keepalive pings no more often than every 5 minutes
+/// without ever pinging an idle connection — what gRPC C-core, Java and Go
+/// servers accept by default (more often earns a GOAWAY "too_many_pings").
 pub fn channel(endpoint: &Endpoint) -> Channel {
     let base = |uri: String| tuned(TonicEndpoint::from_shared(uri).expect("a parsed endpoint is a valid URI"));
     match endpoint {

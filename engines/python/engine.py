@@ -621,7 +621,13 @@ def main():
     parser.add_argument("--state-dir", default="./python-engine-state",
                         help="where the state lives (DIR/recency.sqlite); created if missing")
     parser.add_argument("--drain-seconds", type=float, default=10.0)
+    parser.add_argument("--tls-cert", help="serve TLS with this certificate (PEM), with --tls-key")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--tls-client-ca",
+                        help="with TLS: serve only clients (the gateway) whose certificate this CA (PEM) signed")
     args = parser.parse_args()
+    if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
+        parser.error("--tls-cert and --tls-key go together, and --tls-client-ca needs them")
     store = Store(args.state_dir)
 
     options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
@@ -634,12 +640,21 @@ def main():
     reflection.enable_server_reflection(names, server)
     server.add_generic_rpc_handlers((reflection_v1_handler(reflection.ReflectionServicer(names)),))
 
+    add_port = server.add_insecure_port
+    if args.tls_cert:
+        def read(path):
+            with open(path, "rb") as f:
+                return f.read()
+        ca = read(args.tls_client_ca) if args.tls_client_ca else None
+        creds = grpc.ssl_server_credentials([(read(args.tls_key), read(args.tls_cert))],
+                                            root_certificates=ca, require_client_auth=ca is not None)
+        add_port = lambda addr: server.add_secure_port(addr, creds)  # noqa: E731
     if args.listen.startswith("unix://"):
-        server.add_insecure_port(args.listen)
+        add_port(args.listen)
         shown = args.listen
     else:
         host, _, port = args.listen.removeprefix("http://").rpartition(":")
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(f"{host}:{port}")
         shown = f"{host}:{bound}"
     server.start()
     for name in ("", SERVICE):

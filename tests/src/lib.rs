@@ -138,8 +138,14 @@ pub async fn start_window(state_dir: &Path, extra: &[&str]) -> EngineProcess {
 
 /// The Python engine (engines/python/run.sh) with its state in `state_dir`.
 pub async fn start_python(state_dir: &Path) -> EngineProcess {
+    start_python_with(state_dir, &[]).await
+}
+
+/// [`start_python`] with more options (`--tls-cert`, …).
+pub async fn start_python_with(state_dir: &Path, extra: &[&str]) -> EngineProcess {
     let dir = state_dir.to_str().expect("utf-8 temp dir");
-    let args = ["--listen", "127.0.0.1:0", "--state-dir", dir];
+    let mut args = vec!["--listen", "127.0.0.1:0", "--state-dir", dir];
+    args.extend_from_slice(extra);
     EngineProcess::start(repo_root().join("engines/python/run.sh"), &args).await.expect("python engine starts")
 }
 

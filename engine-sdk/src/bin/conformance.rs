@@ -19,12 +19,47 @@ struct Args {
     /// A case taking longer than this fails as hung.
     #[arg(long, default_value_t = 10_000)]
     case_timeout_ms: u64,
+    /// For an https:// engine: the CA (PEM) its certificate must chain to
+    /// (default: the public web roots).
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
+    /// A client certificate and key (PEM), for an engine that requires one.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+}
+
+impl Args {
+    fn tls(&self) -> Result<Option<tonic::transport::ClientTlsConfig>, String> {
+        if !self.endpoint.starts_with("https://") {
+            return Ok(None);
+        }
+        let read =
+            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        tls = match &self.tls_ca {
+            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--tls-ca", ca)?)),
+            None => tls.with_webpki_roots(),
+        };
+        if let (Some(c), Some(k)) = (&self.tls_cert, &self.tls_key) {
+            tls = tls.identity(tonic::transport::Identity::from_pem(read("--tls-cert", c)?, read("--tls-key", k)?));
+        }
+        Ok(Some(tls))
+    }
 }
 
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    let opts = Options { endpoint: args.endpoint, case_timeout: Duration::from_millis(args.case_timeout_ms) };
+    let tls = match args.tls() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("ctxgate-conformance: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let opts = Options { endpoint: args.endpoint, case_timeout: Duration::from_millis(args.case_timeout_ms), tls };
     let report = match run(&opts).await {
         Ok(r) => r,
         Err(e) => {
