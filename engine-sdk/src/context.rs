@@ -15,12 +15,14 @@ pub struct CallContext {
     pub(crate) deadline: Option<Instant>,
     pub(crate) cancel: CancellationToken,
     pub(crate) host: Option<HostClient>,
+    /// The caller's W3C trace context (`traceparent`), when it sent one.
+    pub(crate) trace: Option<ctxgate_proto::trace::TraceParent>,
 }
 
 impl CallContext {
     /// A context with no deadline, no host and a fresh token (tests).
     pub fn detached() -> Self {
-        Self { deadline: None, cancel: CancellationToken::new(), host: None }
+        Self { deadline: None, cancel: CancellationToken::new(), host: None, trace: None }
     }
 
     /// When the caller stops waiting, if it said.
@@ -48,6 +50,12 @@ impl CallContext {
             });
         }
         Ok(())
+    }
+
+    /// The trace this call belongs to (the gateway's turn), to continue in
+    /// the engine's own spans and logs; host callbacks carry it on.
+    pub fn trace(&self) -> Option<&ctxgate_proto::trace::TraceParent> {
+        self.trace.as_ref()
     }
 
     /// The host callback client, when the call carried a grant.

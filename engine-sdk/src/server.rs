@@ -424,7 +424,12 @@ impl<E: ContextEngine> EngineService<E> {
         // No TCP peer: the call came over the unix socket.
         let peer = req.remote_addr().map_or(Peer::Local, |a| Peer::Ip(a.ip()));
         let host = self.hosts.client(host, peer).await;
-        CallContext { deadline: deadline_of(req.metadata()), cancel: CancellationToken::new(), host }
+        let trace = req
+            .metadata()
+            .get(ctxgate_proto::trace::HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(ctxgate_proto::trace::TraceParent::parse);
+        CallContext { deadline: deadline_of(req.metadata()), cancel: CancellationToken::new(), host, trace }
     }
 
     /// Validates, then runs one unary engine method in its own task, bounded
@@ -446,9 +451,10 @@ impl<E: ContextEngine> EngineService<E> {
         check(msg)?;
         let permit = self.admit(method)?;
         let ctx = self.context(&req, host(msg)).await;
-        let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
+        let (deadline, cancel, ctx_trace) = (ctx.deadline, ctx.cancel.clone(), ctx.trace);
         let fut = call(self.engine.clone(), ctx, req.into_inner());
-        let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", method));
+        let trace_id = ctx_trace.map(|t| t.trace_id_hex()).unwrap_or_default();
+        let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", method, trace_id));
         let task = tokio::spawn(async move {
             // The slot is held while the work runs, aborted work included.
             let _permit = permit;

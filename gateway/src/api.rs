@@ -57,6 +57,11 @@ impl From<CoreError> for Status {
     }
 }
 
+/// The W3C trace context a client sent (`traceparent`), if valid.
+pub(crate) fn trace_of(m: &tonic::metadata::MetadataMap) -> Option<ctxgate_proto::trace::TraceParent> {
+    m.get(ctxgate_proto::trace::HEADER).and_then(|v| v.to_str().ok()).and_then(ctxgate_proto::trace::TraceParent::parse)
+}
+
 /// The busy policy a client asked for (unset: enqueue).
 pub(crate) fn busy_policy(p: i32, field: &str) -> Result<BusyPolicy, CoreError> {
     match api::BusyPolicy::try_from(p) {
@@ -244,10 +249,12 @@ impl Gateway for Api {
     type RunTurnStream = EventStream<api::TurnEvent>;
 
     async fn run_turn(&self, req: Request<api::RunTurnRequest>) -> Result<Response<Self::RunTurnStream>, Status> {
+        let trace = crate::api::trace_of(req.metadata());
         let r = req.into_inner();
         let (agent, key) = session_fields(r.session.as_ref())?;
         let busy = busy_policy(r.busy_policy, "busy_policy")?;
-        let turn = ManagedTurn::new(agent, key, r.message, r.system_prompt, busy)?;
+        let mut turn = ManagedTurn::new(agent, key, r.message, r.system_prompt, busy)?;
+        turn.trace = trace;
         let cancel = self.core.call_token();
         let (out, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
         let (core, work) = (self.core.clone(), cancel.clone());

@@ -92,6 +92,7 @@ impl api::harness_server::Harness for HarnessApi {
         &self,
         req: Request<Streaming<api::HarnessRequest>>,
     ) -> Result<Response<Self::DriveTurnStream>, Status> {
+        let trace = crate::api::trace_of(req.metadata());
         let requests = req.into_inner();
         let cancel = self.core.call_token();
         let idle = Duration::from_secs(self.core.config().gateway.limits.harness_idle_seconds);
@@ -99,7 +100,7 @@ impl api::harness_server::Harness for HarnessApi {
         let out = Out { events, cancel: cancel.clone(), idle };
         let core = self.core.clone();
         tokio::spawn(async move {
-            let mut driver = Drive { core, requests, out };
+            let mut driver = Drive { core, requests, out, trace };
             if let Err(status) = driver.run().await {
                 driver.out.fail(status);
             }
@@ -113,6 +114,8 @@ struct Drive {
     core: Arc<Core>,
     requests: Streaming<api::HarnessRequest>,
     out: Out,
+    /// The client's `traceparent` (the stream's metadata).
+    trace: Option<ctxgate_proto::trace::TraceParent>,
 }
 
 impl Drive {
@@ -159,7 +162,7 @@ impl Drive {
                 )));
             }
         };
-        let spec = turn_spec(&self.core, begin)?;
+        let spec = TurnSpec { trace: self.trace, ..turn_spec(&self.core, begin)? };
         let assembles = spec.host.has(Capability::AssembleBeforePrompt);
         let mut turn = match self.core.begin(spec, self.sink(), self.out.cancel.clone()).await? {
             Begun::Open(t) => t,
@@ -348,6 +351,7 @@ fn turn_spec(core: &Core, b: api::Begin) -> Result<TurnSpec, CoreError> {
         system_prompt_tokens,
         available_tools: b.available_tools,
         busy: busy_policy(b.busy_policy, "begin.busy_policy")?,
+        trace: None,
     })
 }
 

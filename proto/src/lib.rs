@@ -6,6 +6,7 @@
 pub mod estimate;
 pub mod history;
 pub mod limits;
+pub mod trace;
 pub mod validate;
 
 /// Generated code, one module per proto package (the nesting lets the

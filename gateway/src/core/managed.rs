@@ -20,6 +20,8 @@ pub struct ManagedTurn {
     pub message: String,
     pub system_prompt: Option<String>,
     pub busy: BusyPolicy,
+    /// The client's `traceparent`, if it sent a valid one.
+    pub trace: Option<ctxgate_proto::trace::TraceParent>,
 }
 
 impl ManagedTurn {
@@ -40,7 +42,7 @@ impl ManagedTurn {
                 format!("is {} bytes, the limit is {}", message.len(), limits::MAX_MESSAGE_CONTENT_BYTES),
             ));
         }
-        Ok(Self { agent_id, session_key, message, system_prompt, busy })
+        Ok(Self { agent_id, session_key, message, system_prompt, busy, trace: None })
     }
 }
 
@@ -72,6 +74,7 @@ impl Core {
             system_prompt_tokens: system.as_deref().map_or(0, estimate::text_tokens),
             available_tools: Vec::new(),
             busy: req.busy,
+            trace: req.trace,
         };
         let turn = match self.begin(spec, events.clone(), cancel).await? {
             Begun::Open(t) => t,

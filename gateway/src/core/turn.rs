@@ -112,6 +112,9 @@ impl Core {
         events: EventSink,
         cancel: CancellationToken,
     ) -> Result<Begun, CoreError> {
+        // The turn's trace: the client's, or a new one; every engine call
+        // of the turn continues it.
+        let trace = spec.trace.unwrap_or_else(ctxgate_proto::trace::TraceParent::root);
         // Admission control: shed at once over the limit, before any work.
         let mut admission = self.admission.try_admit().map_err(|shed| {
             self.metrics.turns_shed.inc();
@@ -149,7 +152,7 @@ impl Core {
         self.metrics.turns_in_flight.inc();
         // One span per turn: every engine call and model request nests in it.
         let span = tracing::info_span!("turn", driver = spec.driver.as_str(), agent = %session.agent_id,
-            session = %session.session_id, key = %session.session_key);
+            session = %session.session_id, key = %session.session_key, trace_id = %trace.trace_id_hex());
         let turn = Turn {
             core: self.clone(),
             session,
@@ -161,7 +164,7 @@ impl Core {
             prompt,
             available_tools: spec.available_tools,
             events,
-            call: Call::new(cancel.clone()),
+            call: Call::new(cancel.clone()).traced(Some(trace)),
             cancel,
             own,
             bytes,

@@ -244,6 +244,9 @@ pub struct TurnSpec {
     pub system_prompt_tokens: u64,
     pub available_tools: Vec<String>,
     pub busy: BusyPolicy,
+    /// The client's W3C trace context; every engine call of the turn
+    /// continues it (a new trace when the client sent none).
+    pub trace: Option<ctxgate_proto::trace::TraceParent>,
 }
 
 /// Why this engine serves the turn.

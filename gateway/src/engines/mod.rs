@@ -25,11 +25,18 @@ pub struct Call {
     pub cancel: CancellationToken,
     /// The caller's own deadline; the method's timeout is cut to it.
     pub deadline: Option<Instant>,
+    /// The trace the call continues (sent as `traceparent`).
+    pub trace: Option<ctxgate_proto::trace::TraceParent>,
 }
 
 impl Call {
     pub fn new(cancel: CancellationToken) -> Self {
-        Self { cancel, deadline: None }
+        Self { cancel, deadline: None, trace: None }
+    }
+
+    pub fn traced(mut self, trace: Option<ctxgate_proto::trace::TraceParent>) -> Self {
+        self.trace = trace;
+        self
     }
 
     pub fn with_deadline(mut self, deadline: Instant) -> Self {

@@ -23,7 +23,7 @@ use crate::config::{DEFAULT_ENGINE_TIMEOUT_SECONDS, EngineEntry};
 pub struct Remote {
     pub id: String,
     pub endpoint: String,
-    client: ContextEngineClient<Channel>,
+    client: Client,
     channel: Channel,
     timeouts: BTreeMap<String, Duration>,
     default_timeout: Duration,
@@ -78,6 +78,31 @@ fn capped(s: &str, max: usize) -> String {
     s.chars().take(max).collect()
 }
 
+/// The engine client: every request carries the trace of the call it
+/// belongs to.
+type Client = ContextEngineClient<tonic::service::interceptor::InterceptedService<Channel, Propagate>>;
+
+tokio::task_local! {
+    /// The trace of the engine call running in this task (see `run`).
+    static TRACE: Option<ctxgate_proto::trace::TraceParent>;
+}
+
+/// Adds `traceparent` (the call's trace, this gateway's new span) to each
+/// request made inside a traced call's task.
+#[derive(Clone, Copy)]
+struct Propagate;
+
+impl tonic::service::Interceptor for Propagate {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Ok(Some(t)) = TRACE.try_with(|t| *t)
+            && let Ok(v) = t.child().to_string().parse()
+        {
+            req.metadata_mut().insert(ctxgate_proto::trace::HEADER, v);
+        }
+        Ok(req)
+    }
+}
+
 /// Compaction progress as relayed to clients: short fields only.
 fn capped_progress(p: pb::CompactProgress) -> pb::CompactProgress {
     pb::CompactProgress { stage: capped(&p.stage, 64), message: capped(&p.message, 1024), ..p }
@@ -96,7 +121,7 @@ impl Remote {
         } else {
             ctxgate_engine_sdk::channel(&endpoint)
         };
-        let client = ContextEngineClient::new(channel.clone())
+        let client = ContextEngineClient::with_interceptor(channel.clone(), Propagate)
             .max_decoding_message_size(entry.max_message_bytes)
             .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES);
         let mut timeouts: BTreeMap<String, Duration> =
@@ -139,7 +164,7 @@ impl Remote {
         &self,
         method: &'static str,
         call: &Call,
-        f: impl FnOnce(ContextEngineClient<Channel>, Duration) -> F,
+        f: impl FnOnce(Client, Duration) -> F,
     ) -> Result<T, EngineCallError>
     where
         T: Send + 'static,
@@ -152,7 +177,8 @@ impl Remote {
         // One span per engine call, carried into its task.
         let span =
             tracing::debug_span!("engine_call", engine = %self.id, method, timeout_ms = timeout.as_millis() as u64);
-        let task = tokio::spawn(tracing::Instrument::instrument(f(self.client.clone(), timeout), span));
+        let work = TRACE.scope(call.trace, f(self.client.clone(), timeout));
+        let task = tokio::spawn(tracing::Instrument::instrument(work, span));
         let _abort = AbortOnDrop(task.abort_handle());
         tokio::select! {
             r = tokio::time::timeout(timeout, task) => match r {
@@ -341,8 +367,9 @@ impl Remote {
         let mut client = self.client.clone();
         let span =
             tracing::debug_span!("engine_call", engine = %self.id, method = M, timeout_ms = timeout.as_millis() as u64);
+        let trace = call.trace;
         let task = tokio::spawn(tracing::Instrument::instrument(
-            async move {
+            TRACE.scope(trace, async move {
                 let mut r = Request::new(req);
                 r.set_timeout(timeout);
                 let mut stream = client.compact(r).await.map_err(|s| failure(M, s, timeout))?.into_inner();
@@ -365,7 +392,7 @@ impl Remote {
                     }
                 }
                 terminal.ok_or_else(|| violation(M, "the stream ended without a result or delegate_to_host"))
-            },
+            }),
             span,
         ));
         let _abort = AbortOnDrop(task.abort_handle());

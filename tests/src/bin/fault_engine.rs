@@ -22,6 +22,8 @@
 //! - `needs-threads`: requires the "thread-bootstrap-projection" capability.
 //! - `grant-probe`: Assemble tests its grant (own session, another session,
 //!   after the call ended).
+//! - `trace-probe`: Assemble reports the `traceparent` it got
+//!   (`event trace <header>`).
 //! - `slow-prepare`: PrepareSubagentSpawn takes 300 ms.
 //! - `accepts-nothing`: declares `accepted_host_params = []` and reports
 //!   which host params Assemble still received.
@@ -229,6 +231,10 @@ impl ContextEngine for Fault {
 
     async fn assemble(&self, ctx: &CallContext, req: pb::AssembleRequest) -> Result<pb::AssembleResult, EngineError> {
         event("assemble", &req.session_id);
+        if self.has("trace-probe") {
+            let t = ctx.trace().map_or_else(|| "none".to_owned(), ToString::to_string);
+            event("trace", &t);
+        }
         if self.has("crash-on-assemble") {
             std::process::exit(3);
         }
