@@ -106,6 +106,9 @@ async fn the_cli_reaches_an_https_gateway_and_each_tls_mistake_says_which() {
     let (code, _, err) = status(&g.endpoint, &[]).await;
     assert_eq!(code, Some(1));
     assert!(err.contains("TLS") && err.contains("https://"), "plaintext client, TLS gateway: {err}");
+    let (code, _, err) = status(&g.endpoint, &ca_flag).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("are for an https:// gateway"), "TLS flags never go plaintext: {err}");
 
     // An expired server certificate.
     let (old, old_key) = ca.leaf(&["localhost", "127.0.0.1"], true, true);
@@ -163,7 +166,7 @@ async fn mtls_admits_a_client_the_gateways_ca_signed_and_refuses_others() {
     let bad_flags = flags(&bad, &bad_key);
     let (code, _, err) = status(&https(&g), &bad_flags.iter().map(String::as_str).collect::<Vec<_>>()).await;
     assert_eq!(code, Some(1));
-    assert!(err.to_lowercase().contains("certificate"), "a client another CA signed: {err}");
+    assert!(err.contains("client certificate"), "a client another CA signed: {err}");
 
     let (code, _, err) = status(&https(&g), &ca_flag).await;
     assert_eq!(code, Some(1));
@@ -220,6 +223,17 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
         c.plugins.entries.get_mut("window").unwrap().tls = Some(tls);
         c
     };
+    // The engine's own health check, over mTLS (a NaN timeout is no panic).
+    for timeout in ["3", "NaN"] {
+        let out = tokio::process::Command::new(bin("ctxgate-engine-window"))
+            .args(["health", "--endpoint", &endpoint, "--tls-ca", ca_pem.to_str().unwrap()])
+            .args(["--tls-cert", gw.to_str().unwrap(), "--tls-key", gw_key.to_str().unwrap()])
+            .args(["--timeout-seconds", timeout])
+            .output()
+            .await
+            .unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    }
     let good = TestGateway::start(config(&ca_pem, true)).await;
     attached(&good, "window").await;
     let events = run_turn(&good, "over-mtls", "hello").await;

@@ -7,25 +7,60 @@ use std::time::Duration;
 
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
-use crate::endpoint::{Endpoint, channel};
+use crate::endpoint::channel;
 
 /// The `health` subcommand's options.
 #[derive(clap::Parser, Debug)]
 #[command(about = "Checks a running engine: exit 0 when it is SERVING, 1 otherwise")]
 pub struct HealthArgs {
-    /// The engine to check (HOST:PORT or unix:///PATH).
+    /// The engine to check: HOST:PORT, https://HOST:PORT (TLS) or
+    /// unix:///PATH.
     #[arg(long)]
-    pub endpoint: Endpoint,
+    pub endpoint: crate::host::HostEndpoint,
     /// How long the check may take.
     #[arg(long, default_value_t = 3.0)]
     pub timeout_seconds: f64,
+    /// With https://: the CA (PEM) the engine's certificate chains to
+    /// (default: the public web roots).
+    #[arg(long)]
+    pub tls_ca: Option<std::path::PathBuf>,
+    /// With https://: a client certificate and key (PEM), for an engine
+    /// that requires one.
+    #[arg(long, requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+    #[arg(long, requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
 }
 
-/// Whether `endpoint` reports the engine service SERVING; else why not, as
-/// a sentence.
-pub async fn check(endpoint: &Endpoint, timeout: Duration) -> Result<(), String> {
+impl HealthArgs {
+    fn channel(&self) -> Result<tonic::transport::Channel, String> {
+        let e = &self.endpoint;
+        if !e.https {
+            return Ok(channel(&e.endpoint));
+        }
+        let read =
+            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|err| format!("{flag} {}: {err}", p.display()));
+        let mut tls = tonic::transport::ClientTlsConfig::new().domain_name(e.host.clone());
+        tls = match &self.tls_ca {
+            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--tls-ca", ca)?)),
+            None => tls.with_webpki_roots(),
+        };
+        if let (Some(c), Some(k)) = (&self.tls_cert, &self.tls_key) {
+            tls = tls.identity(tonic::transport::Identity::from_pem(read("--tls-cert", c)?, read("--tls-key", k)?));
+        }
+        crate::endpoint::tls_channel(&e.endpoint, tls)
+    }
+}
+
+/// Whether the engine on `channel` (at `endpoint`) reports SERVING; else
+/// why not, as a sentence.
+pub async fn check(
+    channel: tonic::transport::Channel,
+    endpoint: &impl std::fmt::Display,
+    timeout: Duration,
+) -> Result<(), String> {
     let req = HealthCheckRequest { service: ctxgate_proto::ENGINE_SERVICE.into() };
-    let mut client = HealthClient::new(channel(endpoint));
+    let mut client = HealthClient::new(channel);
     match tokio::time::timeout(timeout, client.check(req)).await {
         Err(_) => Err(format!("the engine at {endpoint} did not answer a health check within {timeout:?}")),
         Ok(Err(s)) => Err(format!("the engine at {endpoint} cannot be checked: {}", s.message())),
@@ -46,8 +81,13 @@ pub async fn subcommand(program: &str) -> Option<ExitCode> {
         return None;
     }
     let parsed = <HealthArgs as clap::Parser>::parse_from(std::iter::once(bin).chain(args));
-    let timeout = Duration::from_secs_f64(parsed.timeout_seconds.clamp(0.1, 60.0));
-    Some(match check(&parsed.endpoint, timeout).await {
+    let secs = parsed.timeout_seconds;
+    let timeout = Duration::from_secs_f64(if secs.is_finite() { secs.clamp(0.1, 60.0) } else { 3.0 });
+    let checked = match parsed.channel() {
+        Ok(c) => check(c, &parsed.endpoint, timeout).await,
+        Err(e) => Err(e),
+    };
+    Some(match checked {
         Ok(()) => {
             println!("SERVING");
             ExitCode::SUCCESS

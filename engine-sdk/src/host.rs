@@ -2,8 +2,9 @@
 //! authorised by the grant that came with the current call.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -125,7 +126,57 @@ fn bounded<T>(ctx: &CallContext, msg: T) -> tonic::Request<T> {
 /// its. A unix socket named by a request is never dialled unless listed.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct HostPolicy {
-    allow: Vec<Endpoint>,
+    allow: Vec<HostEndpoint>,
+}
+
+/// A host endpoint as requests and `--host-allow` name it: `http://`,
+/// `https://` (TLS) or bare `HOST:PORT`, or `unix:///PATH`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostEndpoint {
+    pub https: bool,
+    pub endpoint: Endpoint,
+    /// The host as written (the TLS server name: `localhost` stays a name).
+    pub host: String,
+}
+
+impl std::str::FromStr for HostEndpoint {
+    type Err = crate::endpoint::BadEndpoint;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (https, rest) = match s.strip_prefix("https://") {
+            Some(rest) => (true, rest),
+            None => (false, s),
+        };
+        let endpoint: Endpoint = rest.parse()?;
+        let bare = rest.strip_prefix("http://").unwrap_or(rest).trim_end_matches('/');
+        let host = bare.rsplit_once(':').map_or(bare, |(h, _)| h).trim_matches(['[', ']']).to_owned();
+        Ok(Self { https, endpoint, host })
+    }
+}
+
+impl std::fmt::Display for HostEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.endpoint, self.https) {
+            (Endpoint::Unix(_), _) | (_, false) => write!(f, "{}", self.endpoint),
+            (e, true) => write!(f, "https://{e}"),
+        }
+    }
+}
+
+/// A host endpoint the policy allows: where to dial (an address that was
+/// checked, never a name resolved again later), and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked {
+    pub dial: Endpoint,
+    pub https: bool,
+    /// The name the gateway's certificate must carry, with TLS.
+    pub server_name: String,
+}
+
+impl Checked {
+    fn key(&self) -> String {
+        format!("{}|{}|{}", self.https, self.dial, self.server_name)
+    }
 }
 
 /// Why a host endpoint was not called.
@@ -169,36 +220,46 @@ fn canonical(ip: std::net::IpAddr) -> std::net::IpAddr {
 }
 
 impl HostPolicy {
-    /// Only these endpoints; none: the calling peer's address.
-    pub fn allow(allow: Vec<Endpoint>) -> Self {
+    /// Only these endpoints (scheme included); none: the calling peer's
+    /// address.
+    pub fn allow(allow: Vec<HostEndpoint>) -> Self {
         Self { allow }
     }
 
-    /// Whether `endpoint` may be called for a call from `peer` (an
-    /// `https://` endpoint is matched by its address).
-    pub async fn check(&self, endpoint: &str, peer: Peer) -> Result<Endpoint, Refused> {
-        let address = endpoint.strip_prefix("https://").unwrap_or(endpoint);
-        let parsed: Endpoint = address.parse().map_err(|_| Refused::Invalid(endpoint.into()))?;
+    /// Whether `endpoint` may be called for a call from `peer`, and where to
+    /// dial it. A name is resolved once, here, bounded by `within`, and the
+    /// address that matched is what gets dialled: a name that resolves to
+    /// the peer and to somewhere else, or that changes after the check,
+    /// cannot steer the engine elsewhere.
+    pub async fn check(&self, endpoint: &str, peer: Peer, within: Duration) -> Result<Checked, Refused> {
+        let h: HostEndpoint = endpoint.parse().map_err(|_| Refused::Invalid(endpoint.into()))?;
+        let checked = |dial: Endpoint| Checked { dial, https: h.https, server_name: h.host.clone() };
         if !self.allow.is_empty() {
-            return if self.allow.contains(&parsed) { Ok(parsed) } else { Err(Refused::NotListed(endpoint.into())) };
+            if !self.allow.iter().any(|a| a.https == h.https && a.endpoint == h.endpoint) {
+                return Err(Refused::NotListed(endpoint.into()));
+            }
+            // Listed by the operator: dialled as written.
+            return Ok(checked(h.endpoint.clone()));
         }
-        let ips: Vec<std::net::IpAddr> = match &parsed {
+        let candidates: Vec<SocketAddr> = match &h.endpoint {
             Endpoint::Unix(_) => return Err(Refused::UnixSocket(endpoint.into())),
-            Endpoint::Tcp(addr) => vec![addr.ip()],
-            // Resolved now, bounded: a name that does not resolve to the peer is refused.
+            Endpoint::Tcp(addr) => vec![*addr],
             Endpoint::Host(name, port) => {
                 let lookup = tokio::net::lookup_host((name.as_str(), *port));
-                match tokio::time::timeout(std::time::Duration::from_secs(2), lookup).await {
-                    Ok(Ok(addrs)) => addrs.map(|a| a.ip()).collect(),
+                match tokio::time::timeout(within.min(Duration::from_secs(2)), lookup).await {
+                    Ok(Ok(addrs)) => addrs.collect(),
                     _ => Vec::new(),
                 }
             }
         };
-        let mine = match peer {
-            Peer::Ip(p) => ips.iter().any(|ip| canonical(*ip) == canonical(p)),
-            Peer::Local => ips.iter().any(|ip| ip.is_loopback()),
-        };
-        if mine { Ok(parsed) } else { Err(Refused::NotThePeer { endpoint: endpoint.into(), peer: peer.to_string() }) }
+        let matched = candidates.into_iter().find(|a| match peer {
+            Peer::Ip(p) => canonical(a.ip()) == canonical(p),
+            Peer::Local => a.ip().is_loopback(),
+        });
+        match matched {
+            Some(addr) => Ok(checked(Endpoint::Tcp(addr))),
+            None => Err(Refused::NotThePeer { endpoint: endpoint.into(), peer: peer.to_string() }),
+        }
     }
 }
 
@@ -221,36 +282,44 @@ impl HostChannels {
         Self { policy, tls, channels: Mutex::default() }
     }
 
-    fn open(&self, endpoint: &Endpoint, https: bool) -> Result<Channel, String> {
-        if !https {
-            return Ok(channel(endpoint));
+    fn open(&self, c: &Checked) -> Result<Channel, String> {
+        if !c.https {
+            return Ok(channel(&c.dial));
         }
         let tls = self.tls.clone().unwrap_or_else(|| tonic::transport::ClientTlsConfig::new().with_webpki_roots());
-        crate::endpoint::tls_channel(endpoint, tls)
+        // Dialled by address, verified by the name the endpoint was written with.
+        crate::endpoint::tls_channel(&c.dial, tls.domain_name(c.server_name.clone()))
     }
 
     /// A client for `access` from `peer`, or `None` when the call carries no
     /// usable grant or names a host endpoint the policy refuses (logged:
-    /// the engine then works without host callbacks).
-    pub(crate) async fn client(self: &Arc<Self>, access: Option<&pb::HostAccess>, peer: Peer) -> Option<HostClient> {
+    /// the engine then works without host callbacks). `within`: the call's
+    /// time left, which bounds a name lookup.
+    pub(crate) async fn client(
+        self: &Arc<Self>,
+        access: Option<&pb::HostAccess>,
+        peer: Peer,
+        within: Duration,
+    ) -> Option<HostClient> {
         let access = access?;
         let grant = access.grant.clone().filter(|g| !g.token.is_empty())?;
-        let endpoint = match self.policy.check(&access.endpoint, peer).await {
-            Ok(e) => e,
+        let checked = match self.policy.check(&access.endpoint, peer, within).await {
+            Ok(c) => c,
             Err(refused) => {
                 tracing::warn!(%refused, "host callbacks refused for this call");
                 return None;
             }
         };
+        let key = checked.key();
         let channel = {
             let mut map = self.channels.lock().unwrap_or_else(|e| e.into_inner());
-            if map.len() >= MAX_HOST_CHANNELS && !map.contains_key(&access.endpoint) {
+            if map.len() >= MAX_HOST_CHANNELS && !map.contains_key(&key) {
                 map.clear();
             }
-            match map.get(&access.endpoint) {
+            match map.get(&key) {
                 Some(c) => c.clone(),
-                None => match self.open(&endpoint, access.endpoint.starts_with("https://")) {
-                    Ok(c) => map.entry(access.endpoint.clone()).or_insert(c).clone(),
+                None => match self.open(&checked) {
+                    Ok(c) => map.entry(key).or_insert(c).clone(),
                     Err(e) => {
                         tracing::warn!(endpoint = access.endpoint, error = e, "host callbacks refused for this call");
                         return None;
@@ -269,33 +338,57 @@ impl HostChannels {
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn a_name_is_dialled_at_the_address_that_matched_and_verified_by_its_name() {
+        let p = HostPolicy::default();
+        // `localhost` resolves (here) to the loopback: dialled by address, TLS name kept.
+        let c = p.check_now("https://localhost:7300", ip("127.0.0.1")).await.unwrap();
+        assert_eq!(c.dial, Endpoint::Tcp("127.0.0.1:7300".parse().unwrap()));
+        assert_eq!((c.https, c.server_name.as_str()), (true, "localhost"));
+        let c = p.check_now("http://127.0.0.1:7300", ip("127.0.0.1")).await.unwrap();
+        assert_eq!((c.https, c.server_name.as_str()), (false, "127.0.0.1"));
+    }
+
     fn ip(s: &str) -> Peer {
         Peer::Ip(s.parse().unwrap())
+    }
+
+    impl HostPolicy {
+        async fn check_now(&self, endpoint: &str, peer: Peer) -> Result<Checked, Refused> {
+            self.check(endpoint, peer, Duration::from_secs(2)).await
+        }
     }
 
     #[tokio::test]
     async fn by_default_only_the_calling_peer_is_called_back() {
         let p = HostPolicy::default();
-        assert!(p.check("127.0.0.1:7300", ip("127.0.0.1")).await.is_ok());
-        assert!(p.check("http://127.0.0.1:7300", ip("127.0.0.1")).await.is_ok());
-        assert!(p.check("localhost:7300", ip("127.0.0.1")).await.is_ok());
-        assert!(p.check("127.0.0.1:7300", ip("::ffff:127.0.0.1")).await.is_ok(), "the same address, v4-mapped");
-        assert!(matches!(p.check("10.1.2.3:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
-        assert!(matches!(p.check("127.0.0.2:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
-        assert!(matches!(p.check("unix:///run/gw.sock", Peer::Local).await, Err(Refused::UnixSocket(_))));
-        assert!(matches!(p.check("name.invalid:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
-        assert!(matches!(p.check("not an endpoint", ip("127.0.0.1")).await, Err(Refused::Invalid(_))));
+        assert!(p.check_now("127.0.0.1:7300", ip("127.0.0.1")).await.is_ok());
+        assert!(p.check_now("http://127.0.0.1:7300", ip("127.0.0.1")).await.is_ok());
+        assert!(p.check_now("localhost:7300", ip("127.0.0.1")).await.is_ok());
+        assert!(p.check_now("127.0.0.1:7300", ip("::ffff:127.0.0.1")).await.is_ok(), "the same address, v4-mapped");
+        assert!(matches!(p.check_now("10.1.2.3:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
+        assert!(matches!(p.check_now("127.0.0.2:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
+        assert!(matches!(p.check_now("unix:///run/gw.sock", Peer::Local).await, Err(Refused::UnixSocket(_))));
+        assert!(matches!(p.check_now("name.invalid:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
+        assert!(matches!(p.check_now("not an endpoint", ip("127.0.0.1")).await, Err(Refused::Invalid(_))));
         // A caller on the unix socket is local: loopback is its.
-        assert!(p.check("127.0.0.1:7300", Peer::Local).await.is_ok());
-        assert!(p.check("10.1.2.3:7300", Peer::Local).await.is_err());
+        assert!(p.check_now("127.0.0.1:7300", Peer::Local).await.is_ok());
+        assert!(p.check_now("10.1.2.3:7300", Peer::Local).await.is_err());
     }
 
     #[tokio::test]
     async fn an_allow_list_is_all_that_is_called_back() {
-        let p = HostPolicy::allow(vec!["10.0.0.5:7300".parse().unwrap(), "unix:///run/gw.sock".parse().unwrap()]);
-        assert!(p.check("http://10.0.0.5:7300", ip("192.168.1.1")).await.is_ok());
-        assert!(p.check("unix:///run/gw.sock", Peer::Local).await.is_ok());
-        let e = p.check("127.0.0.1:7300", ip("127.0.0.1")).await.unwrap_err();
+        let p = HostPolicy::allow(vec![
+            "10.0.0.5:7300".parse().unwrap(),
+            "unix:///run/gw.sock".parse().unwrap(),
+            "https://gateway:7300".parse().unwrap(),
+        ]);
+        assert!(p.check_now("http://10.0.0.5:7300", ip("192.168.1.1")).await.is_ok());
+        assert!(p.check_now("https://gateway:7300", ip("192.168.1.1")).await.is_ok());
+        assert!(p.check_now("gateway:7300", ip("192.168.1.1")).await.is_err(), "the scheme is part of what is listed");
+        assert!(p.check_now("https://10.0.0.5:7300", ip("192.168.1.1")).await.is_err());
+        assert!(p.check_now("unix:///run/gw.sock", Peer::Local).await.is_ok());
+        let e = p.check_now("127.0.0.1:7300", ip("127.0.0.1")).await.unwrap_err();
         assert_eq!(e, Refused::NotListed("127.0.0.1:7300".into()), "the peer is not trusted by itself then");
         assert!(e.to_string().contains("--host-allow"), "{e}");
     }

@@ -43,7 +43,7 @@ pub struct ServeArgs {
     /// or unix:///PATH), repeatable. None: only the address of the peer that
     /// made the call (a host name is resolved to check it).
     #[arg(long = "host-allow", value_name = "ENDPOINT")]
-    pub host_allow: Vec<Endpoint>,
+    pub host_allow: Vec<crate::host::HostEndpoint>,
     /// Serve TLS with this certificate (PEM), with `--tls-key`.
     #[arg(long, requires = "tls_key")]
     pub tls_cert: Option<std::path::PathBuf>,
@@ -200,7 +200,8 @@ impl<E: ContextEngine> Server<E> {
         self
     }
 
-    /// Serves TLS (rustls) when given: over TCP only.
+    /// Serves TLS (rustls) when given: over TCP only (`bind` refuses a unix
+    /// socket with TLS).
     pub fn tls(mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> Self {
         self.tls = tls;
         self
@@ -229,6 +230,16 @@ impl<E: ContextEngine> Server<E> {
 
     /// Binds `endpoint`. A stale unix socket file is replaced.
     pub async fn bind(self, endpoint: &Endpoint) -> std::io::Result<Bound<E>> {
+        if let Some(tls) = &self.tls {
+            // A unix socket's peer cannot speak TLS to us (the gateway refuses
+            // https with unix://); a bad key is said now, before `listening on`.
+            if matches!(endpoint, Endpoint::Unix(_)) {
+                return Err(std::io::Error::other("TLS is served over TCP only: --listen HOST:PORT with --tls-cert"));
+            }
+            tonic::transport::Server::builder()
+                .tls_config(tls.clone())
+                .map_err(|e| std::io::Error::other(format!("--tls-cert/--tls-key: {e}")))?;
+        }
         let (listener, local) = match endpoint {
             Endpoint::Tcp(addr) => {
                 let l = tokio::net::TcpListener::bind(addr).await?;
@@ -423,13 +434,17 @@ impl<E: ContextEngine> EngineService<E> {
     async fn context<T>(&self, req: &Request<T>, host: Option<&pb::HostAccess>) -> CallContext {
         // No TCP peer: the call came over the unix socket.
         let peer = req.remote_addr().map_or(Peer::Local, |a| Peer::Ip(a.ip()));
-        let host = self.hosts.client(host, peer).await;
+        // The deadline is the caller's from its arrival; a name lookup for the
+        // host endpoint spends from it.
+        let deadline = deadline_of(req.metadata());
+        let within = deadline.map_or(Duration::from_secs(2), |d| d.saturating_duration_since(Instant::now()));
+        let host = self.hosts.client(host, peer, within).await;
         let trace = req
             .metadata()
             .get(ctxgate_proto::trace::HEADER)
             .and_then(|v| v.to_str().ok())
             .and_then(ctxgate_proto::trace::TraceParent::parse);
-        CallContext { deadline: deadline_of(req.metadata()), cancel: CancellationToken::new(), host, trace }
+        CallContext { deadline, cancel: CancellationToken::new(), host, trace }
     }
 
     /// Validates, then runs one unary engine method in its own task, bounded

@@ -229,28 +229,28 @@ pub(crate) fn causes(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// What a failed connection means, when TLS is why.
+/// What a failed connection means, when TLS is why (from the error text:
+/// rustls' certificate errors and alerts; the rest is a guess, said so).
 fn tls_hint(detail: &str, https: bool) -> Option<&'static str> {
-    let hints: &[(&str, &str)] = &[
-        ("UnknownIssuer", "its certificate is not signed by a CA you trust (--tls-ca)"),
-        ("Expired", "its certificate has expired"),
-        ("NotValidForName", "its certificate is not for that host name"),
-        ("CertificateRequired", "it requires a client certificate (--tls-cert and --tls-key)"),
-        ("UnknownCA", "it does not trust your client certificate's CA"),
-        ("BadCertificate", "it refused your client certificate"),
-        ("InvalidContentType", "it does not speak TLS at that address (use http://)"),
-        ("CorruptMessage", "it does not speak TLS at that address (use http://)"),
+    let hints: &[(&[&str], &str)] = &[
+        (&["UnknownIssuer"], "its certificate is not signed by a CA you trust (--tls-ca)"),
+        (&["certificate expired", "Expired"], "its certificate has expired"),
+        (&["not valid for name", "NotValidForName"], "its certificate is not for that host name"),
+        (&["CertificateRequired"], "it requires a client certificate (--tls-cert and --tls-key)"),
+        (&["UnknownCA", "BadCertificate", "DecryptError"], "it refused your client certificate"),
+        (&["InvalidContentType", "CorruptMessage"], "it does not speak TLS at that address (use http://)"),
     ];
-    if let Some((_, hint)) = hints.iter().find(|(k, _)| detail.contains(k)) {
+    if let Some((_, hint)) = hints.iter().find(|(keys, _)| keys.iter().any(|k| detail.contains(k))) {
         return Some(hint);
     }
-    // Connected, then dropped at once (or TLS bytes read as HTTP/2).
+    // Connected, then dropped at once (or TLS bytes read as HTTP/2): a guess.
     let dropped = ["frame with invalid size", "connection closed", "broken pipe", "reset by peer"]
         .iter()
         .any(|k| detail.contains(k));
     match (dropped, https) {
-        // A TLS gateway spoken to in plaintext.
-        (true, false) => Some("it may expect TLS (use https:// and --tls-ca)"),
+        (true, false) => Some(
+            "it dropped the connection at once: it may expect TLS (use https:// and --tls-ca), or not be a ctxgate gateway",
+        ),
         // With TLS 1.3 a refused client certificate shows only as the
         // gateway closing the connection right after the handshake.
         (true, true) => Some(
@@ -314,11 +314,18 @@ async fn channel(conn: &Conn) -> Result<Channel, CliError> {
         .map_err(|_| CliError(format!("{:?} is not a gateway URL (expected http://HOST:PORT)", conn.gateway)))?
         .connect_timeout(Duration::from_secs(5));
     let https = conn.gateway.starts_with("https://");
+    if !https && (conn.tls_ca.is_some() || conn.tls_cert.is_some()) {
+        // Never plaintext (with the bearer token) when TLS was asked for.
+        return Err(CliError(format!(
+            "--tls-ca/--tls-cert are for an https:// gateway; {} is plaintext (use https://)",
+            conn.gateway
+        )));
+    }
     if https {
         endpoint = endpoint.tls_config(conn.tls()?).map_err(|e| CliError(format!("TLS: {}", causes(&e))))?;
     }
     let unreachable = |detail: String| match tls_hint(&detail, https) {
-        Some(hint) => CliError(format!("The gateway at {} refused the connection: {hint}.", conn.gateway)),
+        Some(hint) => CliError(format!("The connection to the gateway at {} failed: {hint}.", conn.gateway)),
         None => CliError(format!(
             "Cannot reach the gateway at {} ({detail}). Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)",
             conn.gateway
@@ -327,13 +334,12 @@ async fn channel(conn: &Conn) -> Result<Channel, CliError> {
     let channel = endpoint.connect().await.map_err(|e| unreachable(causes(&e)))?;
     // One health check (not behind the bearer token): a TLS mismatch shows
     // on the first call, and is worded here where the connection is known.
-    let check = tonic_health::pb::health_client::HealthClient::new(channel.clone())
-        .check(tonic_health::pb::HealthCheckRequest { service: String::new() })
-        .await;
-    if let Err(s) = check
-        && s.source().is_some()
-    {
-        return Err(unreachable(causes(&s)));
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
+    let check = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() });
+    match tokio::time::timeout(Duration::from_secs(5), check).await {
+        Err(_) => return Err(CliError(format!("The gateway at {} did not answer within 5 s.", conn.gateway))),
+        Ok(Err(s)) if s.source().is_some() => return Err(unreachable(causes(&s))),
+        Ok(_) => {}
     }
     Ok(channel)
 }

@@ -391,6 +391,10 @@ impl EngineEntry {
         if let Some(name) = &t.server_name {
             tls = tls.domain_name(name.clone());
         }
+        // Built now (a key that is not one, or does not match, is said at start).
+        tonic::transport::Endpoint::from_static("https://engine.invalid")
+            .tls_config(tls.clone())
+            .map_err(|e| invalid(&key("cert"), format!("{e}")))?;
         Ok(tls)
     }
 }
@@ -538,6 +542,12 @@ impl Config {
         }
         if !(1..=1024).contains(&self.store.pool_size) {
             return Err(invalid("store.poolSize", format!("{} is outside 1–1024", self.store.pool_size)));
+        }
+        if let Some(e) = &self.gateway.host_endpoint
+            && self.gateway.tls.is_some()
+            && !e.starts_with("https://")
+        {
+            return Err(invalid("gateway.hostEndpoint", "with gateway.tls the Host service is TLS too: use https://"));
         }
         if let Some(e) = &self.gateway.host_endpoint
             && e.strip_prefix("https://").unwrap_or(e).parse::<ctxgate_engine_sdk::Endpoint>().is_err()
