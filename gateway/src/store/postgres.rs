@@ -75,7 +75,10 @@ CREATE TABLE entries (
     parent_id  TEXT,
     seq        BIGINT NOT NULL,
     kind       BIGINT NOT NULL,
-    body       BYTEA NOT NULL
+    body       BYTEA NOT NULL,
+    -- A compaction's first kept entry ('' keeps nothing): where a walk
+    -- from the leaf for the visible history stops.
+    first_kept TEXT
 );
 CREATE INDEX entries_by_session ON entries (session_id, seq);
 CREATE TABLE outbox (
@@ -494,10 +497,14 @@ async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>,
 
 async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
     let seq = e.seq as i64;
+    let first_kept = match &e.entry {
+        Some(Entry::Compaction(c)) => Some(c.first_kept_entry_id.as_str()),
+        _ => None,
+    };
     exec(
         tx,
-        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES ($1, $2, $3, $4, $5, $6)",
-        &[&e.id, &session_id, &e.parent_id, &seq, &kind_of(e), &e.encode_to_vec()],
+        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        &[&e.id, &session_id, &e.parent_id, &seq, &kind_of(e), &e.encode_to_vec(), &first_kept],
     )
     .await?;
     Ok(())
@@ -570,11 +577,23 @@ async fn branch_back_to(
     session_id: &str,
     stop: &str,
 ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
-    let mut branch = branch_of(tx, session_id).await?;
-    let Some(at) = branch.iter().position(|e| e.id == stop) else { return Ok(None) };
-    let mut back = branch.split_off(at);
-    back.reverse();
-    Ok(Some(back))
+    // From the leaf back, stopping at `stop`: what is new, not the session's age.
+    let rows = q(
+        tx,
+        "WITH RECURSIVE walk(id, parent_id, body, depth, done) AS (
+               SELECT e.id, e.parent_id, e.body, 0, e.id = $2 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+                WHERE s.session_id = $1
+               UNION ALL
+               SELECT e.id, e.parent_id, e.body, w.depth + 1, e.id = $2 FROM entries e JOIN walk w ON e.id = w.parent_id
+                WHERE NOT w.done
+             ) SELECT body, done FROM walk ORDER BY depth",
+        &[&session_id, &stop],
+    )
+    .await?;
+    if !rows.last().is_some_and(|r| r.get::<_, bool>(1)) {
+        return Ok(None);
+    }
+    rows.iter().map(|r| decode(r, 0)).collect::<Result<Vec<_>, _>>().map(Some)
 }
 
 async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
@@ -738,19 +757,29 @@ impl Store for PostgresStore {
     }
 
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
-        // The whole branch, cut at the latest compaction's first kept entry.
-        let branch = self.branch(session_id).await?;
-        let from = branch.iter().rposition(|e| matches!(e.entry, Some(Entry::Compaction(_)))).map(|last| {
-            let Some(Entry::Compaction(cmp)) = &branch[last].entry else { return last };
-            match cmp.first_kept_entry_id.as_str() {
-                "" => last,
-                kept => branch[..last].iter().rposition(|e| e.id == kept).unwrap_or(0),
-            }
-        });
-        Ok(match from {
-            Some(i) => branch[i..].to_vec(),
-            None => branch,
-        })
+        // From the leaf back to the latest compaction's first kept entry (or
+        // to that compaction, when it keeps nothing), as SQLite walks it: a
+        // cost bounded by the context window, not by the session's age.
+        let c = self.client().await?;
+        let rows = q(
+            &c,
+            "WITH RECURSIVE walk(id, parent_id, body, depth, target, done) AS (
+               SELECT e.id, e.parent_id, e.body, 0, e.first_kept, COALESCE(e.first_kept = '', false)
+                 FROM sessions s JOIN entries e ON e.id = s.leaf_id WHERE s.session_id = $1
+               UNION ALL
+               SELECT e.id, e.parent_id, e.body, w.depth + 1, COALESCE(w.target, e.first_kept),
+                      CASE WHEN w.target IS NULL THEN COALESCE(e.first_kept = '', false) ELSE e.id = w.target END
+                 FROM entries e JOIN walk w ON e.id = w.parent_id
+                WHERE NOT w.done
+             ) SELECT body FROM walk ORDER BY depth DESC",
+            &[&session_id],
+        )
+        .await?;
+        if rows.is_empty() && q_opt(&c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none()
+        {
+            return Err(StoreError::NoSession(session_id.to_owned()));
+        }
+        rows.iter().map(|r| decode(r, 0)).collect()
     }
 
     async fn count_sessions(&self) -> Result<u32, StoreError> {
