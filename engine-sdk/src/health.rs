@@ -38,16 +38,9 @@ impl HealthArgs {
         if !e.https {
             return Ok(channel(&e.endpoint));
         }
-        let read =
-            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|err| format!("{flag} {}: {err}", p.display()));
-        let mut tls = tonic::transport::ClientTlsConfig::new().domain_name(e.host.clone());
-        tls = match &self.tls_ca {
-            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--tls-ca", ca)?)),
-            None => tls.with_webpki_roots(),
-        };
-        if let (Some(c), Some(k)) = (&self.tls_cert, &self.tls_key) {
-            tls = tls.identity(tonic::transport::Identity::from_pem(read("--tls-cert", c)?, read("--tls-key", k)?));
-        }
+        let ca = self.tls_ca.as_deref().map(|p| crate::tls::Pem::new("--tls-ca", p));
+        let identity = crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
+        let tls = crate::tls::client(ca, identity)?.domain_name(e.host.clone());
         crate::endpoint::tls_channel(&e.endpoint, tls)
     }
 }

@@ -21,6 +21,7 @@ pub mod health;
 mod host;
 mod server;
 pub mod testkit;
+pub mod tls;
 
 pub use context::CallContext;
 pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};

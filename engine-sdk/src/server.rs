@@ -64,33 +64,22 @@ impl ServeArgs {
     /// The server TLS the options ask for, read now (a file that cannot be
     /// read is a sentence naming its option).
     pub fn tls(&self) -> Result<Option<tonic::transport::ServerTlsConfig>, String> {
-        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
-        let read =
-            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
-        let identity = tonic::transport::Identity::from_pem(read("--tls-cert", cert)?, read("--tls-key", key)?);
-        let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
-        if let Some(ca) = &self.tls_client_ca {
-            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read("--tls-client-ca", ca)?));
-        }
-        Ok(Some(tls))
+        let Some((cert, key)) = crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR) else {
+            return Ok(None);
+        };
+        let ca = self.tls_client_ca.as_deref().map(|p| crate::tls::Pem::new("--tls-client-ca", p));
+        crate::tls::server(cert, key, ca).map(Some)
     }
 
     /// The client TLS for https:// host endpoints.
     pub fn host_tls(&self) -> Result<tonic::transport::ClientTlsConfig, String> {
-        let read =
-            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
-        let mut tls = tonic::transport::ClientTlsConfig::new();
-        tls = match &self.host_ca {
-            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--host-ca", ca)?)),
-            None => tls.with_webpki_roots(),
-        };
-        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
-            tls =
-                tls.identity(tonic::transport::Identity::from_pem(read("--tls-cert", cert)?, read("--tls-key", key)?));
-        }
-        Ok(tls)
+        let ca = self.host_ca.as_deref().map(|p| crate::tls::Pem::new("--host-ca", p));
+        crate::tls::client(ca, crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR))
     }
 }
+
+/// The options a certificate and its key come from.
+const TLS_PAIR: (&str, &str) = ("--tls-cert", "--tls-key");
 
 /// The default cap on engine calls in flight.
 pub const DEFAULT_MAX_CONCURRENT_CALLS: usize = 1024;

@@ -201,19 +201,10 @@ pub struct Conn {
 impl Conn {
     /// The client TLS settings for an https:// gateway.
     fn tls(&self) -> Result<tonic::transport::ClientTlsConfig, CliError> {
-        let read = |flag: &str, p: &std::path::Path| {
-            std::fs::read(p).map_err(|e| CliError(format!("{flag} {}: {e}", p.display())))
-        };
-        let mut tls = tonic::transport::ClientTlsConfig::new();
-        tls = match &self.tls_ca {
-            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--tls-ca", ca)?)),
-            None => tls.with_webpki_roots(),
-        };
-        if let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) {
-            let identity = tonic::transport::Identity::from_pem(read("--tls-cert", cert)?, read("--tls-key", key)?);
-            tls = tls.identity(identity);
-        }
-        Ok(tls)
+        use ctxgate_engine_sdk::tls;
+        let ca = self.tls_ca.as_deref().map(|p| tls::Pem::new("--tls-ca", p));
+        let identity = tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
+        tls::client(ca, identity).map_err(CliError)
     }
 }
 

@@ -371,23 +371,17 @@ impl EngineEntry {
 
     /// The client TLS for an https:// engine, read now.
     pub fn client_tls(&self, id: &str) -> Result<tonic::transport::ClientTlsConfig, ConfigError> {
+        use ctxgate_engine_sdk::tls::{self, Pem};
         let key = |k: &str| format!("plugins.entries.{id}.tls.{k}");
-        let read = |k: &str, p: &Path| {
-            std::fs::read(p).map_err(|e| invalid(&key(k), format!("cannot read {}: {e}", p.display())))
-        };
         let t = self.tls.clone().unwrap_or_default();
-        let mut tls = tonic::transport::ClientTlsConfig::new();
-        tls = match &t.ca {
-            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("ca", ca)?)),
-            None => tls.with_webpki_roots(),
-        };
-        match (&t.cert, &t.key) {
-            (Some(c), Some(k)) => {
-                tls = tls.identity(tonic::transport::Identity::from_pem(read("cert", c)?, read("key", k)?));
-            }
-            (None, None) => {}
-            _ => return Err(invalid(&key("cert"), "cert and key go together")),
+        if t.cert.is_some() != t.key.is_some() {
+            return Err(invalid(&key("cert"), "cert and key go together"));
         }
+        let (ca_key, cert_key, key_key) = (key("ca"), key("cert"), key("key"));
+        let ca = t.ca.as_deref().map(|p| Pem::new(&ca_key, p));
+        let identity = tls::pair(t.cert.as_ref(), t.key.as_ref(), (&cert_key, &key_key));
+        // The message names the key and the file: "plugins.entries.ID.tls.ca /path: …".
+        let mut tls = tls::client(ca, identity).map_err(|e| invalid(&format!("plugins.entries.{id}.tls"), e))?;
         if let Some(name) = &t.server_name {
             tls = tls.domain_name(name.clone());
         }

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use ctxgate_engine_sdk::conformance::{Options, run};
+use ctxgate_engine_sdk::tls;
 
 #[derive(Parser, Debug)]
 #[command(version, about = "Check a context engine against the ctxgate contract")]
@@ -35,17 +36,9 @@ impl Args {
         if !self.endpoint.starts_with("https://") {
             return Ok(None);
         }
-        let read =
-            |flag: &str, p: &std::path::Path| std::fs::read(p).map_err(|e| format!("{flag} {}: {e}", p.display()));
-        let mut tls = tonic::transport::ClientTlsConfig::new();
-        tls = match &self.tls_ca {
-            Some(ca) => tls.ca_certificate(tonic::transport::Certificate::from_pem(read("--tls-ca", ca)?)),
-            None => tls.with_webpki_roots(),
-        };
-        if let (Some(c), Some(k)) = (&self.tls_cert, &self.tls_key) {
-            tls = tls.identity(tonic::transport::Identity::from_pem(read("--tls-cert", c)?, read("--tls-key", k)?));
-        }
-        Ok(Some(tls))
+        let ca = self.tls_ca.as_deref().map(|p| tls::Pem::new("--tls-ca", p));
+        let identity = tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
+        tls::client(ca, identity).map(Some)
     }
 }
 
