@@ -29,18 +29,18 @@ impl Ca {
 
     /// A leaf for `names` that serves and is a client too.
     fn leaf_both(&self, names: &[&str]) -> (String, String) {
-        let mut p = CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>()).unwrap();
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        let key = KeyPair::generate().unwrap();
-        let cert = p.signed_by(&key, &self.issuer).unwrap();
-        (cert.pem(), key.serialize_pem())
+        self.signed(names, vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth], false)
     }
 
     /// A leaf for `names`, as server or client; `expired`: valid in 2020 only.
     fn leaf(&self, names: &[&str], server: bool, expired: bool) -> (String, String) {
+        let usage = if server { ExtendedKeyUsagePurpose::ServerAuth } else { ExtendedKeyUsagePurpose::ClientAuth };
+        self.signed(names, vec![usage], expired)
+    }
+
+    fn signed(&self, names: &[&str], usages: Vec<ExtendedKeyUsagePurpose>, expired: bool) -> (String, String) {
         let mut p = CertificateParams::new(names.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>()).unwrap();
-        p.extended_key_usages =
-            vec![if server { ExtendedKeyUsagePurpose::ServerAuth } else { ExtendedKeyUsagePurpose::ClientAuth }];
+        p.extended_key_usages = usages;
         if expired {
             p.not_before = rcgen::date_time_ymd(2020, 1, 1);
             p.not_after = rcgen::date_time_ymd(2020, 1, 2);
