@@ -208,18 +208,6 @@ impl Conn {
     }
 }
 
-/// An error with its sources (transport errors say what went wrong only
-/// there).
-pub(crate) fn causes(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s = format!("{s}: {inner}");
-        src = inner.source();
-    }
-    s
-}
-
 /// What a failed connection means, when TLS is why (from the error text:
 /// rustls' certificate errors and alerts; the rest is a guess, said so).
 fn tls_hint(detail: &str, https: bool) -> Option<&'static str> {
@@ -313,7 +301,7 @@ async fn channel(conn: &Conn) -> Result<Channel, CliError> {
         )));
     }
     if https {
-        endpoint = endpoint.tls_config(conn.tls()?).map_err(|e| CliError(format!("TLS: {}", causes(&e))))?;
+        endpoint = endpoint.tls_config(conn.tls()?).map_err(|e| CliError(format!("TLS: {}", crate::causes(&e))))?;
     }
     let unreachable = |detail: String| match tls_hint(&detail, https) {
         Some(hint) => CliError(format!("The connection to the gateway at {} failed: {hint}.", conn.gateway)),
@@ -322,14 +310,14 @@ async fn channel(conn: &Conn) -> Result<Channel, CliError> {
             conn.gateway
         )),
     };
-    let channel = endpoint.connect().await.map_err(|e| unreachable(causes(&e)))?;
+    let channel = endpoint.connect().await.map_err(|e| unreachable(crate::causes(&e)))?;
     // One health check (not behind the bearer token): a TLS mismatch shows
     // on the first call, and is worded here where the connection is known.
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
     let check = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() });
     match tokio::time::timeout(Duration::from_secs(5), check).await {
         Err(_) => return Err(CliError(format!("The gateway at {} did not answer within 5 s.", conn.gateway))),
-        Ok(Err(s)) if s.source().is_some() => return Err(unreachable(causes(&s))),
+        Ok(Err(s)) if s.source().is_some() => return Err(unreachable(crate::causes(&s))),
         Ok(_) => {}
     }
     Ok(channel)

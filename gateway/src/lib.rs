@@ -21,3 +21,15 @@ pub mod transcript;
 
 #[cfg(test)]
 mod untrusted_input_tests;
+
+/// An error with its sources, `: `-joined: transport and driver errors
+/// (tonic, hyper, rustls, tokio-postgres) say what went wrong only there.
+pub fn causes(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        s = format!("{s}: {inner}");
+        src = inner.source();
+    }
+    s
+}

@@ -113,7 +113,7 @@ pub fn server_builder(config: &Config) -> Result<tonic::transport::Server, Serve
     let builder = tonic::transport::Server::builder();
     let Some(tls) = &config.gateway.tls else { return Ok(builder) };
     let tls = tls.server_config().map_err(|e| ServeError::Tls(e.to_string()))?;
-    builder.tls_config(tls).map_err(|e| ServeError::Tls(format!("gateway.tls: {}", crate::cli::causes(&e))))
+    builder.tls_config(tls).map_err(|e| ServeError::Tls(format!("gateway.tls: {}", crate::causes(&e))))
 }
 
 /// The configured store with its commit counters (metrics).

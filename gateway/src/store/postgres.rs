@@ -170,7 +170,7 @@ impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
         let detail = match e.as_db_error() {
             Some(db) => format!("PostgreSQL: {} ({})", db.message(), db.code().code()),
-            None => format!("PostgreSQL: {}", with_causes(&e)),
+            None => format!("PostgreSQL: {}", crate::causes(&e)),
         };
         let transient = [
             SqlState::T_R_SERIALIZATION_FAILURE,
@@ -192,17 +192,6 @@ impl From<tokio_postgres::Error> for StoreError {
             _ => Self::Backend(detail),
         }
     }
-}
-
-/// An error with its sources (tokio-postgres' own text leaves them out).
-fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(inner) = src {
-        s = format!("{s}: {inner}");
-        src = inner.source();
-    }
-    s
 }
 
 impl From<deadpool_postgres::PoolError> for StoreError {
@@ -277,7 +266,7 @@ fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
     let at = redacted(url);
     let detail = match e.as_db_error() {
         Some(db) => db.message().to_owned(),
-        None => with_causes(e),
+        None => crate::causes(e),
     };
     OpenError::Other { file: at, detail: format!("cannot connect to PostgreSQL: {detail}") }
 }
