@@ -122,25 +122,20 @@ pub struct OpenedStore {
     pub counters: crate::metrics::StoreCounters,
 }
 
-impl From<SqliteStore> for OpenedStore {
-    fn from(s: SqliteStore) -> Self {
-        Self { counters: s.counters(), store: Arc::new(s) }
-    }
-}
 
 /// [`run`] on an opened store, applying every configuration received on
 /// `reloads` to the engines (new clients, quarantines cleared, the slot
 /// re-resolved).
 pub async fn run_with_reloads(
     config: Config,
-    store: impl Into<OpenedStore>,
+    store: OpenedStore,
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
     mut reloads: tokio::sync::mpsc::Receiver<Config>,
 ) -> Result<(), ServeError> {
     let config = Arc::new(config);
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
-    let OpenedStore { store, counters } = store.into();
+    let OpenedStore { store, counters } = store;
     let metrics = Metrics::new(counters);
     let core = Arc::new(Core::new(config.clone(), store, provider, metrics.clone()));
     let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
