@@ -27,6 +27,12 @@ impl Ca {
         Self { pem: cert.pem(), issuer: Issuer::new(p, key) }
     }
 
+    /// [`Ca::leaf`] written to `dir/name.crt` and `dir/name.key`.
+    fn leaf_files(&self, dir: &Path, name: &str, names: &[&str], server: bool, expired: bool) -> (PathBuf, PathBuf) {
+        let (crt, key) = self.leaf(names, server, expired);
+        (write(dir, &format!("{name}.crt"), &crt), write(dir, &format!("{name}.key"), &key))
+    }
+
     /// A leaf for `names` that serves and is a client too.
     fn leaf_both(&self, names: &[&str]) -> (String, String) {
         self.signed(names, vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth], false)
@@ -89,8 +95,7 @@ async fn the_cli_reaches_an_https_gateway_and_each_tls_mistake_says_which() {
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
     let ca_pem = write(d, "ca.pem", &ca.pem);
     let other_pem = write(d, "other.pem", &other.pem);
-    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
-    let (crt, key) = (write(d, "server.crt", &crt), write(d, "server.key", &key));
+    let (crt, key) = ca.leaf_files(d, "server", &["localhost", "127.0.0.1"], true, false);
     let tls = format!("cert: {:?}, key: {:?}", crt.to_str().unwrap(), key.to_str().unwrap());
     let g = serve(d, "plain-tls", &tls).await;
     let ca_flag = ["--tls-ca", ca_pem.to_str().unwrap()];
@@ -111,8 +116,7 @@ async fn the_cli_reaches_an_https_gateway_and_each_tls_mistake_says_which() {
     assert!(err.contains("are for an https:// gateway"), "TLS flags never go plaintext: {err}");
 
     // An expired server certificate.
-    let (old, old_key) = ca.leaf(&["localhost", "127.0.0.1"], true, true);
-    let (old, old_key) = (write(d, "old.crt", &old), write(d, "old.key", &old_key));
+    let (old, old_key) = ca.leaf_files(d, "old", &["localhost", "127.0.0.1"], true, true);
     let expired =
         serve(d, "expired", &format!("cert: {:?}, key: {:?}", old.to_str().unwrap(), old_key.to_str().unwrap())).await;
     let (code, _, err) = status(&https(&expired), &ca_flag).await;
@@ -137,8 +141,7 @@ async fn mtls_admits_a_client_the_gateways_ca_signed_and_refuses_others() {
     let d = dir.path();
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
     let ca_pem = write(d, "ca.pem", &ca.pem);
-    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
-    let (crt, key) = (write(d, "server.crt", &crt), write(d, "server.key", &key));
+    let (crt, key) = ca.leaf_files(d, "server", &["localhost", "127.0.0.1"], true, false);
     let tls = format!(
         "cert: {:?}, key: {:?}, clientCa: {:?}",
         crt.to_str().unwrap(),
@@ -203,10 +206,8 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
     let ca_pem = write(d, "ca.pem", &ca.pem);
     let other_pem = write(d, "other.pem", &other.pem);
-    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
-    let (crt, key) = (write(d, "engine.crt", &crt), write(d, "engine.key", &key));
-    let (gw, gw_key) = ca.leaf(&["ctxgate-gateway"], false, false);
-    let (gw, gw_key) = (write(d, "gateway.crt", &gw), write(d, "gateway.key", &gw_key));
+    let (crt, key) = ca.leaf_files(d, "engine", &["localhost", "127.0.0.1"], true, false);
+    let (gw, gw_key) = ca.leaf_files(d, "gateway", &["ctxgate-gateway"], false, false);
     let flags = ["--tls-cert", crt.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
     let flags = [&flags[..], &["--tls-client-ca", ca_pem.to_str().unwrap()]].concat();
     let engine = ctxgate_tests::start_window(&d.join("window"), &flags).await;
@@ -331,10 +332,8 @@ async fn the_conformance_kit_checks_the_python_engine_over_mtls() {
     let d = dir.path();
     let ca = Ca::new("ctxgate test CA");
     let ca_pem = write(d, "ca.pem", &ca.pem);
-    let (crt, key) = ca.leaf(&["localhost", "127.0.0.1"], true, false);
-    let (crt, key) = (write(d, "py.crt", &crt), write(d, "py.key", &key));
-    let (cli, cli_key) = ca.leaf(&["kit"], false, false);
-    let (cli, cli_key) = (write(d, "kit.crt", &cli), write(d, "kit.key", &cli_key));
+    let (crt, key) = ca.leaf_files(d, "py", &["localhost", "127.0.0.1"], true, false);
+    let (cli, cli_key) = ca.leaf_files(d, "kit", &["kit"], false, false);
     let s = |p: &Path| p.to_str().unwrap().to_owned();
     let flags = ["--tls-cert", &s(&crt), "--tls-key", &s(&key), "--tls-client-ca", &s(&ca_pem)];
     let engine = ctxgate_tests::start_python_with(&d.join("py"), &flags).await;

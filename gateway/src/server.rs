@@ -122,7 +122,6 @@ pub struct OpenedStore {
     pub counters: crate::metrics::StoreCounters,
 }
 
-
 /// [`run`] on an opened store, applying every configuration received on
 /// `reloads` to the engines (new clients, quarantines cleared, the slot
 /// re-resolved).
