@@ -334,7 +334,9 @@ impl PostgresStore {
         })
     }
 
-    /// Transactions committed (one per write), for the metrics endpoint.
+    /// Write transactions committed, for the metrics endpoint (a write
+    /// transaction holds one write: the counts stay equal; single-statement
+    /// writes outside a turn are not counted).
     pub fn counters(&self) -> crate::metrics::StoreCounters {
         self.counts.clone()
     }
@@ -687,7 +689,6 @@ impl Store for PostgresStore {
             &[&agent, &key],
         )
         .await?;
-        self.counts.writes.inc();
         Ok(n > 0)
     }
 
