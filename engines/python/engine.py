@@ -430,7 +430,9 @@ class RecencyEngine(pb_grpc.ContextEngineServicer):
             contract_version=CONTRACT_VERSION, owns_compaction=True,
             turn_maintenance_mode=pb.TURN_MAINTENANCE_MODE_FOREGROUND,
             implemented_methods=IMPLEMENTED,
-            history_delivery=pb.HISTORY_DELIVERY_DELTA)
+            history_delivery=pb.HISTORY_DELIVERY_DELTA,
+            # Each replica keeps its own sessions: a session's calls go to one.
+            replica_affinity=pb.REPLICA_AFFINITY_SESSION)
 
     def Ingest(self, request, context):
         def run():

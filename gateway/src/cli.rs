@@ -630,9 +630,15 @@ pub async fn outbox(cmd: OutboxCommand) -> Result<(), CliError> {
     Ok(())
 }
 
+fn quarantine_json(q: &api::Quarantine) -> serde_json::Value {
+    json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms})
+}
+
 fn engine_json(e: &api::EngineStatus) -> serde_json::Value {
-    json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health,
-        "quarantine": e.quarantine.as_ref().map(|q| json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms})),
+    json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health, "affinity": e.affinity,
+        "quarantine": e.quarantine.as_ref().map(quarantine_json),
+        "replicas": e.replicas.iter().map(|r| json!({"address": r.address, "health": r.health, "in_flight": r.in_flight, "calls": r.calls,
+            "quarantine": r.quarantine.as_ref().map(quarantine_json)})).collect::<Vec<_>>(),
         "methods": e.methods.iter().map(|m| json!({"method": m.method, "calls": m.calls, "failures": m.failures, "timeouts": m.timeouts, "fallbacks": m.fallbacks, "shed": m.shed})).collect::<Vec<_>>()})
 }
 
@@ -640,6 +646,15 @@ fn print_engine(e: &api::EngineStatus) {
     let q =
         e.quarantine.as_ref().map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
     println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
+    // One replica is the endpoint itself; several are worth a line each.
+    if e.replicas.len() > 1 || e.endpoint.starts_with("dns:///") {
+        let affinity = if e.affinity.is_empty() { String::new() } else { format!(" (affinity: {})", e.affinity) };
+        println!("      {} replica(s){affinity}:", e.replicas.len());
+        for r in &e.replicas {
+            let q = r.quarantine.as_ref().map_or(String::new(), |q| format!(", quarantined: {}", q.reason));
+            println!("        {:<24} {}{q}, {} in flight, {} calls", r.address, r.health, r.in_flight, r.calls);
+        }
+    }
     for m in &e.methods {
         println!(
             "      {:<22} {:>6} calls {:>4} failed {:>4} timed out {:>4} fell back {:>4} shed",

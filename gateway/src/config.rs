@@ -327,7 +327,8 @@ pub struct PluginsSection {
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct EngineEntry {
     pub enabled: bool,
-    /// `http://HOST:PORT` or `unix:///PATH`.
+    /// `http://HOST:PORT`, `https://HOST:PORT`, `unix:///PATH`, or
+    /// `dns:///NAME:PORT` (every address NAME resolves to is a replica).
     pub endpoint: String,
     /// Per-method call timeouts in seconds: `default` and RPC names in
     /// camelCase (`assemble`, `compact`, …). `compact` defaults to
@@ -338,9 +339,46 @@ pub struct EngineEntry {
     /// Calls in flight to this engine at once; one more is shed (legacy
     /// answers it) without quarantine.
     pub max_concurrent_calls: usize,
-    /// TLS to the engine (the endpoint is then `https://HOST:PORT`).
+    /// TLS to the engine (the endpoint is then `https://HOST:PORT`, or
+    /// `dns:///NAME:PORT` with this set).
     pub tls: Option<EngineTls>,
 }
+
+/// Where an entry's engine runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    /// One address, dialled as written.
+    One(ctxgate_engine_sdk::Endpoint),
+    /// `dns:///NAME:PORT`: every A/AAAA record of NAME is a replica
+    /// (a Kubernetes headless service, a compose service with replicas).
+    Dns { host: String, port: u16 },
+    /// gRPC's static lists, `ipv4:ADDR:PORT,ADDR:PORT` and
+    /// `ipv6:[ADDR]:PORT,…`: each address is a replica. Sorted, no repeats.
+    Static(Vec<std::net::SocketAddr>),
+}
+
+impl Target {
+    /// The address to dial when one connection will do (doctor, the
+    /// placeholder replica while NAME resolves to nothing): the name,
+    /// resolved when connecting.
+    pub fn by_name(&self) -> ctxgate_engine_sdk::Endpoint {
+        match self {
+            Self::One(e) => e.clone(),
+            Self::Static(addrs) => ctxgate_engine_sdk::Endpoint::Tcp(addrs[0]),
+            Self::Dns { host, port } => match host.parse::<std::net::IpAddr>() {
+                Ok(ip) => ctxgate_engine_sdk::Endpoint::Tcp(std::net::SocketAddr::new(ip, *port)),
+                Err(_) => ctxgate_engine_sdk::Endpoint::Host(host.clone(), *port),
+            },
+        }
+    }
+}
+
+const ENDPOINT_FORMS: &str = "expected http://HOST:PORT, https://HOST:PORT, dns:///NAME:PORT, ipv4:ADDR:PORT,… , ipv6:[ADDR]:PORT,… or unix:///PATH";
+
+/// The most replicas one entry may name (a static list, or the addresses
+/// kept from one resolution): a name is not a way to make the gateway open
+/// unbounded connections.
+pub const MAX_REPLICAS: usize = 64;
 
 /// `plugins.entries.<id>.tls`: what the gateway trusts and presents.
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
@@ -359,14 +397,45 @@ pub struct EngineTls {
 }
 
 impl EngineEntry {
-    /// Whether calls to this engine use TLS.
+    /// Whether calls to this engine use TLS: `https://`, or `dns:///` with
+    /// a `tls` section.
     pub fn uses_tls(&self) -> bool {
-        self.endpoint.starts_with("https://")
+        let named = ["dns:///", "ipv4:", "ipv6:"].iter().any(|p| self.endpoint.starts_with(p));
+        self.endpoint.starts_with("https://") || (named && self.tls.is_some())
     }
 
-    /// The endpoint without its `https://` (the SDK's endpoint syntax).
-    pub fn address(&self) -> &str {
-        self.endpoint.strip_prefix("https://").unwrap_or(&self.endpoint)
+    /// Where the engine runs, parsed.
+    pub fn target(&self) -> Result<Target, String> {
+        let bad = || format!("{:?}: {ENDPOINT_FORMS}", self.endpoint);
+        if let Some(rest) = self.endpoint.strip_prefix("dns:///") {
+            // The SDK's parser checks the name and port; an IP literal is a
+            // name that resolves to itself.
+            return match rest.parse::<ctxgate_engine_sdk::Endpoint>().map_err(|_| bad())? {
+                ctxgate_engine_sdk::Endpoint::Host(host, port) => Ok(Target::Dns { host, port }),
+                ctxgate_engine_sdk::Endpoint::Tcp(a) => Ok(Target::Dns { host: a.ip().to_string(), port: a.port() }),
+                ctxgate_engine_sdk::Endpoint::Unix(_) => Err(bad()),
+            };
+        }
+        for (prefix, v6) in [("ipv4:", false), ("ipv6:", true)] {
+            let Some(list) = self.endpoint.strip_prefix(prefix) else { continue };
+            let mut addrs = Vec::new();
+            for a in list.split(',') {
+                let a: std::net::SocketAddr =
+                    a.trim().parse().map_err(|_| format!("{:?}: {a:?} is not ADDR:PORT", self.endpoint))?;
+                if a.is_ipv6() != v6 {
+                    return Err(format!("{:?}: {a} is not an {} address", self.endpoint, &prefix[..4]));
+                }
+                addrs.push(a);
+            }
+            addrs.sort();
+            addrs.dedup();
+            if addrs.len() > MAX_REPLICAS {
+                return Err(format!("{:?}: at most {MAX_REPLICAS} replicas", self.endpoint));
+            }
+            return Ok(Target::Static(addrs));
+        }
+        let address = self.endpoint.strip_prefix("https://").unwrap_or(&self.endpoint);
+        address.parse().map(Target::One).map_err(|_| bad())
     }
 
     /// The client TLS for an https:// engine, read now.
@@ -382,8 +451,14 @@ impl EngineEntry {
         let identity = tls::pair(t.cert.as_ref(), t.key.as_ref(), (&cert_key, &key_key));
         // The message names the key and the file: "plugins.entries.ID.tls.ca /path: …".
         let mut tls = tls::client(ca, identity).map_err(|e| invalid(&format!("plugins.entries.{id}.tls"), e))?;
-        if let Some(name) = &t.server_name {
-            tls = tls.domain_name(name.clone());
+        // A replica is dialled at its address: its certificate must name
+        // the service (the DNS name) unless serverName says otherwise.
+        let dns_host = match self.target() {
+            Ok(Target::Dns { host, .. }) => Some(host),
+            _ => None,
+        };
+        if let Some(name) = t.server_name.clone().or(dns_host) {
+            tls = tls.domain_name(name);
         }
         // Built now (a key that is not one, or does not match, is said at start).
         tonic::transport::Endpoint::from_static("https://engine.invalid")
@@ -632,12 +707,7 @@ impl Config {
                 ));
             }
             ctxgate_proto::validate::id(id, "id").map_err(|v| invalid(&format!("plugins.entries.{id}"), v.problem))?;
-            if e.address().parse::<ctxgate_engine_sdk::Endpoint>().is_err() {
-                return Err(invalid(
-                    &key("endpoint"),
-                    format!("{:?}: expected http://HOST:PORT, https://HOST:PORT or unix:///PATH", e.endpoint),
-                ));
-            }
+            let target = e.target().map_err(|m| invalid(&key("endpoint"), m))?;
             for (m, secs) in &e.timeouts {
                 if !TIMEOUT_KEYS.contains(&m.as_str()) {
                     return Err(invalid(
@@ -656,10 +726,10 @@ impl Config {
                 return Err(invalid(&key("maxConcurrentCalls"), "must be between 1 and 100000"));
             }
             if e.tls.is_some() && !e.uses_tls() {
-                return Err(invalid(&key("tls"), "TLS needs an https://HOST:PORT endpoint"));
+                return Err(invalid(&key("tls"), "TLS needs an https://HOST:PORT or dns:///NAME:PORT endpoint"));
             }
             if e.uses_tls() {
-                if e.address().starts_with("unix://") {
+                if matches!(target, Target::One(ctxgate_engine_sdk::Endpoint::Unix(_))) {
                     return Err(invalid(&key("endpoint"), "a unix socket takes no TLS"));
                 }
                 e.client_tls(id)?;
@@ -761,6 +831,30 @@ mod tests {
         assert!(e.contains("plugins.entries.legacy") && e.contains("reserved"), "{e}");
         let e = load_str("{ plugins: { entries: { w: { endpoint: 'ftp://x' } } } }").unwrap_err().to_string();
         assert!(e.contains("plugins.entries.w.endpoint"), "{e}");
+        for bad in [
+            "dns:///",
+            "dns:///name",
+            "dns:///na me:1",
+            "dns:///unix:///x",
+            "dns://name:1",
+            "ipv4:",
+            "ipv4:1.2.3.4",
+            "ipv4:[::1]:1",
+            "ipv6:127.0.0.1:1",
+        ] {
+            let e = load_str(&format!("{{ plugins: {{ entries: {{ w: {{ endpoint: '{bad}' }} }} }} }}"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("plugins.entries.w.endpoint") && e.contains(&format!("{bad:?}")), "{bad}: {e}");
+        }
+        let c = load_str("{ plugins: { entries: { w: { endpoint: 'dns:///engine-window:7401' } } } }").unwrap();
+        let w = &c.plugins.entries["w"];
+        assert_eq!(w.target(), Ok(Target::Dns { host: "engine-window".into(), port: 7401 }));
+        assert!(!w.uses_tls());
+        let c = load_str("{ plugins: { entries: { w: { endpoint: 'ipv4:127.0.0.1:2, 127.0.0.1:1,127.0.0.1:2' } } } }")
+            .unwrap();
+        let two = ["127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap()];
+        assert_eq!(c.plugins.entries["w"].target(), Ok(Target::Static(two.to_vec())));
         let e =
             load_str("{ plugins: { entries: { w: { endpoint: 'http://127.0.0.1:1', timeouts: { asemble: 1 } } } } }")
                 .unwrap_err()

@@ -34,7 +34,9 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
     if !entry.enabled || config.plugins.deny.iter().any(|d| d == slot) {
         return warn(format!("- {SLOT}: context engine \"{slot}\" is disabled or denied; turns use \"legacy\"."));
     }
-    let remote = Remote::new(slot, entry, config.compaction_timeout()).map_err(CliError)?;
+    // Replicas are one engine: any one of them answers for all.
+    let at = entry.target().map_err(CliError)?.by_name();
+    let remote = Remote::new(slot, entry, config.compaction_timeout(), &at).map_err(CliError)?;
     let info = match tokio::time::timeout(Duration::from_secs(10), remote.attach(&Call::default())).await {
         Ok(Ok(info)) => info,
         Ok(Err(e)) => {

@@ -46,6 +46,12 @@ pub struct EngineOperation {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineReplica {
+    pub engine: String,
+    pub replica: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TriggerOutcome {
     pub trigger: String,
     pub outcome: String,
@@ -82,6 +88,8 @@ pub struct Metrics {
     pub engine_shed: Family<EngineMethod, Counter>,
     pub engine_history_gaps: Family<EngineMethod, Counter>,
     pub engine_quarantines: Family<EngineOperation, Counter>,
+    /// 1 while a replica (an address of an engine) is in service, else 0.
+    pub engine_replica_in_service: Family<EngineReplica, Gauge>,
     pub engine_call_seconds: Family<EngineMethod, Histogram>,
     pub engine_bytes_sent: Family<EngineMethod, Counter>,
     pub engine_bytes_received: Family<EngineMethod, Counter>,
@@ -140,6 +148,7 @@ impl Metrics {
         let engine_history_gaps = Family::<EngineMethod, Counter>::default();
         let engine_quarantines = Family::<EngineOperation, Counter>::default();
         let engine_call_seconds = Family::<EngineMethod, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
+        let engine_replica_in_service = Family::<EngineReplica, Gauge>::default();
         let engine_bytes_sent = Family::<EngineMethod, Counter>::default();
         let engine_bytes_received = Family::<EngineMethod, Counter>::default();
         r.register("engine_calls", "Calls to remote engines", engine_calls.clone());
@@ -157,6 +166,11 @@ impl Metrics {
             engine_history_gaps.clone(),
         );
         r.register("engine_quarantines", "Engines taken out of service, by operation", engine_quarantines.clone());
+        r.register(
+            "engine_replica_in_service",
+            "1 while the replica (one address of the engine) is in service, 0 while it is quarantined",
+            engine_replica_in_service.clone(),
+        );
         r.register("engine_call_duration_seconds", "Engine call latency", engine_call_seconds.clone());
         r.register("engine_sent_bytes", "Request bytes sent to engines", engine_bytes_sent.clone());
         r.register("engine_received_bytes", "Reply bytes received from engines", engine_bytes_received.clone());
@@ -185,6 +199,7 @@ impl Metrics {
             engine_shed,
             engine_history_gaps,
             engine_quarantines,
+            engine_replica_in_service,
             engine_call_seconds,
             engine_bytes_sent,
             engine_bytes_received,
@@ -267,6 +282,16 @@ impl Metrics {
         self.engine_quarantines
             .get_or_create(&EngineOperation { engine: engine.into(), operation: operation.into() })
             .inc();
+    }
+
+    pub fn replica_in_service(&self, engine: &str, replica: &str, up: bool) {
+        let labels = EngineReplica { engine: engine.into(), replica: replica.into() };
+        self.engine_replica_in_service.get_or_create(&labels).set(i64::from(up));
+    }
+
+    /// A replica left the engine's set: its series goes with it.
+    pub fn replica_gone(&self, engine: &str, replica: &str) {
+        self.engine_replica_in_service.remove(&EngineReplica { engine: engine.into(), replica: replica.into() });
     }
 
     /// The Prometheus text exposition.

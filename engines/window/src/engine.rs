@@ -228,6 +228,8 @@ impl ContextEngine for WindowEngine {
             implemented_methods: METHODS.iter().map(|m| (*m).to_owned()).collect(),
             // It holds every session's history: Assemble sends what is new.
             history_delivery: pb::HistoryDelivery::Delta as i32,
+            // Each replica keeps its own sessions: a session's calls go to one.
+            replica_affinity: pb::ReplicaAffinity::Session as i32,
         })
     }
 

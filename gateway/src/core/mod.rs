@@ -333,7 +333,7 @@ impl Core {
     /// Whether `engine` takes durable turns: from its attach when it has
     /// one (remembered in the store when that changes), else from the last
     /// one remembered.
-    fn durable_engine(&self, engine: &crate::engines::guarded::Guarded) -> bool {
+    fn durable_engine(&self, engine: &crate::engines::replicas::Replicas) -> bool {
         let id = engine.id();
         let mut known = self.durable.lock().unwrap_or_else(|e| e.into_inner());
         let Some(info) = engine.attached_info() else { return known.contains(id) };

@@ -117,6 +117,7 @@ impl Guarded {
             stats: BTreeMap::new(),
         };
         let slots = tokio::sync::Semaphore::new(max_calls.max(1));
+        metrics.replica_in_service(&remote.id, &remote.endpoint, false);
         Self {
             remote,
             legacy,
@@ -152,6 +153,11 @@ impl Guarded {
         self.lock().stats.clone()
     }
 
+    /// Calls in flight to the engine now.
+    pub fn in_flight(&self) -> usize {
+        self.max_calls.max(1) - self.slots.available_permits()
+    }
+
     /// Takes the engine out of service; the first failure wins.
     pub fn quarantine(&self, operation: &str, reason: &str) {
         let mut s = self.lock();
@@ -163,7 +169,7 @@ impl Guarded {
             s.penalty = (s.penalty * 2).min(MAX_PENALTY);
         }
         tracing::error!(
-            engine = %self.remote.id, operation, reason,
+            engine = %self.remote.id, address = %self.remote.endpoint, operation, reason,
             "context engine failed; quarantining it and falling back to \"legacy\" until health reports SERVING again"
         );
         s.quarantine = Some(QuarantineRecord {
@@ -175,6 +181,7 @@ impl Guarded {
         });
         drop(s);
         self.metrics.engine_quarantined(&self.remote.id, operation);
+        self.metrics.replica_in_service(&self.remote.id, &self.remote.endpoint, false);
         self.changed.notify_waiters();
     }
 
@@ -203,7 +210,8 @@ impl Guarded {
         let Some(q) = s.quarantine.take() else { return false };
         s.trial = q.operation != "attach";
         drop(s);
-        tracing::info!(engine = %self.remote.id, why, after = %q.reason, "context engine re-admitted");
+        self.metrics.replica_in_service(&self.remote.id, &self.remote.endpoint, true);
+        tracing::info!(engine = %self.remote.id, address = %self.remote.endpoint, why, after = %q.reason, "context engine re-admitted");
         self.changed.notify_waiters();
         true
     }

@@ -1,13 +1,16 @@
 //! Context engines as the gateway sees them: one [`Engine`] trait, speaking
 //! the contract's own types, implemented by the in-process [`Legacy`]
 //! engine, the raw gRPC [`remote::Remote`] client, and the
-//! [`guarded::Guarded`] wrapper that adds quarantine and legacy fallback.
+//! [`guarded::Guarded`] wrapper that adds quarantine and legacy fallback,
+//! and [`replicas::Replicas`], one configured engine as a set of guarded
+//! replicas.
 
 pub mod guarded;
 pub mod health;
 mod legacy;
 pub mod registry;
 pub mod remote;
+pub mod replicas;
 
 use async_trait::async_trait;
 use ctxgate_proto::pb;

@@ -1,6 +1,6 @@
 //! The engines of one configuration: the core-owned legacy engine, one
-//! guarded client (and health monitor) per enabled `plugins.entries.<id>`,
-//! and the slot's selection. A config reload builds a new registry; the old
+//! replica set (a guarded client and health monitor per address) per
+//! enabled `plugins.entries.<id>`, and the slot's selection. A config reload builds a new registry; the old
 //! one's monitors stop when it is dropped.
 
 use std::collections::BTreeMap;
@@ -9,15 +9,14 @@ use std::sync::Arc;
 use ctxgate_proto::gateway as api;
 use tokio_util::sync::CancellationToken;
 
-use super::guarded::Guarded;
-use super::remote::Remote;
+use super::replicas::Replicas;
 use super::{Engine, Legacy};
 use crate::config::Config;
 use crate::metrics::Metrics;
 
 pub struct Registry {
     pub legacy: Arc<Legacy>,
-    engines: BTreeMap<String, Arc<Guarded>>,
+    engines: BTreeMap<String, Arc<Replicas>>,
     selected: Option<String>,
     stop: CancellationToken,
 }
@@ -37,11 +36,10 @@ impl Registry {
         let mut engines = BTreeMap::new();
         for (id, entry) in config.plugins.entries.iter().filter(|(_, e)| e.enabled) {
             // Entries were validated with the config; a failure here is a bug.
-            match Remote::new(id, entry, config.compaction_timeout()) {
-                Ok(remote) => {
-                    let g = Arc::new(Guarded::new(remote, legacy.clone(), metrics.clone(), entry.max_concurrent_calls));
-                    tokio::spawn(super::health::monitor(g.clone(), stop.child_token()));
-                    engines.insert(id.clone(), g);
+            let (timeout, token) = (config.compaction_timeout(), stop.child_token());
+            match Replicas::start(id, entry, timeout, legacy.clone(), metrics.clone(), token) {
+                Ok(r) => {
+                    engines.insert(id.clone(), r);
                 }
                 Err(e) => tracing::error!(engine = %id, error = %e, "cannot build the engine client"),
             }
@@ -57,7 +55,7 @@ impl Registry {
     }
 
     /// The configured engine (guarded), if the slot selects a remote one.
-    pub fn selected(&self) -> Option<&Arc<Guarded>> {
+    pub fn selected(&self) -> Option<&Arc<Replicas>> {
         self.engines.get(self.selected.as_deref()?)
     }
 
@@ -65,7 +63,7 @@ impl Registry {
         self.legacy.clone()
     }
 
-    pub fn get(&self, id: &str) -> Option<&Arc<Guarded>> {
+    pub fn get(&self, id: &str) -> Option<&Arc<Replicas>> {
         self.engines.get(id)
     }
 
@@ -89,19 +87,29 @@ impl Registry {
             health: "SERVING".into(),
             quarantine: None,
             methods: vec![],
+            replicas: vec![],
+            affinity: String::new(),
         }];
         for (id, g) in &self.engines {
-            let info = g.remote.info();
+            let replicas = g
+                .replicas()
+                .iter()
+                .map(|r| api::ReplicaStatus {
+                    address: r.address().to_owned(),
+                    health: r.guarded.health().as_str().into(),
+                    quarantine: r.guarded.quarantine_record().map(quarantine),
+                    in_flight: r.guarded.in_flight() as u32,
+                    calls: r.guarded.stats().values().map(|s| s.calls).sum(),
+                })
+                .collect();
             out.push(api::EngineStatus {
                 id: id.clone(),
-                name: info.map(|i| i.name).unwrap_or_default(),
-                endpoint: g.remote.endpoint.clone(),
+                name: g.attached_info().map(|i| i.name).unwrap_or_default(),
+                endpoint: g.endpoint.clone(),
                 health: g.health().as_str().into(),
-                quarantine: g.quarantine_record().map(|q| api::Quarantine {
-                    operation: q.operation,
-                    reason: q.reason,
-                    since_unix_ms: q.since.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
-                }),
+                quarantine: g.quarantine_record().map(quarantine),
+                replicas,
+                affinity: g.affinity().map(|a| a.as_str().to_owned()).unwrap_or_default(),
                 methods: g
                     .stats()
                     .into_iter()
@@ -121,5 +129,13 @@ impl Registry {
 
     pub fn selected_id(&self) -> &str {
         self.selected.as_deref().unwrap_or(super::LEGACY_ID)
+    }
+}
+
+fn quarantine(q: super::guarded::QuarantineRecord) -> api::Quarantine {
+    api::Quarantine {
+        operation: q.operation,
+        reason: q.reason,
+        since_unix_ms: q.since.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
     }
 }

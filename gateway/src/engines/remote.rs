@@ -113,13 +113,19 @@ fn violation(method: &'static str, v: impl std::fmt::Display) -> EngineCallError
 }
 
 impl Remote {
-    pub fn new(id: &str, entry: &EngineEntry, compact_timeout: Duration) -> Result<Self, String> {
-        let endpoint: ctxgate_engine_sdk::Endpoint = entry.address().parse().map_err(|e| format!("{e}"))?;
+    /// The client of the engine `entry` configures, at one of its
+    /// addresses (`at`: the endpoint itself, or one replica of it).
+    pub fn new(
+        id: &str,
+        entry: &EngineEntry,
+        compact_timeout: Duration,
+        at: &ctxgate_engine_sdk::Endpoint,
+    ) -> Result<Self, String> {
         let channel = if entry.uses_tls() {
             let tls = entry.client_tls(id).map_err(|e| e.to_string())?;
-            ctxgate_engine_sdk::tls_channel(&endpoint, tls)?
+            ctxgate_engine_sdk::tls_channel(at, tls)?
         } else {
-            ctxgate_engine_sdk::channel(&endpoint)
+            ctxgate_engine_sdk::channel(at)
         };
         let client = ContextEngineClient::with_interceptor(channel.clone(), Propagate)
             .max_decoding_message_size(entry.max_message_bytes)
@@ -131,7 +137,7 @@ impl Remote {
             timeouts.get("default").copied().unwrap_or(Duration::from_secs_f64(DEFAULT_ENGINE_TIMEOUT_SECONDS));
         Ok(Self {
             id: id.to_owned(),
-            endpoint: entry.endpoint.clone(),
+            endpoint: at.to_string(),
             client,
             channel,
             timeouts,

@@ -1,0 +1,461 @@
+//! One configured engine as a set of replicas. A plain endpoint is a set
+//! of one; `dns:///NAME:PORT` makes every address NAME resolves to a
+//! replica, re-resolved every few seconds (every second while a replica is
+//! out of service), the convention of Kubernetes headless services and
+//! compose services with replicas; gRPC's `ipv4:`/`ipv6:` lists name them
+//! outright.
+//!
+//! - Each replica is a [`Guarded`] of its own: its own channel, health
+//!   monitor, quarantine and `maxConcurrentCalls`. One replica's failure is
+//!   that replica's; the engine is out of service only when every replica is.
+//! - A call goes to a replica in service, chosen by the engine's declared
+//!   `replica_affinity`: rendezvous hashing of the session for engines that
+//!   keep session state (every gateway picks the same replica, and only a
+//!   departed replica's sessions move), else the less busy of two picked at
+//!   random (power of two choices).
+//! - With no replica in service, the call goes to one anyway: a quarantined
+//!   `Guarded` answers as legacy, so fallback stays in one place.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ctxgate_engine_sdk::Endpoint;
+use ctxgate_proto::pb;
+use tokio_util::sync::CancellationToken;
+
+use super::guarded::{Guarded, Health, MethodStats, QuarantineRecord};
+use super::remote::Remote;
+use super::{Call, CompactReply, Engine, EngineCallError, Legacy, ProgressFn};
+use crate::config::{EngineEntry, MAX_REPLICAS, Target};
+use crate::metrics::Metrics;
+
+/// How often a name is resolved again while every replica is in service.
+const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+/// … and while one is out of service (it may have moved).
+const RESOLVE_EVERY_DEGRADED: Duration = Duration::from_secs(1);
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One address of the engine, with its own guard and health monitor.
+pub struct Replica {
+    /// The address dialled; `None` for the placeholder that dials the name
+    /// itself while it resolves to nothing.
+    addr: Option<SocketAddr>,
+    pub guarded: Arc<Guarded>,
+    /// Stops this replica's monitor when the replica leaves the set.
+    stop: CancellationToken,
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+impl Replica {
+    pub fn address(&self) -> &str {
+        &self.guarded.remote.endpoint
+    }
+
+    fn in_service(&self) -> bool {
+        !self.guarded.is_quarantined()
+    }
+}
+
+/// How the engine's calls are spread over its replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Affinity {
+    /// Any replica (power of two choices on calls in flight).
+    None,
+    /// A session's calls go to one replica (rendezvous hashing).
+    Session,
+}
+
+impl Affinity {
+    /// What the engine declared; unspecified: SESSION for a DELTA engine
+    /// (it holds the history), NONE otherwise.
+    pub fn of(info: &pb::EngineInfo) -> Self {
+        match pb::ReplicaAffinity::try_from(info.replica_affinity).unwrap_or_default() {
+            pb::ReplicaAffinity::Session => Self::Session,
+            pb::ReplicaAffinity::None => Self::None,
+            pb::ReplicaAffinity::Unspecified if super::delta(info) => Self::Session,
+            pb::ReplicaAffinity::Unspecified => Self::None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Session => "session",
+        }
+    }
+}
+
+/// What makes a replica at an address.
+struct Maker {
+    id: String,
+    entry: EngineEntry,
+    compact_timeout: Duration,
+    legacy: Arc<Legacy>,
+    metrics: Metrics,
+    stop: CancellationToken,
+}
+
+impl Maker {
+    fn replica(&self, addr: Option<SocketAddr>, target: &Target) -> Result<Arc<Replica>, String> {
+        let at = addr.map_or_else(|| target.by_name(), Endpoint::Tcp);
+        let remote = Remote::new(&self.id, &self.entry, self.compact_timeout, &at)?;
+        let max = self.entry.max_concurrent_calls;
+        let guarded = Arc::new(Guarded::new(remote, self.legacy.clone(), self.metrics.clone(), max));
+        let stop = self.stop.child_token();
+        tokio::spawn(super::health::monitor(guarded.clone(), stop.clone()));
+        Ok(Arc::new(Replica { addr, guarded, stop }))
+    }
+}
+
+pub struct Replicas {
+    id: String,
+    /// The endpoint as configured.
+    pub endpoint: String,
+    target: Target,
+    maker: Maker,
+    /// Never empty: swapped whole when the name resolves differently.
+    set: RwLock<Arc<[Arc<Replica>]>>,
+}
+
+impl Replicas {
+    /// The engine `entry` configures: one replica, or (for `dns:///`) the
+    /// name's placeholder until the first resolution, which starts now.
+    /// Must run inside a tokio runtime; everything stops with `stop`.
+    pub fn start(
+        id: &str,
+        entry: &EngineEntry,
+        compact_timeout: Duration,
+        legacy: Arc<Legacy>,
+        metrics: Metrics,
+        stop: CancellationToken,
+    ) -> Result<Arc<Self>, String> {
+        let target = entry.target()?;
+        let maker = Maker { id: id.to_owned(), entry: entry.clone(), compact_timeout, legacy, metrics, stop };
+        let first: Vec<Arc<Replica>> = match &target {
+            Target::Static(addrs) => {
+                addrs.iter().map(|a| maker.replica(Some(*a), &target)).collect::<Result<_, _>>()?
+            }
+            Target::One(_) | Target::Dns { .. } => vec![maker.replica(None, &target)?],
+        };
+        let replicas = Arc::new(Self {
+            id: id.to_owned(),
+            endpoint: entry.endpoint.clone(),
+            target: target.clone(),
+            maker,
+            set: RwLock::new(Arc::from(first)),
+        });
+        if let Target::Dns { host, port } = target {
+            let stop = replicas.maker.stop.clone();
+            tokio::spawn(resolve_loop(Arc::downgrade(&replicas), host, port, stop));
+        }
+        Ok(replicas)
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The replicas now (never empty).
+    pub fn replicas(&self) -> Arc<[Arc<Replica>]> {
+        self.set.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Out of service: every replica is quarantined.
+    pub fn is_quarantined(&self) -> bool {
+        !self.replicas().iter().any(|r| r.in_service())
+    }
+
+    /// Why the engine is out of service (the first replica's record), or
+    /// `None` while a replica serves.
+    pub fn quarantine_record(&self) -> Option<QuarantineRecord> {
+        let set = self.replicas();
+        if set.iter().any(|r| r.in_service()) {
+            return None;
+        }
+        set.first().and_then(|r| r.guarded.quarantine_record())
+    }
+
+    /// The best health among the replicas.
+    pub fn health(&self) -> Health {
+        let set = self.replicas();
+        let serving = set.iter().find(|r| r.in_service()).or(set.first());
+        serving.map_or(Health::Unknown, |r| r.guarded.health())
+    }
+
+    /// The info of a replica's last successful attach (replicas are one
+    /// engine: any of them speaks for all).
+    pub fn attached_info(&self) -> Option<pb::EngineInfo> {
+        let set = self.replicas();
+        let in_service = set.iter().filter(|r| r.in_service());
+        in_service.chain(set.iter()).find_map(|r| r.guarded.attached_info())
+    }
+
+    pub fn affinity(&self) -> Option<Affinity> {
+        self.attached_info().as_ref().map(Affinity::of)
+    }
+
+    /// Every replica's counters, added up.
+    pub fn stats(&self) -> BTreeMap<&'static str, MethodStats> {
+        let mut out: BTreeMap<&'static str, MethodStats> = BTreeMap::new();
+        for r in self.replicas().iter() {
+            for (m, s) in r.guarded.stats() {
+                let t = out.entry(m).or_default();
+                t.calls += s.calls;
+                t.failures += s.failures;
+                t.timeouts += s.timeouts;
+                t.fallbacks += s.fallbacks;
+                t.shed += s.shed;
+            }
+        }
+        out
+    }
+
+    /// Operator re-admission of every quarantined replica.
+    pub fn readmit(&self, why: &str) -> bool {
+        self.replicas().iter().fold(false, |any, r| r.guarded.readmit(why) | any)
+    }
+
+    /// The replica for a call about `session` (a session id or key; `None`:
+    /// no session, any replica).
+    pub fn pick(&self, session: Option<&str>) -> Arc<Guarded> {
+        let set = self.replicas();
+        let up: Vec<&Arc<Replica>> = set.iter().filter(|r| r.in_service()).collect();
+        let chosen = match (up.as_slice(), session, self.affinity()) {
+            // None in service: a quarantined replica answers as legacy.
+            ([], ..) => &set[0],
+            ([only], ..) => only,
+            (up, Some(key), Some(Affinity::Session)) => {
+                up.iter().max_by_key(|r| rendezvous(r.address(), key)).copied().unwrap_or(&set[0])
+            }
+            (up, ..) => {
+                let a = fastrand::usize(..up.len());
+                let b = (a + 1 + fastrand::usize(..up.len() - 1)) % up.len();
+                let (a, b) = (up[a], up[b]);
+                if b.guarded.in_flight() < a.guarded.in_flight() { b } else { a }
+            }
+        };
+        chosen.guarded.clone()
+    }
+
+    /// Replaces the set with `addrs` (sorted, deduplicated, non-empty):
+    /// replicas still there keep their connection, health and quarantine.
+    fn update(&self, addrs: &[SocketAddr]) {
+        let current = self.replicas();
+        if current.iter().map(|r| r.addr).eq(addrs.iter().map(|a| Some(*a))) {
+            return;
+        }
+        let mut next = Vec::with_capacity(addrs.len());
+        for a in addrs {
+            if let Some(r) = current.iter().find(|r| r.addr == Some(*a)) {
+                next.push(r.clone());
+                continue;
+            }
+            match self.maker.replica(Some(*a), &self.target) {
+                Ok(r) => next.push(r),
+                Err(e) => {
+                    tracing::error!(engine = %self.id, address = %a, error = %e, "cannot build a replica's client")
+                }
+            }
+        }
+        if next.is_empty() {
+            return;
+        }
+        let names = |s: &[Arc<Replica>]| s.iter().map(|r| r.address().to_owned()).collect::<Vec<_>>().join(", ");
+        tracing::info!(engine = %self.id, before = %names(&current), now = %names(&next), "engine replicas changed");
+        // A departed replica's series goes with it (not on drop: a reload's
+        // new replica at the same address shares the series).
+        for gone in current.iter().filter(|r| !next.iter().any(|n| Arc::ptr_eq(n, r))) {
+            self.maker.metrics.replica_gone(&self.id, gone.address());
+        }
+        *self.set.write().unwrap_or_else(|e| e.into_inner()) = Arc::from(next);
+    }
+}
+
+/// The replicas' addresses now: every A/AAAA record, sorted, at most
+/// [`MAX_REPLICAS`].
+async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
+    let found = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
+        .await
+        .map_err(|_| format!("resolving {host} took over {RESOLVE_TIMEOUT:?}"))?
+        .map_err(|e| format!("resolving {host}: {e}"))?;
+    let mut addrs: Vec<SocketAddr> = found.collect();
+    addrs.sort();
+    addrs.dedup();
+    addrs.truncate(MAX_REPLICAS);
+    Ok(addrs)
+}
+
+/// Re-resolves `host` until the replicas are dropped or `stop` fires. A
+/// failed or empty resolution keeps the replicas there are (a DNS blip is
+/// not an outage).
+async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: CancellationToken) {
+    let mut failing = false;
+    loop {
+        let Some(set) = replicas.upgrade() else { return };
+        match resolve(&host, port).await {
+            Ok(addrs) if !addrs.is_empty() => {
+                failing = false;
+                set.update(&addrs);
+            }
+            r => {
+                if !failing {
+                    let why = r.err().unwrap_or_else(|| format!("{host} has no address"));
+                    tracing::warn!(engine = %set.id, error = %why, "engine replicas not resolved; keeping the ones there are");
+                }
+                failing = true;
+            }
+        }
+        let degraded = failing || set.replicas().iter().any(|r| !r.in_service());
+        drop(set);
+        let wait = if degraded { RESOLVE_EVERY_DEGRADED } else { RESOLVE_EVERY };
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            () = stop.cancelled() => return,
+        }
+    }
+}
+
+/// A replica's rendezvous score for a session. Every gateway must compute
+/// the same score (so it is written out, not std's hasher, whose algorithm
+/// may change between releases): FNV-1a over both strings, then
+/// SplitMix64's finaliser, because FNV alone mixes the last bytes poorly.
+fn rendezvous(replica: &str, session: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in replica.bytes().chain([0]).chain(session.bytes()) {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The session a request is about, for affinity.
+trait Keyed {
+    fn session(&self) -> Option<&str>;
+}
+
+macro_rules! keyed {
+    ($($Req:ty => |$r:ident| $key:expr),* $(,)?) => {
+        $(impl Keyed for $Req {
+            fn session(&self) -> Option<&str> {
+                let $r = self;
+                Some($key).filter(|k: &&str| !k.is_empty())
+            }
+        })*
+    };
+}
+
+keyed! {
+    pb::BootstrapRequest => |r| r.session_id.as_str(),
+    pb::IngestRequest => |r| r.session_id.as_str(),
+    pb::IngestBatchRequest => |r| r.session_id.as_str(),
+    pb::AssembleRequest => |r| r.session_id.as_str(),
+    pb::CompactRequest => |r| r.session_id.as_str(),
+    pb::AfterTurnRequest => |r| r.session_id.as_str(),
+    pb::CommitTurnRequest => |r| r.session_id.as_str(),
+    pb::MaintainRequest => |r| r.session_id.as_str(),
+    pb::ForgetSessionRequest => |r| r.session_id.as_str(),
+    // A subagent's state is the child's: its key is all three calls have.
+    pb::PrepareSubagentSpawnRequest => |r| r.child_session_key.as_str(),
+    pb::RollbackSubagentSpawnRequest => |r| r.child_session_key.as_str(),
+    pb::OnSubagentEndedRequest => |r| r.child_session_key.as_str(),
+}
+
+type R<T> = Result<T, EngineCallError>;
+
+/// The Engine impl: each method's request goes to its replica. Written as
+/// one macro around the whole impl, since `#[async_trait]` must see the
+/// methods' `async fn`s.
+macro_rules! routed {
+    ($($name:ident($Req:ty) -> $Res:ty;)*) => {
+        #[async_trait]
+        impl Engine for Replicas {
+            /// A replica in service speaks for the engine; legacy's info when none is.
+            fn info(&self) -> pb::EngineInfo {
+                let set = self.replicas();
+                let r = set.iter().find(|r| r.in_service()).unwrap_or(&set[0]);
+                r.guarded.info()
+            }
+
+            $(async fn $name(&self, req: $Req, call: &Call) -> R<$Res> {
+                let replica = self.pick(req.session());
+                replica.$name(req, call).await
+            })*
+
+            async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply> {
+                let replica = self.pick(req.session());
+                replica.compact(req, call, progress).await
+            }
+        }
+    };
+}
+
+routed! {
+    bootstrap(pb::BootstrapRequest) -> pb::BootstrapResult;
+    ingest(pb::IngestRequest) -> pb::IngestResult;
+    ingest_batch(pb::IngestBatchRequest) -> pb::IngestBatchResult;
+    assemble(pb::AssembleRequest) -> pb::AssembleResult;
+    after_turn(pb::AfterTurnRequest) -> pb::AfterTurnResult;
+    commit_turn(pb::CommitTurnRequest) -> pb::CommitTurnResult;
+    maintain(pb::MaintainRequest) -> pb::MaintainResult;
+    prepare_subagent_spawn(pb::PrepareSubagentSpawnRequest) -> pb::PrepareSubagentSpawnResult;
+    rollback_subagent_spawn(pb::RollbackSubagentSpawnRequest) -> pb::RollbackSubagentSpawnResult;
+    on_subagent_ended(pb::OnSubagentEndedRequest) -> pb::OnSubagentEndedResult;
+    forget_session(pb::ForgetSessionRequest) -> pb::ForgetSessionResult;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_moves_only_a_departed_replicas_sessions() {
+        let all = ["10.0.0.1:7401", "10.0.0.2:7401", "10.0.0.3:7401"];
+        fn owner<'a>(set: &[&'a str], s: &str) -> &'a str {
+            set.iter().max_by_key(|r| rendezvous(r, s)).unwrap()
+        }
+        let sessions: Vec<String> = (0..3000).map(|i| format!("session-{i}")).collect();
+        let mut per = BTreeMap::<&str, usize>::new();
+        for s in &sessions {
+            *per.entry(owner(&all, s)).or_default() += 1;
+        }
+        // Spread: each replica gets about a third.
+        assert!(per.values().all(|n| (800..1200).contains(n)), "{per:?}");
+        let without = [all[0], all[2]];
+        for s in &sessions {
+            let (before, after) = (owner(&all, s), owner(&without, s));
+            if before == all[1] {
+                assert_ne!(after, all[1]);
+            } else {
+                assert_eq!(before, after, "{s} moved though its replica stayed");
+            }
+        }
+        // Stable: the score is a pure function of the two strings.
+        assert_eq!(rendezvous("a:1", "s"), rendezvous("a:1", "s"));
+        assert_ne!(rendezvous("a:1", "s"), rendezvous("a:1", "t"));
+    }
+
+    #[test]
+    fn affinity_defaults_to_session_for_delta_engines() {
+        let mut info = pb::EngineInfo::default();
+        assert_eq!(Affinity::of(&info), Affinity::None);
+        info.history_delivery = pb::HistoryDelivery::Delta as i32;
+        assert_eq!(Affinity::of(&info), Affinity::Session);
+        info.replica_affinity = pb::ReplicaAffinity::None as i32;
+        assert_eq!(Affinity::of(&info), Affinity::None);
+        info.history_delivery = pb::HistoryDelivery::Full as i32;
+        info.replica_affinity = pb::ReplicaAffinity::Session as i32;
+        assert_eq!(Affinity::of(&info), Affinity::Session);
+        // An unknown value from a newer engine is unspecified.
+        info.replica_affinity = 99;
+        assert_eq!(Affinity::of(&info), Affinity::None);
+    }
+}

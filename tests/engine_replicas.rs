@@ -1,0 +1,198 @@
+//! One engine, several replicas (real engine processes on loopback, named
+//! by a static `ipv4:` list or a `dns:///` name): a session stays on one
+//! replica of an engine that keeps session state and moves, resynced, when
+//! that replica dies; a stateless engine's calls spread over all; the
+//! engine is out of service only when every replica is.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::path::Path;
+
+use ctxgate_proto::gateway as api;
+use ctxgate_tests::hosting::*;
+use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
+
+fn counter(metrics: &str, name: &str, labels: &str) -> u64 {
+    let key = format!("{name}{{{labels}}} ");
+    metrics.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |v| v.trim().parse().unwrap())
+}
+
+fn addr(e: &EngineProcess) -> String {
+    e.endpoint.strip_prefix("http://").unwrap().to_owned()
+}
+
+async fn gateway(id: &str, endpoint: &str) -> TestGateway {
+    let mut config = hosting(id, endpoint, &[]);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    TestGateway::start(config).await
+}
+
+/// A gateway with engine `id` at every address in `list` (`ipv4:`), once
+/// all of them are in service.
+async fn gateway_over(id: &str, list: &[String]) -> (TestGateway, api::EngineStatus) {
+    let g = gateway(id, &format!("ipv4:{}", list.join(","))).await;
+    let e = wait_engine(&g, id, "every replica in service", |e| {
+        e.replicas.len() == list.len() && e.replicas.iter().all(in_service) && !e.name.is_empty()
+    })
+    .await;
+    (g, e)
+}
+
+fn in_service(r: &api::ReplicaStatus) -> bool {
+    r.quarantine.is_none() && r.health == "SERVING"
+}
+
+/// Runs a turn on `key` and checks it completed on the engine itself.
+async fn served_by(g: &TestGateway, id: &str, key: &str, text: &str) {
+    let events = run_turn(g, key, text).await;
+    assert!(completed(&events), "{events:?}");
+    let s = selected(&events);
+    assert_eq!((s.engine_id.as_str(), s.warning.as_deref()), (id, None), "{events:?}");
+}
+
+fn calls_by_replica(e: &api::EngineStatus) -> Vec<(String, u64)> {
+    e.replicas.iter().map(|r| (r.address.clone(), r.calls)).collect()
+}
+
+async fn restart_window(at: &str, dir: &Path) -> EngineProcess {
+    let args = ["--listen", at, "--state-dir", dir.to_str().unwrap()];
+    EngineProcess::start(bin("ctxgate-engine-window"), &args).await.unwrap()
+}
+
+#[tokio::test]
+async fn a_session_stays_on_one_replica_and_moves_resynced_when_it_dies() {
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mut engines = Vec::new();
+    for d in &dirs {
+        engines.push(Some(start_window(d.path(), &[]).await));
+    }
+    let list: Vec<String> = engines.iter().map(|e| addr(e.as_ref().unwrap())).collect();
+    let (g, e) = gateway_over("window", &list).await;
+    assert_eq!(e.affinity, "session", "the window engine declares session affinity: {e:?}");
+
+    for i in 0..4 {
+        served_by(&g, "window", "s1", &format!("turn {i} of s1")).await;
+    }
+    let e = engine_status(&g, "window").await;
+    let busy: Vec<_> = e.replicas.iter().filter(|r| r.calls > 0).collect();
+    assert_eq!(busy.len(), 1, "one session, one replica: {:?}", calls_by_replica(&e));
+    let owner = busy[0].address.clone();
+    let owner_ix = list.iter().position(|a| *a == owner).unwrap();
+
+    // Many sessions spread over every replica.
+    for s in 0..40 {
+        served_by(&g, "window", &format!("spread-{s}"), "hello").await;
+    }
+    let e = engine_status(&g, "window").await;
+    assert!(e.replicas.iter().all(|r| r.calls > 0), "{:?}", calls_by_replica(&e));
+
+    // The session's replica dies: its next turns run on another replica,
+    // which does not hold the history and is resynced.
+    engines[owner_ix].take().unwrap().signal_and_wait("KILL").await.unwrap();
+    wait_engine(&g, "window", "the dead replica quarantined", |e| {
+        e.replicas.iter().any(|r| r.address == owner && r.quarantine.is_some())
+    })
+    .await;
+    let gaps_before = counter(
+        &metrics_text(g.metrics.unwrap()).await,
+        "ctxgate_engine_history_gaps_total",
+        "engine=\"window\",method=\"Assemble\"",
+    );
+    let before = engine_status(&g, "window").await;
+    for i in 4..7 {
+        served_by(&g, "window", "s1", &format!("turn {i} of s1")).await;
+    }
+    let e = engine_status(&g, "window").await;
+    assert!(e.quarantine.is_none() && e.health == "SERVING", "two replicas serve: {e:?}");
+    let dead = e.replicas.iter().find(|r| r.address == owner).unwrap();
+    assert!(dead.quarantine.is_some() && dead.health == "UNREACHABLE", "{dead:?}");
+    let moved: Vec<_> = e
+        .replicas
+        .iter()
+        .zip(&before.replicas)
+        .filter(|(now, then)| now.calls > then.calls)
+        .map(|(now, _)| now.address.clone())
+        .collect();
+    assert_eq!(moved.len(), 1, "the session moved to one replica: {:?}", calls_by_replica(&e));
+    assert_ne!(moved[0], owner);
+    let m = metrics_text(g.metrics.unwrap()).await;
+    let gaps = counter(&m, "ctxgate_engine_history_gaps_total", "engine=\"window\",method=\"Assemble\"");
+    assert_eq!(gaps, gaps_before + 1, "one gap, then resynced: {m}");
+    assert!(
+        m.contains(&format!("ctxgate_engine_replica_in_service{{engine=\"window\",replica=\"{owner}\"}} 0")),
+        "{m}"
+    );
+    assert_eq!(messages(&g, "s1").await.len(), 14, "every message of s1 is in the transcript");
+
+    // It comes back (its old state, now behind): re-admitted, and the
+    // session returns to it, resynced again.
+    engines[owner_ix] = Some(restart_window(&owner, dirs[owner_ix].path()).await);
+    wait_engine(&g, "window", "the replica re-admitted", |e| {
+        e.replicas.iter().find(|r| r.address == owner).is_some_and(in_service)
+    })
+    .await;
+    served_by(&g, "window", "s1", "turn 7 of s1").await;
+    let m = metrics_text(g.metrics.unwrap()).await;
+    assert_eq!(counter(&m, "ctxgate_engine_history_gaps_total", "engine=\"window\",method=\"Assemble\""), gaps + 1);
+
+    // Every replica gone: the engine is out of service and legacy answers.
+    for e in engines.iter_mut() {
+        e.take().unwrap().signal_and_wait("KILL").await.unwrap();
+    }
+    wait_engine(&g, "window", "quarantined", |e| e.quarantine.is_some()).await;
+    let events = run_turn(&g, "s1", "turn 8 of s1").await;
+    assert!(completed(&events), "{events:?}");
+    assert_eq!(selected(&events).engine_id, "legacy");
+    assert!(selected(&events).warning.as_deref().unwrap().contains("quarantined"), "{events:?}");
+    assert_eq!(messages(&g, "s1").await.len(), 18, "nothing lost");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_stateless_engines_calls_spread_over_its_replicas() {
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        engines.push(fault_engine("none").await);
+    }
+    let list: Vec<String> = engines.iter().map(addr).collect();
+    let (g, e) = gateway_over("fault", &list).await;
+    assert_eq!(e.affinity, "none", "{e:?}");
+    // One session, yet every replica takes calls: nothing ties it to one.
+    for i in 0..12 {
+        served_by(&g, "fault", "one", &format!("turn {i}")).await;
+    }
+    let e = engine_status(&g, "fault").await;
+    assert!(e.replicas.iter().all(|r| r.calls > 0), "{:?}", calls_by_replica(&e));
+    let total: u64 = e.replicas.iter().map(|r| r.calls).sum();
+    let assembles = e.methods.iter().find(|m| m.method == "Assemble").unwrap().calls;
+    assert!(total >= assembles && assembles == 12, "{total} calls, {assembles} assembles");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_dns_name_is_resolved_to_its_replicas_and_an_unknown_name_degrades_to_legacy() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_window(dir.path(), &[]).await;
+    let port = addr(&engine).rsplit_once(':').unwrap().1.to_owned();
+    let g = gateway("window", &format!("dns:///localhost:{port}")).await;
+    let e = wait_engine(&g, "window", "resolved and attached", |e| {
+        e.replicas.len() == 1 && e.replicas[0].address == format!("127.0.0.1:{port}") && in_service(&e.replicas[0])
+    })
+    .await;
+    assert_eq!(e.endpoint, format!("dns:///localhost:{port}"));
+    served_by(&g, "window", "d", "hello").await;
+    g.stop().await;
+
+    // A name that resolves to nothing: the placeholder dials the name and
+    // fails; the engine is quarantined and every turn still completes.
+    let g = gateway("window", "dns:///no-such-engine.invalid:7401").await;
+    let e =
+        wait_engine(&g, "window", "unreachable", |e| e.replicas.len() == 1 && e.replicas[0].health == "UNREACHABLE")
+            .await;
+    assert_eq!(e.replicas[0].address, "no-such-engine.invalid:7401");
+    assert!(e.quarantine.is_some(), "{e:?}");
+    let events = run_turn(&g, "d", "hello").await;
+    assert!(completed(&events), "{events:?}");
+    assert_eq!(selected(&events).engine_id, "legacy");
+    g.stop().await;
+}
