@@ -352,3 +352,105 @@ async fn the_conformance_kit_checks_the_python_engine_over_mtls() {
     let (code, report) = kit(&[]).await;
     assert_ne!(code, Some(0), "without a client certificate the engine serves nothing:\n{report}");
 }
+
+/// The compose stack's TLS as `docker-compose.yml` wires it, on loopback:
+/// the certificates `.ci/certs` makes, the gateway config
+/// `docs/examples/compose.json5` (its paths and addresses pointed here),
+/// the window engine with the compose file's flags, and the containers'
+/// health-check commands.
+#[tokio::test]
+async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_over_mtls() {
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let certs = d.join("certs");
+    let made = std::process::Command::new(ctxgate_tests::repo_root().join(".ci/certs")).arg(&certs).output().unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let c = |f: &str| certs.join(f).to_str().unwrap().to_owned();
+    let window_state = d.join("window");
+    let window_args = [
+        "--listen",
+        "127.0.0.1:0",
+        "--state-dir",
+        window_state.to_str().unwrap(),
+        "--tls-cert",
+        &c("engine-window.pem"),
+        "--tls-key",
+        &c("engine-window.key"),
+        "--tls-client-ca",
+        &c("ca.pem"),
+        "--host-ca",
+        &c("ca.pem"),
+    ];
+    let window = EngineProcess::start(bin("ctxgate-engine-window"), &window_args).await.unwrap();
+    let port = window.endpoint.rsplit_once(':').unwrap().1.to_owned();
+    let (py_crt, py_key, ca_pem) = (c("engine-python.pem"), c("engine-python.key"), c("ca.pem"));
+    let python_args = ["--tls-cert", &py_crt, "--tls-key", &py_key, "--tls-client-ca", &ca_pem];
+    let python = ctxgate_tests::start_python_with(&d.join("python"), &python_args).await;
+    let py_port = python.endpoint.rsplit_once(':').unwrap().1.to_owned();
+
+    let compose = std::fs::read_to_string(ctxgate_tests::repo_root().join("docs/examples/compose.json5")).unwrap();
+    let config = compose
+        .replace("\"/certs/", &format!("\"{}/", certs.display()))
+        .replace("dns:///engine-window:7401", &format!("dns:///localhost:{port}"))
+        .replace("https://engine-python:7402", &format!("https://localhost:{py_port}"))
+        // The derived host endpoint is this gateway's own https:// address.
+        .replace("hostEndpoint: \"https://gateway:7300\",", "");
+    assert_ne!(config, compose);
+    let config = write(d, "compose.json5", &config);
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let state = d.join("state");
+    let mut cmd = tokio::process::Command::new(bin("ctxgate"));
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--config", &s(&config), "--state-dir", &s(&state)]);
+    cmd.env("CTXGATE_METRICS_LISTEN", "127.0.0.1:0");
+    let g = EngineProcess::spawn(cmd).await.unwrap();
+    let url = https(&g);
+    let ca = ["--tls-ca", &c("ca.pem")];
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let (code, out, err) = status(&url, &[&ca[..], &["--json"]].concat()).await;
+        assert_eq!(code, Some(0), "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let engine = |id: &str| v["engines"].as_array().unwrap().iter().find(|e| e["id"] == id).cloned().unwrap();
+        let attached = |e: &serde_json::Value| e["quarantine"].is_null() && e["name"] != "";
+        let (w, py) = (engine("window"), engine("python"));
+        if attached(&w) && attached(&py) {
+            assert_eq!(w["replicas"][0]["address"], format!("127.0.0.1:{port}"), "{w}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the engines never attached over mTLS: {out}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = tokio::process::Command::new(bin("ctxgate"))
+        .args(["chat", "--gateway", &url, "--session", "compose-tls", "-m", "hello"])
+        .args(ca)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (_, out, _) = status(&url, &ca).await;
+    assert!(out.contains(&format!("window (Window engine) at dns:///localhost:{port}: SERVING")), "{out}");
+
+    // The containers' health checks, as docker-compose.yml runs them.
+    let py = ctxgate_tests::repo_root().join("engines/python");
+    let py_check = [&s(&py.join("health.py")), &format!("127.0.0.1:{py_port}"), "--tls-ca", &ca_pem];
+    let py_check = [&py_check[..], &["--tls-cert", &py_crt, "--tls-key", &py_key]].concat();
+    let venv_python = py.join(".venv/bin/python");
+    let checks: [(PathBuf, Vec<String>); 3] = [
+        (venv_python, py_check.iter().map(|s| (*s).to_owned()).collect()),
+        (bin("ctxgate"), vec!["health".into(), "--gateway".into(), url.clone(), "--tls-ca".into(), c("ca.pem")]),
+        (
+            bin("ctxgate-engine-window"),
+            ["health", "--endpoint", &format!("https://127.0.0.1:{port}"), "--tls-ca", &c("ca.pem")]
+                .into_iter()
+                .map(str::to_owned)
+                .chain(["--tls-cert".into(), c("engine-window.pem"), "--tls-key".into(), c("engine-window.key")])
+                .collect(),
+        ),
+    ];
+    for (program, args) in checks {
+        let out = tokio::process::Command::new(&program).args(&args).output().await.unwrap();
+        assert!(out.status.success(), "{program:?} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+}

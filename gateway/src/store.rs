@@ -43,7 +43,11 @@ impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
         match e.sqlite_error_code() {
             Some(rusqlite::ErrorCode::DiskFull) => Self::Full(e.to_string()),
-            _ => Self::Backend(e.to_string()),
+            // The extended code says which I/O failed (the message does not).
+            _ => Self::Backend(match &e {
+                rusqlite::Error::SqliteFailure(f, _) => format!("{e} (SQLite extended code {})", f.extended_code),
+                _ => e.to_string(),
+            }),
         }
     }
 }
@@ -612,6 +616,12 @@ impl SqliteStore {
         // FULL: an acknowledged message survives a power cut, not just a crash.
         conn.pragma_update(None, "synchronous", "FULL").map_err(fail)?;
         conn.pragma_update(None, "foreign_keys", "ON").map_err(fail)?;
+        // Statement journals and sorts in memory, never in a temp file: an
+        // image FROM scratch has no /tmp, and SQLite without a temp
+        // directory fails those statements with "disk I/O error"
+        // (SQLITE_IOERR_GETTEMPPATH). What they hold is bounded by one
+        // statement over one session's visible history.
+        conn.pragma_update(None, "temp_store", "MEMORY").map_err(fail)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(fail)?;
         // Every statement of a turn stays prepared.
         conn.set_prepared_statement_cache_capacity(64);

@@ -47,13 +47,15 @@ const START_TIMEOUT: Duration = Duration::from_secs(600);
 
 impl EngineProcess {
     pub async fn start(program: impl AsRef<Path>, args: &[&str]) -> std::io::Result<Self> {
-        let mut child = Command::new(program.as_ref())
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .kill_on_drop(true)
-            .spawn()?;
+        let mut cmd = Command::new(program.as_ref());
+        cmd.args(args);
+        Self::spawn(cmd).await
+    }
+
+    /// [`EngineProcess::start`] for a command with more set (environment).
+    pub async fn spawn(mut cmd: Command) -> std::io::Result<Self> {
+        let mut child =
+            cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).kill_on_drop(true).spawn()?;
         let stdout = child.stdout.take().expect("stdout is piped");
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(START_TIMEOUT, lines.next_line())

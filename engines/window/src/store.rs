@@ -77,6 +77,9 @@ impl Store {
         // its queued copy on that answer, so NORMAL (durable only against
         // a crash of the process) could lose an accepted turn for good.
         conn.pragma_update(None, "synchronous", "FULL").map_err(internal)?;
+        // Temp data in memory: an image FROM scratch has no /tmp, and SQLite
+        // without a temp directory fails with "disk I/O error".
+        conn.pragma_update(None, "temp_store", "MEMORY").map_err(internal)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(internal)?;
         conn.execute_batch(SCHEMA).map_err(internal)?;
         Ok(Self { conn: Arc::new(Mutex::new(conn)) })

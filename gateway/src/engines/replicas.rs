@@ -249,12 +249,15 @@ impl Replicas {
     /// replicas still there keep their connection, health and quarantine.
     fn update(&self, addrs: &[SocketAddr]) {
         let current = self.replicas();
-        if current.iter().map(|r| r.addr).eq(addrs.iter().map(|a| Some(*a))) {
+        // Compared as dialled: the name's placeholder may be one of them.
+        if current.iter().map(|r| r.address().to_owned()).eq(addrs.iter().map(SocketAddr::to_string)) {
             return;
         }
         let mut next = Vec::with_capacity(addrs.len());
         for a in addrs {
-            if let Some(r) = current.iter().find(|r| r.addr == Some(*a)) {
+            // The placeholder dialled by name is kept if the name is this address.
+            let same = |r: &&Arc<Replica>| r.addr == Some(*a) || (r.addr.is_none() && r.address() == a.to_string());
+            if let Some(r) = current.iter().find(same) {
                 next.push(r.clone());
                 continue;
             }

@@ -1,0 +1,465 @@
+//! `chaos`: faults across containers, with the compose stack up
+//! (`.ci/images up`) and turns flowing from this process on the host
+//! through the gateway container (TLS) to the window engine's replicas
+//! (mTLS). Run from the repository root; `.ci/run` runs it.
+//!
+//! In order, each step bounded in time: `docker kill` the busiest window
+//! replica (its sessions move and resync, no turn fails), kill the other
+//! two (legacy answers, the quarantine shows), start all three again
+//! (re-admitted), `docker network disconnect` one (a deadline, fallback,
+//! that replica quarantined) and reconnect it, restart the gateway
+//! container (state on its volume), `docker pause` one replica (a hang)
+//! and unpause it. It prints what it did and saw, then checks that every
+//! turn was answered or failed with a clear status, and that every
+//! acknowledged turn's message is in its session's transcript exactly once.
+//! Exit 1 on any violation.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
+use ctxgate_proto::pb::transcript_entry::Entry;
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig};
+
+const GATEWAY: &str = "https://127.0.0.1:7300";
+const METRICS: &str = "127.0.0.1:9464";
+const CA: &str = "target/compose-certs/ca.pem";
+const WORKERS: usize = 4;
+const SESSIONS_PER_WORKER: usize = 3;
+/// A turn that takes longer than this is a hang, not an answer.
+const TURN_LIMIT: Duration = Duration::from_secs(60);
+
+type R<T> = Result<T, String>;
+
+/// The compose stack, driven with the docker CLI.
+struct Stack {
+    compose: Vec<String>,
+}
+
+impl Stack {
+    fn new() -> Self {
+        let v1 = std::process::Command::new("docker-compose").arg("version").output().is_ok_and(|o| o.status.success());
+        let compose = if v1 { vec!["docker-compose".into()] } else { vec!["docker".into(), "compose".into()] };
+        Self { compose }
+    }
+
+    fn run(program: &str, args: &[&str]) -> R<String> {
+        let out = std::process::Command::new(program).args(args).output().map_err(|e| format!("{program}: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    }
+
+    fn docker(&self, args: &[&str]) -> R<String> {
+        Self::run("docker", args)
+    }
+
+    /// The containers of a compose service.
+    fn ids(&self, service: &str) -> R<Vec<String>> {
+        let mut args: Vec<&str> = self.compose[1..].iter().map(String::as_str).collect();
+        args.extend(["ps", "-q", service]);
+        let out = Self::run(&self.compose[0], &args)?;
+        Ok(out.lines().map(str::to_owned).filter(|l| !l.is_empty()).collect())
+    }
+
+    /// A container's network and its address on it.
+    fn network(&self, id: &str) -> R<(String, String)> {
+        let f = "{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{$v.IPAddress}}{{end}}";
+        let out = self.docker(&["inspect", "-f", f, id])?;
+        let (net, ip) = out.split_once(' ').ok_or_else(|| format!("no network for {id}: {out:?}"))?;
+        Ok((net.to_owned(), ip.to_owned()))
+    }
+}
+
+/// What the turns saw.
+#[derive(Default)]
+struct Tally {
+    by_engine: BTreeMap<String, u64>,
+    /// Failed turns by status code and message.
+    failed: BTreeMap<String, u64>,
+    /// Violations: hangs, failures without a clear status.
+    unclear: Vec<String>,
+    /// Per session, the texts of acknowledged turns, in order.
+    acked: BTreeMap<String, Vec<String>>,
+}
+
+impl Tally {
+    fn snapshot(&self) -> (BTreeMap<String, u64>, u64) {
+        (self.by_engine.clone(), self.failed.values().sum())
+    }
+}
+
+async fn connect() -> R<GatewayClient<Channel>> {
+    let ca = std::fs::read(CA).map_err(|e| format!("{CA}: {e}"))?;
+    let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");
+    let ep = Channel::from_static(GATEWAY).tls_config(tls).map_err(|e| e.to_string())?;
+    Ok(GatewayClient::new(ep.connect_timeout(Duration::from_secs(2)).connect_lazy()))
+}
+
+fn sref(key: &str) -> Option<api::SessionRef> {
+    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
+}
+
+/// One turn: the engine that served it, or the status that ended it.
+async fn turn(client: &mut GatewayClient<Channel>, key: &str, text: &str) -> Result<String, tonic::Status> {
+    let req = api::RunTurnRequest { session: sref(key), message: text.into(), ..Default::default() };
+    let mut stream = client.run_turn(req).await?.into_inner();
+    let mut engine = None;
+    while let Some(e) = stream.next().await {
+        match e?.event {
+            Some(Event::EngineSelected(s)) => engine = Some(s.engine_id),
+            Some(Event::Completed(_)) => return Ok(engine.unwrap_or_default()),
+            // A turn that ended failed (an abort when the gateway stops).
+            Some(Event::Failed(f)) => return Err(tonic::Status::aborted(format!("turn {}: {}", f.reason, f.message))),
+            _ => {}
+        }
+    }
+    Err(tonic::Status::unknown("the turn's stream ended without Completed"))
+}
+
+/// Runs turns on its sessions until `stop`.
+async fn worker(run: u64, w: usize, tally: Arc<Mutex<Tally>>, stop: Arc<AtomicBool>) {
+    let Ok(mut client) = connect().await else { return };
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        // Sessions of this run only (the gateway keeps earlier runs').
+        let key = format!("chaos-{run}-{w}-{}", n as usize % SESSIONS_PER_WORKER);
+        let text = format!("chaos turn {n} on {key}");
+        n += 1;
+        let r = tokio::time::timeout(TURN_LIMIT, turn(&mut client, &key, &text)).await;
+        let pause = record(&mut tally.lock().unwrap_or_else(|e| e.into_inner()), key, text, r);
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// Records one turn's outcome; how long to wait before the next.
+fn record(
+    t: &mut Tally,
+    key: String,
+    text: String,
+    r: Result<Result<String, tonic::Status>, tokio::time::error::Elapsed>,
+) -> Duration {
+    match r {
+        Ok(Ok(engine)) => {
+            *t.by_engine.entry(engine).or_default() += 1;
+            t.acked.entry(key).or_default().push(text);
+            Duration::from_millis(20)
+        }
+        Ok(Err(s)) => {
+            if s.message().trim().is_empty() {
+                t.unclear.push(format!("{key}: {:?} with no message", s.code()));
+            }
+            let what = format!("{:?}: {}", s.code(), s.message().chars().take(100).collect::<String>());
+            *t.failed.entry(what).or_default() += 1;
+            // A shed or a restarting gateway: back off as asked.
+            let ms = s.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()?.parse().ok());
+            Duration::from_millis(ms.unwrap_or(250))
+        }
+        Err(_) => {
+            t.unclear.push(format!("{key}: no answer within {TURN_LIMIT:?}"));
+            Duration::from_millis(250)
+        }
+    }
+}
+
+async fn status(client: &mut GatewayClient<Channel>) -> R<api::EngineStatus> {
+    let s = client.get_status(api::StatusRequest {}).await.map_err(|s| s.message().to_owned())?.into_inner();
+    s.engines.into_iter().find(|e| e.id == "window").ok_or_else(|| "no window engine in status".into())
+}
+
+fn in_service(r: &api::ReplicaStatus) -> bool {
+    r.quarantine.is_none()
+}
+
+/// Polls status until `ok` (at most `within`); how long it took.
+async fn until(
+    client: &mut GatewayClient<Channel>,
+    what: &str,
+    within: Duration,
+    ok: impl Fn(&api::EngineStatus) -> bool,
+) -> R<Duration> {
+    let start = Instant::now();
+    let mut last = None;
+    while start.elapsed() < within {
+        match status(client).await {
+            Ok(e) if ok(&e) => return Ok(start.elapsed()),
+            Ok(e) => last = Some(e),
+            Err(_) => {}
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(format!("{what}: not within {within:?}; last status: {}", last.map(|e| describe(&e)).unwrap_or_default()))
+}
+
+fn describe(e: &api::EngineStatus) -> String {
+    let replicas: Vec<String> = e
+        .replicas
+        .iter()
+        .map(|r| format!("{} {}{}", r.address, r.health, if r.quarantine.is_some() { " (quarantined)" } else { "" }))
+        .collect();
+    let q = e.quarantine.as_ref().map_or(String::new(), |q| format!(", engine quarantined: {}", q.reason));
+    format!("[{}]{q}", replicas.join(", "))
+}
+
+/// The window engine's history gaps so far (each one a resync).
+async fn resyncs() -> u64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(METRICS).await else { return 0 };
+    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out).await;
+    out.lines()
+        .filter(|l| l.starts_with("ctxgate_engine_history_gaps_total{engine=\"window\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+struct Run {
+    stack: Stack,
+    client: GatewayClient<Channel>,
+    tally: Arc<Mutex<Tally>>,
+    violations: Vec<String>,
+    started: Instant,
+}
+
+impl Run {
+    fn say(&self, what: &str) {
+        println!("[{:>6.1} s] {what}", self.started.elapsed().as_secs_f64());
+    }
+
+    fn check(&mut self, ok: bool, what: String) {
+        if !ok {
+            println!("  VIOLATION: {what}");
+            self.violations.push(what);
+        }
+    }
+
+    /// Turns keep flowing for `d`; what they saw meanwhile.
+    async fn flow(&mut self, d: Duration) -> (BTreeMap<String, u64>, u64) {
+        let before = self.tally.lock().unwrap_or_else(|e| e.into_inner()).snapshot();
+        tokio::time::sleep(d).await;
+        let after = self.tally.lock().unwrap_or_else(|e| e.into_inner()).snapshot();
+        let engines = after.0.iter().map(|(k, v)| (k.clone(), v - before.0.get(k).copied().unwrap_or(0))).collect();
+        let seen: BTreeMap<String, u64> = engines;
+        println!("           turns: {seen:?}, failed: {}", after.1 - before.1);
+        (seen, after.1 - before.1)
+    }
+
+    fn waited(&mut self, r: R<Duration>, what: &str) -> Option<Duration> {
+        match r {
+            Ok(d) => {
+                self.say(&format!("{what} after {:.1} s", d.as_secs_f64()));
+                Some(d)
+            }
+            Err(e) => {
+                self.check(false, e);
+                None
+            }
+        }
+    }
+
+    fn docker(&mut self, args: &[&str]) {
+        self.say(&format!("docker {}", args.join(" ")));
+        if let Err(e) = self.stack.docker(args) {
+            self.check(false, e);
+        }
+    }
+
+    /// The container behind a replica address.
+    fn container_at(&self, ids: &[String], address: &str) -> Option<String> {
+        ids.iter()
+            .find(|id| self.stack.network(id).is_ok_and(|(_, ip)| address.starts_with(&format!("{ip}:"))))
+            .cloned()
+    }
+
+    async fn scenario(&mut self) -> R<()> {
+        let windows = self.stack.ids("engine-window")?;
+        let gateway = self.stack.ids("gateway")?.first().cloned().ok_or("no gateway container")?;
+        self.check(windows.len() == 3, format!("3 window replicas expected, found {}", windows.len()));
+        let all = |e: &api::EngineStatus| e.replicas.len() == 3 && e.replicas.iter().all(in_service);
+        let d = until(&mut self.client, "three replicas in service", Duration::from_secs(30), all).await;
+        self.waited(d, "three window replicas in service");
+
+        self.say("baseline");
+        let (seen, failed) = self.flow(Duration::from_secs(3)).await;
+        self.check(failed == 0 && seen.get("window").copied().unwrap_or(0) > 0, "baseline: served by window".into());
+
+        // 1. The busiest replica dies: its sessions move, resync, no turn fails.
+        let e = status(&mut self.client).await?;
+        let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
+        let victim = self.container_at(&windows, &busiest).ok_or("no container for the busiest replica")?;
+        let gaps = resyncs().await;
+        self.docker(&["kill", &victim]);
+        let gone = |e: &api::EngineStatus| e.replicas.iter().any(|r| r.address == busiest && !in_service(r));
+        let d = until(&mut self.client, "the killed replica quarantined", Duration::from_secs(20), gone).await;
+        self.waited(d, &format!("replica {busiest} quarantined"));
+        let (seen, failed) = self.flow(Duration::from_secs(4)).await;
+        let moved = resyncs().await - gaps;
+        self.say(&format!("{moved} session(s) resynced on another replica"));
+        self.check(failed == 0, format!("kill one replica: {failed} turn(s) failed"));
+        self.check(moved > 0, "kill one replica: its sessions should resync elsewhere".into());
+        self.check(
+            seen.get("legacy").copied().unwrap_or(0) == 0,
+            format!("kill one replica: turns degraded to legacy: {seen:?}"),
+        );
+        let e = status(&mut self.client).await?;
+        self.check(
+            e.quarantine.is_none(),
+            format!("two replicas left, yet the engine is quarantined: {}", describe(&e)),
+        );
+
+        // 2. All of them die: legacy answers, the quarantine shows.
+        for id in windows.iter().filter(|id| **id != victim) {
+            self.docker(&["kill", id]);
+        }
+        let out = |e: &api::EngineStatus| e.quarantine.is_some();
+        let d = until(&mut self.client, "the engine quarantined", Duration::from_secs(20), out).await;
+        self.waited(d, "engine quarantined (every replica down)");
+        let e = status(&mut self.client).await?;
+        self.say(&format!("status: {}", describe(&e)));
+        let (seen, failed) = self.flow(Duration::from_secs(3)).await;
+        self.check(failed == 0, format!("all replicas down: {failed} turn(s) failed"));
+        self.check(seen.get("legacy").copied().unwrap_or(0) > 0, "all replicas down: legacy should answer".into());
+
+        // 3. They come back: re-admitted.
+        for id in &windows {
+            self.docker(&["start", id]);
+        }
+        let d = until(&mut self.client, "three replicas re-admitted", Duration::from_secs(60), all).await;
+        self.waited(d, "three replicas re-admitted");
+        let (seen, failed) = self.flow(Duration::from_secs(3)).await;
+        self.check(
+            failed == 0 && seen.get("window").copied().unwrap_or(0) > 0,
+            "after restart: served by window".into(),
+        );
+
+        // 4. One replica cut off the network: a deadline, fallback, quarantined.
+        let e = status(&mut self.client).await?;
+        let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
+        let cut = self.container_at(&windows, &busiest).ok_or("no container for the busiest replica")?;
+        let (net, _) = self.stack.network(&cut)?;
+        self.docker(&["network", "disconnect", &net, &cut]);
+        // Out of service either way: quarantined when a call to it reached
+        // its deadline, or dropped when its name stopped resolving to it.
+        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
+        let d = until(&mut self.client, "the cut-off replica out of service", Duration::from_secs(40), gone).await;
+        self.waited(d, &format!("replica {busiest} out of service (deadline or DNS)"));
+        let e = status(&mut self.client).await?;
+        self.say(&format!("status: {}", describe(&e)));
+        let (_, failed) = self.flow(Duration::from_secs(3)).await;
+        self.check(failed == 0, format!("network disconnect: {failed} turn(s) failed"));
+        // Back on the network under its service name (compose's alias).
+        self.docker(&["network", "connect", "--alias", "engine-window", &net, &cut]);
+        let d = until(&mut self.client, "three replicas in service again", Duration::from_secs(60), all).await;
+        self.waited(d, "three replicas in service again (reconnected)");
+
+        // 5. The gateway restarts: its state is on its volume.
+        self.docker(&["restart", "-t", "5", &gateway]);
+        let up = |e: &api::EngineStatus| !e.replicas.is_empty() && e.replicas.iter().any(in_service);
+        let d = until(&mut self.client, "the gateway back", Duration::from_secs(60), up).await;
+        self.waited(d, "gateway back, serving through the window engine");
+        let (seen, _) = self.flow(Duration::from_secs(3)).await;
+        self.check(seen.get("window").copied().unwrap_or(0) > 0, "after the gateway restart: served by window".into());
+
+        // 6. One replica paused: a hang, then a deadline; unpaused: back.
+        let e = status(&mut self.client).await?;
+        let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
+        let paused = self.container_at(&windows, &busiest).ok_or("no container for the busiest replica")?;
+        self.docker(&["pause", &paused]);
+        let gone = |e: &api::EngineStatus| e.replicas.iter().any(|r| r.address == busiest && !in_service(r));
+        let d = until(&mut self.client, "the paused replica quarantined", Duration::from_secs(40), gone).await;
+        self.waited(d, &format!("replica {busiest} quarantined (hang)"));
+        let (_, failed) = self.flow(Duration::from_secs(3)).await;
+        self.check(failed == 0, format!("pause: {failed} turn(s) failed"));
+        self.docker(&["unpause", &paused]);
+        let d = until(&mut self.client, "three replicas in service after unpause", Duration::from_secs(60), all).await;
+        self.waited(d, "three replicas in service again (unpaused)");
+        self.flow(Duration::from_secs(2)).await;
+        Ok(())
+    }
+
+    /// Every acknowledged turn's message, once, in its session.
+    async fn verify(&mut self) {
+        let acked = self.tally.lock().unwrap_or_else(|e| e.into_inner()).acked.clone();
+        for (key, texts) in acked {
+            let mut seen = Vec::new();
+            let mut token = String::new();
+            loop {
+                let req =
+                    api::GetTranscriptRequest { session: sref(&key), page_token: token.clone(), ..Default::default() };
+                let page = match self.client.get_transcript(req).await {
+                    Ok(p) => p.into_inner(),
+                    Err(s) => {
+                        self.check(false, format!("{key}: transcript unreadable: {}", s.message()));
+                        break;
+                    }
+                };
+                for e in page.entries {
+                    if let Some(Entry::Message(m)) = e.entry {
+                        seen.push(ctxgate::provider::message_text(&m));
+                    }
+                }
+                if page.next_page_token.is_empty() {
+                    break;
+                }
+                token = page.next_page_token;
+            }
+            for t in &texts {
+                let n = seen.iter().filter(|s| *s == t).count();
+                self.check(n == 1, format!("{key}: acknowledged {t:?} is in the transcript {n} times"));
+            }
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let client = match connect().await {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("chaos: {e} (is the stack up? `.ci/images up`)");
+            return ExitCode::FAILURE;
+        }
+    };
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let workers: Vec<_> = (0..WORKERS).map(|w| tokio::spawn(worker(run, w, tally.clone(), stop.clone()))).collect();
+    let mut run =
+        Run { stack: Stack::new(), client, tally: tally.clone(), violations: Vec::new(), started: Instant::now() };
+    if let Err(e) = run.scenario().await {
+        run.check(false, e);
+    }
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        let _ = tokio::time::timeout(TURN_LIMIT, w).await;
+    }
+    run.verify().await;
+    let unclear = {
+        let t = tally.lock().unwrap_or_else(|e| e.into_inner());
+        let acked: usize = t.acked.values().map(Vec::len).sum();
+        println!("turns acknowledged: {acked} (by engine: {:?})", t.by_engine);
+        println!("turns failed with a status: {}", t.failed.values().sum::<u64>());
+        for (what, n) in &t.failed {
+            println!("  {n} × {what}");
+        }
+        t.unclear.clone()
+    };
+    for u in &unclear {
+        run.check(false, format!("unclear: {u}"));
+    }
+    println!("resyncs (history gaps) since the gateway's restart: {}", resyncs().await);
+    if run.violations.is_empty() {
+        println!("chaos: every turn answered or failed with a clear status; nothing acknowledged was lost");
+        ExitCode::SUCCESS
+    } else {
+        println!("chaos: {} violation(s)", run.violations.len());
+        ExitCode::FAILURE
+    }
+}
