@@ -19,6 +19,7 @@ mod error;
 pub mod extractive;
 pub mod health;
 mod host;
+pub mod otlp;
 mod server;
 pub mod testkit;
 pub mod tls;

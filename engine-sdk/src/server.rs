@@ -58,6 +58,13 @@ pub struct ServeArgs {
     /// `--tls-cert` as the client certificate, when given.
     #[arg(long)]
     pub host_ca: Option<std::path::PathBuf>,
+    /// Export a span per engine method over OTLP/gRPC to this collector
+    /// (http://HOST:PORT), continuing the caller's `traceparent`.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// The `service.name` of those spans.
+    #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "ctxgate-engine")]
+    pub otlp_service_name: String,
 }
 
 impl ServeArgs {
@@ -138,6 +145,7 @@ pub struct Server<E> {
     hosts: HostPolicy,
     tls: Option<tonic::transport::ServerTlsConfig>,
     host_tls: Option<tonic::transport::ClientTlsConfig>,
+    spans: Option<crate::otlp::Exporter>,
 }
 
 enum Listener {
@@ -167,19 +175,35 @@ impl<E: ContextEngine> Server<E> {
             hosts: HostPolicy::default(),
             tls: None,
             host_tls: None,
+            spans: None,
         }
     }
 
     /// Every option of `args` but `--listen` (bind to it): drain, call
-    /// limit, host allow-list, TLS. An engine that builds its own server
-    /// calls this, so that no option it accepts goes unused.
+    /// limit, host allow-list, TLS, span export. An engine that builds its
+    /// own server calls this, so that no option it accepts goes unused.
+    /// Starts the span exporter, so it runs inside a tokio runtime.
     pub fn options(self, args: &ServeArgs) -> Result<Self, String> {
+        let spans = match &args.otlp_endpoint {
+            Some(e) => Some(
+                crate::otlp::Exporter::start(e, &args.otlp_service_name)
+                    .map_err(|m| format!("--otlp-endpoint: {m}"))?,
+            ),
+            None => None,
+        };
         Ok(self
             .drain_timeout(Duration::from_secs(args.drain_seconds))
             .max_concurrent_calls(args.max_concurrent_calls)
             .host_policy(HostPolicy::allow(args.host_allow.clone()))
             .tls(args.tls()?)
-            .host_tls(args.host_tls()?))
+            .host_tls(args.host_tls()?)
+            .spans(spans))
+    }
+
+    /// Exports a span per engine method (see [`crate::otlp`]).
+    pub fn spans(mut self, spans: Option<crate::otlp::Exporter>) -> Self {
+        self.spans = spans;
+        self
     }
 
     /// What to trust and present calling back https:// host endpoints
@@ -281,7 +305,8 @@ impl<E: ContextEngine> Bound<E> {
         let slots = Arc::new(tokio::sync::Semaphore::new(self.server.max_calls));
         let max_calls = self.server.max_calls;
         let hosts = Arc::new(HostChannels::new(self.server.hosts, self.server.host_tls.clone()));
-        let service = EngineService { engine: self.server.engine, hosts, slots, max_calls };
+        let spans = self.server.spans.clone();
+        let service = EngineService { engine: self.server.engine, hosts, slots, max_calls, spans };
         let engine = raw::ContextEngineServer::new(service)
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
@@ -337,6 +362,32 @@ struct EngineService<E> {
     /// One permit per engine call in flight, `max_calls` in all.
     slots: Arc<tokio::sync::Semaphore>,
     max_calls: usize,
+    spans: Option<crate::otlp::Exporter>,
+}
+
+/// One engine method's span: its own id (what the engine's callbacks
+/// continue) and the caller's, for the export.
+#[derive(Clone, Copy)]
+struct Hop {
+    this: ctxgate_proto::trace::TraceParent,
+    parent: Option<[u8; 8]>,
+    start: std::time::SystemTime,
+}
+
+impl Hop {
+    fn finish(self, spans: Option<&crate::otlp::Exporter>, method: &'static str, error: Option<String>) {
+        let Some(spans) = spans else { return };
+        spans.record(crate::otlp::Span {
+            name: format!("{ENGINE_SERVICE}/{method}"),
+            kind: crate::otlp::Kind::Server,
+            this: self.this,
+            parent: self.parent,
+            start: self.start,
+            end: std::time::SystemTime::now(),
+            attributes: vec![("rpc.system", "grpc".into()), ("rpc.method", method.into())],
+            error,
+        });
+    }
 }
 
 /// Cancels the call's token and aborts its task when the caller goes away
@@ -420,7 +471,7 @@ impl<E: ContextEngine> EngineService<E> {
         }
     }
 
-    async fn context<T>(&self, req: &Request<T>, host: Option<&pb::HostAccess>) -> CallContext {
+    async fn context<T>(&self, req: &Request<T>, host: Option<&pb::HostAccess>) -> (CallContext, Hop) {
         // No TCP peer: the call came over the unix socket.
         let peer = req.remote_addr().map_or(Peer::Local, |a| Peer::Ip(a.ip()));
         // The deadline is the caller's from its arrival; a name lookup for the
@@ -428,12 +479,16 @@ impl<E: ContextEngine> EngineService<E> {
         let deadline = deadline_of(req.metadata());
         let within = deadline.map_or(Duration::from_secs(2), |d| d.saturating_duration_since(Instant::now()));
         let host = self.hosts.client(host, peer, within).await;
-        let trace = req
+        let incoming = req
             .metadata()
             .get(ctxgate_proto::trace::HEADER)
             .and_then(|v| v.to_str().ok())
             .and_then(ctxgate_proto::trace::TraceParent::parse);
-        CallContext { deadline, cancel: CancellationToken::new(), host, trace }
+        // This method is a span of the caller's trace: its callbacks
+        // continue it (and without a caller's trace, its export starts one).
+        let this = incoming.map_or_else(ctxgate_proto::trace::TraceParent::root, |t| t.child());
+        let hop = Hop { this, parent: incoming.map(|t| t.parent_id), start: std::time::SystemTime::now() };
+        (CallContext { deadline, cancel: CancellationToken::new(), host, trace: incoming.map(|_| this) }, hop)
     }
 
     /// Validates, then runs one unary engine method in its own task, bounded
@@ -454,7 +509,7 @@ impl<E: ContextEngine> EngineService<E> {
         let msg = req.get_ref();
         check(msg)?;
         let permit = self.admit(method)?;
-        let ctx = self.context(&req, host(msg)).await;
+        let (ctx, hop) = self.context(&req, host(msg)).await;
         let (deadline, cancel, ctx_trace) = (ctx.deadline, ctx.cancel.clone(), ctx.trace);
         let fut = call(self.engine.clone(), ctx, req.into_inner());
         let trace_id = ctx_trace.map(|t| t.trace_id_hex()).unwrap_or_default();
@@ -468,11 +523,13 @@ impl<E: ContextEngine> EngineService<E> {
             }
         });
         let _guard = CallGuard { cancel, task: task.abort_handle() };
-        match task.await {
+        let r = match task.await {
             Ok(r) => r.map(Response::new).map_err(Status::from),
             Err(e) if e.is_panic() => Err(panic_status(method)),
             Err(_) => Err(Status::cancelled("the call was cancelled")),
-        }
+        };
+        hop.finish(self.spans.as_ref(), method, r.as_ref().err().map(|s| s.message().to_owned()));
+        r
     }
 }
 
@@ -537,8 +594,9 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     async fn compact(&self, req: Request<pb::CompactRequest>) -> Unary<CompactStream> {
         validate::request::compact(req.get_ref())?;
         let permit = self.admit("Compact")?;
-        let ctx = self.context(&req, req.get_ref().host.as_ref()).await;
+        let (ctx, hop) = self.context(&req, req.get_ref().host.as_ref()).await;
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
+        let spans = self.spans.clone();
         let (tx, rx) = mpsc::channel(16);
         let engine = self.engine.clone();
         let msg = req.into_inner();
@@ -561,6 +619,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
                 Err(e) if e.is_panic() => Err(panic_status("Compact")),
                 Err(_) => return, // aborted: the caller is gone
             };
+            hop.finish(spans.as_ref(), "Compact", terminal.as_ref().err().map(|s| s.message().to_owned()));
             let _ = tx.send(terminal.map(|event| pb::CompactEvent { event: Some(event) })).await;
         });
         // The guard lives as long as the response stream: dropping the stream

@@ -627,6 +627,10 @@ def main():
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     parser.add_argument("--tls-client-ca",
                         help="with TLS: serve only clients (the gateway) whose certificate this CA (PEM) signed")
+    parser.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+                        help="export a span per engine method (continuing the caller's traceparent) to this "
+                             "OTLP/gRPC collector, http://HOST:PORT")
+    parser.add_argument("--otlp-service-name", default=os.environ.get("OTEL_SERVICE_NAME", "ctxgate-engine-python"))
     args = parser.parse_args()
     if bool(args.tls_cert) != bool(args.tls_key) or (args.tls_client_ca and not args.tls_cert):
         parser.error("--tls-cert and --tls-key go together, and --tls-client-ca needs them")
@@ -634,7 +638,11 @@ def main():
 
     options = [("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options)
+    interceptors = []
+    if args.otlp_endpoint:
+        import otlp  # only then: it needs the opentelemetry-proto package
+        interceptors.append(otlp.Interceptor(otlp.Exporter(args.otlp_endpoint, args.otlp_service_name), SERVICE))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options, interceptors=interceptors)
     pb_grpc.add_ContextEngineServicer_to_server(RecencyEngine(store), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

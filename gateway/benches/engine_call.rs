@@ -191,7 +191,7 @@ async fn main() {
 
     let entry = EngineEntry { endpoint: sdk_url.clone(), ..EngineEntry::default() };
     let at = entry.target().unwrap().by_name();
-    let remote = Remote::new("bench", &entry, Duration::from_secs(180), &at).unwrap();
+    let remote = Remote::new("bench", &entry, Duration::from_secs(180), &at, None).unwrap();
     let guarded =
         Arc::new(Guarded::new(remote, Arc::new(Legacy::default()), Metrics::default(), entry.max_concurrent_calls));
     guarded.remote.attach(&Call::default()).await.unwrap();

@@ -51,6 +51,24 @@ pub struct GatewaySection {
     pub limits: LimitsSection,
     /// TLS on the client API (and the Host service engines call back).
     pub tls: Option<TlsSection>,
+    /// Spans exported over OTLP/gRPC (read at start).
+    pub otlp: Option<OtlpSection>,
+}
+
+/// `gateway.otlp`: where the gateway sends its spans (each turn, each
+/// engine call), continuing the client's `traceparent`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OtlpSection {
+    /// An OTLP/gRPC collector, `http://HOST:PORT` (usually port 4317).
+    pub endpoint: String,
+    /// The spans' `service.name`.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+fn default_service_name() -> String {
+    "ctxgate".into()
 }
 
 /// `gateway.tls`: the API's certificate and key (PEM); with `clientCa`,
@@ -95,6 +113,7 @@ impl Default for GatewaySection {
             host_endpoint: None,
             limits: LimitsSection::default(),
             tls: None,
+            otlp: None,
         }
     }
 }
@@ -517,6 +536,7 @@ pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("CTXGATE_LISTEN", "gateway.listen"),
     ("CTXGATE_METRICS_LISTEN", "gateway.metricsListen"),
     ("CTXGATE_AUTH_TOKEN", "gateway.auth.token"),
+    ("CTXGATE_OTLP_ENDPOINT", "gateway.otlp.endpoint"),
     ("CTXGATE_STATE_DIR", "stateDir"),
     ("CTXGATE_STORE_URL", "store.url"),
     ("CTXGATE_MODEL_PROVIDER", "models.provider"),
@@ -568,6 +588,12 @@ impl Config {
                 "CTXGATE_LISTEN" => self.gateway.listen = v,
                 "CTXGATE_METRICS_LISTEN" => self.gateway.metrics_listen = v,
                 "CTXGATE_AUTH_TOKEN" => self.gateway.auth.token = Some(v),
+                "CTXGATE_OTLP_ENDPOINT" => {
+                    self.gateway.otlp = Some(v).filter(|v| !v.is_empty()).map(|endpoint| OtlpSection {
+                        endpoint,
+                        service_name: self.gateway.otlp.take().map_or_else(default_service_name, |o| o.service_name),
+                    })
+                }
                 "CTXGATE_STATE_DIR" => self.state_dir = v.into(),
                 "CTXGATE_STORE_URL" => self.store.url = Some(v).filter(|v| !v.is_empty()),
                 "CTXGATE_MODEL_PROVIDER" => {
@@ -606,6 +632,18 @@ impl Config {
         }
         if let Some(tls) = &self.gateway.tls {
             tls.server_config()?;
+        }
+        if let Some(o) = &self.gateway.otlp {
+            let ok = matches!(
+                o.endpoint.parse::<ctxgate_engine_sdk::Endpoint>(),
+                Ok(ctxgate_engine_sdk::Endpoint::Tcp(_) | ctxgate_engine_sdk::Endpoint::Host(..))
+            );
+            if !ok || o.endpoint.starts_with("https://") {
+                return Err(invalid("gateway.otlp.endpoint", format!("{:?}: expected http://HOST:PORT", o.endpoint)));
+            }
+            if o.service_name.trim().is_empty() {
+                return Err(invalid("gateway.otlp.serviceName", "must not be empty"));
+            }
         }
         let lease = self.store.lease_seconds;
         if !(lease.is_finite() && (1.0..=3600.0).contains(&lease)) {
@@ -849,6 +887,12 @@ mod tests {
                 .to_string();
             assert!(e.contains("plugins.entries.w.endpoint") && e.contains(&format!("{bad:?}")), "{bad}: {e}");
         }
+        for bad in ["unix:///tmp/c.sock", "https://collector:4317", "not an endpoint"] {
+            let e = load_str(&format!("{{ gateway: {{ otlp: {{ endpoint: '{bad}' }} }} }}")).unwrap_err().to_string();
+            assert!(e.contains("gateway.otlp.endpoint") && e.contains("http://HOST:PORT"), "{bad}: {e}");
+        }
+        let c = load_str("{ gateway: { otlp: { endpoint: 'http://collector:4317' } } }").unwrap();
+        assert_eq!(c.gateway.otlp.map(|o| o.service_name).as_deref(), Some("ctxgate"));
         let c = load_str("{ plugins: { entries: { w: { endpoint: 'dns:///engine-window:7401' } } } }").unwrap();
         let w = &c.plugins.entries["w"];
         assert_eq!(w.target(), Ok(Target::Dns { host: "engine-window".into(), port: 7401 }));
@@ -910,5 +954,10 @@ mod tests {
         assert_eq!(c.models.context_window, 64_000);
         let e = Config::load(None, |k| (k == "CTXGATE_CONTEXT_WINDOW").then(|| "lots".to_owned())).unwrap_err();
         assert!(e.to_string().contains("models.contextWindow"));
+        let c =
+            Config::load(None, |k| (k == "CTXGATE_OTLP_ENDPOINT").then(|| "http://127.0.0.1:4317".to_owned())).unwrap();
+        assert_eq!(c.gateway.otlp.unwrap().endpoint, "http://127.0.0.1:4317");
+        let e = Config::load(None, |k| (k == "CTXGATE_OTLP_ENDPOINT").then(|| "ftp://x".to_owned())).unwrap_err();
+        assert!(e.to_string().contains("gateway.otlp.endpoint"), "{e}");
     }
 }

@@ -36,7 +36,7 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
     }
     // Replicas are one engine: any one of them answers for all.
     let at = entry.target().map_err(CliError)?.by_name();
-    let remote = Remote::new(slot, entry, config.compaction_timeout(), &at).map_err(CliError)?;
+    let remote = Remote::new(slot, entry, config.compaction_timeout(), &at, None).map_err(CliError)?;
     let info = match tokio::time::timeout(Duration::from_secs(10), remote.attach(&Call::default())).await {
         Ok(Ok(info)) => info,
         Ok(Err(e)) => {

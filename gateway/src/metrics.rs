@@ -94,6 +94,9 @@ pub struct Metrics {
     pub engine_bytes_sent: Family<EngineMethod, Counter>,
     pub engine_bytes_received: Family<EngineMethod, Counter>,
     pub host_llm_calls: Family<EngineOperation, Counter>,
+    /// Where finished spans go (`gateway.otlp`): telemetry, like the
+    /// counters, so it travels with them to every turn and engine call.
+    pub spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
 }
 
 fn seconds() -> Histogram {
@@ -204,7 +207,14 @@ impl Metrics {
             engine_bytes_sent,
             engine_bytes_received,
             host_llm_calls,
+            spans: None,
         }
+    }
+
+    /// These metrics, with spans exported to `spans` when given.
+    pub fn with_spans(mut self, spans: Option<ctxgate_engine_sdk::otlp::Exporter>) -> Self {
+        self.spans = spans;
+        self
     }
 
     pub fn turn_finished(&self, driver: &str, outcome: &str, took: Duration) {

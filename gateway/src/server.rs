@@ -40,6 +40,8 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("metrics endpoint failed: {0}")]
     Metrics(std::io::Error),
+    #[error("gateway.otlp: {0}")]
+    Otlp(String),
 }
 
 /// The sockets the gateway serves on, bound before anything else starts.
@@ -135,7 +137,13 @@ pub async fn run_with_reloads(
     let config = Arc::new(config);
     let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
     let OpenedStore { store, counters } = store;
-    let metrics = Metrics::new(counters);
+    let spans = match &config.gateway.otlp {
+        Some(o) => {
+            Some(ctxgate_engine_sdk::otlp::Exporter::start(&o.endpoint, &o.service_name).map_err(ServeError::Otlp)?)
+        }
+        None => None,
+    };
+    let metrics = Metrics::new(counters).with_spans(spans);
     let core = Arc::new(Core::new(config.clone(), store, provider, metrics.clone()));
     let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
     core.set_host_endpoint(config.host_endpoint(bound));

@@ -93,6 +93,10 @@ pub struct Turn {
     /// Why the runtime is degraded (RuntimeSettings.diagnostics).
     degraded: Option<pb::ReasonCode>,
     started: std::time::Instant,
+    /// The client's span, parent of the turn's own (`call.trace`) in its
+    /// exported span.
+    client_span: Option<[u8; 8]>,
+    started_at: std::time::SystemTime,
     span: tracing::Span,
     /// Held while the turn is open; `None` once closed.
     guard: Option<Held>,
@@ -112,9 +116,10 @@ impl Core {
         events: EventSink,
         cancel: CancellationToken,
     ) -> Result<Begun, CoreError> {
-        // The turn's trace: the client's, or a new one; every engine call
-        // of the turn continues it.
-        let trace = spec.trace.unwrap_or_else(ctxgate_proto::trace::TraceParent::root);
+        // The turn is a span of the client's trace (or of a new one); every
+        // engine call of the turn is a span of its own under it.
+        let (started_at, client_span) = (std::time::SystemTime::now(), spec.trace.map(|t| t.parent_id));
+        let trace = spec.trace.map_or_else(ctxgate_proto::trace::TraceParent::root, |t| t.child());
         // Admission control: shed at once over the limit, before any work.
         let mut admission = self.admission.try_admit().map_err(|shed| {
             self.metrics.turns_shed.inc();
@@ -179,6 +184,8 @@ impl Core {
             full_history: false,
             degraded: None,
             started: std::time::Instant::now(),
+            client_span,
+            started_at,
             span: span.clone(),
             guard: Some(guard),
             admission,
@@ -679,8 +686,35 @@ impl Turn {
         let label = if result.is_ok() { outcome.label() } else { "error" };
         self.core.metrics.turns_in_flight.dec();
         self.core.metrics.turn_finished(self.driver.as_str(), label, self.started.elapsed());
+        self.export_span(label, &outcome);
         guard.release().await;
         result
+    }
+
+    /// The turn's span, when spans are exported (`gateway.otlp`).
+    fn export_span(&self, label: &str, outcome: &Outcome) {
+        let (Some(spans), Some(this)) = (&self.core.metrics.spans, self.call.trace) else { return };
+        let error = match outcome {
+            Outcome::Failed(f) => Some(f.message.clone()),
+            _ if label == "error" => Some("the turn could not be accepted".into()),
+            _ => None,
+        };
+        spans.record(ctxgate_engine_sdk::otlp::Span {
+            name: format!("ctxgate.turn/{}", self.driver.as_str()),
+            kind: ctxgate_engine_sdk::otlp::Kind::Server,
+            this,
+            parent: self.client_span,
+            start: self.started_at,
+            end: std::time::SystemTime::now(),
+            attributes: vec![
+                ("ctxgate.session_id", self.session.session_id.clone()),
+                ("ctxgate.agent_id", self.session.agent_id.clone()),
+                ("ctxgate.turn_id", self.turn_id.clone()),
+                ("ctxgate.engine", self.lease.info.id.clone()),
+                ("ctxgate.outcome", label.to_owned()),
+            ],
+            error,
+        });
     }
 
     async fn accept(&mut self, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {

@@ -29,6 +29,8 @@ pub struct Remote {
     default_timeout: Duration,
     /// The info from the last successful attach (GetInfo).
     info: RwLock<Option<pb::EngineInfo>>,
+    /// Where each traced call's span goes (`gateway.otlp`).
+    spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
 }
 
 /// Aborts a spawned call when the caller stops waiting for it.
@@ -87,15 +89,15 @@ tokio::task_local! {
     static TRACE: Option<ctxgate_proto::trace::TraceParent>;
 }
 
-/// Adds `traceparent` (the call's trace, this gateway's new span) to each
-/// request made inside a traced call's task.
+/// Adds `traceparent` (the engine call's own span, see [`Remote::hop`]) to
+/// each request made inside a traced call's task.
 #[derive(Clone, Copy)]
 struct Propagate;
 
 impl tonic::service::Interceptor for Propagate {
     fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
         if let Ok(Some(t)) = TRACE.try_with(|t| *t)
-            && let Ok(v) = t.child().to_string().parse()
+            && let Ok(v) = t.to_string().parse()
         {
             req.metadata_mut().insert(ctxgate_proto::trace::HEADER, v);
         }
@@ -120,6 +122,7 @@ impl Remote {
         entry: &EngineEntry,
         compact_timeout: Duration,
         at: &ctxgate_engine_sdk::Endpoint,
+        spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
     ) -> Result<Self, String> {
         let channel = if entry.uses_tls() {
             let tls = entry.client_tls(id).map_err(|e| e.to_string())?;
@@ -143,7 +146,41 @@ impl Remote {
             timeouts,
             default_timeout,
             info: RwLock::new(None),
+            spans,
         })
+    }
+
+    /// A traced call's own span: the turn's trace, a new span id (sent on
+    /// as the engine's parent).
+    fn hop(call: &Call) -> Option<ctxgate_proto::trace::TraceParent> {
+        call.trace.map(|t| t.child())
+    }
+
+    /// Exports the span of a traced call that started at `start`.
+    fn span<T>(
+        &self,
+        method: &'static str,
+        call: &Call,
+        hop: Option<ctxgate_proto::trace::TraceParent>,
+        start: std::time::SystemTime,
+        r: &Result<T, EngineCallError>,
+    ) {
+        let (Some(spans), Some(this)) = (&self.spans, hop) else { return };
+        spans.record(ctxgate_engine_sdk::otlp::Span {
+            name: format!("{}/{method}", ctxgate_proto::ENGINE_SERVICE),
+            kind: ctxgate_engine_sdk::otlp::Kind::Client,
+            this,
+            parent: call.trace.map(|t| t.parent_id),
+            start,
+            end: std::time::SystemTime::now(),
+            attributes: vec![
+                ("rpc.system", "grpc".into()),
+                ("rpc.method", method.into()),
+                ("ctxgate.engine", self.id.clone()),
+                ("server.address", self.endpoint.clone()),
+            ],
+            error: r.as_ref().err().map(ToString::to_string),
+        });
     }
 
     /// The engine's channel (shared connection), for health checks.
@@ -183,10 +220,11 @@ impl Remote {
         // One span per engine call, carried into its task.
         let span =
             tracing::debug_span!("engine_call", engine = %self.id, method, timeout_ms = timeout.as_millis() as u64);
-        let work = TRACE.scope(call.trace, f(self.client.clone(), timeout));
+        let (hop, start) = (Self::hop(call), std::time::SystemTime::now());
+        let work = TRACE.scope(hop, f(self.client.clone(), timeout));
         let task = tokio::spawn(tracing::Instrument::instrument(work, span));
         let _abort = AbortOnDrop(task.abort_handle());
-        tokio::select! {
+        let r = tokio::select! {
             r = tokio::time::timeout(timeout, task) => match r {
                 Err(_) => Err(EngineCallError::DeadlineExceeded { method, after: timeout }),
                 Ok(Ok(r)) => r,
@@ -194,7 +232,9 @@ impl Remote {
                 Ok(Err(_)) => Err(EngineCallError::Cancelled),
             },
             () = call.cancel.cancelled() => Err(EngineCallError::Cancelled),
-        }
+        };
+        self.span(method, call, hop, start, &r);
+        r
     }
 
     /// GetInfo plus contract validation; on success the info is kept.
@@ -355,9 +395,22 @@ impl Remote {
     /// `progress` as it arrives; exactly one terminal event must end it.
     pub async fn compact(
         &self,
+        req: pb::CompactRequest,
+        call: &Call,
+        progress: &ProgressFn<'_>,
+    ) -> Result<CompactReply, EngineCallError> {
+        let (hop, start) = (Self::hop(call), std::time::SystemTime::now());
+        let r = self.compact_stream(req, call, progress, hop).await;
+        self.span("Compact", call, hop, start, &r);
+        r
+    }
+
+    async fn compact_stream(
+        &self,
         mut req: pb::CompactRequest,
         call: &Call,
         progress: &ProgressFn<'_>,
+        hop: Option<ctxgate_proto::trace::TraceParent>,
     ) -> Result<CompactReply, EngineCallError> {
         project!(req, self.accepted(), [session_target, runtime_settings, runtime_context, host]);
         const M: &str = "Compact";
@@ -373,9 +426,8 @@ impl Remote {
         let mut client = self.client.clone();
         let span =
             tracing::debug_span!("engine_call", engine = %self.id, method = M, timeout_ms = timeout.as_millis() as u64);
-        let trace = call.trace;
         let task = tokio::spawn(tracing::Instrument::instrument(
-            TRACE.scope(trace, async move {
+            TRACE.scope(hop, async move {
                 let mut r = Request::new(req);
                 r.set_timeout(timeout);
                 let mut stream = client.compact(r).await.map_err(|s| failure(M, s, timeout))?.into_inner();

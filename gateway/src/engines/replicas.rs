@@ -106,7 +106,7 @@ struct Maker {
 impl Maker {
     fn replica(&self, addr: Option<SocketAddr>, target: &Target) -> Result<Arc<Replica>, String> {
         let at = addr.map_or_else(|| target.by_name(), Endpoint::Tcp);
-        let remote = Remote::new(&self.id, &self.entry, self.compact_timeout, &at)?;
+        let remote = Remote::new(&self.id, &self.entry, self.compact_timeout, &at, self.metrics.spans.clone())?;
         let max = self.entry.max_concurrent_calls;
         let guarded = Arc::new(Guarded::new(remote, self.legacy.clone(), self.metrics.clone(), max));
         let stop = self.stop.child_token();
