@@ -454,3 +454,65 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
         assert!(out.status.success(), "{program:?} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
 }
+
+/// `kill -HUP` and wait until `ok()` holds (bounded), or fail with `what`.
+async fn hup_until(pid: u32, what: &str, ok: impl AsyncFn() -> bool) {
+    use std::time::Duration;
+    let sent = tokio::process::Command::new("kill").args(["-HUP", &pid.to_string()]).status().await.unwrap();
+    assert!(sent.success());
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !ok().await {
+        assert!(std::time::Instant::now() < deadline, "{what}: not within 10 s of SIGHUP");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn sighup_replaces_the_certificates_of_the_gateway_and_of_an_sdk_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (old, new) = (Ca::new("the old CA"), Ca::new("the new CA"));
+    let (old_pem, new_pem) = (write(d, "old.pem", &old.pem), write(d, "new.pem", &new.pem));
+    let s = |p: &Path| p.to_str().unwrap().to_owned();
+    let trusts = |p: &Path| vec!["--tls-ca".to_owned(), s(p)];
+
+    // The gateway: its API certificate.
+    let (crt, key) = old.leaf_files(d, "api", &["localhost", "127.0.0.1"], true, false);
+    let g = serve(d, "reloaded", &format!("cert: {:?}, key: {:?}", s(&crt), s(&key))).await;
+    let url = https(&g);
+    let reaches = |ca: &Path| {
+        let (url, flags) = (url.clone(), trusts(ca));
+        async move { status(&url, &flags.iter().map(String::as_str).collect::<Vec<_>>()).await.0 == Some(0) }
+    };
+    assert!(reaches(&old_pem).await && !reaches(&new_pem).await, "before: the old CA's certificate");
+    new.leaf_files(d, "api", &["localhost", "127.0.0.1"], true, false);
+    hup_until(g.pid(), "the gateway serving the new certificate", async || reaches(&new_pem).await).await;
+    assert!(!reaches(&old_pem).await, "new connections no longer get the old certificate");
+    // A reload that cannot be read keeps the running certificate.
+    std::fs::write(&key, "not a key").unwrap();
+    let sent = tokio::process::Command::new("kill").args(["-HUP", &g.pid().to_string()]).status().await.unwrap();
+    assert!(sent.success());
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    assert!(reaches(&new_pem).await, "a bad key on reload changes nothing");
+
+    // An SDK engine: its server certificate.
+    let (crt, key) = old.leaf_files(d, "engine", &["localhost", "127.0.0.1"], true, false);
+    let args = ["--listen", "127.0.0.1:0", "--fault", "none", "--tls-cert", &s(&crt), "--tls-key", &s(&key)];
+    let engine = EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.unwrap();
+    let endpoint = https(&engine);
+    let healthy = |ca: &Path| {
+        let (endpoint, ca) = (endpoint.clone(), s(ca));
+        async move {
+            let out = tokio::process::Command::new(bin("ctxgate-engine-window"))
+                .args(["health", "--endpoint", &endpoint, "--tls-ca", &ca])
+                .output()
+                .await
+                .unwrap();
+            out.status.success()
+        }
+    };
+    assert!(healthy(&old_pem).await && !healthy(&new_pem).await, "before: the old CA's certificate");
+    new.leaf_files(d, "engine", &["localhost", "127.0.0.1"], true, false);
+    hup_until(engine.pid(), "the engine serving the new certificate", async || healthy(&new_pem).await).await;
+    assert!(!healthy(&old_pem).await, "new connections no longer get the old certificate");
+}

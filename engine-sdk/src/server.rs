@@ -68,14 +68,17 @@ pub struct ServeArgs {
 }
 
 impl ServeArgs {
-    /// The server TLS the options ask for, read now (a file that cannot be
-    /// read is a sentence naming its option).
-    pub fn tls(&self) -> Result<Option<tonic::transport::ServerTlsConfig>, String> {
-        let Some((cert, key)) = crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR) else {
-            return Ok(None);
+    /// The server TLS the options ask for, read now (a mistake is a
+    /// sentence naming its option); SIGHUP re-reads the same files.
+    pub fn tls(&self) -> Result<Option<crate::tls::LiveServerTls>, String> {
+        let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
+        let named = |option: &str, path: &std::path::PathBuf| (option.to_owned(), path.clone());
+        let files = crate::tls::ServerFiles {
+            cert: named(TLS_PAIR.0, cert),
+            key: named(TLS_PAIR.1, key),
+            client_ca: self.tls_client_ca.as_ref().map(|p| named("--tls-client-ca", p)),
         };
-        let ca = self.tls_client_ca.as_deref().map(|p| crate::tls::Pem::new("--tls-client-ca", p));
-        crate::tls::server(cert, key, ca).map(Some)
+        crate::tls::LiveServerTls::new(files).map(Some)
     }
 
     /// The client TLS for https:// host endpoints.
@@ -116,6 +119,32 @@ fn init_tracing() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }
 
+/// Aborts a background task when the server it belongs to stops.
+struct AbortOnDrop(AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Re-reads the server's certificate files on every SIGHUP: new
+/// connections use them; a mistake keeps the running certificate.
+async fn reload_tls_on_sighup(tls: crate::tls::LiveServerTls) {
+    #[cfg(unix)]
+    {
+        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
+        while hup.recv().await.is_some() {
+            match tls.reload(tls.files()) {
+                Ok(()) => tracing::info!("SIGHUP: TLS certificate re-read; new connections use it"),
+                Err(e) => tracing::error!(error = %e, "SIGHUP: TLS certificate not re-read; keeping the running one"),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    drop(tls);
+}
+
 /// Resolves on SIGTERM or Ctrl-C.
 pub async fn shutdown_signal() {
     let ctrl_c = async {
@@ -143,7 +172,7 @@ pub struct Server<E> {
     drain: Duration,
     max_calls: usize,
     hosts: HostPolicy,
-    tls: Option<tonic::transport::ServerTlsConfig>,
+    tls: Option<crate::tls::LiveServerTls>,
     host_tls: Option<tonic::transport::ClientTlsConfig>,
     spans: Option<crate::otlp::Exporter>,
 }
@@ -214,8 +243,9 @@ impl<E: ContextEngine> Server<E> {
     }
 
     /// Serves TLS (rustls) when given: over TCP only (`bind` refuses a unix
-    /// socket with TLS).
-    pub fn tls(mut self, tls: Option<tonic::transport::ServerTlsConfig>) -> Self {
+    /// socket with TLS). Its certificate can be replaced while serving
+    /// ([`crate::tls::LiveServerTls::reload`]).
+    pub fn tls(mut self, tls: Option<crate::tls::LiveServerTls>) -> Self {
         self.tls = tls;
         self
     }
@@ -243,15 +273,10 @@ impl<E: ContextEngine> Server<E> {
 
     /// Binds `endpoint`. A stale unix socket file is replaced.
     pub async fn bind(self, endpoint: &Endpoint) -> std::io::Result<Bound<E>> {
-        if let Some(tls) = &self.tls {
-            // A unix socket's peer cannot speak TLS to us (the gateway refuses
-            // https with unix://); a bad key is said now, before `listening on`.
-            if matches!(endpoint, Endpoint::Unix(_)) {
-                return Err(std::io::Error::other("TLS is served over TCP only: --listen HOST:PORT with --tls-cert"));
-            }
-            tonic::transport::Server::builder()
-                .tls_config(tls.clone())
-                .map_err(|e| std::io::Error::other(format!("--tls-cert/--tls-key: {e}")))?;
+        // A unix socket's peer cannot speak TLS to us (the gateway refuses
+        // https with unix://). A bad key was said when the TLS was read.
+        if self.tls.is_some() && matches!(endpoint, Endpoint::Unix(_)) {
+            return Err(std::io::Error::other("TLS is served over TCP only: --listen HOST:PORT with --tls-cert"));
         }
         let (listener, local) = match endpoint {
             Endpoint::Tcp(addr) => {
@@ -288,6 +313,11 @@ impl<E: ContextEngine> Bound<E> {
         self.reporter.clone()
     }
 
+    /// The server's TLS, to reload its certificate while it serves.
+    pub fn tls(&self) -> Option<crate::tls::LiveServerTls> {
+        self.server.tls.clone()
+    }
+
     /// The address actually bound (port 0 resolved).
     pub fn local_endpoint(&self) -> &Endpoint {
         &self.local
@@ -295,7 +325,10 @@ impl<E: ContextEngine> Bound<E> {
 
     /// Serves until `shutdown` resolves, then reports NOT_SERVING, stops
     /// accepting, and gives in-flight calls the drain timeout to finish.
+    /// With TLS, SIGHUP re-reads the certificate files meanwhile.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), tonic::transport::Error> {
+        let _reloads =
+            self.server.tls.clone().map(|t| AbortOnDrop(tokio::spawn(reload_tls_on_sighup(t)).abort_handle()));
         let (reporter, health) = (self.reporter, self.health);
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
@@ -312,11 +345,8 @@ impl<E: ContextEngine> Bound<E> {
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
 
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let mut builder = tonic::transport::Server::builder();
-        if let Some(tls) = self.server.tls.clone() {
-            builder = builder.tls_config(tls)?;
-        }
-        let router = builder.add_service(health).add_service(reflection).add_service(engine);
+        let router =
+            tonic::transport::Server::builder().add_service(health).add_service(reflection).add_service(engine);
         let stopped = async {
             let _ = stop_rx.await;
         };
@@ -325,7 +355,10 @@ impl<E: ContextEngine> Bound<E> {
                 // Nagle off on accepted sockets (the builder's tcp_nodelay only
                 // covers sockets it binds itself).
                 let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
-                (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None)
+                match &self.server.tls {
+                    Some(tls) => (Box::pin(router.serve_with_incoming_shutdown(tls.incoming(incoming), stopped)), None),
+                    None => (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None),
+                }
             }
             Listener::Unix(l, path) => {
                 (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)), Some(path))

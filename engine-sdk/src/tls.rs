@@ -1,10 +1,13 @@
 //! TLS settings from PEM files, the one way every ctxgate program reads
 //! them (the SDK server and its host callbacks, the gateway, the CLIs): a
 //! file that cannot be read is an error naming the option it came from.
+//! Servers accept TLS themselves ([`LiveServerTls`]) so that a reload can
+//! replace the certificate while they serve.
 
 use std::path::Path;
+use std::sync::{Arc, RwLock};
 
-use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity};
 
 /// A PEM file and the option (flag or config key) that named it.
 #[derive(Debug, Clone, Copy)]
@@ -37,16 +40,6 @@ pub fn client(ca: Option<Pem<'_>>, identity: Option<(Pem<'_>, Pem<'_>)>) -> Resu
     Ok(tls)
 }
 
-/// A server with `cert` and `key`; with `client_ca`, only clients that CA
-/// signed (mTLS).
-pub fn server(cert: Pem<'_>, key: Pem<'_>, client_ca: Option<Pem<'_>>) -> Result<ServerTlsConfig, String> {
-    let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(cert.read()?, key.read()?));
-    if let Some(ca) = client_ca {
-        tls = tls.client_ca_root(Certificate::from_pem(ca.read()?));
-    }
-    Ok(tls)
-}
-
 /// `(cert, key)` as PEMs when both are given (clap makes them go together).
 pub fn pair<'a>(
     cert: Option<&'a std::path::PathBuf>,
@@ -54,4 +47,154 @@ pub fn pair<'a>(
     options: (&'a str, &'a str),
 ) -> Option<(Pem<'a>, Pem<'a>)> {
     Some((Pem::new(options.0, cert?), Pem::new(options.1, key?)))
+}
+
+/// Where a server's certificate, key and (for mTLS) client CA come from,
+/// each with the option that named it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerFiles {
+    pub cert: (String, std::path::PathBuf),
+    pub key: (String, std::path::PathBuf),
+    pub client_ca: Option<(String, std::path::PathBuf)>,
+}
+
+fn read_named((option, path): &(String, std::path::PathBuf)) -> Result<Vec<u8>, String> {
+    Pem::new(option, path).read()
+}
+
+/// The rustls server configuration `files` describe, read now: HTTP/2
+/// only (gRPC), the client CA's certificates required when given. Every
+/// mistake is a sentence naming its option.
+pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, String> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let certs = |named: &(String, std::path::PathBuf)| -> Result<Vec<CertificateDer<'static>>, String> {
+        let pem = read_named(named)?;
+        let certs: Vec<_> = CertificateDer::pem_slice_iter(&pem).filter_map(Result::ok).collect();
+        if certs.is_empty() {
+            return Err(format!("{} {} holds no PEM certificate", named.0, named.1.display()));
+        }
+        Ok(certs)
+    };
+    let chain = certs(&files.cert)?;
+    let key = PrivateKeyDer::from_pem_slice(&read_named(&files.key)?)
+        .map_err(|_| format!("{} {} holds no PEM private key", files.key.0, files.key.1.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?;
+    let builder = match &files.client_ca {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in certs(ca)? {
+                roots.add(c).map_err(|e| format!("{} {}: {e}", ca.0, ca.1.display()))?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .build()
+                .map_err(|e| format!("{} {}: {e}", ca.0, ca.1.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config =
+        builder.with_single_cert(chain, key).map_err(|e| format!("{} and {}: {e}", files.cert.0, files.key.0))?;
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+/// A server's TLS that a reload (SIGHUP) can replace while it serves:
+/// connections accepted afterwards use the new certificate, those open
+/// keep theirs. Cheap to clone.
+#[derive(Clone)]
+pub struct LiveServerTls {
+    current: Arc<RwLock<(ServerFiles, Arc<rustls::ServerConfig>)>>,
+}
+
+impl std::fmt::Debug for LiveServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveServerTls").field("files", &self.files()).finish()
+    }
+}
+
+/// TLS handshakes in progress at once, at most; a connection over it is
+/// closed at once.
+const MAX_HANDSHAKES: usize = 1024;
+/// How long a client may take to finish its handshake.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl LiveServerTls {
+    /// Reads `files` now (a mistake is a sentence naming its option).
+    pub fn new(files: ServerFiles) -> Result<Self, String> {
+        let config = Arc::new(server_config(&files)?);
+        Ok(Self { current: Arc::new(RwLock::new((files, config))) })
+    }
+
+    pub fn files(&self) -> ServerFiles {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).0.clone()
+    }
+
+    /// Reads `files` (the same or new paths) and serves them from now on;
+    /// on a mistake the running certificate stays and the sentence is
+    /// returned.
+    pub fn reload(&self, files: ServerFiles) -> Result<(), String> {
+        let config = Arc::new(server_config(&files)?);
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = (files, config);
+        Ok(())
+    }
+
+    fn config(&self) -> Arc<rustls::ServerConfig> {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).1.clone()
+    }
+
+    /// The TLS connections of `tcp`, each handshake in a task of its own
+    /// (a slow client holds up no one), with the configuration current
+    /// when it was accepted. Ends when the server stops reading it.
+    pub fn incoming<S>(
+        &self,
+        mut tcp: S,
+    ) -> impl tokio_stream::Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>>
+    + Send
+    + 'static
+    where
+        S: tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + Unpin + 'static,
+    {
+        use tokio_stream::StreamExt;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let live = self.clone();
+        tokio::spawn(async move {
+            let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+            loop {
+                let conn = tokio::select! {
+                    c = tcp.next() => c,
+                    () = tx.closed() => return,
+                };
+                let conn = match conn {
+                    None => return,
+                    Some(Ok(c)) => c,
+                    // An accept error (out of file descriptors, say) is
+                    // about that connection: keep accepting.
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "accepting a connection failed");
+                        continue;
+                    }
+                };
+                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                    tracing::warn!("{MAX_HANDSHAKES} TLS handshakes in progress; closing a new connection");
+                    continue;
+                };
+                let (acceptor, tx) = (tokio_rustls::TlsAcceptor::from(live.config()), tx.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(conn)).await {
+                        Ok(Ok(tls)) => {
+                            let _ = tx.send(Ok(tls)).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                });
+            }
+        });
+        tokio_stream::wrappers::ReceiverStream::new(rx)
+    }
 }

@@ -731,7 +731,6 @@ pub async fn serve(
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
-    crate::server::server_builder(&cfg).map_err(|e| CliError(e.to_string()))?;
     let store = crate::server::open_store(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
     let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;

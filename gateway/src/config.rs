@@ -82,25 +82,21 @@ pub struct TlsSection {
 }
 
 impl TlsSection {
-    /// The server's TLS settings, read now; a file that cannot be read or
-    /// holds no PEM is a sentence naming its key.
-    pub fn server_config(&self) -> Result<tonic::transport::ServerTlsConfig, ConfigError> {
-        let read = |key: &str, path: &Path, marker: &str, what: &str| {
-            let pem = std::fs::read(path).map_err(|e| invalid(key, format!("cannot read {}: {e}", path.display())))?;
-            if !String::from_utf8_lossy(&pem).contains(marker) {
-                return Err(invalid(key, format!("{} holds no PEM {what}", path.display())));
-            }
-            Ok(pem)
-        };
-        let cert = read("gateway.tls.cert", &self.cert, "-----BEGIN CERTIFICATE", "certificate")?;
-        let key = read("gateway.tls.key", &self.key, "PRIVATE KEY-----", "private key")?;
-        let mut tls =
-            tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(cert, key));
-        if let Some(ca) = &self.client_ca {
-            let ca = read("gateway.tls.clientCa", ca, "-----BEGIN CERTIFICATE", "certificate")?;
-            tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(ca));
+    /// The files, each named by its key.
+    pub fn files(&self) -> ctxgate_engine_sdk::tls::ServerFiles {
+        let named = |key: &str, path: &PathBuf| (key.to_owned(), path.clone());
+        ctxgate_engine_sdk::tls::ServerFiles {
+            cert: named("gateway.tls.cert", &self.cert),
+            key: named("gateway.tls.key", &self.key),
+            client_ca: self.client_ca.as_ref().map(|p| named("gateway.tls.clientCa", p)),
         }
-        Ok(tls)
+    }
+
+    /// The API's TLS, read now: a file that cannot be read, holds no PEM,
+    /// or a key that does not match its certificate is a sentence naming
+    /// its key. SIGHUP can replace it while the gateway serves.
+    pub fn live(&self) -> Result<ctxgate_engine_sdk::tls::LiveServerTls, ConfigError> {
+        ctxgate_engine_sdk::tls::LiveServerTls::new(self.files()).map_err(|m| invalid("gateway.tls", m))
     }
 }
 
@@ -631,7 +627,7 @@ impl Config {
             }
         }
         if let Some(tls) = &self.gateway.tls {
-            tls.server_config()?;
+            tls.live()?;
         }
         if let Some(o) = &self.gateway.otlp {
             let ok = matches!(

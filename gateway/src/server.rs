@@ -109,13 +109,18 @@ pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
     })
 }
 
-/// The API server, with `gateway.tls` when set (checked by `serve` before
-/// it binds: a key that does not match its certificate is a sentence).
-pub fn server_builder(config: &Config) -> Result<tonic::transport::Server, ServeError> {
-    let builder = tonic::transport::Server::builder();
-    let Some(tls) = &config.gateway.tls else { return Ok(builder) };
-    let tls = tls.server_config().map_err(|e| ServeError::Tls(e.to_string()))?;
-    builder.tls_config(tls).map_err(|e| ServeError::Tls(format!("gateway.tls: {}", crate::causes(&e))))
+/// A new `gateway.tls` for the running API (SIGHUP): the certificate is
+/// replaced for new connections; a mistake keeps the running one. Adding
+/// or removing TLS takes a restart.
+fn reload_api_tls(live: Option<&ctxgate_engine_sdk::tls::LiveServerTls>, next: &Config) {
+    match (live, &next.gateway.tls) {
+        (Some(live), Some(t)) => match live.reload(t.files()) {
+            Ok(()) => tracing::info!("gateway.tls re-read; new connections use it"),
+            Err(e) => tracing::error!(error = %e, "gateway.tls not re-read; keeping the running certificate"),
+        },
+        (None, None) => {}
+        _ => tracing::warn!("gateway.tls was added or removed: that takes a restart; the API serves as it started"),
+    }
 }
 
 /// The configured store with its commit counters (metrics).
@@ -149,11 +154,14 @@ pub async fn run_with_reloads(
     core.set_host_endpoint(config.host_endpoint(bound));
     core.load_durable_engines().await.map_err(|e| ServeError::StoreRead(e.to_string()))?;
 
+    // The API's TLS (read and checked with the config), swappable on reload.
+    let tls = config.gateway.tls.as_ref().map(|t| t.live()).transpose().map_err(|e| ServeError::Tls(e.to_string()))?;
     let reloader = {
-        let core = core.clone();
+        let (core, tls) = (core.clone(), tls.clone());
         tokio::spawn(async move {
             while let Some(next) = reloads.recv().await {
                 core.reload_engines(&next);
+                reload_api_tls(tls.as_ref(), &next);
             }
         })
     };
@@ -213,7 +221,7 @@ pub async fn run_with_reloads(
     let incoming = tonic::transport::server::TcpIncoming::from(listeners.api)
         .with_nodelay(Some(true))
         .with_keepalive(Some(Duration::from_secs(limits.tcp_keepalive_seconds)));
-    let serving = server_builder(&config)?
+    let router = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(limits.max_concurrent_streams_per_connection))
         .http2_keepalive_interval(Some(Duration::from_secs(limits.http2_keepalive_seconds)))
         .http2_keepalive_timeout(Some(Duration::from_secs(limits.http2_keepalive_timeout_seconds)))
@@ -227,10 +235,15 @@ pub async fn run_with_reloads(
             ctxgate_proto::pb::host_server::HostServer::new(HostService { core: core.clone() })
                 .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES)
                 .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
-        )
-        .serve_with_incoming_shutdown(incoming, async {
-            let _ = stop_rx.await;
-        });
+        );
+    let stopped = async {
+        let _ = stop_rx.await;
+    };
+    // With TLS the handshakes are ours (the certificate can change while serving).
+    let serving: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {
+        Some(tls) => Box::pin(router.serve_with_incoming_shutdown(tls.incoming(incoming), stopped)),
+        None => Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)),
+    };
     tokio::pin!(serving);
     tokio::pin!(shutdown);
     let result = tokio::select! {
