@@ -17,12 +17,14 @@ pub struct CallContext {
     pub(crate) host: Option<HostClient>,
     /// The caller's W3C trace context (`traceparent`), when it sent one.
     pub(crate) trace: Option<ctxgate_proto::trace::TraceParent>,
+    /// This method's own span in that trace (what it sends on).
+    pub(crate) span: Option<ctxgate_proto::trace::TraceParent>,
 }
 
 impl CallContext {
     /// A context with no deadline, no host and a fresh token (tests).
     pub fn detached() -> Self {
-        Self { deadline: None, cancel: CancellationToken::new(), host: None, trace: None }
+        Self { deadline: None, cancel: CancellationToken::new(), host: None, trace: None, span: None }
     }
 
     /// When the caller stops waiting, if it said.
@@ -52,10 +54,17 @@ impl CallContext {
         Ok(())
     }
 
-    /// The trace this call belongs to (the gateway's turn), to continue in
-    /// the engine's own spans and logs; host callbacks carry it on.
+    /// The trace this call belongs to (the gateway's turn), as the caller
+    /// sent it: its `parent_id` is the gateway's span for this call.
     pub fn trace(&self) -> Option<&ctxgate_proto::trace::TraceParent> {
         self.trace.as_ref()
+    }
+
+    /// This method's own span in that trace (the one `--otlp-endpoint`
+    /// exports): the parent to send on in calls it makes. Host callbacks
+    /// send it.
+    pub fn span(&self) -> Option<&ctxgate_proto::trace::TraceParent> {
+        self.span.as_ref()
     }
 
     /// The host callback client, when the call carried a grant.

@@ -107,9 +107,9 @@ fn bounded<T>(ctx: &CallContext, msg: T) -> tonic::Request<T> {
     if let Some(left) = ctx.remaining() {
         req.set_timeout(left);
     }
-    // The callback continues the call's trace, as this engine's span.
-    if let Some(t) = ctx.trace()
-        && let Ok(v) = t.child().to_string().parse()
+    // The callback continues the call's trace, under this method's span.
+    if let Some(t) = ctx.span()
+        && let Ok(v) = t.to_string().parse()
     {
         req.metadata_mut().insert(ctxgate_proto::trace::HEADER, v);
     }

@@ -84,7 +84,11 @@ impl Exporter {
     }
 
     /// Queues a finished span; drops it (counted) when the queue is full.
+    /// A trace its caller did not sample (W3C flags) is not exported.
     pub fn record(&self, span: Span) {
+        if span.this.flags & 1 == 0 {
+            return;
+        }
         if self.tx.try_send(span).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }

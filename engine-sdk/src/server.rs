@@ -58,9 +58,12 @@ pub struct ServeArgs {
     /// `--tls-cert` as the client certificate, when given.
     #[arg(long)]
     pub host_ca: Option<std::path::PathBuf>,
-    /// Export a span per engine method over OTLP/gRPC to this collector
-    /// (http://HOST:PORT), continuing the caller's `traceparent`.
-    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    /// Export a span per traced engine method over OTLP/gRPC to this
+    /// collector (http://HOST:PORT), continuing the caller's `traceparent`.
+    /// A flag, not OpenTelemetry's `OTEL_EXPORTER_OTLP_ENDPOINT`: platforms
+    /// inject that one in forms (https, paths) this exporter does not speak,
+    /// and an engine must not fail to start over it.
+    #[arg(long)]
     pub otlp_endpoint: Option<String>,
     /// The `service.name` of those spans.
     #[arg(long, env = "OTEL_SERVICE_NAME", default_value = "ctxgate-engine")]
@@ -119,8 +122,9 @@ fn init_tracing() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).try_init();
 }
 
-/// Aborts a background task when the server it belongs to stops.
-struct AbortOnDrop(AbortHandle);
+/// Aborts a spawned task when dropped: work that must not outlive the
+/// call, stream or server it belongs to.
+pub struct AbortOnDrop(pub AbortHandle);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -128,21 +132,32 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// SIGHUP, listened to from `bind` on (before `listening on` is printed,
+/// so an early SIGHUP never kills a TLS engine).
+#[cfg(unix)]
+type Hangup = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+type Hangup = ();
+
+fn hangup() -> Option<Hangup> {
+    #[cfg(unix)]
+    return tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    #[cfg(not(unix))]
+    return None;
+}
+
 /// Re-reads the server's certificate files on every SIGHUP: new
 /// connections use them; a mistake keeps the running certificate.
-async fn reload_tls_on_sighup(tls: crate::tls::LiveServerTls) {
+async fn reload_tls_on_sighup(tls: crate::tls::LiveServerTls, mut hup: Hangup) {
     #[cfg(unix)]
-    {
-        let Ok(mut hup) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) else { return };
-        while hup.recv().await.is_some() {
-            match tls.reload(tls.files()) {
-                Ok(()) => tracing::info!("SIGHUP: TLS certificate re-read; new connections use it"),
-                Err(e) => tracing::error!(error = %e, "SIGHUP: TLS certificate not re-read; keeping the running one"),
-            }
+    while hup.recv().await.is_some() {
+        match tls.reload(tls.files()) {
+            Ok(()) => tracing::info!("SIGHUP: TLS certificate re-read; new connections use it"),
+            Err(e) => tracing::error!(error = %e, "SIGHUP: TLS certificate not re-read; keeping the running one"),
         }
     }
     #[cfg(not(unix))]
-    drop(tls);
+    let _ = (tls, &mut hup);
 }
 
 /// Resolves on SIGTERM or Ctrl-C.
@@ -189,6 +204,8 @@ pub struct Bound<E> {
     local: Endpoint,
     reporter: tonic_health::server::HealthReporter,
     health: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
+    /// With TLS: SIGHUP, to re-read the certificate.
+    hangup: Option<Hangup>,
 }
 
 impl<E: ContextEngine> Server<E> {
@@ -302,7 +319,8 @@ impl<E: ContextEngine> Server<E> {
         let health = tonic_health::pb::health_server::HealthServer::new(
             tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
         );
-        Ok(Bound { server: self, listener, local, reporter, health })
+        let hangup = if self.tls.is_some() { hangup() } else { None };
+        Ok(Bound { server: self, listener, local, reporter, health, hangup })
     }
 }
 
@@ -327,8 +345,8 @@ impl<E: ContextEngine> Bound<E> {
     /// accepting, and gives in-flight calls the drain timeout to finish.
     /// With TLS, SIGHUP re-reads the certificate files meanwhile.
     pub async fn serve(self, shutdown: impl Future<Output = ()>) -> Result<(), tonic::transport::Error> {
-        let _reloads =
-            self.server.tls.clone().map(|t| AbortOnDrop(tokio::spawn(reload_tls_on_sighup(t)).abort_handle()));
+        let reloads = self.server.tls.clone().zip(self.hangup);
+        let _reloads = reloads.map(|(t, hup)| AbortOnDrop(tokio::spawn(reload_tls_on_sighup(t, hup)).abort_handle()));
         let (reporter, health) = (self.reporter, self.health);
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
@@ -398,24 +416,24 @@ struct EngineService<E> {
     spans: Option<crate::otlp::Exporter>,
 }
 
-/// One engine method's span: its own id (what the engine's callbacks
+/// A traced engine method's span: its own id (what the engine's callbacks
 /// continue) and the caller's, for the export.
 #[derive(Clone, Copy)]
 struct Hop {
     this: ctxgate_proto::trace::TraceParent,
-    parent: Option<[u8; 8]>,
+    parent: [u8; 8],
     start: std::time::SystemTime,
 }
 
 impl Hop {
-    fn finish(self, spans: Option<&crate::otlp::Exporter>, method: &'static str, error: Option<String>) {
-        let Some(spans) = spans else { return };
+    fn finish(hop: Option<Self>, spans: Option<&crate::otlp::Exporter>, method: &'static str, error: Option<String>) {
+        let (Some(hop), Some(spans)) = (hop, spans) else { return };
         spans.record(crate::otlp::Span {
             name: format!("{ENGINE_SERVICE}/{method}"),
             kind: crate::otlp::Kind::Server,
-            this: self.this,
-            parent: self.parent,
-            start: self.start,
+            this: hop.this,
+            parent: Some(hop.parent),
+            start: hop.start,
             end: std::time::SystemTime::now(),
             attributes: vec![("rpc.system", "grpc".into()), ("rpc.method", method.into())],
             error,
@@ -504,7 +522,7 @@ impl<E: ContextEngine> EngineService<E> {
         }
     }
 
-    async fn context<T>(&self, req: &Request<T>, host: Option<&pb::HostAccess>) -> (CallContext, Hop) {
+    async fn context<T>(&self, req: &Request<T>, host: Option<&pb::HostAccess>) -> (CallContext, Option<Hop>) {
         // No TCP peer: the call came over the unix socket.
         let peer = req.remote_addr().map_or(Peer::Local, |a| Peer::Ip(a.ip()));
         // The deadline is the caller's from its arrival; a name lookup for the
@@ -517,11 +535,11 @@ impl<E: ContextEngine> EngineService<E> {
             .get(ctxgate_proto::trace::HEADER)
             .and_then(|v| v.to_str().ok())
             .and_then(ctxgate_proto::trace::TraceParent::parse);
-        // This method is a span of the caller's trace: its callbacks
-        // continue it (and without a caller's trace, its export starts one).
-        let this = incoming.map_or_else(ctxgate_proto::trace::TraceParent::root, |t| t.child());
-        let hop = Hop { this, parent: incoming.map(|t| t.parent_id), start: std::time::SystemTime::now() };
-        (CallContext { deadline, cancel: CancellationToken::new(), host, trace: incoming.map(|_| this) }, hop)
+        // A traced call is a span of the caller's trace (its callbacks
+        // continue it); an untraced one (an attach's GetInfo) is none.
+        let hop = incoming.map(|t| Hop { this: t.child(), parent: t.parent_id, start: std::time::SystemTime::now() });
+        let span = hop.map(|h| h.this);
+        (CallContext { deadline, cancel: CancellationToken::new(), host, trace: incoming, span }, hop)
     }
 
     /// Validates, then runs one unary engine method in its own task, bounded
@@ -561,7 +579,7 @@ impl<E: ContextEngine> EngineService<E> {
             Err(e) if e.is_panic() => Err(panic_status(method)),
             Err(_) => Err(Status::cancelled("the call was cancelled")),
         };
-        hop.finish(self.spans.as_ref(), method, r.as_ref().err().map(|s| s.message().to_owned()));
+        Hop::finish(hop, self.spans.as_ref(), method, r.as_ref().err().map(|s| s.message().to_owned()));
         r
     }
 }
@@ -652,7 +670,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
                 Err(e) if e.is_panic() => Err(panic_status("Compact")),
                 Err(_) => return, // aborted: the caller is gone
             };
-            hop.finish(spans.as_ref(), "Compact", terminal.as_ref().err().map(|s| s.message().to_owned()));
+            Hop::finish(hop, spans.as_ref(), "Compact", terminal.as_ref().err().map(|s| s.message().to_owned()));
             let _ = tx.send(terminal.map(|event| pb::CompactEvent { event: Some(event) })).await;
         });
         // The guard lives as long as the response stream: dropping the stream

@@ -163,6 +163,14 @@ impl LiveServerTls {
         let live = self.clone();
         tokio::spawn(async move {
             let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+            // At most one warning a second about refused connections.
+            let mut warned: Option<tokio::time::Instant> = None;
+            let mut warn = |what: &dyn std::fmt::Display| {
+                if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1)) {
+                    tracing::warn!("{what}");
+                    warned = Some(tokio::time::Instant::now());
+                }
+            };
             loop {
                 let conn = tokio::select! {
                     c = tcp.next() => c,
@@ -171,15 +179,16 @@ impl LiveServerTls {
                 let conn = match conn {
                     None => return,
                     Some(Ok(c)) => c,
-                    // An accept error (out of file descriptors, say) is
-                    // about that connection: keep accepting.
+                    // An accept error (out of file descriptors, say) passes:
+                    // keep accepting, after a pause rather than a spin.
                     Some(Err(e)) => {
-                        tracing::warn!(error = %e, "accepting a connection failed");
+                        warn(&format_args!("accepting a connection failed: {e}"));
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                         continue;
                     }
                 };
                 let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    tracing::warn!("{MAX_HANDSHAKES} TLS handshakes in progress; closing a new connection");
+                    warn(&format_args!("{MAX_HANDSHAKES} TLS handshakes in progress; closing new connections"));
                     continue;
                 };
                 let (acceptor, tx) = (tokio_rustls::TlsAcceptor::from(live.config()), tx.clone());

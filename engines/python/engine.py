@@ -627,7 +627,7 @@ def main():
     parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
     parser.add_argument("--tls-client-ca",
                         help="with TLS: serve only clients (the gateway) whose certificate this CA (PEM) signed")
-    parser.add_argument("--otlp-endpoint", default=os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"),
+    parser.add_argument("--otlp-endpoint",
                         help="export a span per engine method (continuing the caller's traceparent) to this "
                              "OTLP/gRPC collector, http://HOST:PORT")
     parser.add_argument("--otlp-service-name", default=os.environ.get("OTEL_SERVICE_NAME", "ctxgate-engine-python"))
@@ -640,7 +640,12 @@ def main():
                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES)]
     interceptors = []
     if args.otlp_endpoint:
-        import otlp  # only then: it needs the opentelemetry-proto package
+        if not args.otlp_endpoint.startswith("http://"):
+            parser.error(f"--otlp-endpoint {args.otlp_endpoint!r}: expected http://HOST:PORT")
+        try:
+            import otlp  # only then: it needs the opentelemetry-proto package
+        except ImportError as e:
+            parser.error(f"--otlp-endpoint needs the opentelemetry-proto package ({e})")
         interceptors.append(otlp.Interceptor(otlp.Exporter(args.otlp_endpoint, args.otlp_service_name), SERVICE))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=options, interceptors=interceptors)
     pb_grpc.add_ContextEngineServicer_to_server(RecencyEngine(store), server)

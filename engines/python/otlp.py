@@ -46,6 +46,7 @@ class Exporter:
         self._resource = resource_pb2.Resource(attributes=[_kv("service.name", service)])
         self._queue = queue.Queue(QUEUE)
         self._endpoint = endpoint
+        self._dropped_lock = threading.Lock()
         self.dropped = 0
         threading.Thread(target=self._loop, name="otlp", daemon=True).start()
 
@@ -53,7 +54,8 @@ class Exporter:
         try:
             self._queue.put_nowait(span)
         except queue.Full:
-            self.dropped += 1
+            with self._dropped_lock:
+                self.dropped += 1
 
     def _loop(self):
         failing = False
@@ -77,9 +79,10 @@ class Exporter:
                 if failing:
                     print(f"otlp: export to {self._endpoint} works again", file=sys.stderr, flush=True)
                 failing = False
-            except grpc.RpcError as e:
+            except Exception as e:  # noqa: BLE001 -- nothing may stop the export thread
                 if not failing:
-                    print(f"otlp: export to {self._endpoint} failed ({e.code().name}); spans dropped until it works",
+                    why = e.code().name if isinstance(e, grpc.RpcError) else repr(e)
+                    print(f"otlp: export to {self._endpoint} failed ({why}); spans dropped until it works",
                           file=sys.stderr, flush=True)
                 failing = True
 
@@ -97,11 +100,14 @@ class Interceptor(grpc.ServerInterceptor):
             return handler
         method = details.method.rsplit("/", 1)[1]
         incoming = parse_traceparent(dict(details.invocation_metadata or ()).get("traceparent"))
+        # Only a traced, sampled call is a span (not an attach's GetInfo).
+        if incoming is None or not incoming[2] & 1:
+            return handler
         name = details.method.lstrip("/")
 
         def start():
-            trace_id, parent, flags = incoming or (secrets.token_bytes(16), None, 1)
-            return trace_pb2.Span(trace_id=trace_id, span_id=secrets.token_bytes(8), parent_span_id=parent or b"",
+            trace_id, parent, flags = incoming
+            return trace_pb2.Span(trace_id=trace_id, span_id=secrets.token_bytes(8), parent_span_id=parent,
                                   flags=flags, name=name, kind=trace_pb2.Span.SPAN_KIND_SERVER,
                                   start_time_unix_nano=time.time_ns(),
                                   attributes=[_kv("rpc.system", "grpc"), _kv("rpc.method", method)])
@@ -136,6 +142,9 @@ class Interceptor(grpc.ServerInterceptor):
                 span, error = start(), None
                 try:
                     yield from inner(request, context)
+                except GeneratorExit:  # the caller went away mid-stream
+                    error = "cancelled"
+                    raise
                 except Exception as e:
                     error = str(e) or type(e).__name__
                     raise

@@ -5,6 +5,9 @@
 //! - **gateway**: the gateway's engine stack (guarded remote client: host
 //!   params projection, deadline, own task, reply validation, metrics) to an
 //!   SDK engine;
+//! - **replicas**: the same stack over three SDK engines named by one
+//!   `ipv4:` endpoint (a replica set: a pick per call, power of two
+//!   choices for this engine, which keeps no session state);
 //! - **direct**: a plain tonic client to the same SDK engine;
 //! - **echo**: a plain tonic client to a bare tonic service that echoes the
 //!   messages (no SDK: transport and codec only).
@@ -20,6 +23,7 @@ use std::time::{Duration, Instant};
 use ctxgate::config::EngineEntry;
 use ctxgate::engines::guarded::Guarded;
 use ctxgate::engines::remote::Remote;
+use ctxgate::engines::replicas::Replicas;
 use ctxgate::engines::{Call, Engine, Legacy};
 use ctxgate::metrics::Metrics;
 use ctxgate_engine_sdk::testkit::msg;
@@ -197,6 +201,23 @@ async fn main() {
     guarded.remote.attach(&Call::default()).await.unwrap();
     guarded.readmit("bench start");
 
+    // Three more engines, one replica set.
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        let s = Server::new(PassThrough).bind(&loopback).await.unwrap();
+        addrs.push(s.local_endpoint().to_string());
+        tokio::spawn(s.serve(std::future::pending()));
+    }
+    let set_entry = EngineEntry { endpoint: format!("ipv4:{}", addrs.join(",")), ..EngineEntry::default() };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let legacy = Arc::new(Legacy::default());
+    let replicas =
+        Replicas::start("bench", &set_entry, Duration::from_secs(180), legacy, Metrics::default(), stop.clone())
+            .unwrap();
+    while replicas.replicas().iter().any(|r| r.guarded.is_quarantined()) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
     let direct = ctxgate_engine_sdk::engine_client(ctxgate_engine_sdk::connect(&sdk_url).unwrap());
     let echo = ContextEngineClient::new(ctxgate_engine_sdk::connect(&echo_url).unwrap())
         .max_decoding_message_size(16 << 20)
@@ -215,7 +236,7 @@ async fn main() {
         } else {
             6_400
         };
-        for path in ["echo", "direct", "gateway"] {
+        for path in ["echo", "direct", "gateway", "replicas"] {
             let started = Instant::now();
             let lat = match path {
                 "echo" => {
@@ -238,6 +259,16 @@ async fn main() {
                     })
                     .await
                 }
+                "replicas" => {
+                    let (g, r) = (replicas.clone(), req.clone());
+                    measure(concurrency, calls, move || {
+                        let (g, r) = (g.clone(), (*r).clone());
+                        async move {
+                            g.assemble(r, &Call::default()).await.unwrap();
+                        }
+                    })
+                    .await
+                }
                 _ => {
                     let (g, r) = (guarded.clone(), req.clone());
                     measure(concurrency, calls, move || {
@@ -254,4 +285,9 @@ async fn main() {
         }
     }
     assert!(guarded.quarantine_record().is_none(), "the benchmark must not fail calls");
+    assert!(replicas.replicas().iter().all(|r| !r.guarded.is_quarantined()), "nor through the replicas");
+    let spread: Vec<u64> =
+        replicas.replicas().iter().map(|r| r.guarded.stats().values().map(|s| s.calls).sum()).collect();
+    println!("replica calls: {spread:?}");
+    stop.cancel();
 }

@@ -77,6 +77,16 @@ pub struct MethodStats {
     pub shed: u64,
 }
 
+impl std::ops::AddAssign for MethodStats {
+    fn add_assign(&mut self, o: Self) {
+        self.calls += o.calls;
+        self.failures += o.failures;
+        self.timeouts += o.timeouts;
+        self.fallbacks += o.fallbacks;
+        self.shed += o.shed;
+    }
+}
+
 struct State {
     quarantine: Option<QuarantineRecord>,
     penalty: Duration,

@@ -11,6 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use ctxgate_engine_sdk::AbortOnDrop;
 use ctxgate_proto::ENGINE_SERVICE;
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
@@ -40,15 +41,6 @@ enum WatchEnd {
     Broken,
     /// The engine does not know its own service name.
     NotFound,
-}
-
-/// Aborts a spawned health RPC when the monitor moves on.
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 /// One Watch call, forwarding every status it reports to `seen`.

@@ -9,6 +9,7 @@ use std::future::Future;
 use std::sync::RwLock;
 use std::time::Duration;
 
+use ctxgate_engine_sdk::AbortOnDrop;
 use ctxgate_proto::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
 use ctxgate_proto::validate;
 use tokio::time::Instant;
@@ -31,15 +32,6 @@ pub struct Remote {
     info: RwLock<Option<pb::EngineInfo>>,
     /// Where each traced call's span goes (`gateway.otlp`).
     spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
-}
-
-/// Aborts a spawned call when the caller stops waiting for it.
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }
 
 fn camel(method: &str) -> String {

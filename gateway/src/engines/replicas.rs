@@ -15,6 +15,9 @@
 //!   random (power of two choices).
 //! - With no replica in service, the call goes to one anyway: a quarantined
 //!   `Guarded` answers as legacy, so fallback stays in one place.
+//! - A session that moved left its state behind on the replicas it was on:
+//!   ForgetSession goes to every replica (it is queued until all took it),
+//!   and a subagent's rollback and end to every replica in service.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -207,12 +210,7 @@ impl Replicas {
         let mut out: BTreeMap<&'static str, MethodStats> = BTreeMap::new();
         for r in self.replicas().iter() {
             for (m, s) in r.guarded.stats() {
-                let t = out.entry(m).or_default();
-                t.calls += s.calls;
-                t.failures += s.failures;
-                t.timeouts += s.timeouts;
-                t.fallbacks += s.fallbacks;
-                t.shed += s.shed;
+                *out.entry(m).or_default() += s;
             }
         }
         out
@@ -228,14 +226,15 @@ impl Replicas {
     pub fn pick(&self, session: Option<&str>) -> Arc<Guarded> {
         let set = self.replicas();
         let up: Vec<&Arc<Replica>> = set.iter().filter(|r| r.in_service()).collect();
-        let chosen = match (up.as_slice(), session, self.affinity()) {
+        let by_session = || session.filter(|_| self.affinity() == Some(Affinity::Session));
+        let chosen = match up.as_slice() {
             // None in service: a quarantined replica answers as legacy.
-            ([], ..) => &set[0],
-            ([only], ..) => only,
-            (up, Some(key), Some(Affinity::Session)) => {
+            [] => &set[0],
+            [only] => only,
+            up if let Some(key) = by_session() => {
                 up.iter().max_by_key(|r| rendezvous(r.address(), key)).copied().unwrap_or(&set[0])
             }
-            (up, ..) => {
+            up => {
                 let a = fastrand::usize(..up.len());
                 let b = (a + 1 + fastrand::usize(..up.len() - 1)) % up.len();
                 let (a, b) = (up[a], up[b]);
@@ -243,6 +242,34 @@ impl Replicas {
             }
         };
         chosen.guarded.clone()
+    }
+
+    /// Every replica's answer to a call that concerns them all: the first
+    /// failure is the answer (a queued call stays queued until every one
+    /// took it), else the first reply. `quarantined`: send to those too
+    /// (they answer Quarantined, so the call waits for them).
+    async fn every<T, F, Fut>(&self, quarantined: bool, f: F) -> R<T>
+    where
+        F: Fn(Arc<Guarded>) -> Fut,
+        Fut: std::future::Future<Output = R<T>>,
+    {
+        let set = self.replicas();
+        let mut to: Vec<Arc<Guarded>> =
+            set.iter().filter(|r| quarantined || r.in_service()).map(|r| r.guarded.clone()).collect();
+        if to.is_empty() {
+            // None in service: a quarantined replica answers as legacy.
+            to.push(set[0].guarded.clone());
+        }
+        let mut first = None;
+        for r in futures_util::future::join_all(to.into_iter().map(f)).await {
+            match r {
+                Ok(t) => {
+                    first.get_or_insert(t);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        first.ok_or(EngineCallError::Quarantined)
     }
 
     /// Replaces the set with `addrs` (sorted, deduplicated, non-empty):
@@ -268,7 +295,10 @@ impl Replicas {
                 }
             }
         }
-        if next.is_empty() {
+        // Nothing built, or nothing new (a replica that could not be built).
+        if next.is_empty()
+            || (next.len() == current.len() && next.iter().zip(current.iter()).all(|(n, c)| Arc::ptr_eq(n, c)))
+        {
             return;
         }
         let names = |s: &[Arc<Replica>]| s.iter().map(|r| r.address().to_owned()).collect::<Vec<_>>().join(", ");
@@ -303,7 +333,11 @@ async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: C
     let mut failing = false;
     loop {
         let Some(set) = replicas.upgrade() else { return };
-        match resolve(&host, port).await {
+        let found = tokio::select! {
+            r = resolve(&host, port) => r,
+            () = stop.cancelled() => return,
+        };
+        match found {
             Ok(addrs) if !addrs.is_empty() => {
                 failing = false;
                 set.update(&addrs);
@@ -365,11 +399,8 @@ keyed! {
     pb::AfterTurnRequest => |r| r.session_id.as_str(),
     pb::CommitTurnRequest => |r| r.session_id.as_str(),
     pb::MaintainRequest => |r| r.session_id.as_str(),
-    pb::ForgetSessionRequest => |r| r.session_id.as_str(),
-    // A subagent's state is the child's: its key is all three calls have.
-    pb::PrepareSubagentSpawnRequest => |r| r.child_session_key.as_str(),
-    pb::RollbackSubagentSpawnRequest => |r| r.child_session_key.as_str(),
-    pb::OnSubagentEndedRequest => |r| r.child_session_key.as_str(),
+    // A spawn forks the parent's state: the parent's replica holds it.
+    pb::PrepareSubagentSpawnRequest => |r| r.parent_session_id.as_deref().unwrap_or(&r.parent_session_key),
 }
 
 type R<T> = Result<T, EngineCallError>;
@@ -397,6 +428,38 @@ macro_rules! routed {
                 let replica = self.pick(req.session());
                 replica.compact(req, call, progress).await
             }
+
+            // The child's state may be on any replica (a spawn writes it on
+            // the parent's, its turns on its own).
+            async fn rollback_subagent_spawn(
+                &self,
+                req: pb::RollbackSubagentSpawnRequest,
+                call: &Call,
+            ) -> R<pb::RollbackSubagentSpawnResult> {
+                self.every(false, |g| {
+                    let req = req.clone();
+                    async move { g.rollback_subagent_spawn(req, call).await }
+                })
+                .await
+            }
+
+            async fn on_subagent_ended(&self, req: pb::OnSubagentEndedRequest, call: &Call) -> R<pb::OnSubagentEndedResult> {
+                self.every(false, |g| {
+                    let req = req.clone();
+                    async move { g.on_subagent_ended(req, call).await }
+                })
+                .await
+            }
+
+            // Every copy of the session goes, including those a quarantined
+            // replica holds: the queued forget waits for it.
+            async fn forget_session(&self, req: pb::ForgetSessionRequest, call: &Call) -> R<pb::ForgetSessionResult> {
+                self.every(true, |g| {
+                    let req = req.clone();
+                    async move { g.forget_session(req, call).await }
+                })
+                .await
+            }
         }
     };
 }
@@ -410,9 +473,6 @@ routed! {
     commit_turn(pb::CommitTurnRequest) -> pb::CommitTurnResult;
     maintain(pb::MaintainRequest) -> pb::MaintainResult;
     prepare_subagent_spawn(pb::PrepareSubagentSpawnRequest) -> pb::PrepareSubagentSpawnResult;
-    rollback_subagent_spawn(pb::RollbackSubagentSpawnRequest) -> pb::RollbackSubagentSpawnResult;
-    on_subagent_ended(pb::OnSubagentEndedRequest) -> pb::OnSubagentEndedResult;
-    forget_session(pb::ForgetSessionRequest) -> pb::ForgetSessionResult;
 }
 
 #[cfg(test)]
@@ -441,9 +501,11 @@ mod tests {
                 assert_eq!(before, after, "{s} moved though its replica stayed");
             }
         }
-        // Stable: the score is a pure function of the two strings.
-        assert_eq!(rendezvous("a:1", "s"), rendezvous("a:1", "s"));
-        assert_ne!(rendezvous("a:1", "s"), rendezvous("a:1", "t"));
+        // Pinned: gateways of different versions must pick the same
+        // replica, so a change of the function fails here.
+        // (FNV-1a 64 and SplitMix64's finaliser, computed independently.)
+        assert_eq!(rendezvous("10.0.0.1:7401", "session-0"), 0x8254_8325_e299_582c);
+        assert_ne!(rendezvous("10.0.0.1:7401", "session-0"), rendezvous("10.0.0.1:7401", "session-1"));
     }
 
     #[test]

@@ -33,6 +33,10 @@ const WORKERS: usize = 4;
 const SESSIONS_PER_WORKER: usize = 3;
 /// A turn that takes longer than this is a hang, not an answer.
 const TURN_LIMIT: Duration = Duration::from_secs(60);
+/// Any docker command takes at most this; a status call or metrics read
+/// at most `CALL_LIMIT`.
+const DOCKER_LIMIT: Duration = Duration::from_secs(60);
+const CALL_LIMIT: Duration = Duration::from_secs(10);
 
 type R<T> = Result<T, String>;
 
@@ -48,30 +52,36 @@ impl Stack {
         Self { compose }
     }
 
-    fn run(program: &str, args: &[&str]) -> R<String> {
-        let out = std::process::Command::new(program).args(args).output().map_err(|e| format!("{program}: {e}"))?;
+    /// One docker command, bounded by [`DOCKER_LIMIT`].
+    async fn run(program: &str, args: &[&str]) -> R<String> {
+        let mut cmd = tokio::process::Command::new(program);
+        cmd.args(args).kill_on_drop(true);
+        let out = tokio::time::timeout(DOCKER_LIMIT, cmd.output())
+            .await
+            .map_err(|_| format!("{program} {}: no answer within {DOCKER_LIMIT:?}", args.join(" ")))?
+            .map_err(|e| format!("{program}: {e}"))?;
         if !out.status.success() {
             return Err(format!("{program} {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()));
         }
         Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
     }
 
-    fn docker(&self, args: &[&str]) -> R<String> {
-        Self::run("docker", args)
+    async fn docker(&self, args: &[&str]) -> R<String> {
+        Self::run("docker", args).await
     }
 
     /// The containers of a compose service.
-    fn ids(&self, service: &str) -> R<Vec<String>> {
+    async fn ids(&self, service: &str) -> R<Vec<String>> {
         let mut args: Vec<&str> = self.compose[1..].iter().map(String::as_str).collect();
         args.extend(["ps", "-q", service]);
-        let out = Self::run(&self.compose[0], &args)?;
+        let out = Self::run(&self.compose[0], &args).await?;
         Ok(out.lines().map(str::to_owned).filter(|l| !l.is_empty()).collect())
     }
 
     /// A container's network and its address on it.
-    fn network(&self, id: &str) -> R<(String, String)> {
+    async fn network(&self, id: &str) -> R<(String, String)> {
         let f = "{{range $k, $v := .NetworkSettings.Networks}}{{$k}} {{$v.IPAddress}}{{end}}";
-        let out = self.docker(&["inspect", "-f", f, id])?;
+        let out = self.docker(&["inspect", "-f", f, id]).await?;
         let (net, ip) = out.split_once(' ').ok_or_else(|| format!("no network for {id}: {out:?}"))?;
         Ok((net.to_owned(), ip.to_owned()))
     }
@@ -169,7 +179,9 @@ fn record(
 }
 
 async fn status(client: &mut GatewayClient<Channel>) -> R<api::EngineStatus> {
-    let s = client.get_status(api::StatusRequest {}).await.map_err(|s| s.message().to_owned())?.into_inner();
+    let mut req = tonic::Request::new(api::StatusRequest {});
+    req.set_timeout(CALL_LIMIT);
+    let s = client.get_status(req).await.map_err(|s| s.message().to_owned())?.into_inner();
     s.engines.into_iter().find(|e| e.id == "window").ok_or_else(|| "no window engine in status".into())
 }
 
@@ -207,13 +219,18 @@ fn describe(e: &api::EngineStatus) -> String {
     format!("[{}]{q}", replicas.join(", "))
 }
 
-/// The window engine's history gaps so far (each one a resync).
+/// The window engine's history gaps so far (each one a resync); 0 when
+/// the metrics cannot be read within [`CALL_LIMIT`].
 async fn resyncs() -> u64 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut s) = tokio::net::TcpStream::connect(METRICS).await else { return 0 };
-    let _ = s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await;
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out).await;
+    let read = async {
+        let mut s = tokio::net::TcpStream::connect(METRICS).await.ok()?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.ok()?;
+        Some(out)
+    };
+    let out = tokio::time::timeout(CALL_LIMIT, read).await.ok().flatten().unwrap_or_default();
     out.lines()
         .filter(|l| l.starts_with("ctxgate_engine_history_gaps_total{engine=\"window\""))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
@@ -264,23 +281,26 @@ impl Run {
         }
     }
 
-    fn docker(&mut self, args: &[&str]) {
+    async fn docker(&mut self, args: &[&str]) {
         self.say(&format!("docker {}", args.join(" ")));
-        if let Err(e) = self.stack.docker(args) {
+        if let Err(e) = self.stack.docker(args).await {
             self.check(false, e);
         }
     }
 
     /// The container behind a replica address.
-    fn container_at(&self, ids: &[String], address: &str) -> Option<String> {
-        ids.iter()
-            .find(|id| self.stack.network(id).is_ok_and(|(_, ip)| address.starts_with(&format!("{ip}:"))))
-            .cloned()
+    async fn container_at(&self, ids: &[String], address: &str) -> R<String> {
+        for id in ids {
+            if self.stack.network(id).await.is_ok_and(|(_, ip)| address.starts_with(&format!("{ip}:"))) {
+                return Ok(id.clone());
+            }
+        }
+        Err(format!("no container at {address}"))
     }
 
     async fn scenario(&mut self) -> R<()> {
-        let windows = self.stack.ids("engine-window")?;
-        let gateway = self.stack.ids("gateway")?.first().cloned().ok_or("no gateway container")?;
+        let windows = self.stack.ids("engine-window").await?;
+        let gateway = self.stack.ids("gateway").await?.first().cloned().ok_or("no gateway container")?;
         self.check(windows.len() == 3, format!("3 window replicas expected, found {}", windows.len()));
         let all = |e: &api::EngineStatus| e.replicas.len() == 3 && e.replicas.iter().all(in_service);
         let d = until(&mut self.client, "three replicas in service", Duration::from_secs(30), all).await;
@@ -293,14 +313,15 @@ impl Run {
         // 1. The busiest replica dies: its sessions move, resync, no turn fails.
         let e = status(&mut self.client).await?;
         let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
-        let victim = self.container_at(&windows, &busiest).ok_or("no container for the busiest replica")?;
+        let victim = self.container_at(&windows, &busiest).await?;
         let gaps = resyncs().await;
-        self.docker(&["kill", &victim]);
-        let gone = |e: &api::EngineStatus| e.replicas.iter().any(|r| r.address == busiest && !in_service(r));
+        self.docker(&["kill", &victim]).await;
+        // Out of service: quarantined, or dropped once its name stopped resolving to it.
+        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
         let d = until(&mut self.client, "the killed replica quarantined", Duration::from_secs(20), gone).await;
         self.waited(d, &format!("replica {busiest} quarantined"));
         let (seen, failed) = self.flow(Duration::from_secs(4)).await;
-        let moved = resyncs().await - gaps;
+        let moved = resyncs().await.saturating_sub(gaps);
         self.say(&format!("{moved} session(s) resynced on another replica"));
         self.check(failed == 0, format!("kill one replica: {failed} turn(s) failed"));
         self.check(moved > 0, "kill one replica: its sessions should resync elsewhere".into());
@@ -316,7 +337,7 @@ impl Run {
 
         // 2. All of them die: legacy answers, the quarantine shows.
         for id in windows.iter().filter(|id| **id != victim) {
-            self.docker(&["kill", id]);
+            self.docker(&["kill", id]).await;
         }
         let out = |e: &api::EngineStatus| e.quarantine.is_some();
         let d = until(&mut self.client, "the engine quarantined", Duration::from_secs(20), out).await;
@@ -329,7 +350,7 @@ impl Run {
 
         // 3. They come back: re-admitted.
         for id in &windows {
-            self.docker(&["start", id]);
+            self.docker(&["start", id]).await;
         }
         let d = until(&mut self.client, "three replicas re-admitted", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas re-admitted");
@@ -342,9 +363,9 @@ impl Run {
         // 4. One replica cut off the network: a deadline, fallback, quarantined.
         let e = status(&mut self.client).await?;
         let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
-        let cut = self.container_at(&windows, &busiest).ok_or("no container for the busiest replica")?;
-        let (net, _) = self.stack.network(&cut)?;
-        self.docker(&["network", "disconnect", &net, &cut]);
+        let cut = self.container_at(&windows, &busiest).await?;
+        let (net, _) = self.stack.network(&cut).await?;
+        self.docker(&["network", "disconnect", &net, &cut]).await;
         // Out of service either way: quarantined when a call to it reached
         // its deadline, or dropped when its name stopped resolving to it.
         let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
@@ -355,12 +376,12 @@ impl Run {
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("network disconnect: {failed} turn(s) failed"));
         // Back on the network under its service name (compose's alias).
-        self.docker(&["network", "connect", "--alias", "engine-window", &net, &cut]);
+        self.docker(&["network", "connect", "--alias", "engine-window", &net, &cut]).await;
         let d = until(&mut self.client, "three replicas in service again", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas in service again (reconnected)");
 
         // 5. The gateway restarts: its state is on its volume.
-        self.docker(&["restart", "-t", "5", &gateway]);
+        self.docker(&["restart", "-t", "5", &gateway]).await;
         let up = |e: &api::EngineStatus| !e.replicas.is_empty() && e.replicas.iter().any(in_service);
         let d = until(&mut self.client, "the gateway back", Duration::from_secs(60), up).await;
         self.waited(d, "gateway back, serving through the window engine");
@@ -370,14 +391,15 @@ impl Run {
         // 6. One replica paused: a hang, then a deadline; unpaused: back.
         let e = status(&mut self.client).await?;
         let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
-        let paused = self.container_at(&windows, &busiest).ok_or("no container for the busiest replica")?;
-        self.docker(&["pause", &paused]);
-        let gone = |e: &api::EngineStatus| e.replicas.iter().any(|r| r.address == busiest && !in_service(r));
+        let paused = self.container_at(&windows, &busiest).await?;
+        self.docker(&["pause", &paused]).await;
+        // Out of service: quarantined, or dropped once its name stopped resolving to it.
+        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
         let d = until(&mut self.client, "the paused replica quarantined", Duration::from_secs(40), gone).await;
         self.waited(d, &format!("replica {busiest} quarantined (hang)"));
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("pause: {failed} turn(s) failed"));
-        self.docker(&["unpause", &paused]);
+        self.docker(&["unpause", &paused]).await;
         let d = until(&mut self.client, "three replicas in service after unpause", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas in service again (unpaused)");
         self.flow(Duration::from_secs(2)).await;
@@ -393,6 +415,8 @@ impl Run {
             loop {
                 let req =
                     api::GetTranscriptRequest { session: sref(&key), page_token: token.clone(), ..Default::default() };
+                let mut req = tonic::Request::new(req);
+                req.set_timeout(CALL_LIMIT);
                 let page = match self.client.get_transcript(req).await {
                     Ok(p) => p.into_inner(),
                     Err(s) => {
