@@ -105,6 +105,9 @@ pub struct Guarded {
     state: Mutex<State>,
     /// Woken when something may change whether re-admission is due.
     pub changed: tokio::sync::Notify,
+    /// Left its replica set: a call still in flight to it must not bring
+    /// its metric series back.
+    retired: std::sync::atomic::AtomicBool,
 }
 
 type R<T> = Result<T, EngineCallError>;
@@ -136,6 +139,7 @@ impl Guarded {
             max_calls,
             state: Mutex::new(state),
             changed: tokio::sync::Notify::new(),
+            retired: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -161,6 +165,18 @@ impl Guarded {
 
     pub fn stats(&self) -> BTreeMap<&'static str, MethodStats> {
         self.lock().stats.clone()
+    }
+
+    /// This replica left its set: its metric series is removed and stays so.
+    pub fn retire(&self) {
+        self.retired.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.replica_gone(&self.remote.id, &self.remote.endpoint);
+    }
+
+    fn replica_gauge(&self, up: bool) {
+        if !self.retired.load(std::sync::atomic::Ordering::Relaxed) {
+            self.metrics.replica_in_service(&self.remote.id, &self.remote.endpoint, up);
+        }
     }
 
     /// Calls in flight to the engine now.
@@ -191,7 +207,7 @@ impl Guarded {
         });
         drop(s);
         self.metrics.engine_quarantined(&self.remote.id, operation);
-        self.metrics.replica_in_service(&self.remote.id, &self.remote.endpoint, false);
+        self.replica_gauge(false);
         self.changed.notify_waiters();
     }
 
@@ -220,7 +236,7 @@ impl Guarded {
         let Some(q) = s.quarantine.take() else { return false };
         s.trial = q.operation != "attach";
         drop(s);
-        self.metrics.replica_in_service(&self.remote.id, &self.remote.endpoint, true);
+        self.replica_gauge(true);
         tracing::info!(engine = %self.remote.id, address = %self.remote.endpoint, why, after = %q.reason, "context engine re-admitted");
         self.changed.notify_waiters();
         true

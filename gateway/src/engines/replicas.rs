@@ -306,7 +306,7 @@ impl Replicas {
         // A departed replica's series goes with it (not on drop: a reload's
         // new replica at the same address shares the series).
         for gone in current.iter().filter(|r| !next.iter().any(|n| Arc::ptr_eq(n, r))) {
-            self.maker.metrics.replica_gone(&self.id, gone.address());
+            gone.guarded.retire();
         }
         *self.set.write().unwrap_or_else(|e| e.into_inner()) = Arc::from(next);
     }
