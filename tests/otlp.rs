@@ -98,12 +98,16 @@ const CLIENT_SPAN: &str = "00f067aa0ba902b7";
 
 /// A turn sent with the client's traceparent, run to its end.
 async fn traced_turn(g: &TestGateway, key: &str) {
+    turn_with(g, key, &format!("00-{TRACE}-{CLIENT_SPAN}-01")).await;
+}
+
+async fn turn_with(g: &TestGateway, key: &str, traceparent: &str) {
     let mut req = tonic::Request::new(api::RunTurnRequest {
         session: session(key),
         message: "hello".into(),
         ..Default::default()
     });
-    req.metadata_mut().insert("traceparent", format!("00-{TRACE}-{CLIENT_SPAN}-01").parse().unwrap());
+    req.metadata_mut().insert("traceparent", traceparent.parse().unwrap());
     let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
     let mut completed = false;
     while let Some(e) = stream.next().await {
@@ -147,6 +151,36 @@ async fn one_trace_spans_the_client_the_gateway_and_an_sdk_engine() {
     let g = gateway("window", &engine.endpoint, &otlp).await;
     traced_turn(&g, "traced").await;
     assert_one_trace(&collector, "window-engine").await;
+
+    // A trace the client did not sample is continued, not exported. Spans
+    // leave in order, so once a later turn's spans are in, its would be.
+    let (unsampled, later) = ("11111111111111111111111111111111", "22222222222222222222222222222222");
+    turn_with(&g, "traced", &format!("00-{unsampled}-{CLIENT_SPAN}-00")).await;
+    turn_with(&g, "traced", &format!("00-{later}-{CLIENT_SPAN}-01")).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while !collector.0.lock().unwrap().iter().any(|s| s.trace_id == hex(later) && s.service == "window-engine") {
+        assert!(tokio::time::Instant::now() < deadline, "the later turn's spans never arrived");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let leaked: Vec<Got> =
+        collector.0.lock().unwrap().iter().filter(|s| s.trace_id == hex(unsampled)).cloned().collect();
+    assert!(leaked.is_empty(), "unsampled spans were exported: {leaked:#?}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_collector_that_is_down_costs_spans_not_turns() {
+    // A port nothing listens on.
+    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let otlp = format!("http://{}", closed.local_addr().unwrap());
+    drop(closed);
+    let mut config = ctxgate::config::Config::default();
+    config.gateway.otlp = Some(OtlpSection { endpoint: otlp, service_name: "ctxgate".into() });
+    let g = TestGateway::start(config).await;
+    for i in 0..20 {
+        let events = run_turn(&g, "down", &format!("turn {i}")).await;
+        assert!(completed(&events), "{events:?}");
+    }
     g.stop().await;
 }
 
