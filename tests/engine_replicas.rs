@@ -169,14 +169,15 @@ async fn a_stateless_engines_calls_spread_over_its_replicas() {
     let (g, e) = gateway_over("fault", &list).await;
     assert_eq!(e.affinity, "none", "{e:?}");
     // One session, yet every replica takes calls: nothing ties it to one.
-    for i in 0..12 {
+    // (30 turns of random picks: a replica missing them all is ~1e-5.)
+    for i in 0..30 {
         served_by(&g, "fault", "one", &format!("turn {i}")).await;
     }
     let e = engine_status(&g, "fault").await;
     assert!(e.replicas.iter().all(|r| r.calls > 0), "{:?}", calls_by_replica(&e));
     let total: u64 = e.replicas.iter().map(|r| r.calls).sum();
     let assembles = e.methods.iter().find(|m| m.method == "Assemble").unwrap().calls;
-    assert!(total >= assembles && assembles == 12, "{total} calls, {assembles} assembles");
+    assert!(total >= assembles && assembles == 30, "{total} calls, {assembles} assembles");
     g.stop().await;
 }
 
