@@ -84,6 +84,33 @@ async fn status(url: &str, flags: &[&str]) -> (Option<i32>, String, String) {
     (out.status.code(), text(&out.stdout), text(&out.stderr))
 }
 
+/// Polls `ctxgate status --json` (bounded: 15 s) until `ok` holds for
+/// its engines; the engines as last seen.
+async fn engines_until(
+    url: &str,
+    flags: &[&str],
+    what: &str,
+    ok: impl Fn(&[serde_json::Value]) -> bool,
+) -> Vec<serde_json::Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let (code, out, err) = status(url, &[flags, &["--json"]].concat()).await;
+        assert_eq!(code, Some(0), "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let engines = v["engines"].as_array().unwrap().clone();
+        if ok(&engines) {
+            return engines;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: not within 15 s: {out}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// Engine `id` is attached and in service.
+fn attached(engines: &[serde_json::Value], id: &str) -> bool {
+    engines.iter().any(|e| e["id"] == id && e["quarantine"].is_null() && e["name"] != "")
+}
+
 fn https(g: &EngineProcess) -> String {
     g.endpoint.replace("http://", "https://")
 }
@@ -300,18 +327,7 @@ async fn mtls_everywhere_client_to_gateway_gateway_to_engine_and_the_engines_cal
     let url = https(&g);
     let flags = ["--tls-ca", &s(&ca_pem), "--tls-cert", &s(&cli), "--tls-key", &s(&cli_key)];
     // Wait for the gateway to attach the engine (over mTLS).
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let (code, out, err) = status(&url, &[&flags[..], &["--json"]].concat()).await;
-        assert_eq!(code, Some(0), "{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        let fault = v["engines"].as_array().unwrap().iter().find(|e| e["id"] == "fault").cloned().unwrap();
-        if fault["quarantine"].is_null() && fault["name"] != "" {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the engine never attached over mTLS: {out}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    engines_until(&url, &flags, "the engine attached over mTLS", |e| attached(e, "fault")).await;
     let out = tokio::process::Command::new(bin("ctxgate"))
         .args(["chat", "--gateway", &url, "--session", "all-tls", "-m", "hello"])
         .args(flags)
@@ -360,7 +376,6 @@ async fn the_conformance_kit_checks_the_python_engine_over_mtls() {
 /// health-check commands.
 #[tokio::test]
 async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_over_mtls() {
-    use std::time::Duration;
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let certs = d.join("certs");
@@ -407,22 +422,12 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
     let url = https(&g);
     let ca = ["--tls-ca", &c("ca.pem")];
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(15);
-    loop {
-        let (code, out, err) = status(&url, &[&ca[..], &["--json"]].concat()).await;
-        assert_eq!(code, Some(0), "{err}");
-        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-        let engine = |id: &str| v["engines"].as_array().unwrap().iter().find(|e| e["id"] == id).cloned().unwrap();
-        let attached = |e: &serde_json::Value| e["quarantine"].is_null() && e["name"] != "";
-        let (w, py) = (engine("window"), engine("python"));
-        if attached(&w) && attached(&py) {
-            let at = |r: &serde_json::Value| r["address"] == format!("127.0.0.1:{port}");
-            assert!(w["replicas"].as_array().unwrap().iter().any(at), "{w}");
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the engines never attached over mTLS: {out}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let engines =
+        engines_until(&url, &ca, "the engines attached over mTLS", |e| attached(e, "window") && attached(e, "python"))
+            .await;
+    let w = engines.iter().find(|e| e["id"] == "window").unwrap();
+    let at = |r: &serde_json::Value| r["address"] == format!("127.0.0.1:{port}");
+    assert!(w["replicas"].as_array().unwrap().iter().any(at), "{w}");
     let out = tokio::process::Command::new(bin("ctxgate"))
         .args(["chat", "--gateway", &url, "--session", "compose-tls", "-m", "hello"])
         .args(ca)
