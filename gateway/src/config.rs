@@ -415,8 +415,8 @@ impl EngineEntry {
     /// Whether calls to this engine use TLS: `https://`, or `dns:///` with
     /// a `tls` section.
     pub fn uses_tls(&self) -> bool {
-        let named = ["dns:///", "ipv4:", "ipv6:"].iter().any(|p| self.endpoint.starts_with(p));
-        self.endpoint.starts_with("https://") || (named && self.tls.is_some())
+        let replicas = matches!(self.target(), Ok(Target::Dns { .. } | Target::Static(_)));
+        self.endpoint.starts_with("https://") || (replicas && self.tls.is_some())
     }
 
     /// Where the engine runs, parsed.
