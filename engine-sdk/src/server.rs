@@ -331,11 +331,6 @@ impl<E: ContextEngine> Bound<E> {
         self.reporter.clone()
     }
 
-    /// The server's TLS, to reload its certificate while it serves.
-    pub fn tls(&self) -> Option<crate::tls::LiveServerTls> {
-        self.server.tls.clone()
-    }
-
     /// The address actually bound (port 0 resolved).
     pub fn local_endpoint(&self) -> &Endpoint {
         &self.local
