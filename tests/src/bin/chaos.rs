@@ -46,8 +46,8 @@ struct Stack {
 }
 
 impl Stack {
-    fn new() -> Self {
-        let v1 = std::process::Command::new("docker-compose").arg("version").output().is_ok_and(|o| o.status.success());
+    async fn new() -> Self {
+        let v1 = Self::run("docker-compose", &["version"]).await.is_ok();
         let compose = if v1 { vec!["docker-compose".into()] } else { vec!["docker".into(), "compose".into()] };
         Self { compose }
     }
@@ -268,6 +268,18 @@ impl Run {
         (seen, after.1 - before.1)
     }
 
+    /// How a replica left service, as the gateway shows it now.
+    async fn how_out(&mut self, address: &str) -> &'static str {
+        match status(&mut self.client).await {
+            Ok(e) => match e.replicas.iter().find(|r| r.address == address) {
+                Some(r) if r.quarantine.is_some() => "quarantined",
+                Some(_) => "in service again",
+                None => "dropped (its name no longer resolves to it)",
+            },
+            Err(_) => "out of service",
+        }
+    }
+
     fn waited(&mut self, r: R<Duration>, what: &str) -> Option<Duration> {
         match r {
             Ok(d) => {
@@ -318,8 +330,9 @@ impl Run {
         self.docker(&["kill", &victim]).await;
         // Out of service: quarantined, or dropped once its name stopped resolving to it.
         let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
-        let d = until(&mut self.client, "the killed replica quarantined", Duration::from_secs(20), gone).await;
-        self.waited(d, &format!("replica {busiest} quarantined"));
+        let d = until(&mut self.client, "the killed replica out of service", Duration::from_secs(20), gone).await;
+        let how = self.how_out(&busiest).await;
+        self.waited(d, &format!("replica {busiest} {how}"));
         let (seen, failed) = self.flow(Duration::from_secs(4)).await;
         let moved = resyncs().await.saturating_sub(gaps);
         self.say(&format!("{moved} session(s) resynced on another replica"));
@@ -370,7 +383,8 @@ impl Run {
         // its deadline, or dropped when its name stopped resolving to it.
         let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
         let d = until(&mut self.client, "the cut-off replica out of service", Duration::from_secs(40), gone).await;
-        self.waited(d, &format!("replica {busiest} out of service (deadline or DNS)"));
+        let how = self.how_out(&busiest).await;
+        self.waited(d, &format!("replica {busiest} {how}"));
         let e = status(&mut self.client).await?;
         self.say(&format!("status: {}", describe(&e)));
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
@@ -395,8 +409,9 @@ impl Run {
         self.docker(&["pause", &paused]).await;
         // Out of service: quarantined, or dropped once its name stopped resolving to it.
         let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
-        let d = until(&mut self.client, "the paused replica quarantined", Duration::from_secs(40), gone).await;
-        self.waited(d, &format!("replica {busiest} quarantined (hang)"));
+        let d = until(&mut self.client, "the paused replica out of service", Duration::from_secs(40), gone).await;
+        let how = self.how_out(&busiest).await;
+        self.waited(d, &format!("replica {busiest} {how} (a hang)"));
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("pause: {failed} turn(s) failed"));
         self.docker(&["unpause", &paused]).await;
@@ -455,8 +470,13 @@ async fn main() -> ExitCode {
     let stop = Arc::new(AtomicBool::new(false));
     let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let workers: Vec<_> = (0..WORKERS).map(|w| tokio::spawn(worker(run, w, tally.clone(), stop.clone()))).collect();
-    let mut run =
-        Run { stack: Stack::new(), client, tally: tally.clone(), violations: Vec::new(), started: Instant::now() };
+    let mut run = Run {
+        stack: Stack::new().await,
+        client,
+        tally: tally.clone(),
+        violations: Vec::new(),
+        started: Instant::now(),
+    };
     if let Err(e) = run.scenario().await {
         run.check(false, e);
     }
