@@ -7,7 +7,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ctxgate_proto::{ENGINE_SERVICE, estimate, limits, validate};
+use ctxgate_proto::{ENGINE_SERVICE, Method, estimate, limits, validate};
 use serde::Serialize;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -188,8 +188,8 @@ impl Kit {
         self.info.as_ref().ok_or_else(|| "GetInfo did not answer".to_owned())
     }
 
-    fn implements(&self, method: &str) -> bool {
-        self.info.as_ref().is_some_and(|i| i.implemented_methods.iter().any(|m| m == method))
+    fn implements(&self, method: Method) -> bool {
+        self.info.as_ref().is_some_and(|i| method.listed_in(&i.implemented_methods))
     }
 
     /// The engine still answers GetInfo and reports SERVING.
@@ -334,17 +334,18 @@ async fn info_valid(kit: &Kit) -> CaseResult {
 }
 
 async fn info_id_not_reserved(kit: &Kit) -> CaseResult {
-    ensure(kit.info()?.id.trim() != "legacy", || "id \"legacy\" is reserved for the gateway's own engine".into())?;
+    let legacy = ctxgate_proto::LEGACY_ENGINE_ID;
+    ensure(kit.info()?.id.trim() != legacy, || format!("id {legacy:?} is reserved for the gateway's own engine"))?;
     Ok(Outcome::Pass)
 }
 
 /// Calls one optional method with a valid request; `Ok(true)` if it is
 /// implemented (answered anything but UNIMPLEMENTED).
-async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String> {
+async fn probe(kit: &Kit, method: Method, session_id: &str) -> Result<bool, String> {
     let mut c = kit.client();
     let key = Some(session_id.to_owned());
     let code = match method {
-        "Bootstrap" => c
+        Method::Bootstrap => c
             .bootstrap(req(pb::BootstrapRequest {
                 session_id: session_id.into(),
                 session_key: key,
@@ -352,7 +353,7 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
-        "IngestBatch" => c
+        Method::IngestBatch => c
             .ingest_batch(req(pb::IngestBatchRequest {
                 session_id: session_id.into(),
                 session_key: key,
@@ -361,7 +362,7 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
-        "AfterTurn" => c
+        Method::AfterTurn => c
             .after_turn(req(pb::AfterTurnRequest {
                 session_id: session_id.into(),
                 session_key: key,
@@ -371,8 +372,8 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
-        "CommitTurn" => c.commit_turn(req(commit_request(session_id, "probe-turn"))).await.err(),
-        "Maintain" => c
+        Method::CommitTurn => c.commit_turn(req(commit_request(session_id, "probe-turn"))).await.err(),
+        Method::Maintain => c
             .maintain(req(pb::MaintainRequest {
                 session_id: session_id.into(),
                 session_key: key,
@@ -381,7 +382,7 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
-        "PrepareSubagentSpawn" => c
+        Method::PrepareSubagentSpawn => c
             .prepare_subagent_spawn(req(pb::PrepareSubagentSpawnRequest {
                 parent_session_key: session_id.into(),
                 child_session_key: format!("{session_id}-child"),
@@ -390,14 +391,14 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
-        "RollbackSubagentSpawn" => c
+        Method::RollbackSubagentSpawn => c
             .rollback_subagent_spawn(req(pb::RollbackSubagentSpawnRequest {
                 rollback_token: "unknown-token".into(),
                 child_session_key: format!("{session_id}-child"),
             }))
             .await
             .err(),
-        "OnSubagentEnded" => c
+        Method::OnSubagentEnded => c
             .on_subagent_ended(req(pb::OnSubagentEndedRequest {
                 child_session_key: format!("{session_id}-child"),
                 reason: pb::SubagentEndReason::Completed as i32,
@@ -405,14 +406,16 @@ async fn probe(kit: &Kit, method: &str, session_id: &str) -> Result<bool, String
             }))
             .await
             .err(),
-        "ForgetSession" => c
+        Method::ForgetSession => c
             .forget_session(req(pb::ForgetSessionRequest {
                 session_id: format!("{session_id}-never-seen"),
                 ..Default::default()
             }))
             .await
             .err(),
-        other => return Err(format!("no probe for {other}")),
+        Method::GetInfo | Method::Ingest | Method::Assemble | Method::Compact | Method::Dispose => {
+            return Err(format!("no probe for {method}"));
+        }
     };
     match code {
         None => Ok(true),
@@ -425,8 +428,8 @@ async fn info_methods_match(kit: &Kit) -> CaseResult {
     kit.info()?;
     let session_id = session("methods");
     kit.ingest_all(&session_id, &[msg::user("seed", "hello")]).await?;
-    let optional =
-        ctxgate_proto::ALL_METHODS.iter().filter(|m| !ctxgate_proto::REQUIRED_METHODS.contains(m) && **m != "Dispose");
+    // Dispose ends the engine's life: not probed.
+    let optional = Method::ALL.into_iter().filter(|m| !m.required() && *m != Method::Dispose);
     let mut problems = Vec::new();
     for method in optional {
         let implemented = probe(kit, method, &session_id).await?;
@@ -556,7 +559,7 @@ fn commit_request(session_id: &str, key: &str) -> pb::CommitTurnRequest {
 /// the session takes it as new. Forgetting twice, or a session never seen,
 /// answers OK.
 async fn forget_session_forgets(kit: &Kit) -> CaseResult {
-    if !kit.implements("ForgetSession") {
+    if !kit.implements(Method::ForgetSession) {
         return Ok(Outcome::Skip("ForgetSession is not implemented".into()));
     }
     let session_id = session("forget");
@@ -667,7 +670,7 @@ async fn delta_resend(kit: &Kit) -> CaseResult {
 }
 
 async fn commit_turn_idempotent(kit: &Kit) -> CaseResult {
-    if !kit.implements("CommitTurn") {
+    if !kit.implements(Method::CommitTurn) {
         return Ok(Outcome::Skip("CommitTurn is not implemented".into()));
     }
     let session_id = session("commit");
@@ -684,7 +687,7 @@ async fn commit_turn_idempotent(kit: &Kit) -> CaseResult {
 }
 
 async fn subagent_rollback(kit: &Kit) -> CaseResult {
-    if !kit.implements("PrepareSubagentSpawn") {
+    if !kit.implements(Method::PrepareSubagentSpawn) {
         return Ok(Outcome::Skip("PrepareSubagentSpawn is not implemented".into()));
     }
     let parent = session("parent");

@@ -7,6 +7,7 @@ use tonic::Status;
 
 use crate::pb;
 use crate::{CallContext, EngineError};
+use ctxgate_proto::Method;
 
 type Out<T> = Result<T, EngineError>;
 
@@ -81,7 +82,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::BootstrapRequest,
     ) -> impl Future<Output = Out<pb::BootstrapResult>> + Send {
-        async { Err(EngineError::Unimplemented("Bootstrap")) }
+        async { Err(EngineError::Unimplemented(Method::Bootstrap)) }
     }
 
     fn ingest_batch(
@@ -89,7 +90,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::IngestBatchRequest,
     ) -> impl Future<Output = Out<pb::IngestBatchResult>> + Send {
-        async { Err(EngineError::Unimplemented("IngestBatch")) }
+        async { Err(EngineError::Unimplemented(Method::IngestBatch)) }
     }
 
     fn after_turn(
@@ -97,7 +98,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::AfterTurnRequest,
     ) -> impl Future<Output = Out<pb::AfterTurnResult>> + Send {
-        async { Err(EngineError::Unimplemented("AfterTurn")) }
+        async { Err(EngineError::Unimplemented(Method::AfterTurn)) }
     }
 
     fn commit_turn(
@@ -105,7 +106,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::CommitTurnRequest,
     ) -> impl Future<Output = Out<pb::CommitTurnResult>> + Send {
-        async { Err(EngineError::Unimplemented("CommitTurn")) }
+        async { Err(EngineError::Unimplemented(Method::CommitTurn)) }
     }
 
     fn maintain(
@@ -113,7 +114,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::MaintainRequest,
     ) -> impl Future<Output = Out<pb::MaintainResult>> + Send {
-        async { Err(EngineError::Unimplemented("Maintain")) }
+        async { Err(EngineError::Unimplemented(Method::Maintain)) }
     }
 
     fn prepare_subagent_spawn(
@@ -121,7 +122,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::PrepareSubagentSpawnRequest,
     ) -> impl Future<Output = Out<pb::PrepareSubagentSpawnResult>> + Send {
-        async { Err(EngineError::Unimplemented("PrepareSubagentSpawn")) }
+        async { Err(EngineError::Unimplemented(Method::PrepareSubagentSpawn)) }
     }
 
     fn rollback_subagent_spawn(
@@ -129,7 +130,7 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::RollbackSubagentSpawnRequest,
     ) -> impl Future<Output = Out<pb::RollbackSubagentSpawnResult>> + Send {
-        async { Err(EngineError::Unimplemented("RollbackSubagentSpawn")) }
+        async { Err(EngineError::Unimplemented(Method::RollbackSubagentSpawn)) }
     }
 
     fn on_subagent_ended(
@@ -137,11 +138,11 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::OnSubagentEndedRequest,
     ) -> impl Future<Output = Out<pb::OnSubagentEndedResult>> + Send {
-        async { Err(EngineError::Unimplemented("OnSubagentEnded")) }
+        async { Err(EngineError::Unimplemented(Method::OnSubagentEnded)) }
     }
 
     fn dispose(&self, _ctx: &CallContext) -> impl Future<Output = Out<pb::DisposeResult>> + Send {
-        async { Err(EngineError::Unimplemented("Dispose")) }
+        async { Err(EngineError::Unimplemented(Method::Dispose)) }
     }
 
     /// The session was deleted: drop everything held for it before
@@ -151,6 +152,6 @@ pub trait ContextEngine: Send + Sync + 'static {
         _ctx: &CallContext,
         _req: pb::ForgetSessionRequest,
     ) -> impl Future<Output = Out<pb::ForgetSessionResult>> + Send {
-        async { Err(EngineError::Unimplemented("ForgetSession")) }
+        async { Err(EngineError::Unimplemented(Method::ForgetSession)) }
     }
 }

@@ -1,5 +1,6 @@
 //! The engine-side error and its one mapping to a gRPC status.
 
+use ctxgate_proto::Method;
 use ctxgate_proto::validate::Violation;
 use tonic::{Code, Status};
 
@@ -18,7 +19,12 @@ pub enum EngineError {
     NotFound(String),
     /// The optional method is not implemented.
     #[error("{0} is not implemented by this engine")]
-    Unimplemented(&'static str),
+    Unimplemented(Method),
+    /// The host does not offer a callback (e.g. no model for summaries):
+    /// the engine does the work itself, or answers as an unimplemented
+    /// method would.
+    #[error("the host does not offer {0}")]
+    HostUnimplemented(&'static str),
     /// The call was cancelled by the caller.
     #[error("the call was cancelled")]
     Cancelled,
@@ -56,6 +62,7 @@ impl From<EngineError> for Status {
             EngineError::HistoryGap { held } => ctxgate_proto::history::gap_status(held),
             EngineError::NotFound(m) => Status::not_found(m),
             EngineError::Unimplemented(m) => Status::unimplemented(format!("{m} is not implemented")),
+            EngineError::HostUnimplemented(op) => Status::unimplemented(format!("{op} is not implemented")),
             EngineError::Cancelled => Status::cancelled("the call was cancelled"),
             EngineError::DeadlineExceeded => Status::deadline_exceeded("the call's deadline passed"),
             EngineError::NotGranted(op) => Status::failed_precondition(format!("the grant does not allow {op}")),

@@ -96,7 +96,7 @@ fn host_error(ctx: &CallContext, operation: &'static str, status: tonic::Status)
     } else if status.code() == tonic::Code::Unimplemented {
         // The host does not offer it (e.g. no model for summaries): the
         // engine does the work itself.
-        EngineError::Unimplemented(operation)
+        EngineError::HostUnimplemented(operation)
     } else {
         EngineError::Host { operation, status }
     }

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ctxgate_proto::{ENGINE_SERVICE, FILE_DESCRIPTOR_SET, validate};
+use ctxgate_proto::{ENGINE_SERVICE, FILE_DESCRIPTOR_SET, Method, validate};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
@@ -421,7 +421,7 @@ struct Hop {
 }
 
 impl Hop {
-    fn finish(hop: Option<Self>, spans: Option<&crate::otlp::Exporter>, method: &'static str, error: Option<String>) {
+    fn finish(hop: Option<Self>, spans: Option<&crate::otlp::Exporter>, method: Method, error: Option<String>) {
         let (Some(hop), Some(spans)) = (hop, spans) else { return };
         spans.record(crate::otlp::Span {
             name: format!("{ENGINE_SERVICE}/{method}"),
@@ -430,7 +430,7 @@ impl Hop {
             parent: Some(hop.parent),
             start: hop.start,
             end: std::time::SystemTime::now(),
-            attributes: vec![("rpc.system", "grpc".into()), ("rpc.method", method.into())],
+            attributes: vec![("rpc.system", "grpc".into()), ("rpc.method", method.name().into())],
             error,
         });
     }
@@ -487,8 +487,8 @@ async fn until(deadline: Option<Instant>) {
     }
 }
 
-fn panic_status(method: &str) -> Status {
-    tracing::error!(method, "engine method panicked");
+fn panic_status(method: Method) -> Status {
+    tracing::error!(%method, "engine method panicked");
     Status::internal(format!("{method} failed inside the engine"))
 }
 
@@ -504,14 +504,14 @@ fn over_limit(max: usize) -> Status {
 impl<E: ContextEngine> EngineService<E> {
     /// A slot for one engine call, or the overload answer. GetInfo always
     /// gets one: the gateway needs it to attach.
-    fn admit(&self, method: &str) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Status> {
-        if method == "GetInfo" {
+    fn admit(&self, method: Method) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Status> {
+        if method == Method::GetInfo {
             return Ok(None);
         }
         match self.slots.clone().try_acquire_owned() {
             Ok(p) => Ok(Some(p)),
             Err(_) => {
-                tracing::warn!(method, "engine call refused: at the concurrent-call limit");
+                tracing::warn!(%method, "engine call refused: at the concurrent-call limit");
                 Err(over_limit(self.max_calls))
             }
         }
@@ -541,7 +541,7 @@ impl<E: ContextEngine> EngineService<E> {
     /// by the deadline and cancelled with the caller.
     async fn unary<Req, Res, Fut>(
         &self,
-        method: &'static str,
+        method: Method,
         req: Request<Req>,
         check: fn(&Req) -> validate::Result,
         host: fn(&Req) -> Option<&pb::HostAccess>,
@@ -559,7 +559,7 @@ impl<E: ContextEngine> EngineService<E> {
         let (deadline, cancel, ctx_trace) = (ctx.deadline, ctx.cancel.clone(), ctx.trace);
         let fut = call(self.engine.clone(), ctx, req.into_inner());
         let trace_id = ctx_trace.map(|t| t.trace_id_hex()).unwrap_or_default();
-        let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", method, trace_id));
+        let fut = tracing::Instrument::instrument(fut, tracing::debug_span!("engine_method", %method, trace_id));
         let task = tokio::spawn(async move {
             // The slot is held while the work runs, aborted work included.
             let _permit = permit;
@@ -592,12 +592,12 @@ type CompactStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CompactE
 #[tonic::async_trait]
 impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     async fn get_info(&self, req: Request<pb::GetInfoRequest>) -> Unary<pb::EngineInfo> {
-        self.unary("GetInfo", req, no_check, no_host, |e, ctx, _| async move { e.get_info(&ctx).await }).await
+        self.unary(Method::GetInfo, req, no_check, no_host, |e, ctx, _| async move { e.get_info(&ctx).await }).await
     }
 
     async fn bootstrap(&self, req: Request<pb::BootstrapRequest>) -> Unary<pb::BootstrapResult> {
         self.unary(
-            "Bootstrap",
+            Method::Bootstrap,
             req,
             validate::request::bootstrap,
             |r| r.host.as_ref(),
@@ -607,18 +607,14 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     }
 
     async fn ingest(&self, req: Request<pb::IngestRequest>) -> Unary<pb::IngestResult> {
-        self.unary(
-            "Ingest",
-            req,
-            validate::request::ingest,
-            no_host,
-            |e, ctx, r| async move { e.ingest(&ctx, r).await },
-        )
+        self.unary(Method::Ingest, req, validate::request::ingest, no_host, |e, ctx, r| async move {
+            e.ingest(&ctx, r).await
+        })
         .await
     }
 
     async fn ingest_batch(&self, req: Request<pb::IngestBatchRequest>) -> Unary<pb::IngestBatchResult> {
-        self.unary("IngestBatch", req, validate::request::ingest_batch, no_host, |e, ctx, r| async move {
+        self.unary(Method::IngestBatch, req, validate::request::ingest_batch, no_host, |e, ctx, r| async move {
             e.ingest_batch(&ctx, r).await
         })
         .await
@@ -626,7 +622,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
 
     async fn assemble(&self, req: Request<pb::AssembleRequest>) -> Unary<pb::AssembleResult> {
         self.unary(
-            "Assemble",
+            Method::Assemble,
             req,
             validate::request::assemble,
             |r| r.host.as_ref(),
@@ -639,7 +635,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
 
     async fn compact(&self, req: Request<pb::CompactRequest>) -> Unary<CompactStream> {
         validate::request::compact(req.get_ref())?;
-        let permit = self.admit("Compact")?;
+        let permit = self.admit(Method::Compact)?;
         let (ctx, hop) = self.context(&req, req.get_ref().host.as_ref()).await;
         let (deadline, cancel) = (ctx.deadline, ctx.cancel.clone());
         let spans = self.spans.clone();
@@ -662,10 +658,10 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
                 Ok(Ok(CompactOutcome::Done(result))) => Ok(pb::compact_event::Event::Result(result)),
                 Ok(Ok(CompactOutcome::DelegateToHost(d))) => Ok(pb::compact_event::Event::DelegateToHost(d)),
                 Ok(Err(e)) => Err(Status::from(e)),
-                Err(e) if e.is_panic() => Err(panic_status("Compact")),
+                Err(e) if e.is_panic() => Err(panic_status(Method::Compact)),
                 Err(_) => return, // aborted: the caller is gone
             };
-            Hop::finish(hop, spans.as_ref(), "Compact", terminal.as_ref().err().map(|s| s.message().to_owned()));
+            Hop::finish(hop, spans.as_ref(), Method::Compact, terminal.as_ref().err().map(|s| s.message().to_owned()));
             let _ = tx.send(terminal.map(|event| pb::CompactEvent { event: Some(event) })).await;
         });
         // The guard lives as long as the response stream: dropping the stream
@@ -679,7 +675,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
 
     async fn after_turn(&self, req: Request<pb::AfterTurnRequest>) -> Unary<pb::AfterTurnResult> {
         self.unary(
-            "AfterTurn",
+            Method::AfterTurn,
             req,
             validate::request::after_turn,
             |r| r.host.as_ref(),
@@ -690,7 +686,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
 
     async fn commit_turn(&self, req: Request<pb::CommitTurnRequest>) -> Unary<pb::CommitTurnResult> {
         self.unary(
-            "CommitTurn",
+            Method::CommitTurn,
             req,
             validate::request::commit_turn,
             |r| r.host.as_ref(),
@@ -701,7 +697,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
 
     async fn maintain(&self, req: Request<pb::MaintainRequest>) -> Unary<pb::MaintainResult> {
         self.unary(
-            "Maintain",
+            Method::Maintain,
             req,
             validate::request::maintain,
             |r| r.host.as_ref(),
@@ -715,7 +711,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
         req: Request<pb::PrepareSubagentSpawnRequest>,
     ) -> Unary<pb::PrepareSubagentSpawnResult> {
         self.unary(
-            "PrepareSubagentSpawn",
+            Method::PrepareSubagentSpawn,
             req,
             validate::request::prepare_subagent_spawn,
             |r| r.host.as_ref(),
@@ -729,7 +725,7 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
         req: Request<pb::RollbackSubagentSpawnRequest>,
     ) -> Unary<pb::RollbackSubagentSpawnResult> {
         self.unary(
-            "RollbackSubagentSpawn",
+            Method::RollbackSubagentSpawn,
             req,
             validate::request::rollback_subagent_spawn,
             no_host,
@@ -739,18 +735,22 @@ impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     }
 
     async fn on_subagent_ended(&self, req: Request<pb::OnSubagentEndedRequest>) -> Unary<pb::OnSubagentEndedResult> {
-        self.unary("OnSubagentEnded", req, validate::request::on_subagent_ended, no_host, |e, ctx, r| async move {
-            e.on_subagent_ended(&ctx, r).await
-        })
+        self.unary(
+            Method::OnSubagentEnded,
+            req,
+            validate::request::on_subagent_ended,
+            no_host,
+            |e, ctx, r| async move { e.on_subagent_ended(&ctx, r).await },
+        )
         .await
     }
 
     async fn dispose(&self, req: Request<pb::DisposeRequest>) -> Unary<pb::DisposeResult> {
-        self.unary("Dispose", req, no_check, no_host, |e, ctx, _| async move { e.dispose(&ctx).await }).await
+        self.unary(Method::Dispose, req, no_check, no_host, |e, ctx, _| async move { e.dispose(&ctx).await }).await
     }
 
     async fn forget_session(&self, req: Request<pb::ForgetSessionRequest>) -> Unary<pb::ForgetSessionResult> {
-        self.unary("ForgetSession", req, validate::request::forget_session, no_host, |e, ctx, r| async move {
+        self.unary(Method::ForgetSession, req, validate::request::forget_session, no_host, |e, ctx, r| async move {
             e.forget_session(&ctx, r).await
         })
         .await

@@ -40,6 +40,37 @@ pub fn client(ca: Option<Pem<'_>>, identity: Option<(Pem<'_>, Pem<'_>)>) -> Resu
     Ok(tls)
 }
 
+/// Where a client's trust and identity come from, each file with the
+/// option (config key) that named it, and the name the server's
+/// certificate must carry (default: the host dialled).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ClientFiles {
+    pub ca: Option<(String, std::path::PathBuf)>,
+    pub identity: Option<((String, std::path::PathBuf), (String, std::path::PathBuf))>,
+    pub server_name: Option<String>,
+}
+
+/// The client configuration `files` describe, read now.
+pub fn client_config(files: &ClientFiles) -> Result<ClientTlsConfig, String> {
+    fn pem((option, path): &(String, std::path::PathBuf)) -> Pem<'_> {
+        Pem::new(option, path)
+    }
+    let mut tls = client(files.ca.as_ref().map(pem), files.identity.as_ref().map(|(c, k)| (pem(c), pem(k))))?;
+    if let Some(name) = &files.server_name {
+        tls = tls.domain_name(name.clone());
+    }
+    Ok(tls)
+}
+
+/// Builds a channel's TLS from `tls` once, so that a key that is not one,
+/// or does not match its certificate, is said at start.
+pub fn check_client(tls: ClientTlsConfig) -> Result<(), String> {
+    tonic::transport::Endpoint::from_static("https://engine.invalid")
+        .tls_config(tls)
+        .map(drop)
+        .map_err(|e| e.to_string())
+}
+
 /// `(cert, key)` as PEMs when both are given (clap makes them go together).
 pub fn pair<'a>(
     cert: Option<&'a std::path::PathBuf>,

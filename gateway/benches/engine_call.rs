@@ -193,7 +193,7 @@ async fn main() {
             .serve_with_incoming(incoming),
     );
 
-    let entry = EngineEntry { endpoint: sdk_url.clone(), ..EngineEntry::default() };
+    let entry = EngineEntry { endpoint: sdk_url.as_str().into(), ..EngineEntry::default() };
     let at = entry.target().unwrap().by_name();
     let remote = Remote::new("bench", &entry, Duration::from_secs(180), &at, None).unwrap();
     let guarded =
@@ -208,7 +208,7 @@ async fn main() {
         addrs.push(s.local_endpoint().to_string());
         tokio::spawn(s.serve(std::future::pending()));
     }
-    let set_entry = EngineEntry { endpoint: format!("ipv4:{}", addrs.join(",")), ..EngineEntry::default() };
+    let set_entry = EngineEntry { endpoint: format!("ipv4:{}", addrs.join(",")).into(), ..EngineEntry::default() };
     let stop = tokio_util::sync::CancellationToken::new();
     let legacy = Arc::new(Legacy::default());
     let replicas =

@@ -12,6 +12,9 @@ use tonic::{Request, Response, Status};
 
 use crate::core::types::{BusyPolicy, CompactionDone, CompactionEvent, Failure, TurnEvent};
 use crate::core::{BusyError, Core, CoreError, ManagedTurn, TurnEnd, session_ref};
+use crate::engines::Engine;
+use crate::engines::guarded::QuarantineRecord;
+use crate::engines::registry::Registry;
 use crate::outbound::{Backlog, Event, Outbound};
 use crate::store::{Session, StoreError};
 
@@ -410,7 +413,7 @@ impl Gateway for Api {
             model: c.model_id().into(),
             context_window: c.config().models.context_window,
             selected_engine: registry.selected_id().into(),
-            engines: registry.status(),
+            engines: engine_statuses(&registry),
             sessions: c.count_sessions().await?,
             turns_in_flight: c.turns_in_flight(),
             turns_queued: c.turns_queued(),
@@ -484,5 +487,63 @@ impl Gateway for Api {
         let id = req.into_inner().engine_id;
         let readmitted = self.core.registry().readmit(&id).ok_or(CoreError::NoEngine(id))?;
         Ok(Response::new(api::ReadmitEngineResult { readmitted }))
+    }
+}
+
+/// Engines for Status: legacy first, then every remote one with its replicas.
+fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
+    let legacy = registry.legacy.info();
+    let mut out = vec![api::EngineStatus {
+        id: legacy.id,
+        name: legacy.name,
+        endpoint: "in-process".into(),
+        health: "SERVING".into(),
+        quarantine: None,
+        methods: vec![],
+        replicas: vec![],
+        affinity: String::new(),
+    }];
+    for (id, g) in registry.engines() {
+        let replicas = g
+            .replicas()
+            .iter()
+            .map(|r| api::ReplicaStatus {
+                address: r.address().to_owned(),
+                health: r.guarded.health().as_str().into(),
+                quarantine: r.guarded.quarantine_record().map(quarantine),
+                in_flight: r.guarded.in_flight() as u32,
+                calls: r.guarded.stats().values().map(|s| s.calls).sum(),
+            })
+            .collect();
+        out.push(api::EngineStatus {
+            id: id.to_owned(),
+            name: g.attached_info().map(|i| i.name).unwrap_or_default(),
+            endpoint: g.endpoint.clone(),
+            health: g.health().as_str().into(),
+            quarantine: g.quarantine_record().map(quarantine),
+            replicas,
+            affinity: g.affinity().map(|a| a.as_str().to_owned()).unwrap_or_default(),
+            methods: g
+                .stats()
+                .into_iter()
+                .map(|(m, s)| api::MethodCounters {
+                    method: m.name().into(),
+                    calls: s.calls,
+                    failures: s.failures,
+                    timeouts: s.timeouts,
+                    fallbacks: s.fallbacks,
+                    shed: s.shed,
+                })
+                .collect(),
+        });
+    }
+    out
+}
+
+fn quarantine(q: QuarantineRecord) -> api::Quarantine {
+    api::Quarantine {
+        operation: q.cause.as_str().into(),
+        reason: q.reason,
+        since_unix_ms: q.since.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
     }
 }

@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use ctxgate_engine_sdk::tls;
+use ctxgate_proto::Method;
 use serde::Deserialize;
 
 /// A configuration problem, always naming the key path.
@@ -344,7 +346,7 @@ pub struct EngineEntry {
     pub enabled: bool,
     /// `http://HOST:PORT`, `https://HOST:PORT`, `unix:///PATH`, or
     /// `dns:///NAME:PORT` (every address NAME resolves to is a replica).
-    pub endpoint: String,
+    pub endpoint: EngineEndpoint,
     /// Per-method call timeouts in seconds: `default` and RPC names in
     /// camelCase (`assemble`, `compact`, …). `compact` defaults to
     /// `agents.defaults.compaction.timeoutSeconds`.
@@ -415,81 +417,124 @@ impl EngineEntry {
     /// Whether calls to this engine use TLS: `https://`, or `dns:///` with
     /// a `tls` section.
     pub fn uses_tls(&self) -> bool {
-        let replicas = matches!(self.target(), Ok(Target::Dns { .. } | Target::Static(_)));
-        self.endpoint.starts_with("https://") || (replicas && self.tls.is_some())
+        let replicas = matches!(self.endpoint.target, Ok(Target::Dns { .. } | Target::Static(_)));
+        self.endpoint.text.starts_with("https://") || (replicas && self.tls.is_some())
     }
 
-    /// Where the engine runs, parsed.
+    /// Where the engine runs, as parsed when the config was read.
     pub fn target(&self) -> Result<Target, String> {
-        let bad = || format!("{:?}: {ENDPOINT_FORMS}", self.endpoint);
-        if let Some(rest) = self.endpoint.strip_prefix("dns:///") {
-            // An IP literal is a name that resolves to itself.
-            let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
-            let port: u16 = port.parse().map_err(|_| bad())?;
-            let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-            let name = host.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-            if host.is_empty() || !(name || host.parse::<std::net::IpAddr>().is_ok()) {
-                return Err(bad());
-            }
-            return Ok(Target::Dns { host: host.to_owned(), port });
-        }
-        for (prefix, v6) in [("ipv4:", false), ("ipv6:", true)] {
-            let Some(list) = self.endpoint.strip_prefix(prefix) else { continue };
-            let mut addrs = Vec::new();
-            for a in list.split(',') {
-                let a: std::net::SocketAddr =
-                    a.trim().parse().map_err(|_| format!("{:?}: {a:?} is not ADDR:PORT", self.endpoint))?;
-                if a.is_ipv6() != v6 {
-                    return Err(format!("{:?}: {a} is not an {} address", self.endpoint, &prefix[..4]));
-                }
-                addrs.push(a);
-            }
-            addrs.sort();
-            addrs.dedup();
-            if addrs.len() > MAX_REPLICAS {
-                return Err(format!("{:?}: at most {MAX_REPLICAS} replicas", self.endpoint));
-            }
-            return Ok(Target::Static(addrs));
-        }
-        let address = self.endpoint.strip_prefix("https://").unwrap_or(&self.endpoint);
-        address.parse().map(Target::One).map_err(|_| bad())
+        self.endpoint.target.clone()
     }
 
-    /// The client TLS for an https:// engine, read now.
-    pub fn client_tls(&self, id: &str) -> Result<tonic::transport::ClientTlsConfig, ConfigError> {
-        use ctxgate_engine_sdk::tls::{self, Pem};
+    /// The client TLS files of an https:// engine, checked now (read, and
+    /// made into a client configuration once, so that a key that is not
+    /// one, or does not match, is said at start).
+    pub fn client_tls(&self, id: &str) -> Result<tls::ClientFiles, ConfigError> {
         let key = |k: &str| format!("plugins.entries.{id}.tls.{k}");
         let t = self.tls.clone().unwrap_or_default();
         if t.cert.is_some() != t.key.is_some() {
             return Err(invalid(&key("cert"), "cert and key go together"));
         }
-        let (ca_key, cert_key, key_key) = (key("ca"), key("cert"), key("key"));
-        let ca = t.ca.as_deref().map(|p| Pem::new(&ca_key, p));
-        let identity = tls::pair(t.cert.as_ref(), t.key.as_ref(), (&cert_key, &key_key));
-        // The message names the key and the file: "plugins.entries.ID.tls.ca /path: …".
-        let mut tls = tls::client(ca, identity).map_err(|e| invalid(&format!("plugins.entries.{id}.tls"), e))?;
         // A replica is dialled at its address: its certificate must name
         // the service (the DNS name) unless serverName says otherwise.
-        let dns_host = match self.target() {
-            Ok(Target::Dns { host, .. }) => Some(host),
+        let dns_host = match &self.endpoint.target {
+            Ok(Target::Dns { host, .. }) => Some(host.clone()),
             _ => None,
         };
-        if let Some(name) = t.server_name.clone().or(dns_host) {
-            tls = tls.domain_name(name);
-        }
-        // Built now (a key that is not one, or does not match, is said at start).
-        tonic::transport::Endpoint::from_static("https://engine.invalid")
-            .tls_config(tls.clone())
-            .map_err(|e| invalid(&key("cert"), format!("{e}")))?;
-        Ok(tls)
+        let files = tls::ClientFiles {
+            ca: t.ca.map(|p| (key("ca"), p)),
+            identity: t.cert.zip(t.key).map(|(cert, k)| ((key("cert"), cert), (key("key"), k))),
+            server_name: t.server_name.or(dns_host),
+        };
+        // The message names the key and the file: "plugins.entries.ID.tls.ca /path: …".
+        let tls = tls::client_config(&files).map_err(|e| invalid(&format!("plugins.entries.{id}.tls"), e))?;
+        tls::check_client(tls).map_err(|e| invalid(&key("cert"), e))?;
+        Ok(files)
     }
+}
+
+/// `plugins.entries.<id>.endpoint`: the text as written and where it
+/// points, parsed once when the config is read. A text that does not parse
+/// is kept with its error, which validation reports under the entry's key.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "String")]
+pub struct EngineEndpoint {
+    text: String,
+    target: Result<Target, String>,
+}
+
+impl EngineEndpoint {
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+impl From<String> for EngineEndpoint {
+    fn from(text: String) -> Self {
+        let target = parse_target(&text);
+        Self { text, target }
+    }
+}
+
+impl From<&str> for EngineEndpoint {
+    fn from(text: &str) -> Self {
+        text.to_owned().into()
+    }
+}
+
+impl Default for EngineEndpoint {
+    fn default() -> Self {
+        String::new().into()
+    }
+}
+
+impl std::fmt::Display for EngineEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// Where `endpoint` points: one address, a name of replicas, or a list.
+fn parse_target(endpoint: &str) -> Result<Target, String> {
+    let bad = || format!("{endpoint:?}: {ENDPOINT_FORMS}");
+    if let Some(rest) = endpoint.strip_prefix("dns:///") {
+        // An IP literal is a name that resolves to itself.
+        let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+        let name = host.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
+        if host.is_empty() || !(name || host.parse::<std::net::IpAddr>().is_ok()) {
+            return Err(bad());
+        }
+        return Ok(Target::Dns { host: host.to_owned(), port });
+    }
+    for (prefix, v6) in [("ipv4:", false), ("ipv6:", true)] {
+        let Some(list) = endpoint.strip_prefix(prefix) else { continue };
+        let mut addrs = Vec::new();
+        for a in list.split(',') {
+            let a: std::net::SocketAddr =
+                a.trim().parse().map_err(|_| format!("{endpoint:?}: {a:?} is not ADDR:PORT"))?;
+            if a.is_ipv6() != v6 {
+                return Err(format!("{endpoint:?}: {a} is not an {} address", &prefix[..4]));
+            }
+            addrs.push(a);
+        }
+        addrs.sort();
+        addrs.dedup();
+        if addrs.len() > MAX_REPLICAS {
+            return Err(format!("{endpoint:?}: at most {MAX_REPLICAS} replicas"));
+        }
+        return Ok(Target::Static(addrs));
+    }
+    let address = endpoint.strip_prefix("https://").unwrap_or(endpoint);
+    address.parse().map(Target::One).map_err(|_| bad())
 }
 
 impl Default for EngineEntry {
     fn default() -> Self {
         Self {
             enabled: true,
-            endpoint: String::new(),
+            endpoint: EngineEndpoint::default(),
             timeouts: Default::default(),
             max_message_bytes: ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES,
             max_concurrent_calls: 256,
@@ -498,24 +543,9 @@ impl Default for EngineEntry {
     }
 }
 
-/// RPC names (camelCase) a timeout may name.
-pub const TIMEOUT_KEYS: [&str; 15] = [
-    "default",
-    "getInfo",
-    "bootstrap",
-    "ingest",
-    "ingestBatch",
-    "assemble",
-    "compact",
-    "afterTurn",
-    "commitTurn",
-    "maintain",
-    "prepareSubagentSpawn",
-    "rollbackSubagentSpawn",
-    "onSubagentEnded",
-    "dispose",
-    "forgetSession",
-];
+/// The key of `plugins.entries.<id>.timeouts` that applies to every
+/// method without a key of its own (the others are `Method::config_key`s).
+pub const DEFAULT_TIMEOUT_KEY: &str = "default";
 
 /// Default per-call timeout for engine methods other than compact.
 pub const DEFAULT_ENGINE_TIMEOUT_SECONDS: f64 = 10.0;
@@ -525,6 +555,32 @@ pub const DEFAULT_ENGINE_TIMEOUT_SECONDS: f64 = 10.0;
 pub struct Slots {
     /// Unset, "", "legacy" or "none" select the in-process legacy engine.
     pub context_engine: Option<String>,
+}
+
+impl Slots {
+    /// What `contextEngine` names.
+    pub fn context_engine(&self) -> EngineSlot<'_> {
+        match self.context_engine.as_deref().map(str::trim) {
+            Some(id) if !EngineSlot::reserved(id) => EngineSlot::Named(id),
+            _ => EngineSlot::Legacy,
+        }
+    }
+}
+
+/// What an engine slot names: the in-process legacy engine, or an entry.
+/// The one place that knows which ids are legacy's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EngineSlot<'a> {
+    Legacy,
+    Named(&'a str),
+}
+
+impl EngineSlot<'_> {
+    /// Ids that name the legacy engine ("", "legacy", "none"), which no
+    /// entry may take.
+    pub fn reserved(id: &str) -> bool {
+        matches!(id.trim(), "" | "none") || id.trim() == ctxgate_proto::LEGACY_ENGINE_ID
+    }
 }
 
 /// The environment variables read as overrides, with the key each replaces.
@@ -736,7 +792,7 @@ impl Config {
         }
         for (id, e) in &self.plugins.entries {
             let key = |k: &str| format!("plugins.entries.{id}.{k}");
-            if id.trim().is_empty() || id.trim() == crate::engines::LEGACY_ID || id.trim() == "none" {
+            if EngineSlot::reserved(id) {
                 return Err(invalid(
                     &format!("plugins.entries.{id}"),
                     "this id is reserved for the core-owned legacy engine",
@@ -745,10 +801,11 @@ impl Config {
             ctxgate_proto::validate::id(id, "id").map_err(|v| invalid(&format!("plugins.entries.{id}"), v.problem))?;
             let target = e.target().map_err(|m| invalid(&key("endpoint"), m))?;
             for (m, secs) in &e.timeouts {
-                if !TIMEOUT_KEYS.contains(&m.as_str()) {
+                if m != DEFAULT_TIMEOUT_KEY && Method::from_config_key(m).is_none() {
+                    let keys: Vec<&str> = Method::ALL.iter().map(|m| m.config_key()).collect();
                     return Err(invalid(
                         &key("timeouts"),
-                        format!("unknown method {m:?} (expected one of {})", TIMEOUT_KEYS.join(", ")),
+                        format!("unknown method {m:?} (expected one of {DEFAULT_TIMEOUT_KEY}, {})", keys.join(", ")),
                     ));
                 }
                 if !(secs.is_finite() && *secs > 0.0 && *secs <= 3600.0) {
@@ -779,8 +836,8 @@ impl Config {
     /// (legacy). A missing entry is what removing the selected entry leaves
     /// behind: the slot resets to legacy.
     pub fn selected_engine(&self) -> Option<(&str, &EngineEntry)> {
-        let id = self.plugins.slots.context_engine.as_deref().map(str::trim)?;
-        if matches!(id, "" | "legacy" | "none") || self.plugins.deny.iter().any(|d| d == id) {
+        let EngineSlot::Named(id) = self.plugins.slots.context_engine() else { return None };
+        if self.plugins.deny.iter().any(|d| d == id) {
             return None;
         }
         let (id, entry) = self.plugins.entries.get_key_value(id)?;

@@ -10,19 +10,17 @@ use ctxgate_proto::ENGINE_SERVICE;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
 use crate::cli::CliError;
-use crate::config::Config;
-use crate::core::types::HostProfile;
+use crate::config::{Config, EngineSlot};
+use crate::core::types::{HostProfile, Operation};
+use crate::engines::Call;
 use crate::engines::remote::Remote;
-use crate::engines::{Call, check_host_requirements};
 
 const SLOT: &str = "plugins.slots.contextEngine";
 
 /// Runs the checks; `Err` when something needs attention (exit 1).
 pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> {
     let config = Config::load(config_path, |k| std::env::var(k).ok()).map_err(|e| CliError(e.to_string()))?;
-    let Some(slot) =
-        config.plugins.slots.context_engine.as_deref().map(str::trim).filter(|s| !matches!(*s, "" | "legacy" | "none"))
-    else {
+    let EngineSlot::Named(slot) = config.plugins.slots.context_engine() else {
         println!("{SLOT}: the default \"legacy\" engine; nothing to check.");
         return Ok(());
     };
@@ -71,7 +69,7 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
         .iter()
         .filter_map(|(host, paths)| {
             let label = &host.label;
-            check_host_requirements(&info, "agent-run", host).err().map(|m| {
+            host.unmet(&info, Operation::AgentRun).err().map(|m| {
                 let m = m.replacen(
                     &format!("cannot run operation \"agent-run\" on {label}"),
                     &format!("is incompatible with {label} ({paths})"),

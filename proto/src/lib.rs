@@ -1,13 +1,16 @@
 //! The context-engine contract (`proto/contextengine/v1`): generated types and
 //! gRPC stubs in [`pb`], the contract's size [`limits`], request and response
-//! [`validate`]ion shared by the gateway, the SDK and the conformance kit, and
-//! the one token [`estimate`].
+//! [`validate`]ion shared by the gateway, the SDK and the conformance kit, the
+//! one token [`estimate`], and the RPCs' typed names ([`Method`]).
 
 pub mod estimate;
 pub mod history;
 pub mod limits;
+pub mod method;
 pub mod trace;
 pub mod validate;
+
+pub use method::Method;
 
 /// Generated code, one module per proto package (the nesting lets the
 /// gateway API refer to contract types).
@@ -42,23 +45,5 @@ pub const ENGINE_SERVICE: &str = "contextengine.v1.ContextEngine";
 /// Fully qualified name of the host callback service.
 pub const HOST_SERVICE: &str = "contextengine.v1.Host";
 
-/// The RPCs every engine must implement.
-pub const REQUIRED_METHODS: [&str; 4] = ["GetInfo", "Ingest", "Assemble", "Compact"];
-
-/// Every RPC of `ContextEngine`, in lifecycle order.
-pub const ALL_METHODS: [&str; 14] = [
-    "GetInfo",
-    "Bootstrap",
-    "Ingest",
-    "IngestBatch",
-    "Assemble",
-    "Compact",
-    "AfterTurn",
-    "CommitTurn",
-    "Maintain",
-    "PrepareSubagentSpawn",
-    "RollbackSubagentSpawn",
-    "OnSubagentEnded",
-    "Dispose",
-    "ForgetSession",
-];
+/// The id of the gateway's own in-process engine: no engine may take it.
+pub const LEGACY_ENGINE_ID: &str = "legacy";

@@ -6,6 +6,7 @@
 use std::collections::HashSet;
 use std::fmt;
 
+use crate::Method;
 use crate::limits::{
     MAX_ID_BYTES, MAX_MESSAGE_CONTENT_BYTES, MAX_MESSAGES, MAX_METADATA_ENTRIES, MAX_METADATA_KEY_BYTES,
     MAX_METADATA_VALUE_BYTES,
@@ -304,29 +305,29 @@ pub mod result {
                 format!("is {:?}, this side speaks 1.x", i.contract_version),
             ));
         }
-        for m in crate::REQUIRED_METHODS {
-            if !i.implemented_methods.iter().any(|x| x == m) {
+        for m in Method::ALL.into_iter().filter(|m| m.required()) {
+            if !m.listed_in(&i.implemented_methods) {
                 return Err(Violation::invalid("info.implemented_methods", format!("lacks required method {m}")));
             }
         }
         let mut seen = HashSet::new();
         for m in &i.implemented_methods {
-            if !crate::ALL_METHODS.contains(&m.as_str()) {
+            let Some(method) = Method::from_name(m) else {
                 return Err(Violation::invalid("info.implemented_methods", format!("names unknown method {m:?}")));
-            }
-            if !seen.insert(m) {
+            };
+            if !seen.insert(method) {
                 return Err(Violation::invalid("info.implemented_methods", format!("lists {m} twice")));
             }
         }
         let sem = i.transcript_semantics.unwrap_or_default();
-        if sem.turn_advancement_idempotency != 0 && !seen.contains(&"CommitTurn".to_string()) {
+        if sem.turn_advancement_idempotency != 0 && !seen.contains(&Method::CommitTurn) {
             return Err(Violation::invalid(
                 "info.transcript_semantics.turn_advancement_idempotency",
                 "is declared but CommitTurn is not implemented",
             ));
         }
         // A DELTA engine is resynced through IngestBatch after a gap.
-        if i.history_delivery == pb::HistoryDelivery::Delta as i32 && !seen.contains(&"IngestBatch".to_string()) {
+        if i.history_delivery == pb::HistoryDelivery::Delta as i32 && !seen.contains(&Method::IngestBatch) {
             return Err(Violation::invalid(
                 "info.history_delivery",
                 "is DELTA but IngestBatch (the resync after a history gap) is not implemented",

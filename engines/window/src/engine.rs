@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ctxgate_engine_sdk::pb::{self, AgentMessage, content_part::Part};
+use ctxgate_engine_sdk::proto::Method;
 use ctxgate_engine_sdk::{
     CallContext, CompactOutcome, ContextEngine, EngineError, Progress, READ_TRANSCRIPT, estimate,
 };
@@ -208,8 +209,6 @@ impl WindowEngine {
     }
 }
 
-const METHODS: [&str; 14] = ctxgate_engine_sdk::proto::ALL_METHODS;
-
 impl ContextEngine for WindowEngine {
     async fn get_info(&self, _ctx: &CallContext) -> Result<pb::EngineInfo, EngineError> {
         Ok(pb::EngineInfo {
@@ -225,7 +224,8 @@ impl ContextEngine for WindowEngine {
                 turn_advancement_idempotency: pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32,
             }),
             host_requirements: vec![],
-            implemented_methods: METHODS.iter().map(|m| (*m).to_owned()).collect(),
+            // It implements every method of the contract.
+            implemented_methods: Method::ALL.iter().map(|m| m.name().to_owned()).collect(),
             // It holds every session's history: Assemble sends what is new.
             history_delivery: pb::HistoryDelivery::Delta as i32,
             // Each replica keeps its own sessions: a session's calls go to one.

@@ -45,7 +45,7 @@ pub async fn fold(
             Ok(_) => tracing::warn!("host model returned an empty summary; using the extractive one"),
             Err(e @ (EngineError::Cancelled | EngineError::DeadlineExceeded)) => return Err(e),
             // The host has no model for summaries (offline): summarise here.
-            Err(EngineError::Unimplemented(_)) => {}
+            Err(EngineError::HostUnimplemented(_)) => {}
             Err(e) => tracing::warn!(error = %e, "host model failed; using the extractive summary"),
         }
     }

@@ -34,9 +34,9 @@ impl Core {
         let legacy = |degraded| lease(LEGACY_ID.into(), registry.legacy(), registry.legacy.info(), degraded, false);
         let Some(g) = registry.selected() else { return Ok(legacy(None)) };
         let reason = if let Some(q) = g.quarantine_record() {
-            Some(format!("it is quarantined after failing during {}: {}", q.operation, q.reason))
+            Some(format!("it is quarantined after failing during {}: {}", q.cause, q.reason))
         } else {
-            match check_host_requirements(&g.info(), operation.as_str(), host) {
+            match host.unmet(&g.info(), operation) {
                 Err(m) if unmet == Unmet::FailClosed => return Err(CoreError::Precondition(m)),
                 r => r.err(),
             }
@@ -194,7 +194,7 @@ impl Core {
     ) -> Remap {
         // Runs after every turn: an engine that does not list Maintain (the
         // legacy one included) is not asked for an UNIMPLEMENTED each time.
-        if !lease.info.implemented_methods.iter().any(|m| m == "Maintain") || !lease.host.has(Capability::Maintain) {
+        if !Method::Maintain.listed_in(&lease.info.implemented_methods) || !lease.host.has(Capability::Maintain) {
             return Remap::new();
         }
         let grant = self.grant(lease, session, None, call.deadline);

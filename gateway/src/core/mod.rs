@@ -21,14 +21,14 @@ use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use ctxgate_proto::pb::{self, AgentMessage, ContentPart, Role, content_part::Part, transcript_entry::Entry};
-use ctxgate_proto::{estimate, limits};
+use ctxgate_proto::{Method, estimate, limits};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::compaction::{self, CompactionError};
 use crate::config::{Config, IdentifierPolicy, ProviderKind};
 use crate::engines::registry::Registry;
-use crate::engines::{Call, CompactReply, Engine, EngineCallError, LEGACY_ID, check_host_requirements};
+use crate::engines::{Call, CompactReply, Engine, EngineCallError, LEGACY_ID};
 use crate::grants::{GrantError, GrantGuard, Grants, HostOperation, Scope};
 use crate::metrics::Metrics;
 use crate::provider::{ChatRequest, ChatResponse, ModelError, ModelProvider};

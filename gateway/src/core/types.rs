@@ -216,6 +216,31 @@ impl HostProfile {
     pub fn capability_names(&self) -> Vec<&'static str> {
         self.capabilities.iter().map(|c| c.as_str()).collect()
     }
+
+    /// Checks the engine's requirements for `operation` against this host;
+    /// the error is OpenClaw's message, word for word in shape.
+    pub fn unmet(&self, info: &pb::EngineInfo, operation: Operation) -> Result<(), String> {
+        let operation = operation.as_str();
+        let (host_label, host_caps) = (self.label.as_str(), self.capability_names());
+        let Some(req) = info.host_requirements.iter().find(|r| r.operation == operation) else { return Ok(()) };
+        let missing: Vec<&str> =
+            req.required_capabilities.iter().map(String::as_str).filter(|c| !host_caps.contains(c)).collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let caps = if host_caps.is_empty() { "(none)".to_owned() } else { host_caps.join(", ") };
+        let mut msg = format!(
+            "Context engine \"{}\" cannot run operation \"{operation}\" on {host_label}. Missing host capabilities: {}. Required capabilities: {}. Host capabilities: {caps}.",
+            info.id,
+            missing.join(", "),
+            req.required_capabilities.join(", ")
+        );
+        if let Some(extra) = req.unsupported_message.as_deref().filter(|m| !m.trim().is_empty()) {
+            msg.push(' ');
+            msg.push_str(extra);
+        }
+        Err(msg)
+    }
 }
 
 /// The model a turn runs against (the gateway's provider for managed turns,
@@ -344,3 +369,30 @@ pub enum TurnEvent {
 /// Where a turn's events go. Called in order from the turn's own task; an
 /// adapter maps each event to its proto and queues it for the client.
 pub type EventSink = Arc<dyn Fn(TurnEvent) + Send + Sync>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_requirements_fail_closed_with_openclaws_message() {
+        let info = pb::EngineInfo {
+            id: "lossless".into(),
+            host_requirements: vec![pb::HostRequirement {
+                operation: "agent-run".into(),
+                required_capabilities: vec!["compact".into(), "thread-bootstrap-projection".into()],
+                unsupported_message: Some("Use the Codex harness.".into()),
+            }],
+            ..Default::default()
+        };
+        let embedded = HostProfile::embedded();
+        let err = embedded.unmet(&info, Operation::AgentRun).unwrap_err();
+        assert_eq!(
+            err,
+            "Context engine \"lossless\" cannot run operation \"agent-run\" on ctxgate embedded runner. Missing host capabilities: thread-bootstrap-projection. Required capabilities: compact, thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Use the Codex harness."
+        );
+        assert!(embedded.unmet(&info, Operation::ManualCompact).is_ok());
+        let bare = HostProfile { id: "agent-harness:bare".into(), label: "a bare host".into(), capabilities: vec![] };
+        assert!(bare.unmet(&info, Operation::AgentRun).unwrap_err().contains("Host capabilities: (none)."));
+    }
+}

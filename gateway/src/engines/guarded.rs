@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use ctxgate_proto::pb;
+use ctxgate_proto::{Method, pb};
 use prost::Message;
 use tokio::time::Instant;
 
@@ -29,10 +29,38 @@ use crate::metrics::Metrics;
 const FIRST_PENALTY: Duration = Duration::from_secs(1);
 const MAX_PENALTY: Duration = Duration::from_secs(60);
 
+/// What took an engine out of service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuarantineCause {
+    /// Not attached yet, or its attach (GetInfo and its validation) failed.
+    Attach,
+    /// The health monitor: unreachable or NOT_SERVING.
+    Health,
+    /// A failed, timed-out or contract-breaking call of this method.
+    Call(Method),
+}
+
+impl QuarantineCause {
+    /// The operation as `ctxgate status` and the metrics name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Attach => "attach",
+            Self::Health => "health",
+            Self::Call(m) => m.name(),
+        }
+    }
+}
+
+impl std::fmt::Display for QuarantineCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Why an engine is out of service.
 #[derive(Debug, Clone, PartialEq)]
 pub struct QuarantineRecord {
-    pub operation: String,
+    pub cause: QuarantineCause,
     pub reason: String,
     pub since: SystemTime,
     since_instant: Instant,
@@ -92,7 +120,7 @@ struct State {
     penalty: Duration,
     trial: bool,
     health: Health,
-    stats: BTreeMap<&'static str, MethodStats>,
+    stats: BTreeMap<Method, MethodStats>,
 }
 
 pub struct Guarded {
@@ -116,7 +144,7 @@ impl Guarded {
     /// A new engine starts quarantined until its first attach succeeds.
     pub fn new(remote: Remote, legacy: Arc<Legacy>, metrics: Metrics, max_calls: usize) -> Self {
         let pending = QuarantineRecord {
-            operation: "attach".into(),
+            cause: QuarantineCause::Attach,
             reason: "not attached yet".into(),
             since: SystemTime::now(),
             since_instant: Instant::now(),
@@ -163,7 +191,7 @@ impl Guarded {
         self.lock().health
     }
 
-    pub fn stats(&self) -> BTreeMap<&'static str, MethodStats> {
+    pub fn stats(&self) -> BTreeMap<Method, MethodStats> {
         self.lock().stats.clone()
     }
 
@@ -185,7 +213,7 @@ impl Guarded {
     }
 
     /// Takes the engine out of service; the first failure wins.
-    pub fn quarantine(&self, operation: &str, reason: &str) {
+    pub fn quarantine(&self, cause: QuarantineCause, reason: &str) {
         let mut s = self.lock();
         if s.quarantine.is_some() {
             return;
@@ -195,18 +223,18 @@ impl Guarded {
             s.penalty = (s.penalty * 2).min(MAX_PENALTY);
         }
         tracing::error!(
-            engine = %self.remote.id, address = %self.remote.endpoint, operation, reason,
+            engine = %self.remote.id, address = %self.remote.endpoint, operation = %cause, reason,
             "context engine failed; quarantining it and falling back to \"legacy\" until health reports SERVING again"
         );
         s.quarantine = Some(QuarantineRecord {
-            operation: operation.into(),
+            cause,
             reason: reason.into(),
             since: SystemTime::now(),
             since_instant: Instant::now(),
             penalty: s.penalty,
         });
         drop(s);
-        self.metrics.engine_quarantined(&self.remote.id, operation);
+        self.metrics.engine_quarantined(&self.remote.id, cause.as_str());
         self.replica_gauge(false);
         self.changed.notify_waiters();
     }
@@ -215,8 +243,8 @@ impl Guarded {
     pub fn set_health(&self, h: Health) {
         self.lock().health = h;
         match h {
-            Health::NotServing => self.quarantine("health", "health check reports NOT_SERVING"),
-            Health::Unreachable => self.quarantine("health", "engine unreachable"),
+            Health::NotServing => self.quarantine(QuarantineCause::Health, "health check reports NOT_SERVING"),
+            Health::Unreachable => self.quarantine(QuarantineCause::Health, "engine unreachable"),
             _ => {}
         }
         self.changed.notify_waiters();
@@ -234,7 +262,7 @@ impl Guarded {
     pub fn readmit(&self, why: &str) -> bool {
         let mut s = self.lock();
         let Some(q) = s.quarantine.take() else { return false };
-        s.trial = q.operation != "attach";
+        s.trial = q.cause != QuarantineCause::Attach;
         drop(s);
         self.replica_gauge(true);
         tracing::info!(engine = %self.remote.id, address = %self.remote.endpoint, why, after = %q.reason, "context engine re-admitted");
@@ -255,20 +283,13 @@ impl Guarded {
         self.remote.info().unwrap_or_else(|| self.legacy.info())
     }
 
-    fn count(&self, method: &'static str, f: impl FnOnce(&mut MethodStats)) {
+    fn count(&self, method: Method, f: impl FnOnce(&mut MethodStats)) {
         f(self.lock().stats.entry(method).or_default());
     }
 
     /// One guarded call: legacy while quarantined; the remote otherwise,
     /// with quarantine on failure and legacy's answer where allowed.
-    async fn guard<T, Rf, Lf>(
-        &self,
-        method: &'static str,
-        surfaces: bool,
-        bytes_out: usize,
-        remote: Rf,
-        legacy: Lf,
-    ) -> R<T>
+    async fn guard<T, Rf, Lf>(&self, method: Method, surfaces: bool, bytes_out: usize, remote: Rf, legacy: Lf) -> R<T>
     where
         T: Sized + Size,
         Rf: Future<Output = R<T>>,
@@ -276,7 +297,7 @@ impl Guarded {
     {
         if self.is_quarantined() {
             self.count(method, |s| s.fallbacks += 1);
-            self.metrics.engine_fallback(&self.remote.id, method);
+            self.metrics.engine_fallback(&self.remote.id, method.name());
             return legacy.await;
         }
         let r = match self.slots.try_acquire() {
@@ -288,7 +309,7 @@ impl Guarded {
                 // Overload is not a failure: it is counted as shed below.
                 let code =
                     r.as_ref().err().filter(|e| !matches!(e, EngineCallError::Overloaded { .. })).map(|e| e.code());
-                self.metrics.engine_call(&self.remote.id, method, started.elapsed(), bytes_out, bytes_in, code);
+                self.metrics.engine_call(&self.remote.id, method.name(), started.elapsed(), bytes_out, bytes_in, code);
                 r
             }
             // Shed here: the engine never sees the call.
@@ -310,8 +331,8 @@ impl Guarded {
             Err(e @ (EngineCallError::Cancelled | EngineCallError::Unimplemented(_))) => Err(e),
             // The engine lost its copy of the history: the caller resyncs.
             Err(e @ EngineCallError::HistoryGap { .. }) => {
-                tracing::info!(engine = %self.remote.id, method, "history gap; resyncing the session");
-                self.metrics.engine_history_gap(&self.remote.id, method);
+                tracing::info!(engine = %self.remote.id, %method, "history gap; resyncing the session");
+                self.metrics.engine_history_gap(&self.remote.id, method.name());
                 Err(e)
             }
             // Overload is not breakage: legacy answers this call, nothing
@@ -322,17 +343,17 @@ impl Guarded {
                     s.shed += 1;
                     s.fallbacks += 1;
                 });
-                self.metrics.engine_shed(&self.remote.id, method);
-                self.metrics.engine_fallback(&self.remote.id, method);
-                if queued(method) {
+                self.metrics.engine_shed(&self.remote.id, method.name());
+                self.metrics.engine_fallback(&self.remote.id, method.name());
+                if method.queued() {
                     return Err(e);
                 }
                 legacy.await
             }
             // A queued call refused: about that row (a poison turn), not
             // the engine, which stays in service for every other session.
-            Err(EngineCallError::Failed { method, code, detail }) if queued(method) && refusal(code) => {
-                tracing::warn!(engine = %self.remote.id, method, ?code, detail, "engine refused a queued call");
+            Err(EngineCallError::Failed { method, code, detail }) if method.queued() && refusal(code) => {
+                tracing::warn!(engine = %self.remote.id, %method, ?code, detail, "engine refused a queued call");
                 self.count(method, |s| s.failures += 1);
                 Err(EngineCallError::Refused { method, code, detail })
             }
@@ -343,22 +364,16 @@ impl Guarded {
                         s.timeouts += 1;
                     }
                 });
-                self.quarantine(method, &e.to_string());
+                self.quarantine(QuarantineCause::Call(method), &e.to_string());
                 if surfaces {
                     return Err(e);
                 }
                 self.count(method, |s| s.fallbacks += 1);
-                self.metrics.engine_fallback(&self.remote.id, method);
+                self.metrics.engine_fallback(&self.remote.id, method.name());
                 legacy.await
             }
         }
     }
-}
-
-/// Calls the gateway queues and retries per row rather than answer by
-/// fallback.
-fn queued(method: &str) -> bool {
-    matches!(method, "CommitTurn" | "ForgetSession")
 }
 
 /// An answer about the call rather than the way to the engine: transport
@@ -396,18 +411,24 @@ impl Engine for Guarded {
 
     async fn bootstrap(&self, req: pb::BootstrapRequest, call: &Call) -> R<pb::BootstrapResult> {
         let n = req.encoded_len();
-        self.guard("Bootstrap", false, n, self.remote.bootstrap(req.clone(), call), self.legacy.bootstrap(req, call))
-            .await
+        self.guard(
+            Method::Bootstrap,
+            false,
+            n,
+            self.remote.bootstrap(req.clone(), call),
+            self.legacy.bootstrap(req, call),
+        )
+        .await
     }
 
     async fn ingest(&self, req: pb::IngestRequest, call: &Call) -> R<pb::IngestResult> {
         let n = req.encoded_len();
-        self.guard("Ingest", false, n, self.remote.ingest(req.clone(), call), self.legacy.ingest(req, call)).await
+        self.guard(Method::Ingest, false, n, self.remote.ingest(req.clone(), call), self.legacy.ingest(req, call)).await
     }
 
     async fn ingest_batch(&self, req: pb::IngestBatchRequest, call: &Call) -> R<pb::IngestBatchResult> {
         let n = req.encoded_len();
-        self.guard("IngestBatch", true, n, self.remote.ingest_batch(req, call), async {
+        self.guard(Method::IngestBatch, true, n, self.remote.ingest_batch(req, call), async {
             Err(EngineCallError::Quarantined)
         })
         .await
@@ -419,15 +440,16 @@ impl Engine for Guarded {
         // turn asks again with the whole history).
         if req.cursor.is_some() {
             let no_fallback = async { Err(EngineCallError::Quarantined) };
-            return self.guard("Assemble", true, n, self.remote.assemble(req, call), no_fallback).await;
+            return self.guard(Method::Assemble, true, n, self.remote.assemble(req, call), no_fallback).await;
         }
-        self.guard("Assemble", false, n, self.remote.assemble(req.clone(), call), self.legacy.assemble(req, call)).await
+        self.guard(Method::Assemble, false, n, self.remote.assemble(req.clone(), call), self.legacy.assemble(req, call))
+            .await
     }
 
     async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply> {
         let n = req.encoded_len();
         let legacy = self.legacy.compact(req.clone(), call, progress);
-        self.guard("Compact", true, n, self.remote.compact(req, call, progress), legacy).await
+        self.guard(Method::Compact, true, n, self.remote.compact(req, call, progress), legacy).await
     }
 
     async fn after_turn(&self, req: pb::AfterTurnRequest, call: &Call) -> R<pb::AfterTurnResult> {
@@ -435,16 +457,22 @@ impl Engine for Guarded {
         // Legacy's no-op would look like the engine acknowledged the delta.
         if req.cursor.is_some() {
             let no_fallback = async { Err(EngineCallError::Quarantined) };
-            return self.guard("AfterTurn", true, n, self.remote.after_turn(req, call), no_fallback).await;
+            return self.guard(Method::AfterTurn, true, n, self.remote.after_turn(req, call), no_fallback).await;
         }
-        self.guard("AfterTurn", false, n, self.remote.after_turn(req.clone(), call), self.legacy.after_turn(req, call))
-            .await
+        self.guard(
+            Method::AfterTurn,
+            false,
+            n,
+            self.remote.after_turn(req.clone(), call),
+            self.legacy.after_turn(req, call),
+        )
+        .await
     }
 
     async fn commit_turn(&self, req: pb::CommitTurnRequest, call: &Call) -> R<pb::CommitTurnResult> {
         let n = req.encoded_len();
         // No legacy answer exists for a commit: the turn stays queued.
-        self.guard("CommitTurn", true, n, self.remote.commit_turn(req, call), async {
+        self.guard(Method::CommitTurn, true, n, self.remote.commit_turn(req, call), async {
             Err(EngineCallError::Quarantined)
         })
         .await
@@ -452,7 +480,8 @@ impl Engine for Guarded {
 
     async fn maintain(&self, req: pb::MaintainRequest, call: &Call) -> R<pb::MaintainResult> {
         let n = req.encoded_len();
-        self.guard("Maintain", false, n, self.remote.maintain(req.clone(), call), self.legacy.maintain(req, call)).await
+        self.guard(Method::Maintain, false, n, self.remote.maintain(req.clone(), call), self.legacy.maintain(req, call))
+            .await
     }
 
     async fn prepare_subagent_spawn(
@@ -462,7 +491,7 @@ impl Engine for Guarded {
     ) -> R<pb::PrepareSubagentSpawnResult> {
         let n = req.encoded_len();
         let legacy = self.legacy.prepare_subagent_spawn(req.clone(), call);
-        self.guard("PrepareSubagentSpawn", true, n, self.remote.prepare_subagent_spawn(req, call), legacy).await
+        self.guard(Method::PrepareSubagentSpawn, true, n, self.remote.prepare_subagent_spawn(req, call), legacy).await
     }
 
     async fn rollback_subagent_spawn(
@@ -472,13 +501,14 @@ impl Engine for Guarded {
     ) -> R<pb::RollbackSubagentSpawnResult> {
         let n = req.encoded_len();
         let legacy = self.legacy.rollback_subagent_spawn(req.clone(), call);
-        self.guard("RollbackSubagentSpawn", false, n, self.remote.rollback_subagent_spawn(req, call), legacy).await
+        self.guard(Method::RollbackSubagentSpawn, false, n, self.remote.rollback_subagent_spawn(req, call), legacy)
+            .await
     }
 
     async fn on_subagent_ended(&self, req: pb::OnSubagentEndedRequest, call: &Call) -> R<pb::OnSubagentEndedResult> {
         let n = req.encoded_len();
         self.guard(
-            "OnSubagentEnded",
+            Method::OnSubagentEnded,
             false,
             n,
             self.remote.on_subagent_ended(req.clone(), call),
@@ -490,7 +520,7 @@ impl Engine for Guarded {
     async fn forget_session(&self, req: pb::ForgetSessionRequest, call: &Call) -> R<pb::ForgetSessionResult> {
         let n = req.encoded_len();
         // Legacy forgetting would drop the queued forget: it stays queued.
-        self.guard("ForgetSession", true, n, self.remote.forget_session(req, call), async {
+        self.guard(Method::ForgetSession, true, n, self.remote.forget_session(req, call), async {
             Err(EngineCallError::Quarantined)
         })
         .await

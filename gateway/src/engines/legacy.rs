@@ -5,7 +5,7 @@
 
 use async_trait::async_trait;
 use ctxgate_proto::pb;
-use ctxgate_proto::{estimate, validate};
+use ctxgate_proto::{Method, estimate, validate};
 
 use super::{Call, CompactReply, Engine, EngineCallError, ProgressFn};
 
@@ -16,7 +16,7 @@ pub struct Legacy {
     info: pb::EngineInfo,
 }
 
-pub const LEGACY_ID: &str = "legacy";
+pub const LEGACY_ID: &str = ctxgate_proto::LEGACY_ENGINE_ID;
 
 impl Default for Legacy {
     fn default() -> Self {
@@ -26,9 +26,15 @@ impl Default for Legacy {
                 name: "Legacy Context Engine".into(),
                 version: "1.0.0".into(),
                 contract_version: ctxgate_proto::CONTRACT_VERSION.into(),
-                implemented_methods: ["GetInfo", "Ingest", "Assemble", "Compact", "AfterTurn"]
-                    .map(String::from)
-                    .to_vec(),
+                implemented_methods: [
+                    Method::GetInfo,
+                    Method::Ingest,
+                    Method::Assemble,
+                    Method::Compact,
+                    Method::AfterTurn,
+                ]
+                .map(|m| m.name().to_owned())
+                .to_vec(),
                 ..Default::default()
             },
         }
@@ -90,7 +96,7 @@ impl Engine for Legacy {
         let over = messages.len().saturating_sub(ctxgate_proto::limits::MAX_MESSAGES);
         messages.drain(..over);
         validate::messages(&messages, "messages")
-            .map_err(|v| EngineCallError::ContractViolation { method: "Assemble", detail: v.to_string() })?;
+            .map_err(|v| EngineCallError::ContractViolation { method: Method::Assemble, detail: v.to_string() })?;
         Ok(pb::AssembleResult {
             estimated_tokens: estimate::messages_tokens(&messages),
             messages,
@@ -124,7 +130,7 @@ impl Engine for Legacy {
         _req: pb::CommitTurnRequest,
         _call: &Call,
     ) -> Result<pb::CommitTurnResult, EngineCallError> {
-        Err(EngineCallError::Unimplemented("CommitTurn"))
+        Err(EngineCallError::Unimplemented(Method::CommitTurn))
     }
 
     async fn maintain(&self, _req: pb::MaintainRequest, _call: &Call) -> Result<pb::MaintainResult, EngineCallError> {

@@ -13,11 +13,9 @@ pub mod remote;
 pub mod replicas;
 
 use async_trait::async_trait;
-use ctxgate_proto::pb;
+use ctxgate_proto::{Method, pb};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-
-use crate::core::types::HostProfile;
 
 pub use legacy::{LEGACY_ID, Legacy, sanitise};
 
@@ -56,15 +54,15 @@ pub enum EngineCallError {
     Cancelled,
     /// The engine does not implement this optional method: not a failure.
     #[error("the engine does not implement {0}")]
-    Unimplemented(&'static str),
+    Unimplemented(Method),
     #[error("the engine did not answer {method} within {after:?}")]
-    DeadlineExceeded { method: &'static str, after: std::time::Duration },
+    DeadlineExceeded { method: Method, after: std::time::Duration },
     /// The engine answered something the contract forbids.
     #[error("the engine broke the contract in {method}: {detail}")]
-    ContractViolation { method: &'static str, detail: String },
+    ContractViolation { method: Method, detail: String },
     /// The engine (or the way to it) failed.
     #[error("{method} failed: {code:?}: {detail}")]
-    Failed { method: &'static str, code: tonic::Code, detail: String },
+    Failed { method: Method, code: tonic::Code, detail: String },
     /// The engine is quarantined and the method has no legacy fallback.
     #[error("the engine is quarantined")]
     Quarantined,
@@ -75,14 +73,14 @@ pub enum EngineCallError {
     /// A DELTA engine does not hold its cursor (state lost, another
     /// replica): the caller resyncs it and repeats. Never quarantines.
     #[error("the engine reported a history gap in {method}")]
-    HistoryGap { method: &'static str, held: Option<pb::HistoryCursor> },
+    HistoryGap { method: Method, held: Option<pb::HistoryCursor> },
     #[error("the engine refused {method}: {code:?}: {detail}")]
-    Refused { method: &'static str, code: tonic::Code, detail: String },
+    Refused { method: Method, code: tonic::Code, detail: String },
     /// Overload, not breakage: over the gateway's cap on the engine's calls
     /// in flight, or the engine answered RESOURCE_EXHAUSTED (or UNAVAILABLE
     /// with a retry pushback). Legacy answers; never quarantines.
     #[error("{method} shed: {detail}")]
-    Overloaded { method: &'static str, detail: String },
+    Overloaded { method: Method, detail: String },
 }
 
 impl EngineCallError {
@@ -154,61 +152,10 @@ pub fn durable(info: &pb::EngineInfo) -> bool {
     let sem = info.transcript_semantics.unwrap_or_default();
     sem.current_turn_fence == pb::CurrentTurnFence::BeforeCurrentTurnEntryV1 as i32
         && sem.turn_advancement_idempotency == pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32
-        && info.implemented_methods.iter().any(|m| m == "CommitTurn")
+        && Method::CommitTurn.listed_in(&info.implemented_methods)
 }
 
 /// Whether Assemble carries only what follows the engine's cursor.
 pub fn delta(info: &pb::EngineInfo) -> bool {
     info.history_delivery == pb::HistoryDelivery::Delta as i32
-}
-
-/// Checks `info`'s requirements for `operation` against a host; the error
-/// is OpenClaw's message, word for word in shape.
-pub fn check_host_requirements(info: &pb::EngineInfo, operation: &str, host: &HostProfile) -> Result<(), String> {
-    let (host_label, host_caps) = (host.label.as_str(), host.capability_names());
-    let Some(req) = info.host_requirements.iter().find(|r| r.operation == operation) else { return Ok(()) };
-    let missing: Vec<&str> =
-        req.required_capabilities.iter().map(String::as_str).filter(|c| !host_caps.contains(c)).collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let caps = if host_caps.is_empty() { "(none)".to_owned() } else { host_caps.join(", ") };
-    let mut msg = format!(
-        "Context engine \"{}\" cannot run operation \"{operation}\" on {host_label}. Missing host capabilities: {}. Required capabilities: {}. Host capabilities: {caps}.",
-        info.id,
-        missing.join(", "),
-        req.required_capabilities.join(", ")
-    );
-    if let Some(extra) = req.unsupported_message.as_deref().filter(|m| !m.trim().is_empty()) {
-        msg.push(' ');
-        msg.push_str(extra);
-    }
-    Err(msg)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn host_requirements_fail_closed_with_openclaws_message() {
-        let info = pb::EngineInfo {
-            id: "lossless".into(),
-            host_requirements: vec![pb::HostRequirement {
-                operation: "agent-run".into(),
-                required_capabilities: vec!["compact".into(), "thread-bootstrap-projection".into()],
-                unsupported_message: Some("Use the Codex harness.".into()),
-            }],
-            ..Default::default()
-        };
-        let embedded = HostProfile::embedded();
-        let err = check_host_requirements(&info, "agent-run", &embedded).unwrap_err();
-        assert_eq!(
-            err,
-            "Context engine \"lossless\" cannot run operation \"agent-run\" on ctxgate embedded runner. Missing host capabilities: thread-bootstrap-projection. Required capabilities: compact, thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Use the Codex harness."
-        );
-        assert!(check_host_requirements(&info, "manual-compact", &embedded).is_ok());
-        let bare = HostProfile { id: "agent-harness:bare".into(), label: "a bare host".into(), capabilities: vec![] };
-        assert!(check_host_requirements(&info, "agent-run", &bare).unwrap_err().contains("Host capabilities: (none)."));
-    }
 }

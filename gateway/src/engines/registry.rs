@@ -6,12 +6,11 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use ctxgate_proto::gateway as api;
 use tokio_util::sync::CancellationToken;
 
 use super::replicas::Replicas;
 use super::{Engine, Legacy};
-use crate::config::Config;
+use crate::config::{Config, EngineSlot};
 use crate::metrics::Metrics;
 
 pub struct Registry {
@@ -45,8 +44,7 @@ impl Registry {
             }
         }
         let selected = config.selected_engine().map(|(id, _)| id.to_owned());
-        if let Some(slot) = config.plugins.slots.context_engine.as_deref().map(str::trim)
-            && !matches!(slot, "" | "legacy" | "none")
+        if let EngineSlot::Named(slot) = config.plugins.slots.context_engine()
             && selected.is_none()
         {
             tracing::warn!(slot, "plugins.slots.contextEngine names no enabled, allowed entry; using \"legacy\"");
@@ -77,65 +75,12 @@ impl Registry {
         self.engines.get(id).map(|g| g.readmit("operator readmit"))
     }
 
-    /// Engines for Status: legacy first, then every remote one.
-    pub fn status(&self) -> Vec<api::EngineStatus> {
-        let legacy = self.legacy.info();
-        let mut out = vec![api::EngineStatus {
-            id: legacy.id,
-            name: legacy.name,
-            endpoint: "in-process".into(),
-            health: "SERVING".into(),
-            quarantine: None,
-            methods: vec![],
-            replicas: vec![],
-            affinity: String::new(),
-        }];
-        for (id, g) in &self.engines {
-            let replicas = g
-                .replicas()
-                .iter()
-                .map(|r| api::ReplicaStatus {
-                    address: r.address().to_owned(),
-                    health: r.guarded.health().as_str().into(),
-                    quarantine: r.guarded.quarantine_record().map(quarantine),
-                    in_flight: r.guarded.in_flight() as u32,
-                    calls: r.guarded.stats().values().map(|s| s.calls).sum(),
-                })
-                .collect();
-            out.push(api::EngineStatus {
-                id: id.clone(),
-                name: g.attached_info().map(|i| i.name).unwrap_or_default(),
-                endpoint: g.endpoint.clone(),
-                health: g.health().as_str().into(),
-                quarantine: g.quarantine_record().map(quarantine),
-                replicas,
-                affinity: g.affinity().map(|a| a.as_str().to_owned()).unwrap_or_default(),
-                methods: g
-                    .stats()
-                    .into_iter()
-                    .map(|(m, s)| api::MethodCounters {
-                        method: m.into(),
-                        calls: s.calls,
-                        failures: s.failures,
-                        timeouts: s.timeouts,
-                        fallbacks: s.fallbacks,
-                        shed: s.shed,
-                    })
-                    .collect(),
-            });
-        }
-        out
+    /// Every configured engine, by id.
+    pub fn engines(&self) -> impl Iterator<Item = (&str, &Arc<Replicas>)> {
+        self.engines.iter().map(|(id, r)| (id.as_str(), r))
     }
 
     pub fn selected_id(&self) -> &str {
         self.selected.as_deref().unwrap_or(super::LEGACY_ID)
-    }
-}
-
-fn quarantine(q: super::guarded::QuarantineRecord) -> api::Quarantine {
-    api::Quarantine {
-        operation: q.operation,
-        reason: q.reason,
-        since_unix_ms: q.since.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
     }
 }

@@ -11,14 +11,14 @@ use std::time::Duration;
 
 use ctxgate_engine_sdk::AbortOnDrop;
 use ctxgate_proto::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
-use ctxgate_proto::validate;
+use ctxgate_proto::{Method, validate};
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 use super::{Call, CompactReply, EngineCallError, LEGACY_ID, ProgressFn};
-use crate::config::{DEFAULT_ENGINE_TIMEOUT_SECONDS, EngineEntry};
+use crate::config::{DEFAULT_ENGINE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_KEY, EngineEntry};
 
 /// One remote engine's connection and settings.
 pub struct Remote {
@@ -26,7 +26,7 @@ pub struct Remote {
     pub endpoint: String,
     client: Client,
     channel: Channel,
-    timeouts: BTreeMap<String, Duration>,
+    timeouts: BTreeMap<Method, Duration>,
     default_timeout: Duration,
     /// The info from the last successful attach (GetInfo).
     info: RwLock<Option<pb::EngineInfo>>,
@@ -34,14 +34,9 @@ pub struct Remote {
     spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
 }
 
-fn camel(method: &str) -> String {
-    let mut c = method.chars();
-    c.next().map(|f| f.to_lowercase().chain(c).collect()).unwrap_or_default()
-}
-
 /// A status as the call's failure. tonic reports its own expired timeout as
 /// CANCELLED "Timeout expired": that is a deadline, not an abort.
-fn failure(method: &'static str, s: Status, timeout: Duration) -> EngineCallError {
+fn failure(method: Method, s: Status, timeout: Duration) -> EngineCallError {
     // Typed, never guessed from the text.
     if let Some(gap) = ctxgate_proto::history::gap_of(&s) {
         return EngineCallError::HistoryGap { method, held: gap.held };
@@ -102,7 +97,7 @@ fn capped_progress(p: pb::CompactProgress) -> pb::CompactProgress {
     pb::CompactProgress { stage: capped(&p.stage, 64), message: capped(&p.message, 1024), ..p }
 }
 
-fn violation(method: &'static str, v: impl std::fmt::Display) -> EngineCallError {
+fn violation(method: Method, v: impl std::fmt::Display) -> EngineCallError {
     EngineCallError::ContractViolation { method, detail: v.to_string() }
 }
 
@@ -117,19 +112,20 @@ impl Remote {
         spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
     ) -> Result<Self, String> {
         let channel = if entry.uses_tls() {
-            let tls = entry.client_tls(id).map_err(|e| e.to_string())?;
-            ctxgate_engine_sdk::tls_channel(at, tls)?
+            let files = entry.client_tls(id).map_err(|e| e.to_string())?;
+            ctxgate_engine_sdk::tls_channel(at, ctxgate_engine_sdk::tls::client_config(&files)?)?
         } else {
             ctxgate_engine_sdk::channel(at)
         };
         let client = ContextEngineClient::with_interceptor(channel.clone(), Propagate)
             .max_decoding_message_size(entry.max_message_bytes)
             .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES);
-        let mut timeouts: BTreeMap<String, Duration> =
-            entry.timeouts.iter().map(|(k, v)| (k.clone(), Duration::from_secs_f64(*v))).collect();
-        timeouts.entry("compact".into()).or_insert(compact_timeout);
+        let seconds = |key: &str| entry.timeouts.get(key).map(|v| Duration::from_secs_f64(*v));
+        let mut timeouts: BTreeMap<Method, Duration> =
+            Method::ALL.into_iter().filter_map(|m| Some((m, seconds(m.config_key())?))).collect();
+        timeouts.entry(Method::Compact).or_insert(compact_timeout);
         let default_timeout =
-            timeouts.get("default").copied().unwrap_or(Duration::from_secs_f64(DEFAULT_ENGINE_TIMEOUT_SECONDS));
+            seconds(DEFAULT_TIMEOUT_KEY).unwrap_or(Duration::from_secs_f64(DEFAULT_ENGINE_TIMEOUT_SECONDS));
         Ok(Self {
             id: id.to_owned(),
             endpoint: at.to_string(),
@@ -151,7 +147,7 @@ impl Remote {
     /// Exports the span of a traced call that started at `start`.
     fn span<T>(
         &self,
-        method: &'static str,
+        method: Method,
         call: &Call,
         hop: Option<ctxgate_proto::trace::TraceParent>,
         start: std::time::SystemTime,
@@ -167,7 +163,7 @@ impl Remote {
             end: std::time::SystemTime::now(),
             attributes: vec![
                 ("rpc.system", "grpc".into()),
-                ("rpc.method", method.into()),
+                ("rpc.method", method.name().into()),
                 ("ctxgate.engine", self.id.clone()),
                 ("server.address", self.endpoint.clone()),
             ],
@@ -186,8 +182,8 @@ impl Remote {
     }
 
     /// The method's timeout cut to the caller's deadline.
-    fn budget(&self, method: &str, call: &Call) -> Duration {
-        let own = self.timeouts.get(&camel(method)).copied().unwrap_or(self.default_timeout);
+    fn budget(&self, method: Method, call: &Call) -> Duration {
+        let own = self.timeouts.get(&method).copied().unwrap_or(self.default_timeout);
         match call.deadline {
             Some(d) => own.min(d.saturating_duration_since(Instant::now())),
             None => own,
@@ -197,7 +193,7 @@ impl Remote {
     /// Runs `f` in its own task under the call's deadline and cancellation.
     async fn run<T, F>(
         &self,
-        method: &'static str,
+        method: Method,
         call: &Call,
         f: impl FnOnce(Client, Duration) -> F,
     ) -> Result<T, EngineCallError>
@@ -211,7 +207,7 @@ impl Remote {
         let timeout = self.budget(method, call);
         // One span per engine call, carried into its task.
         let span =
-            tracing::debug_span!("engine_call", engine = %self.id, method, timeout_ms = timeout.as_millis() as u64);
+            tracing::debug_span!("engine_call", engine = %self.id, %method, timeout_ms = timeout.as_millis() as u64);
         let (hop, start) = (Self::hop(call), std::time::SystemTime::now());
         let work = TRACE.scope(hop, f(self.client.clone(), timeout));
         let task = tokio::spawn(tracing::Instrument::instrument(work, span));
@@ -232,15 +228,15 @@ impl Remote {
     /// GetInfo plus contract validation; on success the info is kept.
     pub async fn attach(&self, call: &Call) -> Result<pb::EngineInfo, EngineCallError> {
         let info = self
-            .run("GetInfo", call, |mut c, t| async move {
+            .run(Method::GetInfo, call, |mut c, t| async move {
                 let mut req = Request::new(pb::GetInfoRequest {});
                 req.set_timeout(t);
-                c.get_info(req).await.map(tonic::Response::into_inner).map_err(|s| failure("GetInfo", s, t))
+                c.get_info(req).await.map(tonic::Response::into_inner).map_err(|s| failure(Method::GetInfo, s, t))
             })
             .await?;
-        validate::result::info(&info).map_err(|v| violation("GetInfo", v))?;
+        validate::result::info(&info).map_err(|v| violation(Method::GetInfo, v))?;
         if info.id.trim() == LEGACY_ID {
-            return Err(violation("GetInfo", "info.id: \"legacy\" is reserved for the gateway's own engine"));
+            return Err(violation(Method::GetInfo, "info.id: \"legacy\" is reserved for the gateway's own engine"));
         }
         *self.info.write().unwrap_or_else(|e| e.into_inner()) = Some(info.clone());
         Ok(info)
@@ -267,7 +263,7 @@ macro_rules! project {
 
 /// One unary engine method: project, send with the deadline, validate.
 macro_rules! unary {
-    ($name:ident, $rpc:ident, $method:literal, $Req:ty, $Res:ty, [$($param:ident),*], $check:expr) => {
+    ($name:ident, $rpc:ident, $method:expr, $Req:ty, $Res:ty, [$($param:ident),*], $check:expr) => {
         #[allow(unused_mut, unused_variables)]
         pub async fn $name(&self, mut req: $Req, call: &Call) -> Result<$Res, EngineCallError> {
             project!(req, self.accepted(), [$($param),*]);
@@ -293,18 +289,26 @@ impl Remote {
     unary!(
         bootstrap,
         bootstrap,
-        "Bootstrap",
+        Method::Bootstrap,
         pb::BootstrapRequest,
         pb::BootstrapResult,
         [session_key, session_target, runtime_settings, runtime_context, host],
         ok
     );
-    unary!(ingest, ingest, "Ingest", pb::IngestRequest, pb::IngestResult, [session_key], ok);
-    unary!(ingest_batch, ingest_batch, "IngestBatch", pb::IngestBatchRequest, pb::IngestBatchResult, [session_key], ok);
+    unary!(ingest, ingest, Method::Ingest, pb::IngestRequest, pb::IngestResult, [session_key], ok);
+    unary!(
+        ingest_batch,
+        ingest_batch,
+        Method::IngestBatch,
+        pb::IngestBatchRequest,
+        pb::IngestBatchResult,
+        [session_key],
+        ok
+    );
     unary!(
         after_turn,
         after_turn,
-        "AfterTurn",
+        Method::AfterTurn,
         pb::AfterTurnRequest,
         pb::AfterTurnResult,
         [session_key, session_target, runtime_settings, runtime_context, host],
@@ -313,7 +317,7 @@ impl Remote {
     unary!(
         commit_turn,
         commit_turn,
-        "CommitTurn",
+        Method::CommitTurn,
         pb::CommitTurnRequest,
         pb::CommitTurnResult,
         [session_key, session_target, runtime_settings, runtime_context, host],
@@ -322,7 +326,7 @@ impl Remote {
     unary!(
         maintain,
         maintain,
-        "Maintain",
+        Method::Maintain,
         pb::MaintainRequest,
         pb::MaintainResult,
         [session_key, session_target, runtime_settings, runtime_context, host],
@@ -331,7 +335,7 @@ impl Remote {
     unary!(
         prepare_subagent_spawn,
         prepare_subagent_spawn,
-        "PrepareSubagentSpawn",
+        Method::PrepareSubagentSpawn,
         pb::PrepareSubagentSpawnRequest,
         pb::PrepareSubagentSpawnResult,
         [host],
@@ -340,7 +344,7 @@ impl Remote {
     unary!(
         rollback_subagent_spawn,
         rollback_subagent_spawn,
-        "RollbackSubagentSpawn",
+        Method::RollbackSubagentSpawn,
         pb::RollbackSubagentSpawnRequest,
         pb::RollbackSubagentSpawnResult,
         [],
@@ -349,7 +353,7 @@ impl Remote {
     unary!(
         on_subagent_ended,
         on_subagent_ended,
-        "OnSubagentEnded",
+        Method::OnSubagentEnded,
         pb::OnSubagentEndedRequest,
         pb::OnSubagentEndedResult,
         [],
@@ -358,7 +362,7 @@ impl Remote {
     unary!(
         forget_session,
         forget_session,
-        "ForgetSession",
+        Method::ForgetSession,
         pb::ForgetSessionRequest,
         pb::ForgetSessionResult,
         [session_key],
@@ -373,13 +377,13 @@ impl Remote {
         project!(req, self.accepted(), [session_key, prompt, runtime_settings, runtime_context, host]);
         let history = req.messages.len();
         let r = self
-            .run("Assemble", call, |mut c, t| async move {
+            .run(Method::Assemble, call, |mut c, t| async move {
                 let mut r = Request::new(req);
                 r.set_timeout(t);
-                c.assemble(r).await.map(tonic::Response::into_inner).map_err(|s| failure("Assemble", s, t))
+                c.assemble(r).await.map(tonic::Response::into_inner).map_err(|s| failure(Method::Assemble, s, t))
             })
             .await?;
-        validate::result::assemble(&r, history).map_err(|v| violation("Assemble", v))?;
+        validate::result::assemble(&r, history).map_err(|v| violation(Method::Assemble, v))?;
         Ok(r)
     }
 
@@ -393,7 +397,7 @@ impl Remote {
     ) -> Result<CompactReply, EngineCallError> {
         let (hop, start) = (Self::hop(call), std::time::SystemTime::now());
         let r = self.compact_stream(req, call, progress, hop).await;
-        self.span("Compact", call, hop, start, &r);
+        self.span(Method::Compact, call, hop, start, &r);
         r
     }
 
@@ -405,7 +409,7 @@ impl Remote {
         hop: Option<ctxgate_proto::trace::TraceParent>,
     ) -> Result<CompactReply, EngineCallError> {
         project!(req, self.accepted(), [session_target, runtime_settings, runtime_context, host]);
-        const M: &str = "Compact";
+        const M: Method = Method::Compact;
         if call.cancel.is_cancelled() {
             return Err(EngineCallError::Cancelled);
         }
@@ -416,8 +420,7 @@ impl Remote {
         // only ever needs the latest.
         let (tx, mut rx) = tokio::sync::watch::channel::<(u64, Option<pb::CompactProgress>)>((0, None));
         let mut client = self.client.clone();
-        let span =
-            tracing::debug_span!("engine_call", engine = %self.id, method = M, timeout_ms = timeout.as_millis() as u64);
+        let span = tracing::debug_span!("engine_call", engine = %self.id, method = %M, timeout_ms = timeout.as_millis() as u64);
         let task = tokio::spawn(tracing::Instrument::instrument(
             TRACE.scope(hop, async move {
                 let mut r = Request::new(req);
@@ -496,17 +499,17 @@ mod tests {
             s.metadata_mut().insert("grpc-retry-pushback-ms", 50.into());
             s
         };
-        assert!(shed(&failure("Assemble", with_pushback(Status::resource_exhausted("busy")), t)));
-        assert!(shed(&failure("Assemble", with_pushback(Status::unavailable("draining")), t)));
+        assert!(shed(&failure(Method::Assemble, with_pushback(Status::resource_exhausted("busy")), t)));
+        assert!(shed(&failure(Method::Assemble, with_pushback(Status::unavailable("draining")), t)));
         // Without a pushback RESOURCE_EXHAUSTED is "too large": a failure.
-        let big = failure("CommitTurn", Status::resource_exhausted("messages: over the limit"), t);
+        let big = failure(Method::CommitTurn, Status::resource_exhausted("messages: over the limit"), t);
         assert!(matches!(big, EngineCallError::Failed { code: Code::ResourceExhausted, .. }), "{big:?}");
         // Without a pushback, UNAVAILABLE is the engine (or the way to it) failing.
-        let down = failure("Assemble", Status::unavailable("connection refused"), t);
+        let down = failure(Method::Assemble, Status::unavailable("connection refused"), t);
         assert!(matches!(down, EngineCallError::Failed { code: Code::Unavailable, .. }), "{down:?}");
-        let timeout = failure("Assemble", Status::cancelled("Timeout expired"), t);
+        let timeout = failure(Method::Assemble, Status::cancelled("Timeout expired"), t);
         assert!(matches!(timeout, EngineCallError::DeadlineExceeded { .. }), "{timeout:?}");
-        let long = failure("Assemble", Status::internal("x".repeat(10_000)), t);
+        let long = failure(Method::Assemble, Status::internal("x".repeat(10_000)), t);
         assert!(matches!(long, EngineCallError::Failed { ref detail, .. } if detail.len() == 500));
     }
 }

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ctxgate_engine_sdk::Endpoint;
-use ctxgate_proto::pb;
+use ctxgate_proto::{Method, pb};
 use tokio_util::sync::CancellationToken;
 
 use super::guarded::{Guarded, Health, MethodStats, QuarantineRecord};
@@ -150,7 +150,7 @@ impl Replicas {
         };
         let replicas = Arc::new(Self {
             id: id.to_owned(),
-            endpoint: entry.endpoint.clone(),
+            endpoint: entry.endpoint.to_string(),
             target: target.clone(),
             maker,
             set: RwLock::new(Arc::from(first)),
@@ -206,8 +206,8 @@ impl Replicas {
     }
 
     /// Every replica's counters, added up.
-    pub fn stats(&self) -> BTreeMap<&'static str, MethodStats> {
-        let mut out: BTreeMap<&'static str, MethodStats> = BTreeMap::new();
+    pub fn stats(&self) -> BTreeMap<Method, MethodStats> {
+        let mut out: BTreeMap<Method, MethodStats> = BTreeMap::new();
         for r in self.replicas().iter() {
             for (m, s) in r.guarded.stats() {
                 *out.entry(m).or_default() += s;

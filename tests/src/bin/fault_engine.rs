@@ -50,6 +50,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
 use ctxgate_engine_sdk::pb::{self, host_client::HostClient};
+use ctxgate_engine_sdk::proto::Method;
 use ctxgate_engine_sdk::testkit::msg;
 use ctxgate_engine_sdk::{CallContext, CompactOutcome, ContextEngine, EngineError, Progress, ServeArgs, Server};
 use tonic_health::ServingStatus;
@@ -219,7 +220,7 @@ impl ContextEngine for Fault {
         req: pb::BootstrapRequest,
     ) -> Result<pb::BootstrapResult, EngineError> {
         if !self.has("bootstraps") {
-            return Err(EngineError::Unimplemented("Bootstrap"));
+            return Err(EngineError::Unimplemented(Method::Bootstrap));
         }
         event("bootstrap", &req.session_id);
         Ok(pb::BootstrapResult { bootstrapped: true, ..Default::default() })
@@ -320,7 +321,7 @@ impl ContextEngine for Fault {
         req: pb::CommitTurnRequest,
     ) -> Result<pb::CommitTurnResult, EngineError> {
         if !self.has("durable") {
-            return Err(EngineError::Unimplemented("CommitTurn"));
+            return Err(EngineError::Unimplemented(Method::CommitTurn));
         }
         let n = self.commits_tried.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if n == 0 && self.has("commit-fails-first") {
@@ -356,7 +357,7 @@ impl ContextEngine for Fault {
         req: pb::ForgetSessionRequest,
     ) -> Result<pb::ForgetSessionResult, EngineError> {
         if !self.has("durable") {
-            return Err(EngineError::Unimplemented("ForgetSession"));
+            return Err(EngineError::Unimplemented(Method::ForgetSession));
         }
         event("forget", &req.session_id);
         Ok(pb::ForgetSessionResult {})
@@ -364,7 +365,7 @@ impl ContextEngine for Fault {
 
     async fn maintain(&self, ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {
         if !self.has("maintain-rewrite") {
-            return Err(EngineError::Unimplemented("Maintain"));
+            return Err(EngineError::Unimplemented(Method::Maintain));
         }
         let Some(host) = ctx.host() else { return Ok(pb::MaintainResult::default()) };
         let entries = host.read_transcript(ctx, false).await?;

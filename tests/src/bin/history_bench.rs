@@ -126,7 +126,7 @@ async fn measure(engine: &str, age: usize, args: &Args) -> R<(f64, f64)> {
         config
             .plugins
             .entries
-            .insert("window".into(), EngineEntry { endpoint: p.endpoint.clone(), ..Default::default() });
+            .insert("window".into(), EngineEntry { endpoint: p.endpoint.as_str().into(), ..Default::default() });
         config.plugins.slots.context_engine = Some("window".into());
         Some(p)
     } else {
