@@ -335,7 +335,12 @@ impl Drop for Permit {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, PROBE_SAMPLES, WINDOW};
     use crate::config::AdaptiveConcurrency;
 
     fn limits(enabled: bool) -> LimitsSection {

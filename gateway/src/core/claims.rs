@@ -10,8 +10,15 @@
 //! finds the lease taken over cancels the running turn: its writes would
 //! be fenced anyway.
 
-use super::*;
-use crate::store::{Claim, Claimed, Renewal};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::core::session_locks::{BusyError, SessionGuard};
+use crate::core::types::BusyPolicy;
+use crate::core::{Core, CoreError};
+use crate::store::{Claim, Claimed, Renewal, Store};
 
 /// First and longest pause between two claims of a session another
 /// gateway holds.
@@ -21,11 +28,13 @@ const MAX_POLL: Duration = Duration::from_millis(250);
 /// Holds a session; dropping it releases the lease (in the background),
 /// then the local lock. [`Held::release`] releases the lease first.
 pub struct Held {
-    lease: Option<Lease>,
+    claim: Option<SessionClaim>,
     _local: SessionGuard,
 }
 
-struct Lease {
+/// This gateway's lease on a session in a shared store (one gateway at a
+/// time), renewed while held. Not the engine lease a turn runs with.
+struct SessionClaim {
     store: Arc<dyn Store>,
     /// `None` once released.
     claim: Option<Claim>,
@@ -37,9 +46,9 @@ impl Held {
     /// caller hears the outcome, so that the caller's next turn, sent to
     /// any gateway, finds the session free.
     pub async fn release(mut self) {
-        if let Some(mut lease) = self.lease.take()
-            && let Some(claim) = lease.claim.take()
-            && let Err(e) = lease.store.release_claim(&claim).await
+        if let Some(mut held) = self.claim.take()
+            && let Some(claim) = held.claim.take()
+            && let Err(e) = held.store.release_claim(&claim).await
         {
             // It expires by itself.
             tracing::warn!(session = claim.session_id, error = %e, "lease release failed");
@@ -47,7 +56,7 @@ impl Held {
     }
 }
 
-impl Drop for Lease {
+impl Drop for SessionClaim {
     fn drop(&mut self) {
         let Some(claim) = self.claim.take() else { return };
         let store = self.store.clone();
@@ -71,9 +80,9 @@ impl Core {
         policy: BusyPolicy,
         queue_limit: Option<usize>,
     ) -> Result<Held, CoreError> {
-        let local = self.sessions.enter(session_id, cancel, policy, queue_limit).await?;
+        let local = self.locks.enter(session_id, cancel, policy, queue_limit).await?;
         if !self.store.shared() {
-            return Ok(Held { lease: None, _local: local });
+            return Ok(Held { claim: None, _local: local });
         }
         let ttl = self.config.store.lease();
         let mut pause = FIRST_POLL;
@@ -85,8 +94,8 @@ impl Core {
             match claimed {
                 Claimed::Held(claim) => {
                     let renewal = renew(self.store.clone(), claim.clone(), ttl, cancel.clone());
-                    let lease = Lease { store: self.store.clone(), claim: Some(claim), _renewal: renewal };
-                    return Ok(Held { lease: Some(lease), _local: local });
+                    let held = SessionClaim { store: self.store.clone(), claim: Some(claim), _renewal: renewal };
+                    return Ok(Held { claim: Some(held), _local: local });
                 }
                 Claimed::Busy { owner } => {
                     if policy == BusyPolicy::Reject {

@@ -1,7 +1,21 @@
 //! Compaction: manual, or inside a turn; the engine's own or the built-in
 //! one it delegates to, in one safety window.
 
-use super::*;
+use std::time::Duration;
+
+use ctxgate_proto::pb::{self, transcript_entry::Entry};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::compaction::{self, CompactionError};
+use crate::config::IdentifierPolicy;
+use crate::core::engine_lease::{EngineLease, Unmet, session_target};
+use crate::core::types::{CompactionDone, CompactionEvent, HostProfile, Operation, Trigger};
+use crate::core::{CompactionSink, Core, CoreError};
+use crate::engines::{Call, CompactReply, EngineCallError};
+use crate::provider::ModelError;
+use crate::store::{NewEntry, Session};
+use crate::transcript::Visible;
 
 impl Core {
     // --- compaction --------------------------------------------------------
@@ -17,7 +31,7 @@ impl Core {
     ) -> Result<CompactionDone, CoreError> {
         let _guard = self.enter(&session.session_id, &cancel, true).await?;
         let host = HostProfile::embedded();
-        let lease = self.lease(Operation::ManualCompact, &host, self.provider_model(), Unmet::Degrade)?;
+        let lease = self.lease_engine(Operation::ManualCompact, &host, self.provider_model(), Unmet::Degrade)?;
         self.compact(&lease, session, Trigger::Manual, None, instructions, sink, &cancel).await
     }
 
@@ -29,7 +43,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn compact(
         &self,
-        lease: &Lease,
+        lease: &EngineLease,
         session: &Session,
         trigger: Trigger,
         budget: Option<u64>,
@@ -54,17 +68,17 @@ impl Core {
             session_id: session.session_id.clone(),
             session_key: session.session_key.clone(),
             agent_id: Some(session.agent_id.clone()),
-            session_target: Some(target(session)),
+            session_target: Some(session_target(session)),
             token_budget: budget,
             force: true,
             current_token_count: Some(tokens_before),
             compaction_target: target_kind as i32,
             custom_instructions: instructions.clone(),
-            runtime_settings: Some(self.runtime_settings(lease, budget.unwrap_or_default(), None)),
+            runtime_settings: Some(lease.runtime_settings(budget.unwrap_or_default(), None)),
             runtime_context: Some(pb::RuntimeContext {
                 force_reason,
                 preflight_compaction_trigger: preflight,
-                ..self.runtime_context(lease, session, budget.unwrap_or_default(), tokens_before)
+                ..lease.runtime_context(session, budget.unwrap_or_default(), tokens_before)
             }),
             host: grant.as_ref().map(|g| g.access.clone()),
         };
@@ -162,7 +176,7 @@ impl Core {
     #[allow(clippy::too_many_arguments)]
     pub(super) async fn builtin(
         &self,
-        lease: &Lease,
+        lease: &EngineLease,
         visible: &Visible,
         budget: Option<u64>,
         instructions: Option<String>,

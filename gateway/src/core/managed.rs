@@ -2,10 +2,27 @@
 //! turn's steps — assemble, the pre-prompt check, the model call, overflow
 //! and timeout recovery, then finish.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use ctxgate_proto::pb::{self, AgentMessage, Role, content_part::Part};
+use ctxgate_proto::{estimate, limits};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::turn::StepError;
-use super::*;
+use crate::core::turn::{Begun, MAX_OVERFLOW_COMPACTIONS, StepError, Turn};
+use crate::core::types::{
+    BusyPolicy, Driver, EventSink, Failure, FailureReason, HostProfile, Outcome, Trigger, TurnEvent, TurnSpec,
+};
+use crate::core::{Core, CoreError, session_ref, text_message};
+use crate::provider::{ChatRequest, ChatResponse, ModelError};
+
+const MAX_TIMEOUT_COMPACTIONS: u32 = 2;
+/// Timeout recovery only compacts when the prompt is above this share of the budget.
+const TIMEOUT_COMPACTION_SHARE: f64 = 0.65;
+/// Tool results are cut to this many characters by the last-resort truncation.
+const TRUNCATED_TOOL_RESULT_CHARS: usize = 2_000;
 
 /// A model delta is sent once it holds this much text ...
 const MIN_DELTA_BYTES: usize = 512;
@@ -244,4 +261,19 @@ async fn fail(turn: Turn, f: Failure) -> Result<TurnEnd, CoreError> {
     let outcome = if f.reason == FailureReason::Aborted { Outcome::Aborted } else { Outcome::Failed(f.clone()) };
     turn.finish(outcome, Vec::new()).await?;
     Ok(TurnEnd::Failed(f))
+}
+
+/// The last-resort recovery: shortens every long tool result of this
+/// prompt (the transcript keeps them whole).
+fn truncate_tool_results(messages: &mut [AgentMessage]) {
+    for m in messages {
+        for p in &mut m.content {
+            if let Some(Part::ToolResult(r)) = &mut p.part
+                && r.text.chars().count() > TRUNCATED_TOOL_RESULT_CHARS
+            {
+                let cut: String = r.text.chars().take(TRUNCATED_TOOL_RESULT_CHARS).collect();
+                r.text = format!("{cut}\n[… truncated by ctxgate to fit the context window]");
+            }
+        }
+    }
 }

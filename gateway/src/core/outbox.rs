@@ -5,8 +5,18 @@
 //! else. Deleting a session queues a ForgetSession for every engine that
 //! saw it.
 
-use super::*;
-use crate::store::{Forget, OutboxRow, PendingCommit};
+use std::time::Duration;
+
+use ctxgate_proto::estimate;
+use ctxgate_proto::pb::{self, Role};
+use tokio_util::sync::CancellationToken;
+
+use crate::core::engine_lease::session_target;
+use crate::core::session_locks::BusyError;
+use crate::core::types::BusyPolicy;
+use crate::core::{Core, CoreError, now_unix_ms, session_ref};
+use crate::engines::{Call, Engine, EngineCallError};
+use crate::store::{Advance, CommitDraft, Forget, OutboxRow, PendingCommit, Session};
 
 /// The first retry of a refused commit; doubled per refusal up to the cap.
 const FIRST_RETRY: Duration = Duration::from_secs(1);
@@ -19,9 +29,9 @@ fn retry_after(attempts: u32) -> Duration {
 
 /// A delivered commit's messages for the engine's cursor (a no-op in the
 /// store for engines without one).
-fn advance(engine_id: &str, req: &pb::CommitTurnRequest) -> Option<crate::store::Advance> {
+fn advance(engine_id: &str, req: &pb::CommitTurnRequest) -> Option<Advance> {
     let (last, terminal) = (req.messages.last()?, req.terminal.as_ref()?);
-    Some(crate::store::Advance {
+    Some(Advance {
         engine_id: engine_id.into(),
         last_message_id: last.id.clone(),
         seq: terminal.raw_seq,
@@ -104,7 +114,7 @@ impl Core {
         turn_id: &str,
         admitted: &pb::TranscriptEntry,
         position: u64,
-    ) -> crate::store::CommitDraft {
+    ) -> CommitDraft {
         let anchor = pb::TranscriptEntryAnchor {
             agent_id: session.agent_id.clone(),
             session_id: session.session_id.clone(),
@@ -117,7 +127,7 @@ impl Core {
             active_message_position: position,
             idempotency_key: None,
         };
-        crate::store::CommitDraft {
+        CommitDraft {
             engine_id: engine_id.into(),
             request: pb::CommitTurnRequest {
                 advancement_key: turn_id.into(),
@@ -130,7 +140,7 @@ impl Core {
                 messages: Vec::new(),
                 session_id: session.session_id.clone(),
                 session_key: Some(session.session_key.clone()),
-                session_target: Some(target(session)),
+                session_target: Some(session_target(session)),
                 ..Default::default()
             },
         }
@@ -194,7 +204,7 @@ impl Core {
         for (session_id, engine_id) in self.store.due_commits(now_unix_ms(), &live).await? {
             // A session with a turn running drains at that turn's start; do
             // not stall every other session's pass behind it.
-            if self.sessions.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
+            if self.locks.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
                 continue;
             }
             let cancel = self.call_token();
@@ -335,7 +345,7 @@ impl Core {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::retry_after;
 
     #[test]
     fn refusals_back_off_from_one_second_doubling_to_five_minutes() {

@@ -1,246 +1,85 @@
-//! One turn (or compaction) at a time per session: the session locks, the
-//! bounded queue behind a running turn, the busy policies, and Abort.
+//! Sessions as clients see them: look up, list, replace, delete (with the
+//! engines that saw a deleted session told to forget it), and Abort.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use ctxgate_proto::pb::{self, transcript_entry::Entry};
 
-use tokio_util::sync::CancellationToken;
+use crate::core::{Core, CoreError, session_ref};
+use crate::store::{Session, SessionStats};
+use crate::transcript;
 
-use super::types::BusyPolicy;
-
-/// Why a session could not be entered.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum BusyError {
-    #[error("session busy: a turn is running (busy policy reject)")]
-    Busy,
-    #[error("session busy: {0} turns already wait for this session (gateway.limits.queuedTurnsPerSession)")]
-    QueueFull(usize),
-    /// The caller went away (or was interrupted) while it waited.
-    #[error("cancelled while waiting for the session")]
-    Cancelled,
-}
-
-struct Slot {
-    lock: Arc<tokio::sync::Mutex<()>>,
-    /// The running work's token (Abort and interrupt fire it).
-    cancel: Option<CancellationToken>,
-    /// Everyone waiting for the lock (the slot is forgotten at zero).
-    waiting: usize,
-    /// Client turns among them (counted against the queue limit).
-    queued: usize,
-    /// Numbers the waiters, so an interrupt can tell who came before it.
-    next_ticket: u64,
-    /// An interrupt that found the lock between two holders: the waiter it
-    /// names was queued after whoever takes the lock next, who then counts
-    /// as the running turn and leaves aborted.
-    interrupt: Option<u64>,
-}
-
-/// The per-session locks. Shared (`Arc`) so a guard can outlive any borrow
-/// of the core: a harness turn holds its guard across many requests.
-#[derive(Default)]
-pub struct SessionLocks {
-    slots: Mutex<HashMap<String, Slot>>,
-}
-
-/// Holds a session: dropping it lets the next waiter in.
-pub struct SessionGuard {
-    locks: Arc<SessionLocks>,
-    session_id: String,
-    /// Released inside `drop`, under the map's lock, so a waiter giving up
-    /// at the same moment sees either the holder or nobody.
-    lock: Option<tokio::sync::OwnedMutexGuard<()>>,
-}
-
-impl Drop for SessionGuard {
-    fn drop(&mut self) {
-        let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
-        drop(self.lock.take());
-        if let Some(s) = slots.get_mut(&self.session_id) {
-            s.cancel = None;
-            // Nobody waits: forget the session.
-            if s.waiting == 0 {
-                slots.remove(&self.session_id);
-            }
-        }
+impl Core {
+    /// Fires the running turn's or compaction's token (on a shared store,
+    /// also another gateway's, at its next lease renewal). True if one ran.
+    pub async fn abort(&self, agent: &str, key: &str) -> Result<bool, CoreError> {
+        let Some(s) = self.store.session(agent, key, false).await? else { return Ok(false) };
+        Ok(self.locks.abort(&s.session_id) || self.store.interrupt_holder(&s.session_id).await?)
     }
-}
 
-/// A waiter's place: given back when it stops waiting (entered,
-/// cancelled, or dropped).
-struct Waiting<'a> {
-    locks: &'a SessionLocks,
-    session_id: &'a str,
-    ticket: u64,
-    counted: bool,
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        let mut slots = self.locks.slots.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = slots.get_mut(self.session_id) {
-            s.waiting = s.waiting.saturating_sub(1);
-            if self.counted {
-                s.queued = s.queued.saturating_sub(1);
-            }
-            if s.interrupt == Some(self.ticket) {
-                s.interrupt = None;
-            }
-            // A waiter that gave up after the holder left: nobody holds or
-            // waits for the session any more, forget it.
-            if s.waiting == 0 && s.lock.try_lock().is_ok() {
-                slots.remove(self.session_id);
-            }
-        }
+    pub async fn session(&self, agent: &str, key: &str) -> Result<Session, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))
     }
-}
 
-impl SessionLocks {
-    /// Enters `session_id` under `policy`, registering `cancel` for Abort.
-    /// `queue_limit` bounds how many client turns wait (for `Enqueue` and
-    /// `Interrupt`); `None` is for the gateway's own bounded work (the
-    /// outbox, background maintenance), which is not counted. A waiter
-    /// whose `cancel` fires leaves at once, having changed nothing.
-    pub async fn enter(
-        self: &Arc<Self>,
+    /// A session's branch, or only the entries behind its visible history.
+    pub async fn transcript(
+        &self,
         session_id: &str,
-        cancel: &CancellationToken,
-        policy: BusyPolicy,
-        queue_limit: Option<usize>,
-    ) -> Result<SessionGuard, BusyError> {
-        let (lock, ticket) = {
-            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-            let slot = slots.entry(session_id.to_owned()).or_insert_with(|| Slot {
-                lock: Arc::default(),
-                cancel: None,
-                waiting: 0,
-                queued: 0,
-                next_ticket: 0,
-                interrupt: None,
-            });
-            // Nobody waits: take it if it is free. (With waiters, a newcomer
-            // queues behind them even if the lock is free this instant.)
-            if slot.waiting == 0
-                && let Ok(guard) = slot.lock.clone().try_lock_owned()
-            {
-                slot.cancel = Some(cancel.clone());
-                return Ok(self.guard(session_id, guard));
-            }
-            if policy == BusyPolicy::Reject {
-                return Err(BusyError::Busy);
-            }
-            if let Some(limit) = queue_limit
-                && slot.queued >= limit
-            {
-                return Err(BusyError::QueueFull(slot.queued));
-            }
-            let ticket = slot.next_ticket;
-            slot.next_ticket += 1;
-            if policy == BusyPolicy::Interrupt {
-                match &slot.cancel {
-                    Some(running) => running.cancel(),
-                    // Between two holders: the next one is interrupted.
-                    None => slot.interrupt = Some(ticket),
-                }
-            }
-            slot.waiting += 1;
-            if queue_limit.is_some() {
-                slot.queued += 1;
-            }
-            (slot.lock.clone(), ticket)
-        };
-        let _waiting = Waiting { locks: self, session_id, ticket, counted: queue_limit.is_some() };
-        let guard = tokio::select! {
-            biased;
-            () = cancel.cancelled() => return Err(BusyError::Cancelled),
-            g = lock.lock_owned() => g,
-        };
-        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(s) = slots.get_mut(session_id) else { return Err(BusyError::Cancelled) };
-        match s.interrupt {
-            Some(by) if by == ticket => s.interrupt = None,
-            // Queued before an interrupt that came while the lock changed
-            // hands: this one counts as the interrupted turn (one victim).
-            Some(_) => {
-                s.interrupt = None;
-                return Err(BusyError::Cancelled);
-            }
-            None => {}
+        visible_only: bool,
+    ) -> Result<Vec<pb::TranscriptEntry>, CoreError> {
+        let branch = self.store.branch(session_id).await?;
+        Ok(if visible_only { transcript::visible_entries(&branch) } else { branch })
+    }
+
+    /// Entries on the branch, compactions among them, and visible tokens.
+    pub async fn session_counts(&self, s: &Session) -> Result<(u32, u32, u64), CoreError> {
+        let branch = self.store.branch(&s.session_id).await?;
+        let compactions = branch.iter().filter(|e| matches!(e.entry, Some(Entry::Compaction(_)))).count() as u32;
+        Ok((branch.len() as u32, compactions, transcript::visible(&branch).tokens()))
+    }
+
+    pub async fn list_sessions(
+        &self,
+        agent: Option<&str>,
+        include_archived: bool,
+        offset: u64,
+        limit: u32,
+    ) -> Result<Vec<SessionStats>, CoreError> {
+        Ok(self.store.list_sessions(agent, include_archived, offset, limit).await?)
+    }
+
+    /// `/new` (archive = false) or `/reset` (archive = true).
+    pub async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        Ok(self.store.replace_session(&agent, &key, archive).await?)
+    }
+
+    /// Aborts what runs and deletes every session of the key with its
+    /// queued commits; then tells the engines that saw it to forget it.
+    pub async fn delete_sessions(&self, agent: &str, key: &str) -> Result<u32, CoreError> {
+        let (agent, key) = session_ref(agent, key)?;
+        self.abort(&agent, &key).await?;
+        let cancel = self.call_token();
+        // Under every session's lock: no turn or delivery of the key runs
+        // while its rows go, so nothing reaches an engine after its forget.
+        let ids = self.store.session_ids(&agent, &key).await?;
+        let mut guards = Vec::new();
+        for session_id in &ids {
+            guards.push(self.enter(session_id, &cancel, false).await?);
         }
-        if cancel.is_cancelled() {
-            return Err(BusyError::Cancelled);
+        let deleted = self.store.delete_sessions(&agent, &key).await?;
+        drop(guards);
+        if deleted == 0 {
+            return Err(CoreError::NoSession(key));
         }
-        s.cancel = Some(cancel.clone());
-        drop(slots);
-        Ok(self.guard(session_id, guard))
-    }
-
-    fn guard(self: &Arc<Self>, session_id: &str, lock: tokio::sync::OwnedMutexGuard<()>) -> SessionGuard {
-        SessionGuard { locks: self.clone(), session_id: session_id.to_owned(), lock: Some(lock) }
-    }
-
-    /// Fires the running work's token. True if something ran.
-    pub fn abort(&self, session_id: &str) -> bool {
-        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        match slots.get(session_id).and_then(|s| s.cancel.as_ref()) {
-            Some(c) => {
-                c.cancel();
-                true
-            }
-            None => false,
+        // This delete's forgets, best effort now (others' wait for the
+        // background pass, which also retries these).
+        if let Err(e) = self.deliver_forgets(Some(&ids)).await {
+            tracing::warn!(error = %e, "ForgetSession delivery failed; retried in the background");
         }
+        Ok(deleted)
     }
 
-    pub fn is_busy(&self, session_id: &str) -> bool {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner()).get(session_id).is_some_and(|s| s.cancel.is_some())
-    }
-
-    /// Sessions with work running.
-    pub fn running(&self) -> usize {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|s| s.cancel.is_some()).count()
-    }
-
-    /// Work waiting behind running work, over all sessions.
-    pub fn queued(&self) -> usize {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner()).values().map(|s| s.queued).sum()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn policies_reject_queue_up_to_the_limit_and_interrupt() {
-        let locks = Arc::new(SessionLocks::default());
-        let first = CancellationToken::new();
-        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(1)).await.unwrap();
-        assert!(locks.is_busy("s"));
-        let e = locks.enter("s", &CancellationToken::new(), BusyPolicy::Reject, Some(1)).await.err();
-        assert_eq!(e, Some(BusyError::Busy));
-
-        // One may wait; the second waiter is refused at once.
-        let waiter_token = CancellationToken::new();
-        let (l, t) = (locks.clone(), waiter_token.clone());
-        let waiting = tokio::spawn(async move { l.enter("s", &t, BusyPolicy::Enqueue, Some(1)).await.map(|_| ()) });
-        while locks.slots.lock().unwrap().get("s").unwrap().queued == 0 {
-            tokio::task::yield_now().await;
-        }
-        let e = locks.enter("s", &CancellationToken::new(), BusyPolicy::Enqueue, Some(1)).await.err();
-        assert_eq!(e, Some(BusyError::QueueFull(1)));
-
-        // A waiter that is cancelled leaves and frees its place.
-        waiter_token.cancel();
-        assert_eq!(waiting.await.unwrap(), Err(BusyError::Cancelled));
-        assert_eq!(locks.slots.lock().unwrap().get("s").unwrap().queued, 0);
-
-        // Interrupt fires the running turn's token and gets in after it.
-        let (l, t) = (locks.clone(), CancellationToken::new());
-        let interrupting = tokio::spawn(async move { l.enter("s", &t, BusyPolicy::Interrupt, Some(1)).await.is_ok() });
-        first.cancelled().await;
-        drop(running);
-        assert!(interrupting.await.unwrap());
-        assert!(!locks.is_busy("s"), "the guard was dropped with the task");
-        assert!(locks.slots.lock().unwrap().is_empty(), "idle sessions are forgotten");
+    pub async fn count_sessions(&self) -> Result<u32, CoreError> {
+        Ok(self.store.count_sessions().await?)
     }
 }

@@ -1,6 +1,14 @@
 //! Subagents: spawn (prepare, create, roll back on failure), end, sweep.
 
-use super::*;
+use ctxgate_proto::limits;
+use ctxgate_proto::pb::{self, transcript_entry::Entry};
+use tokio_util::sync::CancellationToken;
+
+use crate::core::engine_lease::Unmet;
+use crate::core::types::{HostProfile, Operation};
+use crate::core::{Core, CoreError, now_unix_ms};
+use crate::engines::{Call, EngineCallError};
+use crate::store::{NewEntry, Session, Subagent};
 
 impl Core {
     // --- subagents ------------------------------------------------------------
@@ -37,7 +45,7 @@ impl Core {
         }
         // Spawning fails closed: an engine that cannot run here refuses.
         let host = HostProfile::embedded();
-        let lease = self.lease(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::FailClosed)?;
+        let lease = self.lease_engine(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::FailClosed)?;
         let call = Call::new(cancel);
         let grant = self.grant(&lease, parent, None, None);
         let prep = pb::PrepareSubagentSpawnRequest {
@@ -134,7 +142,7 @@ impl Core {
         };
         let Some(_record) = self.store.take_subagent(agent, child_key).await? else { return Ok(false) };
         let host = HostProfile::embedded();
-        let lease = self.lease(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::Degrade)?;
+        let lease = self.lease_engine(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::Degrade)?;
         let req = pb::OnSubagentEndedRequest {
             child_session_key: child_key.into(),
             reason: r as i32,

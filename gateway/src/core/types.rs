@@ -372,7 +372,9 @@ pub type EventSink = Arc<dyn Fn(TurnEvent) + Send + Sync>;
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use ctxgate_proto::pb;
+
+    use super::{HostProfile, Operation};
 
     #[test]
     fn host_requirements_fail_closed_with_openclaws_message() {

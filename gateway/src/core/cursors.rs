@@ -4,7 +4,16 @@
 //! session's history before the current turn is delivered with IngestBatch
 //! and the cursor set after it.
 
-use super::*;
+use std::collections::HashSet;
+
+use ctxgate_proto::estimate;
+use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
+
+use crate::core::engine_lease::EngineLease;
+use crate::core::{Core, CoreError};
+use crate::engines::{Call, EngineCallError};
+use crate::store::Session;
+use crate::transcript;
 
 /// One IngestBatch of a resync carries at most this many messages and bytes
 /// (the contract allows 20,000 messages and 16 MiB a request).
@@ -18,7 +27,7 @@ impl Core {
     /// way (it is quarantined now; legacy serves).
     pub(super) async fn resync(
         &self,
-        lease: &Lease,
+        lease: &EngineLease,
         session: &Session,
         fence: &str,
         call: &Call,
@@ -79,7 +88,7 @@ impl Core {
 
     /// Forgets a DELTA engine's cursor after it reported a gap: the next
     /// read of the history resyncs.
-    pub(super) async fn drop_cursor(&self, lease: &Lease, session: &Session) -> Result<(), CoreError> {
+    pub(super) async fn drop_cursor(&self, lease: &EngineLease, session: &Session) -> Result<(), CoreError> {
         Ok(self.store.set_cursor(&session.session_id, &lease.key, None).await?)
     }
 
@@ -87,7 +96,7 @@ impl Core {
     /// what the engine was sent.
     pub(super) async fn advance_cursor(
         &self,
-        lease: &Lease,
+        lease: &EngineLease,
         session: &Session,
         base: &pb::HistoryCursor,
     ) -> Result<(), CoreError> {

@@ -1,0 +1,198 @@
+//! The engine an operation runs with — leased once, so a turn is never
+//! replayed on another engine — and what each call to it carries: a grant
+//! for the host callbacks, the runtime settings and context.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ctxgate_proto::pb;
+use tokio::time::Instant;
+
+use crate::core::types::{Capability, HostProfile, ModelSpec, Operation, Selection};
+use crate::core::{Core, CoreError};
+use crate::engines::{Engine, LEGACY_ID};
+use crate::grants::{GrantGuard, HostOperation, Scope};
+use crate::store::Session;
+
+/// How long a host grant lives when the call has no tighter deadline.
+const GRANT_TTL: Duration = Duration::from_secs(600);
+
+/// The engine a turn (or a manual compaction, a spawn) runs with: pinned
+/// once chosen, so a turn is never replayed on another engine.
+#[derive(Clone)]
+pub(super) struct EngineLease {
+    /// The registry id (`plugins.entries` key) or "legacy".
+    pub key: String,
+    pub engine: Arc<dyn Engine>,
+    pub info: pb::EngineInfo,
+    /// The degradation warning, when the configured engine could not take it.
+    pub degraded: Option<String>,
+    pub remote: bool,
+    /// The durable engine whose record gets this turn through the outbox,
+    /// whichever engine serves it: a turn served by legacy while the
+    /// engine was quarantined (or degraded) still reaches it, in order.
+    pub record: Option<String>,
+    /// Who runs the operation, and against which model.
+    pub host: HostProfile,
+    pub model: ModelSpec,
+}
+
+/// What to do when the configured engine's host requirements are not met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unmet {
+    /// Serve the operation on legacy, with OpenClaw's degrade warning.
+    Degrade,
+    /// Refuse it before anything is admitted (harness turns, spawns).
+    FailClosed,
+}
+
+impl EngineLease {
+    pub(super) fn selection(&self) -> Selection {
+        match (&self.degraded, self.remote) {
+            (Some(_), _) => Selection::Degraded,
+            (None, true) => Selection::Configured,
+            (None, false) => Selection::Default,
+        }
+    }
+
+    /// RuntimeSettings schema v1 (reference §1.5).
+    pub(super) fn runtime_settings(&self, budget: u64, degraded: Option<pb::ReasonCode>) -> pb::RuntimeSettings {
+        let model = self.model.id.clone();
+        let mode = match (degraded, self.degraded.is_some()) {
+            (Some(_), _) => pb::RuntimeMode::Degraded,
+            (None, true) => pb::RuntimeMode::Fallback,
+            (None, false) => pb::RuntimeMode::Normal,
+        };
+        let source =
+            if self.info.id == LEGACY_ID { pb::SelectionSource::Default } else { pb::SelectionSource::Configured };
+        let harness_id = self.host.id.strip_prefix("agent-harness:").map(str::to_owned);
+        pb::RuntimeSettings {
+            schema_version: 1,
+            runtime: Some(pb::RuntimeInfo { host: "ctxgate".into(), mode: mode as i32, harness_id, runtime_id: None }),
+            model: Some(pb::ModelSelection {
+                requested: Some(model.clone()),
+                resolved: Some(model),
+                provider: Some(self.model.provider.clone()).filter(|p| !p.is_empty()),
+                family: None,
+            }),
+            context_engine_selection: Some(pb::EngineSelection {
+                selected_id: Some(self.info.id.clone()),
+                source: source as i32,
+            }),
+            execution_host: Some(pb::ExecutionHost {
+                id: Some(self.host.id.clone()),
+                label: Some(self.host.label.clone()),
+            }),
+            limits: Some(pb::Limits {
+                prompt_token_budget: Some(budget),
+                max_output_tokens: Some(self.model.max_output_tokens),
+            }),
+            diagnostics: Some(pb::Diagnostics {
+                fallback_reason: if self.degraded.is_some() { pb::ReasonCode::RuntimeUnavailable as i32 } else { 0 },
+                degraded_reason: degraded.map_or(0, |d| d as i32),
+            }),
+        }
+    }
+
+    /// RuntimeContext for a call about `session` (reference §1.4).
+    pub(super) fn runtime_context(&self, session: &Session, budget: u64, current: u64) -> pb::RuntimeContext {
+        pb::RuntimeContext {
+            token_budget: Some(budget),
+            current_token_count: Some(current),
+            transcript_storage: pb::TranscriptStorage::Sqlite as i32,
+            session_target: Some(session_target(session)),
+            provider: Some(self.model.provider.clone()).filter(|p| !p.is_empty()),
+            model_id: Some(self.model.id.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+/// The session as the contract names it.
+pub(super) fn session_target(s: &Session) -> pb::SessionTarget {
+    pb::SessionTarget {
+        agent_id: Some(s.agent_id.clone()),
+        session_id: Some(s.session_id.clone()),
+        session_key: Some(s.session_key.clone()),
+        store_path: None,
+        thread_id: None,
+    }
+}
+
+impl Core {
+    /// Chooses the engine for one operation: the configured one if it is in
+    /// service and `host` has what it needs; else legacy with one warning
+    /// (a quarantine always degrades; unmet host requirements degrade or,
+    /// with [`Unmet::FailClosed`], refuse with OpenClaw's message).
+    pub(super) fn lease_engine(
+        &self,
+        operation: Operation,
+        host: &HostProfile,
+        model: ModelSpec,
+        unmet: Unmet,
+    ) -> Result<EngineLease, CoreError> {
+        let registry = self.registry();
+        // Known durable from its last attach (in this process or, kept in
+        // the store, an earlier one), even while it is quarantined.
+        let record = registry.selected().filter(|g| self.durable_engine(g)).map(|g| g.id().to_owned());
+        let lease = |key: String, engine: Arc<dyn Engine>, info, degraded, remote| EngineLease {
+            key,
+            engine,
+            info,
+            degraded,
+            remote,
+            record: record.clone(),
+            host: host.clone(),
+            model: model.clone(),
+        };
+        let legacy = |degraded| lease(LEGACY_ID.into(), registry.legacy(), registry.legacy.info(), degraded, false);
+        let Some(g) = registry.selected() else { return Ok(legacy(None)) };
+        let reason = if let Some(q) = g.quarantine_record() {
+            Some(format!("it is quarantined after failing during {}: {}", q.cause, q.reason))
+        } else {
+            match host.unmet(&g.info(), operation) {
+                Err(m) if unmet == Unmet::FailClosed => return Err(CoreError::Precondition(m)),
+                r => r.err(),
+            }
+        };
+        Ok(match reason {
+            Some(reason) => {
+                let id = g.id();
+                let warning = format!(
+                    "Context engine \"{id}\" degraded to \"{LEGACY_ID}\" for this logical turn: {reason}. The \"{LEGACY_ID}\" engine will handle only this turn; configuration is unchanged, and \"{id}\" will be retried next turn."
+                );
+                tracing::warn!("{warning}");
+                legacy(Some(warning))
+            }
+            None => lease(g.id().to_owned(), g.clone(), g.info(), None, true),
+        })
+    }
+
+    /// A grant for one engine call on `session`, expiring with the call.
+    /// The host model is granted only to hosts with runtime-llm-complete.
+    pub(super) fn grant(
+        &self,
+        lease: &EngineLease,
+        session: &Session,
+        fence_before: Option<&str>,
+        deadline: Option<Instant>,
+    ) -> Option<GrantGuard> {
+        let endpoint = self.host_endpoint.get()?;
+        if !lease.remote {
+            return None;
+        }
+        let ttl = deadline.map_or(GRANT_TTL, |d| d.saturating_duration_since(Instant::now()));
+        let mut operations = vec![HostOperation::ReadTranscript];
+        if lease.host.has(Capability::RuntimeLlmComplete) {
+            operations.push(HostOperation::LlmComplete);
+        }
+        let scope = Scope {
+            engine_id: lease.info.id.clone(),
+            session_id: session.session_id.clone(),
+            session_key: session.session_key.clone(),
+            operations,
+            fence_before: fence_before.map(str::to_owned),
+        };
+        Some(self.grants.issue(endpoint, scope, ttl))
+    }
+}

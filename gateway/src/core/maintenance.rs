@@ -1,0 +1,146 @@
+//! An engine's upkeep of a session: Bootstrap (then maintain(bootstrap))
+//! the first time this process sees it, and maintain after every turn — in
+//! the foreground, or on the session's background lane for engines that
+//! ask for it. Rewrites are applied as a new branch.
+
+use std::sync::Arc;
+
+use ctxgate_proto::{Method, pb};
+
+use crate::core::engine_lease::{EngineLease, session_target};
+use crate::core::types::Capability;
+use crate::core::{Core, Remap};
+use crate::engines::{Call, EngineCallError};
+use crate::store::Session;
+
+impl Core {
+    /// Bootstrap (then maintain(bootstrap)) a session the remote engine has
+    /// not seen in this process, for hosts with the bootstrap capability.
+    /// Returns the rewrite's id map (empty when nothing was rewritten).
+    pub(super) async fn bootstrap_if_new(
+        &self,
+        lease: &EngineLease,
+        session: &Session,
+        fence: &str,
+        budget: u64,
+        call: &Call,
+    ) -> Remap {
+        if !lease.remote || !lease.host.has(Capability::Bootstrap) {
+            return Remap::new();
+        }
+        let key = (lease.info.id.clone(), session.session_id.clone());
+        if !self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).first_time(key) {
+            return Remap::new();
+        }
+        let grant = self.grant(lease, session, Some(fence), call.deadline);
+        let req = pb::BootstrapRequest {
+            session_id: session.session_id.clone(),
+            session_key: Some(session.session_key.clone()),
+            session_target: Some(session_target(session)),
+            session_file: session.session_key.clone(),
+            runtime_settings: Some(lease.runtime_settings(budget, None)),
+            runtime_context: Some(lease.runtime_context(session, budget, 0)),
+            host: grant.as_ref().map(|g| g.access.clone()),
+        };
+        match lease.engine.bootstrap(req, call).await {
+            Ok(r) if r.bootstrapped => {
+                return self.maintain(lease, session, pb::MaintainReason::Bootstrap, budget, call).await;
+            }
+            Ok(_) | Err(EngineCallError::Unimplemented(_)) => {}
+            Err(e) => tracing::warn!(error = %e, "context engine bootstrap failed"),
+        }
+        Remap::new()
+    }
+
+    /// Maintain and apply the engine's rewrites as a new branch; returns
+    /// the rewrite's id map (empty when nothing was rewritten).
+    pub(super) async fn maintain(
+        &self,
+        lease: &EngineLease,
+        session: &Session,
+        reason: pb::MaintainReason,
+        budget: u64,
+        call: &Call,
+    ) -> Remap {
+        // Runs after every turn: an engine that does not list Maintain (the
+        // legacy one included) is not asked for an UNIMPLEMENTED each time.
+        if !Method::Maintain.listed_in(&lease.info.implemented_methods) || !lease.host.has(Capability::Maintain) {
+            return Remap::new();
+        }
+        let grant = self.grant(lease, session, None, call.deadline);
+        let req = pb::MaintainRequest {
+            session_id: session.session_id.clone(),
+            session_key: Some(session.session_key.clone()),
+            session_target: Some(session_target(session)),
+            session_file: session.session_key.clone(),
+            reason: reason as i32,
+            runtime_settings: Some(lease.runtime_settings(budget, None)),
+            runtime_context: Some(pb::RuntimeContext {
+                allow_deferred_compaction_execution: call.deadline.is_none() && reason == pb::MaintainReason::Turn,
+                ..lease.runtime_context(session, budget, 0)
+            }),
+            host: grant.as_ref().map(|g| g.access.clone()),
+        };
+        match lease.engine.maintain(req, call).await {
+            Ok(r) if !r.replacements.is_empty() => {
+                let replacements = r.replacements.into_iter().filter_map(|x| Some((x.entry_id, x.message?))).collect();
+                match self.store.rewrite(&session.session_id, replacements).await {
+                    Ok(o) if o.changed => {
+                        tracing::info!(
+                            session = %session.session_id, rewritten = o.rewritten_entries, bytes_freed = o.bytes_freed,
+                            "context engine maintenance changed the transcript"
+                        );
+                        return o.remap;
+                    }
+                    Ok(o) => tracing::debug!(reason = %o.reason, "maintenance rewrote nothing"),
+                    Err(e) => tracing::warn!(error = %e, "applying maintenance rewrites failed"),
+                }
+            }
+            Ok(_) | Err(EngineCallError::Unimplemented(_) | EngineCallError::Cancelled) => {}
+            Err(e) => tracing::warn!(error = %e, "context engine maintain failed"),
+        }
+        Remap::new()
+    }
+
+    /// After a turn: maintain(turn) in the foreground, or — for engines that
+    /// ask for it — on the session's background lane: one run at a time,
+    /// plus one coalesced follow-up, each under the session's lock (so it
+    /// never rewrites a branch a turn is writing), cancelled on shutdown.
+    pub(super) async fn maintain_after_turn(
+        self: &Arc<Self>,
+        lease: &EngineLease,
+        session: &Session,
+        budget: u64,
+        call: &Call,
+    ) {
+        if lease.info.turn_maintenance_mode != pb::TurnMaintenanceMode::Background as i32 {
+            self.maintain(lease, session, pb::MaintainReason::Turn, budget, call).await;
+            return;
+        }
+        {
+            let mut lanes = self.maintenance.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(follow_up) = lanes.get_mut(&session.session_id) {
+                *follow_up = true;
+                return;
+            }
+            lanes.insert(session.session_id.clone(), false);
+        }
+        let (core, lease, session) = (self.clone(), lease.clone(), session.clone());
+        let stop = self.shutdown.child_token();
+        tokio::spawn(async move {
+            loop {
+                if let Ok(_guard) = core.enter(&session.session_id, &stop, false).await {
+                    core.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
+                }
+                let mut lanes = core.maintenance.lock().unwrap_or_else(|e| e.into_inner());
+                match lanes.get_mut(&session.session_id) {
+                    Some(again) if *again && !stop.is_cancelled() => *again = false,
+                    _ => {
+                        lanes.remove(&session.session_id);
+                        return;
+                    }
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,169 @@
+//! The session's history as a turn sends it to its engine: the whole
+//! visible history, or — for an engine that keeps the history itself
+//! (DELTA) — only what follows the engine's cursor. Reading it costs as
+//! much as an assemble, so it is read once per turn, kept current by the
+//! turn's own appends, and read again only after a compaction or a resync
+//! changed it.
+
+use std::sync::Arc;
+
+use ctxgate_proto::estimate;
+use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
+
+use crate::core::engine_lease::EngineLease;
+use crate::core::{Core, CoreError};
+use crate::engines::Call;
+use crate::store::Session;
+
+/// What a turn read for its engine.
+#[derive(Debug)]
+pub(super) enum Read {
+    /// The whole visible history.
+    Full(Vec<AgentMessage>),
+    /// What follows the engine's cursor; the engine holds what precedes it.
+    Delta { cursor: pb::HistoryCursor, after: Vec<AgentMessage> },
+}
+
+impl Read {
+    pub(super) fn messages(&self) -> &[AgentMessage] {
+        match self {
+            Self::Full(m) | Self::Delta { after: m, .. } => m,
+        }
+    }
+
+    pub(super) fn cursor(&self) -> Option<&pb::HistoryCursor> {
+        match self {
+            Self::Full(_) => None,
+            Self::Delta { cursor, .. } => Some(cursor),
+        }
+    }
+
+    /// Tokens of the whole visible history, the engine's share included.
+    pub(super) fn tokens(&self) -> u64 {
+        self.cursor().map_or(0, |c| c.tokens) + estimate::messages_tokens(self.messages())
+    }
+
+    /// The messages, and the cursor they follow.
+    pub(super) fn into_parts(self) -> (Vec<AgentMessage>, Option<pb::HistoryCursor>) {
+        match self {
+            Self::Full(m) => (m, None),
+            Self::Delta { cursor, after } => (after, Some(cursor)),
+        }
+    }
+}
+
+/// A turn's view of the history: what it read, and how it may read next.
+#[derive(Debug)]
+pub(super) struct HistoryView {
+    /// `None`: read at the next use.
+    read: Option<Read>,
+    /// The turn may send deltas: a remote DELTA engine that has not failed
+    /// a delta call in this turn (after one, legacy may have to answer,
+    /// and legacy needs the whole history).
+    delta: bool,
+    /// A history gap was resynced in this turn (at most once).
+    gap_resynced: bool,
+}
+
+/// What reading the history needs from the turn.
+pub(super) struct Source<'a> {
+    pub core: &'a Arc<Core>,
+    pub lease: &'a EngineLease,
+    pub session: &'a Session,
+    /// The message id of the turn's first user message: the engine is
+    /// resynced with everything before it.
+    pub fence: &'a str,
+    pub call: &'a Call,
+}
+
+impl HistoryView {
+    pub(super) fn new(lease: &EngineLease) -> Self {
+        Self { read: None, delta: lease.remote && crate::engines::delta(&lease.info), gap_resynced: false }
+    }
+
+    /// The history now, read when needed.
+    pub(super) async fn get(&mut self, from: &Source<'_>) -> Result<&Read, CoreError> {
+        if self.read.is_none() {
+            let read = if self.delta {
+                read_delta(from).await?
+            } else {
+                Read::Full(from.core.visible_messages(from.session).await?)
+            };
+            self.read = Some(read);
+        }
+        Ok(self.read.get_or_insert(Read::Full(Vec::new())))
+    }
+
+    /// Takes the history (the turn is closing: not copied).
+    pub(super) async fn take(&mut self, from: &Source<'_>) -> Result<Read, CoreError> {
+        self.get(from).await?;
+        Ok(self.read.take().unwrap_or(Read::Full(Vec::new())))
+    }
+
+    /// The branch changed (a compaction, a resync): read it again.
+    pub(super) fn forget(&mut self) {
+        self.read = None;
+    }
+
+    /// The engine failed (or shed) a delta call: the rest of the turn reads
+    /// the whole history, which legacy can answer. False when the last
+    /// read was not a delta (nothing to fall back from).
+    pub(super) fn fall_back_to_full(&mut self) -> bool {
+        if !matches!(self.read, Some(Read::Delta { .. })) {
+            return false;
+        }
+        self.delta = false;
+        self.read = None;
+        true
+    }
+
+    /// The engine reported a history gap: true the first time in this turn
+    /// (the caller drops the cursor and reads again), false after.
+    pub(super) fn resync_after_gap(&mut self) -> bool {
+        if std::mem::replace(&mut self.gap_resynced, true) {
+            return false;
+        }
+        self.read = None;
+        true
+    }
+
+    /// Extends what was read with entries the turn just stored.
+    pub(super) fn remember(&mut self, stored: &[pb::TranscriptEntry]) {
+        if let Some(Read::Full(m) | Read::Delta { after: m, .. }) = &mut self.read {
+            m.extend(stored.iter().filter_map(|e| match &e.entry {
+                Some(Entry::Message(m)) => Some(m.clone()),
+                _ => None,
+            }));
+        }
+    }
+}
+
+/// What follows the DELTA engine's cursor, resyncing it first when it is
+/// missing or no longer on the branch; the whole visible history if the
+/// engine failed meanwhile (legacy answers then).
+async fn read_delta(from: &Source<'_>) -> Result<Read, CoreError> {
+    let Source { core, lease, session, fence, call } = from;
+    let sid = &session.session_id;
+    let mut cursor = core.store.cursor(sid, &lease.key).await?;
+    for _ in 0..2 {
+        if let Some(c) = &cursor
+            && let Some(after) = core.store.branch_after(sid, c).await?
+            // A host compaction since the cursor changed what is visible.
+            && after.iter().all(|e| matches!(e.entry, Some(Entry::Message(_))))
+        {
+            let after = after
+                .into_iter()
+                .filter_map(|e| match e.entry {
+                    Some(Entry::Message(m)) => Some(m),
+                    _ => None,
+                })
+                .collect();
+            return Ok(Read::Delta { cursor: c.clone(), after });
+        }
+        cursor = core.resync(lease, session, fence, call).await?;
+        if cursor.is_none() {
+            break;
+        }
+    }
+    Ok(Read::Full(core.visible_messages(session).await?))
+}

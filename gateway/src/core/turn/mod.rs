@@ -1,0 +1,507 @@
+//! The turn as one lifecycle value. Both drivers — the managed `RunTurn`
+//! loop and an external harness — run a turn through these steps, and only
+//! these: `begin` (session, busy policy, lease, host requirements,
+//! admission, the outbox, bootstrap, proactive compaction) → `assemble`
+//! before every model call → `append` what the model and tools produced →
+//! `overflow`/`recover`/`compact` → `finish`. Dropping an open turn is an
+//! abort.
+//!
+//! The turn owns small pieces that keep their own rules: the history it
+//! sends its engine ([`history`]), what it has added ([`ledger`]), and its
+//! place in the trace ([`trace`]).
+
+mod finish;
+mod history;
+mod ledger;
+mod trace;
+
+use std::sync::Arc;
+
+use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
+use ctxgate_proto::{estimate, limits};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::core::admission::Permit;
+use crate::core::claims::Held;
+use crate::core::engine_lease::{EngineLease, Unmet};
+use crate::core::types::{
+    Capability, CompactionDone, Context, Driver, EventSink, Failure, FailureReason, Operation, Outcome, Projection,
+    Trigger, TurnEvent, TurnSpec,
+};
+use crate::core::{Core, CoreError, now_unix_ms};
+use crate::engines::{Call, EngineCallError};
+use crate::store::{NewEntry, Session, StoreError};
+pub use finish::Finished;
+use history::{HistoryView, Read, Source};
+use ledger::Ledger;
+pub use ledger::check_client_message;
+use trace::{Attributes, TurnTrace};
+
+/// Overflow compactions before the gateway gives up on compacting.
+pub const MAX_OVERFLOW_COMPACTIONS: u32 = 3;
+
+/// What `begin` gives back. Built once per turn: not worth a box.
+#[allow(clippy::large_enum_variant)]
+pub enum Begun {
+    Open(Turn),
+    /// Admitted, then failed before anything ran (the engine's outbox is
+    /// blocked); the turn is closed already.
+    Failed(Failure),
+}
+
+/// How a step failed.
+#[derive(Debug)]
+pub enum StepError {
+    /// The request is refused (bad input, out of order, a store failure);
+    /// the API answers with its status.
+    Refused(CoreError),
+    /// The turn cannot go on; the driver ends it with this failure.
+    Failed(Failure),
+}
+
+impl From<CoreError> for StepError {
+    fn from(e: CoreError) -> Self {
+        Self::Refused(e)
+    }
+}
+
+impl From<StoreError> for StepError {
+    fn from(e: StoreError) -> Self {
+        Self::Refused(e.into())
+    }
+}
+
+pub struct Turn {
+    core: Arc<Core>,
+    session: Session,
+    lease: EngineLease,
+    turn_id: String,
+    /// The turn's user messages as admitted (ids follow a rewrite's copies).
+    admitted: Vec<pb::TranscriptEntry>,
+    driver: Driver,
+    system_prompt_tokens: u64,
+    /// The user messages' text (AssembleRequest.prompt).
+    prompt: String,
+    available_tools: Vec<String>,
+    events: EventSink,
+    cancel: CancellationToken,
+    call: Call,
+    ledger: Ledger,
+    view: HistoryView,
+    /// Contexts assembled so far.
+    contexts: u32,
+    overflow_compactions: u32,
+    proactive_done: bool,
+    /// Why the runtime is degraded (RuntimeSettings.diagnostics).
+    degraded: Option<pb::ReasonCode>,
+    trace: TurnTrace,
+    /// Held while the turn is open; `None` once closed.
+    guard: Option<Held>,
+    /// The turn's admission permit, released with the turn.
+    admission: Permit,
+}
+
+impl Core {
+    /// Begins a turn: waits for the session under the spec's busy policy
+    /// (a cancel while waiting leaves no trace), leases the engine (host
+    /// requirements: the managed driver degrades, a harness fails closed
+    /// before admission), admits the user messages, delivers the session's
+    /// queued durable commits, bootstraps and compacts proactively.
+    pub async fn begin(
+        self: &Arc<Self>,
+        spec: TurnSpec,
+        events: EventSink,
+        cancel: CancellationToken,
+    ) -> Result<Begun, CoreError> {
+        // The turn is a span of the client's trace (or of a new one); every
+        // engine call of the turn is a span of its own under it.
+        let mut trace = TurnTrace::start(spec.trace);
+        // Admission control: shed at once over the limit, before any work.
+        let mut admission = self.admission.try_admit().map_err(|shed| {
+            self.metrics.turns_shed.inc();
+            self.metrics.turn_limit.set(shed.limit as i64);
+            CoreError::Overloaded(shed)
+        })?;
+        self.metrics.turn_limit.set(admission.limit() as i64);
+        let session = self
+            .store
+            .session(&spec.agent_id, &spec.session_key, true)
+            .await?
+            .ok_or_else(|| CoreError::NoSession(spec.session_key.clone()))?;
+        let limit = self.config.gateway.limits.queued_turns_per_session;
+        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
+        let unmet = match spec.driver {
+            Driver::Managed => Unmet::Degrade,
+            Driver::Harness => Unmet::FailClosed,
+        };
+        let lease = self.lease_engine(Operation::AgentRun, &spec.host, spec.model, unmet)?;
+        // It holds its session and runs: from here its time is a sample.
+        admission.admitted();
+
+        // Admission: the user messages are durable before anything else runs.
+        let turn_id = uuid::Uuid::new_v4().simple().to_string();
+        let prompt = spec.user_messages.iter().map(crate::provider::message_text).collect::<Vec<_>>().join("\n");
+        let entries = spec
+            .user_messages
+            .into_iter()
+            .map(|m| NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(m) })
+            .collect();
+        let seen_by = if lease.remote { Some(lease.key.as_str()) } else { lease.record.as_deref() };
+        let admitted = self.store.open_turn(&session.session_id, &turn_id, entries, seen_by).await?;
+        self.metrics.turns_in_flight.inc();
+        // One span per turn: every engine call and model request nests in it.
+        trace.open(&Attributes {
+            driver: spec.driver,
+            session_id: &session.session_id,
+            agent_id: &session.agent_id,
+            session_key: &session.session_key,
+            turn_id: &turn_id,
+            engine: &lease.info.id,
+        });
+        let turn = Turn {
+            core: self.clone(),
+            ledger: Ledger::admitted(&admitted),
+            view: HistoryView::new(&lease),
+            session,
+            lease,
+            turn_id,
+            admitted,
+            driver: spec.driver,
+            system_prompt_tokens: spec.system_prompt_tokens,
+            prompt,
+            available_tools: spec.available_tools,
+            events,
+            call: Call::new(cancel.clone()).traced(Some(trace.this)),
+            cancel,
+            contexts: 0,
+            overflow_compactions: 0,
+            proactive_done: false,
+            degraded: None,
+            trace,
+            guard: Some(guard),
+            admission,
+        };
+        let span = turn.trace.span.clone();
+        turn.start().instrument(span).await
+    }
+}
+
+impl Turn {
+    async fn start(mut self) -> Result<Begun, CoreError> {
+        self.emit(TurnEvent::Admitted {
+            session_id: self.session.session_id.clone(),
+            turn_id: self.turn_id.clone(),
+            entry_ids: self.admitted.iter().map(|e| e.id.clone()).collect(),
+        });
+        self.emit(TurnEvent::EngineSelected {
+            engine_id: self.lease.info.id.clone(),
+            selection: self.lease.selection(),
+            warning: self.lease.degraded.clone(),
+        });
+        // Durable engines get earlier turns first; a turn the engine has not
+        // accepted blocks this session only.
+        if self.lease.remote && crate::engines::durable(&self.lease.info) {
+            let backlog =
+                self.core.drain_commits(&self.session.session_id, &self.lease.key, &self.cancel, false).await?;
+            if self.cancel.is_cancelled() {
+                self.close(Outcome::Aborted, Vec::new()).await?;
+                return Ok(Begun::Failed(Failure::aborted()));
+            }
+            if backlog.waiting > 0 {
+                let failure = Failure::new(FailureReason::EngineBacklog, backlog.reason(&self.lease.key));
+                self.close(Outcome::Failed(failure.clone()), Vec::new()).await?;
+                return Ok(Begun::Failed(failure));
+            }
+        }
+        let budget = self.budget(0);
+        let fence = self.admitted[0].id.clone();
+        let remap = self.core.bootstrap_if_new(&self.lease, &self.session, &fence, budget, &self.call).await;
+        // Maintain(bootstrap) may have copied the branch, admitted entries
+        // included: the fence and positions follow the copies.
+        for e in &mut self.admitted {
+            if let Some(new) = remap.get(&e.id) {
+                // A copied message keeps its message id (the old entry id):
+                // both name the turn's own message.
+                self.ledger.copied(new.clone());
+                e.id.clone_from(new);
+            }
+        }
+
+        // Proactive compaction: tokens ≥ window − min(20000, 25 % of window).
+        // Engines that own compaction are judged by what they assemble.
+        let tokens = self.history().await?.tokens();
+        if !self.lease.info.owns_compaction && tokens >= self.threshold() {
+            self.proactive_done = true;
+            if let Err(f) = self.recover(Trigger::Proactive).await {
+                self.close(Outcome::Aborted, Vec::new()).await?;
+                return Ok(Begun::Failed(f));
+            }
+        }
+        Ok(Begun::Open(self))
+    }
+
+    pub fn turn_id(&self) -> &str {
+        &self.turn_id
+    }
+
+    /// Time the turn waited on the model or the client (admission control
+    /// does not count it as the gateway's latency).
+    pub fn outside_gateway(&mut self, waited: std::time::Duration) {
+        self.admission.outside(waited);
+    }
+
+    pub fn cancel(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Whether the engine owns compaction (the managed precheck skips).
+    pub fn engine_owns_compaction(&self) -> bool {
+        self.lease.info.owns_compaction
+    }
+
+    /// Tokens the assembled history may take: window − reserve − rendered
+    /// system prompt − `pending`.
+    pub fn budget(&self, pending: u64) -> u64 {
+        let m = &self.lease.model;
+        m.context_window
+            .saturating_sub(m.reserve_tokens)
+            .saturating_sub(self.system_prompt_tokens)
+            .saturating_sub(pending)
+    }
+
+    fn threshold(&self) -> u64 {
+        let window = self.lease.model.context_window;
+        window - (window / 4).min(20_000)
+    }
+
+    fn emit(&self, e: TurnEvent) {
+        (self.events)(e);
+    }
+
+    fn aborted(&self) -> StepError {
+        StepError::Failed(Failure::aborted())
+    }
+
+    /// The message id of the turn's first user message (rewrites keep it):
+    /// a resync sends the engine everything before it.
+    fn fence(&self) -> String {
+        match &self.admitted[0].entry {
+            Some(Entry::Message(m)) => m.id.clone(),
+            _ => self.admitted[0].id.clone(),
+        }
+    }
+
+    /// The history the engine is sent now (read when needed).
+    async fn history(&mut self) -> Result<&Read, CoreError> {
+        let fence = self.fence();
+        let from =
+            Source { core: &self.core, lease: &self.lease, session: &self.session, fence: &fence, call: &self.call };
+        self.view.get(&from).await
+    }
+
+    /// The context for the next model call: the engine assembles the
+    /// visible history (which holds everything appended so far) within the
+    /// budget left by `pending`, the messages the caller will show after it.
+    /// Engines owning compaction that assemble past the proactive threshold
+    /// compact once and assemble again.
+    pub async fn assemble(&mut self, pending: &[AgentMessage], field: &str) -> Result<Context, StepError> {
+        let span = self.trace.span.clone();
+        self.assemble_inner(pending, field).instrument(span).await
+    }
+
+    async fn assemble_inner(&mut self, pending: &[AgentMessage], field: &str) -> Result<Context, StepError> {
+        if !self.lease.host.has(Capability::AssembleBeforePrompt) {
+            return Err(CoreError::Precondition(format!(
+                "this turn is capture-only: host \"{}\" lacks the capability \"{}\"",
+                self.lease.host.id,
+                Capability::AssembleBeforePrompt.as_str()
+            ))
+            .into());
+        }
+        // Pending messages obey the append rules, without being stored.
+        self.ledger.check(pending, field)?;
+        let budget = self.budget(estimate::messages_tokens(pending));
+        loop {
+            if self.cancel.is_cancelled() {
+                return Err(self.aborted());
+            }
+            let history = self.history().await?;
+            let (messages, cursor, pre_assembly_tokens) =
+                (history.messages().to_vec(), history.cursor().cloned(), history.tokens());
+            let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
+            let request = pb::AssembleRequest {
+                session_id: self.session.session_id.clone(),
+                session_key: Some(self.session.session_key.clone()),
+                messages,
+                token_budget: Some(budget),
+                available_tools: self.available_tools.clone(),
+                prompt: Some(self.prompt.clone()),
+                model: Some(self.lease.model.id.clone()),
+                runtime_settings: Some(self.lease.runtime_settings(budget, self.degraded)),
+                runtime_context: Some(self.lease.runtime_context(&self.session, budget, pre_assembly_tokens)),
+                host: grant.as_ref().map(|g| g.access.clone()),
+                cursor,
+                ..Default::default()
+            };
+            let assembled = self.lease.engine.assemble(request, &self.call).await;
+            drop(grant);
+            let assembled = match assembled {
+                Ok(a) => a,
+                Err(EngineCallError::Cancelled) => return Err(self.aborted()),
+                // The engine lost what the cursor says it holds: resync
+                // once (the next history read), then assemble again.
+                Err(EngineCallError::HistoryGap { .. }) if self.view.resync_after_gap() => {
+                    self.core.drop_cursor(&self.lease, &self.session).await?;
+                    continue;
+                }
+                // Shed, failed or quarantined on a delta: once more with the
+                // whole history, which legacy can answer.
+                Err(_) if self.view.fall_back_to_full() => continue,
+                Err(e) => {
+                    return Err(StepError::Failed(Failure::new(
+                        FailureReason::EngineError,
+                        format!("The context engine could not assemble the prompt: {e}."),
+                    )));
+                }
+            };
+            let addition = assembled.system_prompt_addition.filter(|a| !a.trim().is_empty());
+            let estimated_tokens =
+                estimate::messages_tokens(&assembled.messages) + addition.as_deref().map_or(0, estimate::text_tokens);
+            if self.lease.info.owns_compaction && !self.proactive_done && estimated_tokens >= self.threshold() {
+                self.proactive_done = true;
+                self.recover(Trigger::Proactive).await.map_err(StepError::Failed)?;
+                continue;
+            }
+            let projection = self.projection(assembled.projection).await?;
+            self.contexts += 1;
+            return Ok(Context {
+                messages: assembled.messages,
+                system_prompt_addition: addition,
+                estimated_tokens,
+                pre_assembly_tokens,
+                may_overflow: assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32,
+                budget,
+                projection,
+                sequence: self.contexts,
+            });
+        }
+    }
+
+    /// A thread-bootstrap projection, for hosts that keep threads: the
+    /// epoch is recorded per session and host, so the host knows when to
+    /// re-inject (reference §1.8). Anything else is per-turn projection.
+    async fn projection(&self, p: Option<pb::ContextProjection>) -> Result<Option<Projection>, StepError> {
+        let Some(p) = p.filter(|p| p.mode == pb::ProjectionMode::ThreadBootstrap as i32) else { return Ok(None) };
+        if !self.lease.host.has(Capability::ThreadBootstrapProjection) {
+            return Ok(None);
+        }
+        let epoch = p.epoch.as_deref().map(str::trim).unwrap_or_default();
+        if epoch.is_empty() {
+            self.emit(TurnEvent::Warning(format!(
+                "context engine \"{}\" asked for thread_bootstrap projection without an epoch; using per-turn projection",
+                self.lease.info.id
+            )));
+            return Ok(None);
+        }
+        let fingerprint = p.fingerprint.as_deref().map(str::trim).unwrap_or_default();
+        let limit = limits::MAX_ID_BYTES;
+        if epoch.len() > limit || fingerprint.len() > limit {
+            self.emit(TurnEvent::Warning(format!(
+                "context engine \"{}\" sent a projection epoch or fingerprint over {limit} bytes; using per-turn projection",
+                self.lease.info.id
+            )));
+            return Ok(None);
+        }
+        let reinject = self
+            .core
+            .store
+            .record_projection(&self.session.session_id, &self.lease.host.id, epoch, fingerprint)
+            .await?;
+        Ok(Some(Projection { epoch: epoch.to_owned(), fingerprint: fingerprint.to_owned(), reinject }))
+    }
+
+    /// Appends what the model and tools produced; durable when it returns.
+    /// Returns the entry ids, in order.
+    pub async fn append(&mut self, messages: Vec<AgentMessage>, field: &str) -> Result<Vec<String>, StepError> {
+        let additions = self.ledger.check_append(&messages, field)?;
+        let entries = messages
+            .into_iter()
+            .map(|mut m| {
+                if m.created_at_unix_ms == 0 {
+                    m.created_at_unix_ms = now_unix_ms();
+                }
+                NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }
+            })
+            .collect();
+        let stored = self.core.store.append(&self.session.session_id, entries).await?;
+        self.ledger.record(additions, &stored);
+        self.view.remember(&stored);
+        Ok(stored.into_iter().map(|e| e.id).collect())
+    }
+
+    /// Compaction inside the turn (force, target=budget) after `trigger`
+    /// said the prompt is too large: a failure is a warning and the turn
+    /// goes on; only an abort ends it.
+    pub async fn recover(&mut self, trigger: Trigger) -> Result<(), Failure> {
+        let span = self.trace.span.clone();
+        async {
+            let budget = self.budget(0);
+            let events = self.events.clone();
+            let sink = move |e| events(TurnEvent::Compaction(e));
+            let result =
+                self.core.compact(&self.lease, &self.session, trigger, Some(budget), None, &sink, &self.cancel).await;
+            self.view.forget();
+            if self.cancel.is_cancelled() {
+                return Err(Failure::aborted());
+            }
+            if let Err(e) = result {
+                self.emit(TurnEvent::Warning(format!("{trigger} compaction failed: {e}")));
+            }
+            Ok(())
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The model rejected the prompt as too long: compacts, at most
+    /// [`MAX_OVERFLOW_COMPACTIONS`] times a turn. `Ok(false)`: no
+    /// compaction is left to try.
+    pub async fn overflow(&mut self) -> Result<bool, Failure> {
+        self.degraded = Some(pb::ReasonCode::ContextOverflow);
+        if self.overflow_compactions >= MAX_OVERFLOW_COMPACTIONS {
+            return Ok(false);
+        }
+        self.overflow_compactions += 1;
+        self.recover(Trigger::Overflow).await?;
+        Ok(true)
+    }
+
+    /// Notes a model timeout for the runtime settings the engine sees next.
+    pub fn note_timeout(&mut self) {
+        self.degraded = Some(pb::ReasonCode::ProviderTimeout);
+    }
+
+    /// Manual compaction mid-turn (target=threshold).
+    pub async fn compact(&mut self, instructions: Option<String>) -> Result<CompactionDone, CoreError> {
+        self.view.forget();
+        let span = self.trace.span.clone();
+        let events = self.events.clone();
+        let sink = move |e| events(TurnEvent::Compaction(e));
+        self.core
+            .compact(&self.lease, &self.session, Trigger::Manual, None, instructions, &sink, &self.cancel)
+            .instrument(span)
+            .await
+    }
+
+    /// Ends the turn. Accepted: `last` (the managed reply; a harness has
+    /// appended everything already) is appended and the engine is told —
+    /// CommitTurn through the outbox for durable engines (queued in the
+    /// same transaction), else after-turn (or Ingest) for hosts with that
+    /// capability — then maintain. Aborted or failed: nothing reaches the
+    /// engine, and the turn's own messages leave the active branch.
+    pub async fn finish(mut self, outcome: Outcome, last: Vec<AgentMessage>) -> Result<Finished, CoreError> {
+        let span = self.trace.span.clone();
+        self.close(outcome, last).instrument(span).await
+    }
+}
