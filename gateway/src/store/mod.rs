@@ -206,10 +206,10 @@ pub trait Cursors: Send + Sync + 'static {
 pub trait Outbox: Send + Sync + 'static {
     /// The session's queued commits for one engine, oldest first.
     async fn pending_commits(&self, session_id: &str, engine_id: &str) -> Result<Vec<PendingCommit>, StoreError>;
-    /// (session, engine) pairs with a commit due at `now_ms` for one of
+    /// (session, engine) queues with a commit due at `now_ms` for one of
     /// `engines` (those in service: rows for others never crowd them out),
     /// the longest-waiting first.
-    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError>;
+    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<DueQueue>, StoreError>;
     /// Removes a delivered commit and, in the same transaction, moves the
     /// engine's cursor (if it has one) over the commit's messages.
     async fn complete_commit(
@@ -229,7 +229,7 @@ pub trait Outbox: Send + Sync + 'static {
     ) -> Result<(), StoreError>;
     /// Queued commits with their sessions, oldest first, at most `limit`;
     /// and how many more there are.
-    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError>;
+    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<OutboxPage, StoreError>;
     /// The queued commits of a key's sessions (any engine), oldest first.
     async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError>;
     /// Makes the key's queued commits due now; returns how many there are.
@@ -238,7 +238,7 @@ pub trait Outbox: Send + Sync + 'static {
     /// one transaction; returns them.
     async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError>;
     /// Queued and refused (blocked) commits.
-    async fn outbox_counts(&self) -> Result<(u32, u32), StoreError>;
+    async fn outbox_counts(&self) -> Result<OutboxCounts, StoreError>;
 }
 
 /// What the store remembers about engines: which declared durable turns,
@@ -408,6 +408,45 @@ pub struct OutboxRow {
     pub last_error: Option<String>,
     pub next_attempt_ms: i64,
     pub created_at_ms: i64,
+}
+
+/// A (session, engine) queue of the outbox whose oldest commit is due.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueQueue {
+    pub session_id: String,
+    pub engine_id: String,
+}
+
+/// Compares with the `(session, engine)` pair `due_commits` used to return
+/// (tests written against it still read as they did).
+impl PartialEq<(String, String)> for DueQueue {
+    fn eq(&self, (session_id, engine_id): &(String, String)) -> bool {
+        self.session_id == *session_id && self.engine_id == *engine_id
+    }
+}
+
+/// A page of the outbox listing: queued commits, oldest first, and how
+/// many more the limit left out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutboxPage {
+    pub rows: Vec<OutboxRow>,
+    pub more: u32,
+}
+
+/// How many commits are queued, and how many of them an engine refused
+/// (blocked: their queue waits behind them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OutboxCounts {
+    pub queued: u32,
+    pub blocked: u32,
+}
+
+/// Compares with the `(queued, blocked)` pair `outbox_counts` used to
+/// return (tests written against it still read as they did).
+impl PartialEq<(u32, u32)> for OutboxCounts {
+    fn eq(&self, &(queued, blocked): &(u32, u32)) -> bool {
+        self.queued == queued && self.blocked == blocked
+    }
 }
 
 /// A ForgetSession owed to an engine.

@@ -11,7 +11,9 @@ use tokio_postgres::Row;
 
 use super::{PostgresStore, exec, millis, q, q_one};
 use crate::store::shared::{OUTBOX_COLS, decode_commit, now_ms};
-use crate::store::{Advance, EngineRecords, Forget, Outbox, OutboxRow, PendingCommit, StoreError};
+use crate::store::{
+    Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, StoreError,
+};
 
 /// How long an outbox pass keeps the rows it claimed from other gateways'
 /// passes (then they are anyone's again, should this gateway have died).
@@ -56,7 +58,7 @@ impl Outbox for PostgresStore {
             .collect()
     }
 
-    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError> {
+    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<DueQueue>, StoreError> {
         let c = self.client().await?;
         // Claims the due heads of queues for this gateway's pass, so that
         // concurrent passes of several gateways split them: rows another
@@ -87,7 +89,7 @@ impl Outbox for PostgresStore {
         .await?;
         let mut due: Vec<(i64, String, String)> = rows.iter().map(|r| (r.get(2), r.get(0), r.get(1))).collect();
         due.sort_unstable();
-        Ok(due.into_iter().map(|(_, s, e)| (s, e)).collect())
+        Ok(due.into_iter().map(|(_, session_id, engine_id)| DueQueue { session_id, engine_id }).collect())
     }
 
     async fn complete_commit(
@@ -144,7 +146,7 @@ impl Outbox for PostgresStore {
         self.commit(tx).await
     }
 
-    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
+    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<OutboxPage, StoreError> {
         let c = self.client().await?;
         let filter = "$1::TEXT IS NULL OR s.agent_id = $1";
         let rows = q(
@@ -162,7 +164,7 @@ impl Outbox for PostgresStore {
         .get(0);
         let rows: Vec<OutboxRow> = rows.iter().map(read_outbox).collect();
         let more = (total as u32).saturating_sub(rows.len() as u32);
-        Ok((rows, more))
+        Ok(OutboxPage { rows, more })
     }
 
     async fn outbox_of_key(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
@@ -210,10 +212,10 @@ impl Outbox for PostgresStore {
         Ok(rows)
     }
 
-    async fn outbox_counts(&self) -> Result<(u32, u32), StoreError> {
+    async fn outbox_counts(&self) -> Result<OutboxCounts, StoreError> {
         let c = self.client().await?;
         let r = q_one(&c, "SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox", &[]).await?;
-        Ok((r.get::<_, i64>(0) as u32, r.get::<_, i64>(1) as u32))
+        Ok(OutboxCounts { queued: r.get::<_, i64>(0) as u32, blocked: r.get::<_, i64>(1) as u32 })
     }
 }
 

@@ -8,7 +8,9 @@ use rusqlite::params;
 
 use super::SqliteStore;
 use crate::store::shared::{OUTBOX_COLS, decode_commit, now_ms};
-use crate::store::{Advance, EngineRecords, Forget, Outbox, OutboxRow, PendingCommit, StoreError};
+use crate::store::{
+    Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, StoreError,
+};
 
 /// `?N, ?N+1, …` for `n` values starting at `?first` (`NULL` for none, which
 /// matches nothing in `IN (…)`).
@@ -72,7 +74,7 @@ impl Outbox for SqliteStore {
             .await
     }
 
-    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<(String, String)>, StoreError> {
+    async fn due_commits(&self, now_ms: i64, engines: &[String]) -> Result<Vec<DueQueue>, StoreError> {
         let engines = engines.to_vec();
         self.db
             .read(move |c| {
@@ -85,7 +87,9 @@ impl Outbox for SqliteStore {
                 ))?;
                 let args =
                     std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
-                let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| Ok((r.get(0)?, r.get(1)?)))?;
+                let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
+                    Ok(DueQueue { session_id: r.get(0)?, engine_id: r.get(1)? })
+                })?;
                 Ok(rows.collect::<rusqlite::Result<_>>()?)
             })
             .await
@@ -133,14 +137,14 @@ impl Outbox for SqliteStore {
             .await
     }
 
-    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), StoreError> {
+    async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<OutboxPage, StoreError> {
         let agent = agent.map(str::to_owned);
         self.db.read(move |c| {
             let rows = query_outbox(c, "?1 IS NULL OR s.agent_id = ?1", params![agent], limit)?;
             let total: u32 = c.prepare_cached("SELECT COUNT(*) FROM outbox o JOIN sessions s USING (session_id) WHERE ?1 IS NULL OR s.agent_id = ?1")?.query_row(params![agent],
                 |r| r.get(0))?;
             let more = total.saturating_sub(rows.len() as u32);
-            Ok((rows, more))
+            Ok(OutboxPage { rows, more })
         })
         .await
     }
@@ -182,11 +186,11 @@ impl Outbox for SqliteStore {
         .await
     }
 
-    async fn outbox_counts(&self) -> Result<(u32, u32), StoreError> {
+    async fn outbox_counts(&self) -> Result<OutboxCounts, StoreError> {
         self.db
             .read(|c| {
                 Ok(c.prepare_cached("SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox")?
-                    .query_row([], |r| Ok((r.get(0)?, r.get(1)?)))?)
+                    .query_row([], |r| Ok(OutboxCounts { queued: r.get(0)?, blocked: r.get(1)? }))?)
             })
             .await
     }
