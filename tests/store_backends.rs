@@ -10,7 +10,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ctxgate::store::postgres::PostgresStore;
-use ctxgate::store::{Claimed, CommitDraft, NewEntry, Renewal, Session, SqliteStore, Store, StoreError, TurnClose};
+use ctxgate::store::{
+    Claimed, Claims, CommitDraft, Cursors, NewEntry, Outbox, Renewal, Session, Sessions, SqliteStore, Store,
+    StoreError, Transcript, TurnClose,
+};
 use ctxgate_proto::pb::{
     self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
 };

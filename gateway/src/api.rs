@@ -16,7 +16,7 @@ use crate::engines::Engine;
 use crate::engines::guarded::QuarantineRecord;
 use crate::engines::registry::Registry;
 use crate::outbound::{Backlog, Event, Outbound};
-use crate::store::{Session, StoreError};
+use crate::store::{OutboxCounts, OutboxPage, Session, StoreError};
 
 impl From<CoreError> for Status {
     fn from(e: CoreError) -> Self {
@@ -400,11 +400,11 @@ impl Gateway for Api {
     async fn get_status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResult>, Status> {
         let c = &self.core;
         let registry = c.registry();
-        let (outbox_queued, outbox_blocked) = c.outbox_counts().await?;
+        let OutboxCounts { queued: outbox_queued, blocked: outbox_blocked } = c.outbox_counts().await?;
         let blocked_commits = if outbox_blocked == 0 {
             Vec::new()
         } else {
-            let (rows, _) = c.list_outbox(None, MAX_OUTBOX_ROWS).await?;
+            let rows = c.list_outbox(None, MAX_OUTBOX_ROWS).await?.rows;
             rows.iter().filter(|r| r.attempts > 0).take(STATUS_BLOCKED_ROWS).map(|r| self.outbox_row(r)).collect()
         };
         Ok(Response::new(api::StatusResult {
@@ -429,7 +429,7 @@ impl Gateway for Api {
     ) -> Result<Response<api::ListOutboxResult>, Status> {
         let r = req.into_inner();
         let limit = if r.limit == 0 { MAX_OUTBOX_ROWS } else { r.limit.min(MAX_OUTBOX_ROWS) };
-        let (rows, more) = self.core.list_outbox(r.agent_id.as_deref(), limit).await?;
+        let OutboxPage { rows, more } = self.core.list_outbox(r.agent_id.as_deref(), limit).await?;
         let rows = rows.iter().map(|row| self.outbox_row(row)).collect();
         Ok(Response::new(api::ListOutboxResult { rows, more }))
     }

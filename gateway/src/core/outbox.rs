@@ -16,7 +16,9 @@ use crate::core::session_locks::BusyError;
 use crate::core::types::BusyPolicy;
 use crate::core::{Core, CoreError, now_unix_ms, session_ref};
 use crate::engines::{Call, Engine, EngineCallError};
-use crate::store::{Advance, CommitDraft, Forget, OutboxRow, PendingCommit, Session};
+use crate::store::{
+    Advance, CommitDraft, DueQueue, Forget, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, Session,
+};
 
 /// The first retry of a refused commit; doubled per refusal up to the cap.
 const FIRST_RETRY: Duration = Duration::from_secs(1);
@@ -201,7 +203,7 @@ impl Core {
     /// draining (under the session's lock); then owed forgets.
     pub async fn drain_outbox(&self) -> Result<(), CoreError> {
         let live = self.registry().in_service();
-        for (session_id, engine_id) in self.store.due_commits(now_unix_ms(), &live).await? {
+        for DueQueue { session_id, engine_id } in self.store.due_commits(now_unix_ms(), &live).await? {
             // A session with a turn running drains at that turn's start; do
             // not stall every other session's pass behind it.
             if self.locks.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
@@ -284,12 +286,12 @@ impl Core {
     // --- operator actions (`ctxgate outbox`) ---------------------------------
 
     /// Queued commits, oldest first; and how many more the limit left out.
-    pub async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<(Vec<OutboxRow>, u32), CoreError> {
+    pub async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<OutboxPage, CoreError> {
         Ok(self.store.list_outbox(agent, limit).await?)
     }
 
     /// Queued and refused commits (status).
-    pub async fn outbox_counts(&self) -> Result<(u32, u32), CoreError> {
+    pub async fn outbox_counts(&self) -> Result<OutboxCounts, CoreError> {
         Ok(self.store.outbox_counts().await?)
     }
 

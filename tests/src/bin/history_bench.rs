@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use ctxgate::config::{Config, EngineEntry};
-use ctxgate::store::{NewEntry, SqliteStore, Store};
+use ctxgate::store::{Cursors, NewEntry, Sessions, SqliteStore, Transcript};
 use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
 use ctxgate_proto::pb::{self, transcript_entry::Entry};
 use ctxgate_tests::{EngineProcess, bin};

@@ -1,0 +1,272 @@
+//! The shared store: PostgreSQL, for several gateways on one state
+//! (`store.url: postgres://…`). Same trait and semantics as SQLite; what
+//! differs is that no gateway owns the data:
+//!
+//! - **Session leases** (`session_leases`): a turn claims its session
+//!   (owner, expiry on the server's clock, a fencing token that grows with
+//!   every claim) and renews it while it runs. Every write of a session
+//!   this gateway holds checks, in its own transaction and under a share
+//!   lock on the lease row, that the token is still the current one: a
+//!   gateway that lost its lease (paused, partitioned, slow) gets
+//!   [`StoreError::Fenced`] and writes nothing.
+//! - **Abandoned turns**: a gateway that dies leaves its open turn and its
+//!   lease; once the lease has expired, the next claim of the session (or
+//!   the recovery pass, through a claim) rewinds the turn as an abort, in a
+//!   transaction fenced by the new claim's token. Nothing is rewound at
+//!   start: other gateways are running.
+//! - **Locks never outlive a lease**: connections carry `lock_timeout` and
+//!   `idle_in_transaction_session_timeout` of one lease, so a gateway
+//!   paused inside a write cannot hold the lease row past its expiry.
+//! - **The outbox**: a pass claims the due heads of queues with `FOR
+//!   UPDATE SKIP LOCKED` (picked for a few seconds), so gateways' passes
+//!   split them; a delivery runs under the session's lease and the engine
+//!   deduplicates by advancement key, so each turn reaches the engine's
+//!   record once.
+//! - No visible-tail cache: another gateway may have appended since.
+//!
+//! Each write is one transaction (a claim that finds a turn left open is
+//! two: the claim, then the fenced rewind); the schema is versioned
+//! (`ctxgate_schema`) and migrated at start under an advisory lock, so
+//! gateways starting together migrate once.
+//!
+//! Here: the store, its connection pools (TLS, timeouts) and statement
+//! helpers. `schema.rs` holds the migrations, `claims.rs` the session
+//! leases and the fencing check every write runs; the roles are
+//! implemented by what they touch: `sessions.rs` (sessions, subagents),
+//! `transcript.rs` (the transcript tree, turns, cursors) and `outbox.rs`
+//! (the outbox, engine records).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use deadpool_postgres::{GenericClient, Manager, ManagerConfig, Pool, RecyclingMethod, Transaction};
+use tokio_postgres::Row;
+use tokio_postgres::config::SslMode;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::ToSql;
+
+use super::shared::new_id;
+use super::{OpenError, StoreError};
+
+mod claims;
+mod outbox;
+mod schema;
+mod sessions;
+mod transcript;
+
+pub use schema::SCHEMA_VERSION;
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        let detail = match e.as_db_error() {
+            Some(db) => format!("PostgreSQL: {} ({})", db.message(), db.code().code()),
+            None => format!("PostgreSQL: {}", crate::causes(&e)),
+        };
+        let transient = [
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::T_R_DEADLOCK_DETECTED,
+            SqlState::LOCK_NOT_AVAILABLE,
+            SqlState::QUERY_CANCELED,
+            SqlState::TOO_MANY_CONNECTIONS,
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::IDLE_IN_TRANSACTION_SESSION_TIMEOUT,
+        ];
+        match e.code() {
+            Some(c) if *c == SqlState::DISK_FULL => Self::Full(detail),
+            Some(c) if *c == SqlState::FOREIGN_KEY_VIOLATION => Self::NoSession(detail),
+            Some(c) if transient.contains(c) => Self::Unavailable(detail),
+            // No SQLSTATE: the connection broke, or never came up.
+            None => Self::Unavailable(detail),
+            _ => Self::Backend(detail),
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for StoreError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => e.into(),
+            // Every connection busy for the pool's whole wait, or none can be made.
+            other => Self::Unavailable(format!("PostgreSQL connection pool: {other}")),
+        }
+    }
+}
+
+/// The PostgreSQL store.
+pub struct PostgresStore {
+    pool: Pool,
+    /// Lease renewals only.
+    renewals: Pool,
+    /// This gateway's name in lease rows (host, process, a random part).
+    owner: String,
+    /// Sessions this gateway holds, with their fencing tokens.
+    held: Mutex<HashMap<String, i64>>,
+    counts: crate::metrics::StoreCounters,
+}
+
+/// `store.url` without its password (or user), for messages and logs.
+pub fn redacted(url: &str) -> String {
+    match url.parse::<tokio_postgres::Config>() {
+        Ok(c) => {
+            let hosts: Vec<String> = c
+                .get_hosts()
+                .iter()
+                .map(|h| match h {
+                    tokio_postgres::config::Host::Tcp(h) => h.clone(),
+                    tokio_postgres::config::Host::Unix(p) => p.display().to_string(),
+                })
+                .collect();
+            let port = c.get_ports().first().copied().unwrap_or(5432);
+            format!("postgres://{}:{port}/{}", hosts.join(","), c.get_dbname().unwrap_or(""))
+        }
+        Err(_) => "the configured store.url".into(),
+    }
+}
+
+/// rustls (ring) trusting `ca_file`'s certificates, or the public roots.
+fn tls_connector(ca_file: Option<&Path>) -> Result<tokio_postgres_rustls::MakeRustlsConnect, String> {
+    use rustls::pki_types::{CertificateDer, pem::PemObject};
+    let mut roots = rustls::RootCertStore::empty();
+    match ca_file {
+        None => roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned()),
+        Some(path) => {
+            let shown = path.display();
+            let certs = CertificateDer::pem_file_iter(path)
+                .map_err(|e| format!("store.caFile {shown} cannot be read: {e}"))?
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("store.caFile {shown} is not PEM certificates: {e}"))?;
+            let (added, _) = roots.add_parsable_certificates(certs);
+            if added == 0 {
+                return Err(format!("store.caFile {shown} holds no usable certificate"));
+            }
+        }
+    }
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+}
+
+/// A connection error as the operator needs it.
+fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
+    let at = redacted(url);
+    let detail = match e.as_db_error() {
+        Some(db) => db.message().to_owned(),
+        None => crate::causes(e),
+    };
+    OpenError::Other { file: at, detail: format!("cannot connect to PostgreSQL: {detail}") }
+}
+
+impl PostgresStore {
+    /// Connects to `url`, migrates the schema and checks it is not newer
+    /// than this build; fails with a sentence (before any port is bound).
+    /// TLS only when the URL says `sslmode=require`, and then verified (the
+    /// server's name and chain, against `ca_file` or the public roots);
+    /// otherwise plaintext (`prefer` does not mean an unverified TLS).
+    pub async fn open(url: &str, opts: &crate::config::StoreSection) -> Result<Self, OpenError> {
+        let mut config: tokio_postgres::Config = url.parse().map_err(|e| OpenError::Other {
+            file: "store.url".into(),
+            detail: format!("not a PostgreSQL URL ({e}); expected postgres://user[:password]@host[:port]/database"),
+        })?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(Duration::from_secs(5));
+        }
+        if config.get_ssl_mode() == SslMode::Prefer {
+            config.ssl_mode(SslMode::Disable);
+        }
+        // No lock or open transaction outlives a lease: a gateway paused
+        // or cut off inside a write would otherwise hold the lease row (and
+        // so every takeover) until the server noticed the dead connection.
+        let lease_ms = opts.lease().as_millis();
+        let mut options = config.get_options().unwrap_or("").to_owned();
+        options.push_str(&format!(
+            " -c lock_timeout={lease_ms} -c idle_in_transaction_session_timeout={lease_ms} -c statement_timeout={}",
+            lease_ms.max(30_000)
+        ));
+        config.options(options.trim());
+        let tls = tls_connector(opts.ca_file.as_deref())
+            .map_err(|detail| OpenError::Other { file: redacted(url), detail })?;
+        let pool = |size: usize| {
+            let manager = Manager::from_config(
+                config.clone(),
+                tls.clone(),
+                ManagerConfig { recycling_method: RecyclingMethod::Fast },
+            );
+            Pool::builder(manager)
+                .max_size(size)
+                .runtime(deadpool_postgres::Runtime::Tokio1)
+                .wait_timeout(Some(Duration::from_secs(10)))
+                .create_timeout(Some(Duration::from_secs(5)))
+                .build()
+                .map_err(|e| OpenError::Other { file: redacted(url), detail: e.to_string() })
+        };
+        // Renewals get connections of their own: a busy pool must not let
+        // leases lapse under the turns that hold them.
+        let (main, renewals) = (pool(opts.pool_size.max(1))?, pool(2)?);
+        let mut client = main.get().await.map_err(|e| match e {
+            deadpool_postgres::PoolError::Backend(e) => connect_error(url, &e),
+            other => OpenError::Other { file: redacted(url), detail: format!("cannot connect to PostgreSQL: {other}") },
+        })?;
+        schema::migrate(&mut client, url).await?;
+        drop(client);
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        let owner = format!("{}/{}/{}", host.trim(), std::process::id(), &new_id()[..8]);
+        Ok(Self {
+            pool: main,
+            renewals,
+            owner,
+            held: Mutex::default(),
+            counts: crate::metrics::StoreCounters::default(),
+        })
+    }
+
+    /// Write transactions committed, for the metrics endpoint (a write
+    /// transaction holds one write: the counts stay equal; single-statement
+    /// writes outside a turn are not counted).
+    pub fn counters(&self) -> crate::metrics::StoreCounters {
+        self.counts.clone()
+    }
+
+    async fn client(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        Ok(self.pool.get().await?)
+    }
+
+    async fn commit(&self, tx: Transaction<'_>) -> Result<(), StoreError> {
+        tx.commit().await?;
+        self.counts.commits.inc();
+        self.counts.writes.inc();
+        Ok(())
+    }
+}
+
+/// Statements by their text, prepared once per connection (deadpool keeps
+/// them): one round trip per statement instead of two.
+async fn q<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.query(&st, p).await?)
+}
+
+async fn q_opt<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<Option<Row>, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.query_opt(&st, p).await?)
+}
+
+async fn q_one<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<Row, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.query_one(&st, p).await?)
+}
+
+async fn exec<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
+    let st = c.prepare_cached(sql).await?;
+    Ok(c.execute(&st, p).await?)
+}
+
+fn millis(d: Duration) -> f64 {
+    d.as_millis() as f64
+}

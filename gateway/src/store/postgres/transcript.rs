@@ -1,0 +1,384 @@
+//! PostgreSQL: the transcript tree (appends, the active branch and its
+//! visible tail, rewrites, each read by one recursive query from the
+//! leaf), turns (open, accepted with their queued commit, or rewound) and
+//! DELTA engines' cursors. Every write is fenced by the session's lease.
+
+use async_trait::async_trait;
+use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
+use deadpool_postgres::{GenericClient, Transaction};
+use prost::Message as _;
+
+use super::{PostgresStore, exec, q, q_opt};
+use crate::store::shared::{
+    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, place, plan_rewrite, rewind_carries,
+};
+use crate::store::{CommitDraft, Cursors, NewEntry, RewriteOutcome, StoreError, Transcript, TurnClose};
+
+/// The session's (leaf, next seq), locking its row for this transaction.
+async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>, i64), StoreError> {
+    let row = q_opt(tx, "SELECT leaf_id, next_seq FROM sessions WHERE session_id = $1 FOR UPDATE", &[&session_id])
+        .await?
+        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
+    Ok((row.get(0), row.get(1)))
+}
+
+async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
+    let seq = e.seq as i64;
+    let first_kept = match &e.entry {
+        Some(Entry::Compaction(c)) => Some(c.first_kept_entry_id.as_str()),
+        _ => None,
+    };
+    exec(
+        tx,
+        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        &[&e.id, &session_id, &e.parent_id, &seq, &kind_of(e), &e.encode_to_vec(), &first_kept],
+    )
+    .await?;
+    Ok(())
+}
+
+async fn set_head(tx: &Transaction<'_>, session_id: &str, leaf: Option<&str>, next: i64) -> Result<(), StoreError> {
+    exec(tx, "UPDATE sessions SET leaf_id = $2, next_seq = $3 WHERE session_id = $1", &[&session_id, &leaf, &next])
+        .await?;
+    Ok(())
+}
+
+async fn append_in(
+    tx: &Transaction<'_>,
+    session_id: &str,
+    entries: Vec<NewEntry>,
+) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    let (leaf, seq) = head(tx, session_id).await?;
+    let Placed { entries, leaf, next_seq } = place(entries, leaf, seq);
+    for e in &entries {
+        insert_entry(tx, session_id, e).await?;
+    }
+    set_head(tx, session_id, leaf.as_deref(), next_seq).await?;
+    Ok(entries)
+}
+
+/// The active branch, oldest first (one recursive query).
+async fn branch_of(c: &impl GenericClient, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    // One statement from the session's leaf; an empty answer is an empty
+    // session or none at all (told apart only then).
+    let rows = q(
+        c,
+        "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
+               SELECT e.id, e.parent_id, e.body, 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+                WHERE s.session_id = $1
+               UNION ALL
+               SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM entries e JOIN chain ON e.id = chain.parent_id
+             ) SELECT body FROM chain ORDER BY depth DESC",
+        &[&session_id],
+    )
+    .await?;
+    if rows.is_empty() && q_opt(c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none() {
+        return Err(StoreError::NoSession(session_id.to_owned()));
+    }
+    rows.iter().map(|r| decode_entry(r.get(0))).collect()
+}
+
+/// The branch from the leaf back to (and including) `stop`, newest first;
+/// `None` when `stop` is not on it.
+async fn branch_back_to(
+    tx: &Transaction<'_>,
+    session_id: &str,
+    stop: &str,
+) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
+    // From the leaf back, stopping at `stop`: what is new, not the session's age.
+    let rows = q(
+        tx,
+        "WITH RECURSIVE walk(id, parent_id, body, depth, done) AS (
+               SELECT e.id, e.parent_id, e.body, 0, e.id = $2 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+                WHERE s.session_id = $1
+               UNION ALL
+               SELECT e.id, e.parent_id, e.body, w.depth + 1, e.id = $2 FROM entries e JOIN walk w ON e.id = w.parent_id
+                WHERE NOT w.done
+             ) SELECT body, done FROM walk ORDER BY depth",
+        &[&session_id, &stop],
+    )
+    .await?;
+    if !rows.last().is_some_and(|r| r.get::<_, bool>(1)) {
+        return Ok(None);
+    }
+    rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>().map(Some)
+}
+
+async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
+    let anchor: Option<String> =
+        q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
+            .await?
+            .map(|r| r.get(0));
+    let Some(anchor) = anchor else { return Ok(()) };
+    let Some(tail) = branch_back_to(tx, session_id, &anchor).await? else {
+        tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
+        return Ok(());
+    };
+    let Some(carried) = rewind_carries(tail) else { return Ok(()) };
+    let (_, seq) = head(tx, session_id).await?;
+    set_head(tx, session_id, Some(&anchor), seq).await?;
+    append_in(tx, session_id, carried).await?;
+    Ok(())
+}
+
+async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
+    let first: String = q_opt(tx, "SELECT first_entry_id FROM open_turns WHERE session_id = $1", &[&session_id])
+        .await?
+        .ok_or_else(|| StoreError::Backend("a commit is queued for a turn that is not open".into()))?
+        .get(0);
+    let range = branch_back_to(tx, session_id, &first)
+        .await?
+        .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
+    let engine = draft.engine_id.clone();
+    let req = commit_request(draft, range);
+    exec(tx,
+        "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES ($1, $2, $3, $4, $5)",
+        &[&session_id, &req.advancement_key, &engine, &req.encode_to_vec(), &now_ms()],
+    )
+    .await?;
+    Ok(())
+}
+
+#[async_trait]
+impl Transcript for PostgresStore {
+    async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        let out = append_in(&tx, session_id, entries).await?;
+        self.commit(tx).await?;
+        Ok(out)
+    }
+
+    async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let c = self.client().await?;
+        branch_of(&c, session_id).await
+    }
+
+    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        // From the leaf back to the latest compaction's first kept entry (or
+        // to that compaction, when it keeps nothing), as SQLite walks it: a
+        // cost bounded by the context window, not by the session's age.
+        let c = self.client().await?;
+        let rows = q(
+            &c,
+            "WITH RECURSIVE walk(id, parent_id, body, depth, target, done) AS (
+               SELECT e.id, e.parent_id, e.body, 0, e.first_kept, COALESCE(e.first_kept = '', false)
+                 FROM sessions s JOIN entries e ON e.id = s.leaf_id WHERE s.session_id = $1
+               UNION ALL
+               SELECT e.id, e.parent_id, e.body, w.depth + 1, COALESCE(w.target, e.first_kept),
+                      CASE WHEN w.target IS NULL THEN COALESCE(e.first_kept = '', false) ELSE e.id = w.target END
+                 FROM entries e JOIN walk w ON e.id = w.parent_id
+                WHERE NOT w.done
+             ) SELECT body FROM walk ORDER BY depth DESC",
+            &[&session_id],
+        )
+        .await?;
+        if rows.is_empty() && q_opt(&c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none()
+        {
+            return Err(StoreError::NoSession(session_id.to_owned()));
+        }
+        rows.iter().map(|r| decode_entry(r.get(0))).collect()
+    }
+
+    async fn rewrite(
+        &self,
+        session_id: &str,
+        replacements: Vec<(String, AgentMessage)>,
+    ) -> Result<RewriteOutcome, StoreError> {
+        let branch = self.branch(session_id).await?;
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        let (leaf, seq) = head(&tx, session_id).await?;
+        let plan = match plan_rewrite(&branch, replacements, leaf.as_deref(), seq) {
+            Ok(plan) => plan,
+            Err(kept) => return Ok(kept),
+        };
+        for e in &plan.entries {
+            insert_entry(&tx, session_id, e).await?;
+        }
+        let (leaf, next) = plan.leaf_and_next_seq(seq);
+        set_head(&tx, session_id, leaf.as_deref(), next).await?;
+        if let Some(r) =
+            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id]).await?
+        {
+            let follow = |old: String| plan.outcome.remap.get(&old).cloned().unwrap_or(old);
+            let (first, anchor) = (follow(r.get(0)), follow(r.get(1)));
+            exec(
+                &tx,
+                "UPDATE open_turns SET first_entry_id = $2, anchor_id = $3 WHERE session_id = $1",
+                &[&session_id, &first, &anchor],
+            )
+            .await?;
+        }
+        self.commit(tx).await?;
+        Ok(plan.outcome)
+    }
+
+    async fn open_turn(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        entries: Vec<NewEntry>,
+        seen_by: Option<&str>,
+    ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        rewind_in(&tx, session_id).await?;
+        let out = append_in(&tx, session_id, entries).await?;
+        let (Some(first), Some(last)) = (out.first(), out.last()) else {
+            return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
+        };
+        exec(
+            &tx,
+            "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
+            &[&session_id, &turn_id, &first.id, &last.id],
+        )
+        .await?;
+        if let Some(engine) = seen_by {
+            exec(
+                &tx,
+                "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+                &[&session_id, &engine],
+            )
+            .await?;
+        }
+        self.commit(tx).await?;
+        Ok(out)
+    }
+
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        let out = match close {
+            TurnClose::Rewind => {
+                rewind_in(&tx, session_id).await?;
+                Vec::new()
+            }
+            TurnClose::Accept { entries, commit } => {
+                let out = append_in(&tx, session_id, entries).await?;
+                if let Some(draft) = commit {
+                    queue_commit(&tx, session_id, draft).await?;
+                }
+                exec(&tx, "DELETE FROM open_turns WHERE session_id = $1", &[&session_id]).await?;
+                out
+            }
+        };
+        self.commit(tx).await?;
+        Ok(out)
+    }
+
+    async fn record_projection(
+        &self,
+        session_id: &str,
+        host_id: &str,
+        epoch: &str,
+        fingerprint: &str,
+    ) -> Result<bool, StoreError> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        let before = q_opt(
+            &tx,
+            "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2",
+            &[&session_id, &host_id],
+        )
+        .await?
+        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
+        let changed = before.as_ref().is_none_or(|(e, f)| e != epoch || f != fingerprint);
+        if changed {
+            exec(&tx,
+                "INSERT INTO projections (session_id, host_id, epoch, fingerprint) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (session_id, host_id) DO UPDATE SET epoch = EXCLUDED.epoch, fingerprint = EXCLUDED.fingerprint",
+                &[&session_id, &host_id, &epoch, &fingerprint],
+            )
+            .await?;
+        }
+        self.commit(tx).await?;
+        Ok(changed)
+    }
+}
+
+#[async_trait]
+impl Cursors for PostgresStore {
+    async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
+        let c = self.client().await?;
+        let row = q_opt(
+            &c,
+            "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = $1 AND engine_id = $2",
+            &[&session_id, &engine_id],
+        )
+        .await?;
+        Ok(row.map(|r| pb::HistoryCursor {
+            message_id: r.get(0),
+            seq: r.get::<_, i64>(1) as u64,
+            message_count: r.get::<_, i64>(2) as u64,
+            tokens: r.get::<_, i64>(3) as u64,
+        }))
+    }
+
+    async fn set_cursor(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        cursor: Option<pb::HistoryCursor>,
+    ) -> Result<(), StoreError> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        match cursor {
+            None => {
+                exec(&tx, "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])
+                    .await?
+            }
+            Some(k) => {
+                exec(
+                    &tx,
+                    "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
+                     VALUES ($1, $2, $3, $4, $5, $6)
+                     ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
+                        seq = EXCLUDED.seq, message_count = EXCLUDED.message_count, tokens = EXCLUDED.tokens",
+                    &[
+                        &session_id,
+                        &engine_id,
+                        &k.message_id,
+                        &(k.seq as i64),
+                        &(k.message_count as i64),
+                        &(k.tokens as i64),
+                    ],
+                )
+                .await?
+            }
+        };
+        self.commit(tx).await
+    }
+
+    async fn branch_after(
+        &self,
+        session_id: &str,
+        cursor: &pb::HistoryCursor,
+    ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
+        let branch = self.branch(session_id).await?;
+        if cursor.message_id.is_empty() {
+            // An empty cursor holds nothing of the branch but what its seq says.
+            return Ok(Some(branch.into_iter().filter(|e| e.seq > cursor.seq).collect()));
+        }
+        // As SQLite walks it: from the leaf back, stopping at the cursor's
+        // message (by message id or entry id) or at a seq it already has.
+        let mut out = Vec::new();
+        for e in branch.into_iter().rev() {
+            if is_cursor_entry(&e, cursor) {
+                out.reverse();
+                return Ok(Some(out));
+            }
+            if e.seq <= cursor.seq {
+                return Ok(None);
+            }
+            out.push(e);
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,196 @@
+//! The SQLite backend's own tests: group commit, a full disk mid-batch,
+//! crash recovery of open turns, migration of an unversioned database.
+//! (What every backend must do is in the workspace's `store_backends`.)
+
+use super::*;
+use ctxgate_proto::pb::{
+    self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
+};
+use prost::Message as _;
+
+use super::schema::{MIGRATIONS, SCHEMA_V1};
+use crate::store::{NewEntry, Outbox, Session, Sessions, StoreError, Transcript, TurnClose};
+
+/// A store in a temp dir with one session for key "k".
+async fn fixture() -> (tempfile::TempDir, SqliteStore, Session) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let s = store.session("main", "k", true).await.unwrap().unwrap();
+    (dir, store, s)
+}
+
+fn compaction(summary: &str, first_kept: &str) -> NewEntry {
+    NewEntry {
+        turn_id: "c".into(),
+        entry: Entry::Compaction(CompactionEntry {
+            summary: summary.into(),
+            first_kept_entry_id: first_kept.into(),
+            ..Default::default()
+        }),
+    }
+}
+
+fn user(text: &str) -> NewEntry {
+    let m = AgentMessage {
+        role: Role::User as i32,
+        content: vec![ContentPart { part: Some(Part::Text(text.into())) }],
+        ..Default::default()
+    };
+    NewEntry { turn_id: "t".into(), entry: Entry::Message(m) }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writes_share_a_commit_and_a_failing_one_fails_alone() {
+    let (_dir, store, _) = fixture().await;
+    let mut sessions = Vec::new();
+    for i in 0..32 {
+        sessions.push(store.session("main", &format!("k{i}"), true).await.unwrap().unwrap());
+    }
+    // A slow read holds the connection while every write queues.
+    let (held_tx, held) = std::sync::mpsc::channel();
+    let db = store.db.clone();
+    let slow = async move {
+        db.read(move |_| {
+            held_tx.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            Ok(())
+        })
+        .await
+    };
+    let slow = tokio::spawn(slow);
+    held.recv().unwrap();
+    let before = store.commit_counts();
+    let mut writes: Vec<_> = sessions
+        .iter()
+        .map(|s| {
+            let (store, id) = (store.clone(), s.session_id.clone());
+            tokio::spawn(async move { store.append(&id, vec![user("hi")]).await })
+        })
+        .collect();
+    let doomed = store.clone();
+    writes.push(tokio::spawn(async move { doomed.append("no-such-session", vec![user("lost")]).await }));
+    slow.await.unwrap().unwrap();
+    let mut results = Vec::new();
+    for w in writes {
+        results.push(w.await.unwrap());
+    }
+    let doomed = results.pop().unwrap();
+    assert!(matches!(doomed, Err(StoreError::NoSession(_))), "{doomed:?}");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let after = store.commit_counts();
+    assert_eq!(after.1 - before.1, 33, "every write ran in a batch");
+    assert!(after.0 - before.0 <= 2, "33 writes queued behind one read took {} commits", after.0 - before.0);
+    for s in &sessions {
+        assert_eq!(store.branch(&s.session_id).await.unwrap().len(), 1, "each write committed");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_database_mid_batch_answers_each_write_as_it_landed() {
+    let (_dir, store, _) = fixture().await;
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(store.session("main", &format!("f{i}"), true).await.unwrap().unwrap().session_id);
+    }
+    // Room for a little more than what is there: the big writes fill it.
+    let pages: i64 = store.db.read(|c| Ok(c.query_row("PRAGMA page_count", [], |r| r.get(0))?)).await.unwrap();
+    store.db.read(move |c| Ok(c.pragma_update(None, "max_page_count", pages + 8)?)).await.unwrap();
+    let (held_tx, held) = std::sync::mpsc::channel();
+    let db = store.db.clone();
+    let slow = tokio::spawn(async move {
+        db.read(move |_| {
+            held_tx.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            Ok(())
+        })
+        .await
+    });
+    held.recv().unwrap();
+    let writes: Vec<_> = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| {
+            let (store, id) = (store.clone(), id.clone());
+            // Every other write is far over the room left.
+            let text = if i % 2 == 1 { "x".repeat(200_000) } else { "small".into() };
+            tokio::spawn(async move { store.append(&id, vec![user(&text)]).await })
+        })
+        .collect();
+    slow.await.unwrap().unwrap();
+    let mut failed = 0;
+    for (w, id) in writes.into_iter().zip(&ids) {
+        let answer = w.await.unwrap();
+        let stored = store.branch(id).await.unwrap().len();
+        match answer {
+            Ok(_) => assert_eq!(stored, 1, "answered Ok but not stored"),
+            Err(e) => {
+                failed += 1;
+                assert!(matches!(e, StoreError::Full(_) | StoreError::Backend(_)), "{e:?}");
+                assert_eq!(stored, 0, "answered {e} but stored");
+            }
+        }
+    }
+    assert!(failed >= 3, "the big writes fail ({failed} failed)");
+}
+
+#[tokio::test]
+async fn a_turn_left_open_by_a_crash_is_rewound_at_open_and_keeps_its_compactions() {
+    let (dir, store, s) = fixture().await;
+    store.append(&s.session_id, vec![user("before")]).await.unwrap();
+    let admitted = store.open_turn(&s.session_id, "t1", vec![user("question")], None).await.unwrap();
+    let tool = NewEntry { turn_id: "t1".into(), entry: user("tool traffic").entry };
+    store.append(&s.session_id, vec![tool]).await.unwrap();
+    store.append(&s.session_id, vec![compaction("summary", &admitted[0].id)]).await.unwrap();
+    drop(store);
+
+    // The gateway died mid-turn: the next open rewinds it.
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let branch = store.branch(&s.session_id).await.unwrap();
+    let shape: Vec<String> = branch
+        .iter()
+        .map(|e| match &e.entry {
+            Some(Entry::Message(m)) => crate::provider::message_text(m),
+            Some(Entry::Compaction(c)) => format!("[{}]", c.summary),
+            None => String::new(),
+        })
+        .collect();
+    assert_eq!(shape, ["before", "question", "[summary]"], "the turn's message left, its summary stayed");
+    // Nothing is lost: the rewound entry is still in the tree.
+    let all: i64 = store.db.read(|c| Ok(c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?)).await.unwrap();
+    assert_eq!(all, 5);
+    // Closing an accepted turn moves nothing back.
+    store.open_turn(&s.session_id, "t2", vec![user("next")], None).await.unwrap();
+    let closed = TurnClose::Accept { entries: vec![user("reply")], commit: None };
+    assert_eq!(store.close_turn(&s.session_id, closed).await.unwrap().len(), 1);
+    drop(store);
+    let store = SqliteStore::open(dir.path()).unwrap();
+    assert_eq!(store.branch(&s.session_id).await.unwrap().len(), 5);
+}
+
+#[tokio::test]
+async fn a_database_from_before_versioning_is_migrated_and_keeps_its_queued_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let c = Connection::open(dir.path().join(DB_FILE)).unwrap();
+        c.execute_batch(SCHEMA_V1).unwrap();
+        c.execute(
+            "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms) VALUES ('s1', 'main', 'k', 'active', 1)",
+            [],
+        )
+        .unwrap();
+        let req = pb::CommitTurnRequest { advancement_key: "t1".into(), ..Default::default() };
+        c.execute(
+            "INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES ('s1', 't1', 'e', ?1, 1)",
+            [req.encode_to_vec()],
+        )
+        .unwrap();
+    }
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let pending = store.pending_commits("s1", "e").await.unwrap();
+    assert_eq!(pending.len(), 1);
+    assert_eq!((pending[0].attempts, pending[0].next_attempt_ms), (0, 0));
+    let version: i64 = store.db.read(|c| Ok(c.pragma_query_value(None, "user_version", |r| r.get(0))?)).await.unwrap();
+    assert_eq!(version, MIGRATIONS.len() as i64);
+    drop(store);
+    SqliteStore::open(dir.path()).expect("opening a current database again is a no-op");
+}

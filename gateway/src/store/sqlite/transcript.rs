@@ -1,0 +1,427 @@
+//! SQLite: the transcript tree (appends, the active branch and its visible
+//! tail, rewrites), turns (open, accepted with their queued commit, or
+//! rewound; those a dead gateway left open are rewound at open) and DELTA
+//! engines' cursors.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
+use prost::Message as _;
+use rusqlite::{Connection, OptionalExtension, params};
+
+use super::SqliteStore;
+use crate::store::shared::{
+    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, place, plan_rewrite, rewind_carries,
+};
+use crate::store::{CommitDraft, Cursors, NewEntry, RewriteOutcome, StoreError, Transcript, TurnClose};
+
+/// Appends entries to the session's active branch inside `tx`.
+fn append_in(
+    tx: &Connection,
+    session_id: &str,
+    entries: Vec<NewEntry>,
+) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    let (leaf, seq): (Option<String>, i64) = tx
+        .query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [session_id], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .optional()?
+        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
+    let Placed { entries, leaf, next_seq } = place(entries, leaf, seq);
+    for e in &entries {
+        insert_entry(tx, session_id, e)?;
+    }
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?
+        .execute(params![session_id, leaf, next_seq])?;
+    Ok(entries)
+}
+
+fn insert_entry(tx: &Connection, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
+    tx.prepare_cached(
+        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )?
+    .execute(params![e.id, session_id, e.parent_id, e.seq as i64, kind_of(e), e.encode_to_vec()])?;
+    Ok(())
+}
+
+/// The stored entry `id`.
+fn entry(stmt: &mut rusqlite::CachedStatement<'_>, id: &str) -> Result<pb::TranscriptEntry, StoreError> {
+    let body: Vec<u8> = stmt.query_row([id], |r| r.get(0))?;
+    decode_entry(&body)
+}
+
+/// The active branch from its leaf back to (and including) `stop`, newest
+/// first; `None` when `stop` is not on it.
+fn branch_back_to(
+    tx: &Connection,
+    session_id: &str,
+    stop: &str,
+) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
+    let leaf: Option<String> = tx
+        .prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
+        .query_row([session_id], |r| r.get(0))?;
+    let mut stmt = tx.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+    let mut out = Vec::new();
+    let mut next = leaf;
+    while let Some(id) = next {
+        let e = entry(&mut stmt, &id)?;
+        next = e.parent_id.clone();
+        let done = e.id == stop;
+        out.push(e);
+        if done {
+            return Ok(Some(out));
+        }
+    }
+    Ok(None)
+}
+
+/// Queues a closed durable turn's commit: the messages from the first
+/// admitted entry to the leaf, and the leaf as the terminal anchor.
+fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
+    let first: String = tx
+        .prepare_cached("SELECT first_entry_id FROM open_turns WHERE session_id = ?1")?
+        .query_row([session_id], |r| r.get(0))?;
+    let range = branch_back_to(tx, session_id, &first)?
+        .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
+    let engine = draft.engine_id.clone();
+    let req = commit_request(draft, range);
+    tx.prepare_cached("INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)")?.execute(params![session_id, req.advancement_key, engine, req.encode_to_vec(), now_ms()])?;
+    Ok(())
+}
+
+/// Rewinds the session's open turn (if any): the leaf goes back to the
+/// turn's anchor (its last admitted entry). Compaction entries made during
+/// the turn are copied onto the anchor unless they keep from a message the
+/// rewind drops; everything stays in the tree.
+fn rewind_in(tx: &Connection, session_id: &str) -> Result<(), StoreError> {
+    let anchor: Option<String> = tx
+        .query_row("SELECT anchor_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))
+        .optional()?;
+    tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([session_id])?;
+    let Some(anchor) = anchor else { return Ok(()) };
+    let Some(tail) = branch_back_to(tx, session_id, &anchor)? else {
+        // Rewrites follow the anchor; a branch without it was changed by hand.
+        tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
+        return Ok(());
+    };
+    let Some(carried) = rewind_carries(tail) else { return Ok(()) };
+    tx.prepare_cached("UPDATE sessions SET leaf_id = ?2 WHERE session_id = ?1")?
+        .execute(params![session_id, anchor])?;
+    append_in(tx, session_id, carried)?;
+    Ok(())
+}
+
+/// Turns left open by a gateway that died end as aborted ones do.
+pub(super) fn recover_open_turns(conn: &mut Connection) -> Result<(), StoreError> {
+    let tx = conn.transaction()?;
+    let open: Vec<String> = {
+        let mut stmt = tx.prepare("SELECT session_id FROM open_turns")?;
+        stmt.query_map([], |r| r.get(0))?.collect::<rusqlite::Result<_>>()?
+    };
+    for session_id in &open {
+        rewind_in(&tx, session_id)?;
+    }
+    tx.commit()?;
+    if !open.is_empty() {
+        tracing::info!(turns = open.len(), "turns left open by the last run were rewound");
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl Transcript for SqliteStore {
+    async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.db
+            .write(move |tx| {
+                let out = append_in(tx, &session_id, entries)?;
+                Ok(out)
+            })
+            .await
+    }
+
+    async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.db
+            .read(move |c| {
+                let leaf: Option<Option<String>> = c
+                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                    .optional()?;
+                let Some(leaf) = leaf else { return Err(StoreError::NoSession(session_id)) };
+                let Some(leaf) = leaf else { return Ok(Vec::new()) };
+                let mut stmt = c.prepare_cached(
+                    "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
+                   SELECT id, parent_id, body, 0 FROM entries WHERE id = ?1
+                   UNION ALL
+                   SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM entries e JOIN chain ON e.id = chain.parent_id
+                 ) SELECT body FROM chain ORDER BY depth DESC",
+                )?;
+                let rows = stmt.query_map([leaf], |r| r.get::<_, Vec<u8>>(0))?;
+                rows.map(|body| decode_entry(&body?)).collect()
+            })
+            .await
+    }
+
+    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        let tails = self.tails.clone();
+        let cached = tails.lock().map(|mut t| t.take(&session_id)).unwrap_or(None);
+        self.db
+            .read(move |c| {
+                let leaf: Option<Option<String>> = c
+                    .prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
+                    .query_row([&session_id], |r| r.get(0))
+                    .optional()?;
+                let Some(mut next) = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))? else {
+                    return Ok(Vec::new());
+                };
+                let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+                let mut out = Vec::new();
+                // Walk from the leaf towards the root; stop once the latest
+                // compaction's first kept entry is in hand.
+                let mut stop_at: Option<String> = None;
+                let mut spliced = None;
+                loop {
+                    // The cached tail's leaf, with no newer summary on the
+                    // way: the rest of the walk is that tail.
+                    if stop_at.is_none() && cached.as_ref().is_some_and(|t| t.last().is_some_and(|l| l.id == next)) {
+                        spliced = cached;
+                        break;
+                    }
+                    let e = entry(&mut stmt, &next)?;
+                    let parent = e.parent_id.clone();
+                    let reached = stop_at.as_deref() == Some(e.id.as_str());
+                    if stop_at.is_none()
+                        && let Some(Entry::Compaction(cmp)) = &e.entry
+                    {
+                        stop_at = Some(cmp.first_kept_entry_id.clone());
+                    }
+                    let summary_keeps_nothing = stop_at.as_deref() == Some("");
+                    out.push(e);
+                    match parent {
+                        Some(p) if !reached && !summary_keeps_nothing => next = p,
+                        _ => break,
+                    }
+                }
+                out.reverse();
+                let tail = match spliced {
+                    // Ours alone (taken from the cache): extended in place.
+                    Some(older) => {
+                        let mut all = Arc::try_unwrap(older).unwrap_or_else(|shared| (*shared).clone());
+                        all.extend(out);
+                        all
+                    }
+                    None => out,
+                };
+                let answer = tail.clone();
+                if let Ok(mut t) = tails.lock() {
+                    t.put(&session_id, tail);
+                }
+                Ok(answer)
+            })
+            .await
+    }
+
+    async fn rewrite(
+        &self,
+        session_id: &str,
+        replacements: Vec<(String, AgentMessage)>,
+    ) -> Result<RewriteOutcome, StoreError> {
+        let session_id = session_id.to_owned();
+        let this = self.clone();
+        let branch = self.branch(&session_id).await?;
+        this.db
+            .write(move |tx| {
+                let (leaf, seq): (Option<String>, i64) = tx
+                    .prepare_cached("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1")?
+                    .query_row([&session_id], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                let plan = match plan_rewrite(&branch, replacements, leaf.as_deref(), seq) {
+                    Ok(plan) => plan,
+                    Err(kept) => return Ok(kept),
+                };
+                for e in &plan.entries {
+                    insert_entry(tx, &session_id, e)?;
+                }
+                let (leaf, next) = plan.leaf_and_next_seq(seq);
+                tx.prepare_cached("UPDATE sessions SET leaf_id = ?2, next_seq = ?3 WHERE session_id = ?1")?
+                    .execute(params![session_id, leaf, next])?;
+                // An open turn's admitted entries were copied too: follow them.
+                for column in ["first_entry_id", "anchor_id"] {
+                    let old: Option<String> = tx
+                        .query_row(
+                            &format!("SELECT {column} FROM open_turns WHERE session_id = ?1"),
+                            [&session_id],
+                            |r| r.get(0),
+                        )
+                        .optional()?;
+                    if let Some(new) = old.and_then(|o| plan.outcome.remap.get(&o)) {
+                        tx.prepare_cached(&format!("UPDATE open_turns SET {column} = ?2 WHERE session_id = ?1"))?
+                            .execute(params![session_id, new])?;
+                    }
+                }
+                Ok(plan.outcome)
+            })
+            .await
+    }
+
+    async fn open_turn(
+        &self,
+        session_id: &str,
+        turn_id: &str,
+        entries: Vec<NewEntry>,
+        seen_by: Option<&str>,
+    ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let (session_id, turn_id) = (session_id.to_owned(), turn_id.to_owned());
+        let seen_by = seen_by.map(str::to_owned);
+        self.db
+            .write(move |tx| {
+                // A turn left open (its rewind failed) ends as an abort first.
+                rewind_in(tx, &session_id)?;
+                let out = append_in(tx, &session_id, entries)?;
+                let (Some(first), Some(last)) = (out.first(), out.last()) else {
+                    return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
+                };
+                tx.prepare_cached(
+                    "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES (?1, ?2, ?3, ?4)",
+                )?
+                .execute(params![session_id, turn_id, first.id, last.id])?;
+                if let Some(engine) = seen_by {
+                    tx.prepare_cached("INSERT OR IGNORE INTO engine_sessions (session_id, engine_id) VALUES (?1, ?2)")?
+                        .execute(params![session_id, engine])?;
+                }
+                Ok(out)
+            })
+            .await
+    }
+
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+        let session_id = session_id.to_owned();
+        self.db
+            .write(move |tx| {
+                let out = match close {
+                    TurnClose::Rewind => {
+                        rewind_in(tx, &session_id)?;
+                        Vec::new()
+                    }
+                    TurnClose::Accept { entries, commit } => {
+                        let out = append_in(tx, &session_id, entries)?;
+                        if let Some(draft) = commit {
+                            queue_commit_in(tx, &session_id, draft)?;
+                        }
+                        tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
+                        out
+                    }
+                };
+                Ok(out)
+            })
+            .await
+    }
+
+    async fn record_projection(
+        &self,
+        session_id: &str,
+        host_id: &str,
+        epoch: &str,
+        fingerprint: &str,
+    ) -> Result<bool, StoreError> {
+        let (session_id, host_id, epoch, fingerprint) =
+            (session_id.to_owned(), host_id.to_owned(), epoch.to_owned(), fingerprint.to_owned());
+        self.db.write(move |tx| {
+            let before: Option<(String, String)> = tx
+                .query_row(
+                    "SELECT epoch, fingerprint FROM projections WHERE session_id = ?1 AND host_id = ?2",
+                    params![session_id, host_id],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            let changed = before.as_ref() != Some(&(epoch.clone(), fingerprint.clone()));
+            if changed {
+                tx.prepare_cached("INSERT OR REPLACE INTO projections (session_id, host_id, epoch, fingerprint) VALUES (?1, ?2, ?3, ?4)")?.execute(params![session_id, host_id, epoch, fingerprint])?;
+            }
+            Ok(changed)
+        })
+        .await
+    }
+}
+
+#[async_trait]
+impl Cursors for SqliteStore {
+    async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
+        self.db
+            .read(move |c| {
+                Ok(c.prepare_cached(
+                "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = ?1 AND engine_id = ?2",
+            )?
+            .query_row(params![s, e], |r| {
+                Ok(pb::HistoryCursor {
+                    message_id: r.get(0)?,
+                    seq: r.get::<_, i64>(1)? as u64,
+                    message_count: r.get::<_, i64>(2)? as u64,
+                    tokens: r.get::<_, i64>(3)? as u64,
+                })
+            })
+            .optional()?)
+            })
+            .await
+    }
+
+    async fn set_cursor(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        cursor: Option<pb::HistoryCursor>,
+    ) -> Result<(), StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
+        self.db.write(move |c| {
+            match cursor {
+                None => c.prepare_cached("DELETE FROM cursors WHERE session_id = ?1 AND engine_id = ?2")?.execute(params![s, e])?,
+                Some(k) => c.prepare_cached("INSERT OR REPLACE INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)")?.execute(params![s, e, k.message_id, k.seq as i64, k.message_count as i64, k.tokens as i64])?,
+            };
+            Ok(())
+        })
+        .await
+    }
+
+    async fn branch_after(
+        &self,
+        session_id: &str,
+        cursor: &pb::HistoryCursor,
+    ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
+        let (session_id, cursor) = (session_id.to_owned(), cursor.clone());
+        self.db
+            .read(move |c| {
+                let leaf: Option<Option<String>> = c
+                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
+                    .optional()?;
+                let mut next = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
+                let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+                let mut out = Vec::new();
+                // Seqs fall walking towards the root (a rewrite's copies get
+                // higher ones than the entry they branch from).
+                let mut found = cursor.message_id.is_empty();
+                while let Some(id) = next.take() {
+                    let e = entry(&mut stmt, &id)?;
+                    if !found && is_cursor_entry(&e, &cursor) {
+                        found = true;
+                        break;
+                    }
+                    if e.seq <= cursor.seq {
+                        break;
+                    }
+                    next = e.parent_id.clone();
+                    out.push(e);
+                }
+                // Not met on the way back (an empty cursor holds nothing: the
+                // whole branch follows it).
+                if !found {
+                    return Ok(None);
+                }
+                out.reverse();
+                Ok(Some(out))
+            })
+            .await
+    }
+}
