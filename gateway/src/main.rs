@@ -17,7 +17,7 @@ async fn main() -> ExitCode {
         Command::Health { conn } => cli::health(&conn).await,
         Command::Engines { command } => cli::engines(command).await,
         Command::Outbox { command } => cli::outbox(command).await,
-        Command::Doctor { config, fix } => ctxgate::doctor::run(config.as_deref(), fix).await,
+        Command::Doctor { config, fix } => cli::doctor::run(config.as_deref(), fix).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

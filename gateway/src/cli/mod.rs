@@ -19,6 +19,8 @@ use crate::config::Config;
 use crate::provider::message_text;
 use crate::summarize::role_name;
 
+pub mod doctor;
+
 #[derive(Parser, Debug)]
 #[command(name = "ctxgate", version, about = "A gateway that hosts context engines for AI agents")]
 pub struct Cli {
