@@ -8,7 +8,7 @@ use ctxgate_proto::gateway as api;
 use tokio_stream::StreamExt;
 
 use super::compact::{compact_with, done_line};
-use super::{CliError, Client, Conn, SessionArg, connect, explain};
+use super::{CliError, Client, Conn, SessionArg, connect};
 
 pub async fn run(conn: &Conn, session: &SessionArg, one: Option<String>) -> Result<(), CliError> {
     let mut client = connect(conn).await?;
@@ -24,7 +24,7 @@ pub async fn run(conn: &Conn, session: &SessionArg, one: Option<String>) -> Resu
         eprint!("> ");
         let _ = std::io::stderr().flush();
         let mut line = String::new();
-        if stdin.lock().read_line(&mut line).map_err(|e| CliError(e.to_string()))? == 0 {
+        if stdin.lock().read_line(&mut line)? == 0 {
             return Ok(());
         }
         let line = line.trim();
@@ -36,12 +36,12 @@ pub async fn run(conn: &Conn, session: &SessionArg, one: Option<String>) -> Resu
                 .new_session(session.as_ref())
                 .await
                 .map(|r| eprintln!("New session {}.", r.into_inner().session_id))
-                .map_err(explain),
+                .map_err(CliError::from),
             ("/reset", _) => client
                 .reset_session(session.as_ref())
                 .await
                 .map(|r| eprintln!("Session reset; new session {}.", r.into_inner().session_id))
-                .map_err(explain),
+                .map_err(CliError::from),
             _ => turn(&mut client, session, line.to_owned()).await,
         };
         if let Err(e) = result {
@@ -54,10 +54,10 @@ async fn turn(client: &mut Client, session: &SessionArg, message: String) -> Res
     use api::turn_event::Event;
     let req =
         api::RunTurnRequest { session: Some(session.as_ref()), message, system_prompt: None, ..Default::default() };
-    let mut stream = client.run_turn(req).await.map_err(explain)?.into_inner();
+    let mut stream = client.run_turn(req).await?.into_inner();
     let mut out = std::io::stdout();
     while let Some(e) = stream.next().await {
-        match e.map_err(explain)?.event {
+        match e?.event {
             Some(Event::ModelDelta(d)) => {
                 let _ = write!(out, "{}", d.text);
                 let _ = out.flush();
@@ -71,10 +71,10 @@ async fn turn(client: &mut Client, session: &SessionArg, message: String) -> Res
             }
             Some(Event::Failed(f)) => {
                 let _ = writeln!(out);
-                return Err(CliError(f.message));
+                return Err(CliError::TurnFailed(f.message));
             }
             _ => {}
         }
     }
-    Err(CliError("The gateway ended the turn without an answer.".into()))
+    Err(CliError::TurnUnanswered)
 }

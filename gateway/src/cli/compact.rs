@@ -4,7 +4,7 @@
 use ctxgate_proto::gateway as api;
 use tokio_stream::StreamExt;
 
-use super::{CliError, Client, Conn, SessionArg, connect, explain};
+use super::{CliError, Client, Conn, SessionArg, connect};
 
 /// The one line that reports a compaction, in `compact` and in `chat`.
 pub(super) fn done_line(d: &api::CompactionDone) -> String {
@@ -26,9 +26,9 @@ pub(super) async fn compact_with(
 ) -> Result<(), CliError> {
     use api::compaction_event::Event;
     let req = api::CompactSessionRequest { session: Some(session.as_ref()), custom_instructions: instructions };
-    let mut stream = client.compact(req).await.map_err(explain)?.into_inner();
+    let mut stream = client.compact(req).await?.into_inner();
     while let Some(e) = stream.next().await {
-        match e.map_err(explain)?.event {
+        match e?.event {
             Some(Event::Started(s)) => {
                 eprintln!("Compacting session {:?} ({} tokens)…", session.session, s.tokens_before)
             }
@@ -52,5 +52,5 @@ pub(super) async fn compact_with(
             None => {}
         }
     }
-    Err(CliError("The gateway ended the compaction without a result.".into()))
+    Err(CliError::CompactionUnfinished)
 }

@@ -5,7 +5,7 @@ use clap::Subcommand;
 use ctxgate_proto::gateway as api;
 
 use super::render::{engine_json, print_engine};
-use super::{CliError, Conn, connect, explain};
+use super::{CliError, Conn, connect};
 
 #[derive(Subcommand, Debug)]
 pub enum EnginesCommand {
@@ -28,7 +28,7 @@ pub enum EnginesCommand {
 pub async fn run(cmd: EnginesCommand) -> Result<(), CliError> {
     match cmd {
         EnginesCommand::Ls { conn, json } => {
-            let s = connect(&conn).await?.get_status(api::StatusRequest {}).await.map_err(explain)?.into_inner();
+            let s = connect(&conn).await?.get_status(api::StatusRequest {}).await?.into_inner();
             if json {
                 println!(
                     "{}",
@@ -41,11 +41,7 @@ pub async fn run(cmd: EnginesCommand) -> Result<(), CliError> {
             }
         }
         EnginesCommand::Readmit { conn, id } => {
-            let r = connect(&conn)
-                .await?
-                .readmit_engine(api::ReadmitEngineRequest { engine_id: id.clone() })
-                .await
-                .map_err(explain)?;
+            let r = connect(&conn).await?.readmit_engine(api::ReadmitEngineRequest { engine_id: id.clone() }).await?;
             if r.into_inner().readmitted {
                 println!("Engine {id:?} re-admitted; its next call is a trial.");
             } else {

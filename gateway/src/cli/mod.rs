@@ -18,6 +18,10 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
+use self::doctor::DoctorError;
+use crate::config::ConfigError;
+use crate::server::ServeError;
+
 pub mod chat;
 pub mod compact;
 pub mod doctor;
@@ -126,9 +130,70 @@ impl Command {
             Command::Health { conn } => health::run(&conn).await,
             Command::Engines { command } => engines::run(command).await,
             Command::Outbox { command } => outbox::run(command).await,
-            Command::Doctor { config, fix } => doctor::run(config.as_deref(), fix).await,
+            Command::Doctor { config, fix } => Ok(doctor::run(config.as_deref(), fix).await?),
         }
     }
+}
+
+/// A failure of a command, worded for the user: `main` prints it after
+/// `ctxgate: ` and exits 1.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The gateway could not be reached, or not as asked (TLS).
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    /// The gateway refused a call; worded by [`explain`].
+    #[error("{}", explain(.0))]
+    Call(#[from] Status),
+    /// A turn the gateway ran and reported failed, in its own words.
+    #[error("{0}")]
+    TurnFailed(String),
+    /// The turn's stream ended with neither `Completed` nor `Failed`.
+    #[error("The gateway ended the turn without an answer.")]
+    TurnUnanswered,
+    /// The compaction's stream ended without its `Done`.
+    #[error("The gateway ended the compaction without a result.")]
+    CompactionUnfinished,
+    /// `ctxgate health`: the gateway answered, and is not SERVING.
+    #[error("The gateway at {gateway} reports {status}.")]
+    NotServing { gateway: String, status: &'static str },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error(transparent)]
+    Doctor(#[from] DoctorError),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Why a client command could not talk to the gateway: the one wording of
+/// connection and TLS failures.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("{0:?} is not a gateway URL (expected http://HOST:PORT)")]
+    NotAUrl(String),
+    /// `--tls-*` with an http:// gateway: never plaintext (with the bearer
+    /// token) when TLS was asked for.
+    #[error("--tls-ca/--tls-cert are for an https:// gateway; {0} is plaintext (use https://)")]
+    TlsOverPlaintext(String),
+    /// The `--tls-*` files, unreadable or unusable (worded by the SDK).
+    #[error("{0}")]
+    TlsFiles(String),
+    /// tonic refused the client TLS settings.
+    #[error("TLS: {}", crate::causes(.0))]
+    TlsSettings(tonic::transport::Error),
+    /// The connection failed, and [`tls_hint`] says why.
+    #[error("The connection to the gateway at {gateway} failed: {hint}.")]
+    Tls { gateway: String, hint: &'static str },
+    #[error(
+        "Cannot reach the gateway at {gateway} ({detail}). Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)"
+    )]
+    Unreachable { gateway: String, detail: String },
+    #[error("The gateway at {gateway} did not answer within {secs} s.")]
+    Silent { gateway: String, secs: u64 },
+    #[error("the token has characters a header cannot carry")]
+    TokenNotAHeader,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -153,11 +218,11 @@ pub struct Conn {
 
 impl Conn {
     /// The client TLS settings for an https:// gateway.
-    fn tls(&self) -> Result<tonic::transport::ClientTlsConfig, CliError> {
+    fn tls(&self) -> Result<tonic::transport::ClientTlsConfig, ConnectError> {
         use ctxgate_engine_sdk::tls;
         let ca = self.tls_ca.as_deref().map(|p| tls::Pem::new("--tls-ca", p));
         let identity = tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
-        tls::client(ca, identity).map_err(CliError)
+        tls::client(ca, identity).map_err(ConnectError::TlsFiles)
     }
 }
 
@@ -207,11 +272,6 @@ impl SessionArg {
     }
 }
 
-/// A failure of a client command, already worded for the user.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct CliError(pub String);
-
 type Client = GatewayClient<InterceptedService<Channel, Bearer>>;
 
 #[derive(Clone)]
@@ -226,14 +286,10 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
-async fn connect(conn: &Conn) -> Result<Client, CliError> {
+async fn connect(conn: &Conn) -> Result<Client, ConnectError> {
     let channel = channel(conn).await?;
     let token = match &conn.token {
-        Some(t) => Some(
-            format!("Bearer {t}")
-                .parse()
-                .map_err(|_| CliError("the token has characters a header cannot carry".into()))?,
-        ),
+        Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| ConnectError::TokenNotAHeader)?),
         None => None,
     };
     Ok(GatewayClient::with_interceptor(channel, Bearer(token))
@@ -241,27 +297,21 @@ async fn connect(conn: &Conn) -> Result<Client, CliError> {
 }
 
 /// A checked connection to the gateway (TLS when https://).
-async fn channel(conn: &Conn) -> Result<Channel, CliError> {
+async fn channel(conn: &Conn) -> Result<Channel, ConnectError> {
     let mut endpoint = Channel::from_shared(conn.gateway.clone())
-        .map_err(|_| CliError(format!("{:?} is not a gateway URL (expected http://HOST:PORT)", conn.gateway)))?
+        .map_err(|_| ConnectError::NotAUrl(conn.gateway.clone()))?
         .connect_timeout(Duration::from_secs(5));
     let https = conn.gateway.starts_with("https://");
     if !https && (conn.tls_ca.is_some() || conn.tls_cert.is_some()) {
         // Never plaintext (with the bearer token) when TLS was asked for.
-        return Err(CliError(format!(
-            "--tls-ca/--tls-cert are for an https:// gateway; {} is plaintext (use https://)",
-            conn.gateway
-        )));
+        return Err(ConnectError::TlsOverPlaintext(conn.gateway.clone()));
     }
     if https {
-        endpoint = endpoint.tls_config(conn.tls()?).map_err(|e| CliError(format!("TLS: {}", crate::causes(&e))))?;
+        endpoint = endpoint.tls_config(conn.tls()?).map_err(ConnectError::TlsSettings)?;
     }
     let unreachable = |detail: String| match tls_hint(&detail, https) {
-        Some(hint) => CliError(format!("The connection to the gateway at {} failed: {hint}.", conn.gateway)),
-        None => CliError(format!(
-            "Cannot reach the gateway at {} ({detail}). Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)",
-            conn.gateway
-        )),
+        Some(hint) => ConnectError::Tls { gateway: conn.gateway.clone(), hint },
+        None => ConnectError::Unreachable { gateway: conn.gateway.clone(), detail },
     };
     let channel = endpoint.connect().await.map_err(|e| unreachable(crate::causes(&e)))?;
     // One health check (not behind the bearer token): a TLS mismatch shows
@@ -269,7 +319,7 @@ async fn channel(conn: &Conn) -> Result<Channel, CliError> {
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel.clone());
     let check = health.check(tonic_health::pb::HealthCheckRequest { service: String::new() });
     match tokio::time::timeout(Duration::from_secs(5), check).await {
-        Err(_) => return Err(CliError(format!("The gateway at {} did not answer within 5 s.", conn.gateway))),
+        Err(_) => return Err(ConnectError::Silent { gateway: conn.gateway.clone(), secs: 5 }),
         Ok(Err(s)) if s.source().is_some() => return Err(unreachable(crate::causes(&s))),
         Ok(_) => {}
     }
@@ -277,12 +327,61 @@ async fn channel(conn: &Conn) -> Result<Channel, CliError> {
 }
 
 /// Words a status for the user.
-fn explain(s: Status) -> CliError {
-    CliError(match s.code() {
+fn explain(s: &Status) -> String {
+    match s.code() {
         Code::Unavailable if s.message().is_empty() => {
             "The gateway went away. Is `ctxgate serve` still running?".into()
         }
         Code::Unauthenticated => format!("The gateway refused the call: {}.", s.message()),
         _ => format!("{}.", s.message().trim_end_matches('.')),
-    })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Users (and scripts) read these sentences: the typed errors must word
+    // them exactly as the strings they replaced did.
+    #[test]
+    fn errors_keep_their_wording() {
+        let gateway = "http://127.0.0.1:1".to_owned();
+        let cases: Vec<(CliError, &str)> = vec![
+            (ConnectError::NotAUrl("nope".into()).into(), r#""nope" is not a gateway URL (expected http://HOST:PORT)"#),
+            (
+                ConnectError::TlsOverPlaintext(gateway.clone()).into(),
+                "--tls-ca/--tls-cert are for an https:// gateway; http://127.0.0.1:1 is plaintext (use https://)",
+            ),
+            (
+                ConnectError::Tls { gateway: gateway.clone(), hint: "its certificate has expired" }.into(),
+                "The connection to the gateway at http://127.0.0.1:1 failed: its certificate has expired.",
+            ),
+            (
+                ConnectError::Unreachable { gateway: gateway.clone(), detail: "refused".into() }.into(),
+                "Cannot reach the gateway at http://127.0.0.1:1 (refused). Is `ctxgate serve` running? (--gateway or CTXGATE_GATEWAY picks another)",
+            ),
+            (
+                ConnectError::Silent { gateway: gateway.clone(), secs: 3 }.into(),
+                "The gateway at http://127.0.0.1:1 did not answer within 3 s.",
+            ),
+            (ConnectError::TokenNotAHeader.into(), "the token has characters a header cannot carry"),
+            (Status::unavailable("").into(), "The gateway went away. Is `ctxgate serve` still running?"),
+            (Status::unauthenticated("bad token").into(), "The gateway refused the call: bad token."),
+            (Status::not_found("no such session.").into(), "no such session."),
+            (CliError::TurnUnanswered, "The gateway ended the turn without an answer."),
+            (CliError::CompactionUnfinished, "The gateway ended the compaction without a result."),
+            (
+                CliError::NotServing { gateway, status: "NOT_SERVING" },
+                "The gateway at http://127.0.0.1:1 reports NOT_SERVING.",
+            ),
+            (DoctorError::NeedsAttention.into(), "the context engine needs attention (see above)"),
+            (
+                DoctorError::File { path: "/etc/ctxgate.json5".into(), source: std::io::Error::other("gone") }.into(),
+                "/etc/ctxgate.json5: gone",
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.to_string(), want);
+        }
+    }
 }

@@ -5,7 +5,7 @@ use ctxgate_proto::gateway as api;
 use serde_json::json;
 
 use super::render::{outbox_json, print_outbox_row};
-use super::{CliError, Conn, connect, explain};
+use super::{CliError, Conn, connect};
 
 #[derive(Subcommand, Debug)]
 pub enum OutboxCommand {
@@ -46,8 +46,7 @@ pub async fn run(cmd: OutboxCommand) -> Result<(), CliError> {
             let r = connect(&conn)
                 .await?
                 .list_outbox(api::ListOutboxRequest { agent_id: agent, limit: 0 })
-                .await
-                .map_err(explain)?
+                .await?
                 .into_inner();
             if json {
                 let rows: Vec<_> = r.rows.iter().map(outbox_json).collect();
@@ -69,8 +68,7 @@ pub async fn run(cmd: OutboxCommand) -> Result<(), CliError> {
             let r = connect(&conn)
                 .await?
                 .retry_outbox(api::SessionRef { agent_id: agent, session_key: key.clone() })
-                .await
-                .map_err(explain)?
+                .await?
                 .into_inner();
             println!("{} queued commit(s) of {key:?} delivered, {} still waiting.", r.done, r.remaining.len());
             r.remaining.iter().for_each(print_outbox_row);
@@ -79,8 +77,7 @@ pub async fn run(cmd: OutboxCommand) -> Result<(), CliError> {
             let r = connect(&conn)
                 .await?
                 .drop_outbox(api::SessionRef { agent_id: agent, session_key: key.clone() })
-                .await
-                .map_err(explain)?
+                .await?
                 .into_inner();
             println!("{} queued commit(s) of {key:?} dropped; the engine will not receive those turns.", r.done);
         }

@@ -9,17 +9,17 @@ use crate::config::Config;
 
 /// `ctxgate serve`: config, then bind, then run until Ctrl-C or SIGTERM.
 pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Option<PathBuf>) -> Result<(), CliError> {
-    let mut cfg = Config::load(config.as_deref(), |k| std::env::var(k).ok()).map_err(|e| CliError(e.to_string()))?;
+    let mut cfg = Config::load(config.as_deref(), |k| std::env::var(k).ok())?;
     if let Some(l) = listen {
         cfg.gateway.listen = l;
-        cfg.listen_addr().map_err(|e| CliError(e.to_string()))?;
+        cfg.listen_addr()?;
     }
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
-    let store = crate::server::open_store(&cfg).await.map_err(|e| CliError(e.to_string()))?;
-    let listeners = crate::server::Listeners::bind(&cfg).await.map_err(|e| CliError(e.to_string()))?;
-    let addr = listeners.api.local_addr().map_err(|e| CliError(e.to_string()))?;
+    let store = crate::server::open_store(&cfg).await?;
+    let listeners = crate::server::Listeners::bind(&cfg).await?;
+    let addr = listeners.api.local_addr()?;
     let metrics = listeners.metrics.as_ref().and_then(|l| l.local_addr().ok());
     let store_at = match &cfg.store.url {
         Some(url) => crate::store::postgres::redacted(url),
@@ -45,9 +45,7 @@ pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Opt
             }
         }
     });
-    crate::server::run_with_reloads(cfg, store, listeners, shutdown_signal(), reloads)
-        .await
-        .map_err(|e| CliError(e.to_string()))
+    Ok(crate::server::run_with_reloads(cfg, store, listeners, shutdown_signal(), reloads).await?)
 }
 
 async fn shutdown_signal() {

@@ -6,7 +6,7 @@ use ctxgate_proto::gateway as api;
 use ctxgate_proto::pb::transcript_entry::Entry;
 use serde_json::json;
 
-use super::{CliError, Conn, connect, explain};
+use super::{CliError, Conn, connect};
 use crate::provider::message_text;
 use crate::summarize::role_name;
 
@@ -46,7 +46,7 @@ pub async fn run(cmd: SessionsCommand) -> Result<(), CliError> {
             // Every page (each is bounded by the gateway).
             loop {
                 let req = api::ListSessionsRequest { agent_id: None, include_archived: all, page_size: 0, page_token };
-                let page = client.list_sessions(req).await.map_err(explain)?.into_inner();
+                let page = client.list_sessions(req).await?.into_inner();
                 sessions.extend(page.sessions);
                 if page.next_page_token.is_empty() {
                     break;
@@ -78,10 +78,10 @@ pub async fn run(cmd: SessionsCommand) -> Result<(), CliError> {
                 visible_only: !full,
                 ..Default::default()
             };
-            let mut t = client.get_transcript(req.clone()).await.map_err(explain)?.into_inner();
+            let mut t = client.get_transcript(req.clone()).await?.into_inner();
             while !t.next_page_token.is_empty() {
                 req.page_token = std::mem::take(&mut t.next_page_token);
-                let page = client.get_transcript(req.clone()).await.map_err(explain)?.into_inner();
+                let page = client.get_transcript(req.clone()).await?.into_inner();
                 t.entries.extend(page.entries);
                 t.next_page_token = page.next_page_token;
             }

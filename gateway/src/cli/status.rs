@@ -4,10 +4,10 @@ use ctxgate_proto::gateway as api;
 use serde_json::json;
 
 use super::render::{engine_json, outbox_json, print_engine, print_outbox_row};
-use super::{CliError, Conn, connect, explain};
+use super::{CliError, Conn, connect};
 
 pub async fn run(conn: &Conn, as_json: bool) -> Result<(), CliError> {
-    let s = connect(conn).await?.get_status(api::StatusRequest {}).await.map_err(explain)?.into_inner();
+    let s = connect(conn).await?.get_status(api::StatusRequest {}).await?.into_inner();
     if as_json {
         let engines: Vec<_> = s.engines.iter().map(engine_json).collect();
         let v = json!({"version": s.version, "model_provider": s.model_provider, "model": s.model, "context_window": s.context_window,
