@@ -7,6 +7,10 @@ use std::path::PathBuf;
 use super::CliError;
 use crate::config::Config;
 
+/// The target of serve's log lines: `ctxgate::cli`, as before the CLI was
+/// split into files, so log lines (and filters on them) do not change with the layout.
+const LOG_TARGET: &str = "ctxgate::cli";
+
 /// `ctxgate serve`: config, then bind, then run until Ctrl-C or SIGTERM.
 pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Option<PathBuf>) -> Result<(), CliError> {
     let mut cfg = Config::load(config.as_deref(), |k| std::env::var(k).ok())?;
@@ -25,7 +29,7 @@ pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Opt
         Some(url) => crate::store::postgres::redacted(url),
         None => cfg.state_dir.display().to_string(),
     };
-    tracing::info!(%addr, ?metrics, store = %store_at, provider = ?cfg.models.provider, "ctxgate serving");
+    tracing::info!(target: LOG_TARGET, %addr, ?metrics, store = %store_at, provider = ?cfg.models.provider, "ctxgate serving");
     println!("listening on {addr}");
     let _ = std::io::stdout().flush();
     // SIGHUP re-reads the config file and applies its engine settings.
@@ -41,7 +45,9 @@ pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Opt
                     next.state_dir.clone_from(&overrides.state_dir);
                     let _ = reload_tx.send(next).await;
                 }
-                Err(e) => tracing::error!(error = %e, "config reload failed; keeping the running configuration"),
+                Err(e) => {
+                    tracing::error!(target: LOG_TARGET, error = %e, "config reload failed; keeping the running configuration")
+                }
             }
         }
     });
