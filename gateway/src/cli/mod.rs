@@ -5,7 +5,8 @@
 //! `health`, `engines`, `outbox`, `doctor`); this one holds the clap
 //! definitions, [`Command::run`], and the client plumbing every client
 //! command shares: [`Conn`], the bearer interceptor, `connect`/`channel`,
-//! and the one wording of connection and TLS failures (`explain`, `tls_hint`).
+//! and the one wording of connection and TLS failures ([`ConnectError`],
+//! `explain`, `tls_hint`); [`CliError`] is what any command fails with.
 //! `render` has the engine and outbox renderings `status` shares.
 
 use std::error::Error as _;
@@ -142,7 +143,7 @@ pub enum CliError {
     /// The gateway could not be reached, or not as asked (TLS).
     #[error(transparent)]
     Connect(#[from] ConnectError),
-    /// The gateway refused a call; worded by [`explain`].
+    /// The gateway refused a call; worded by `explain`.
     #[error("{}", explain(.0))]
     Call(#[from] Status),
     /// A turn the gateway ran and reported failed, in its own words.
@@ -183,7 +184,7 @@ pub enum ConnectError {
     /// tonic refused the client TLS settings.
     #[error("TLS: {}", crate::causes(.0))]
     TlsSettings(tonic::transport::Error),
-    /// The connection failed, and [`tls_hint`] says why.
+    /// The connection failed, and `tls_hint` says why.
     #[error("The connection to the gateway at {gateway} failed: {hint}.")]
     Tls { gateway: String, hint: &'static str },
     #[error(
