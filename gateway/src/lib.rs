@@ -6,7 +6,6 @@ pub mod cli;
 pub mod compaction;
 pub mod config;
 pub mod core;
-pub mod doctor;
 pub mod engines;
 pub mod grants;
 pub mod harness;

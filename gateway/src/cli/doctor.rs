@@ -3,23 +3,43 @@
 //! configured host — and reports in OpenClaw's wording. `--fix` removes the
 //! slot override only when every host is incompatible.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use ctxgate_proto::ENGINE_SERVICE;
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
-use crate::cli::CliError;
-use crate::config::{Config, EngineSlot};
+use crate::config::{Config, ConfigError, EngineSlot};
 use crate::core::types::{HostProfile, Operation};
 use crate::engines::Call;
 use crate::engines::remote::Remote;
 
 const SLOT: &str = "plugins.slots.contextEngine";
 
+/// Why `ctxgate doctor` exits 1. The findings themselves are printed as
+/// the checks run; `NeedsAttention` only points at them.
+#[derive(Debug, thiserror::Error)]
+pub enum DoctorError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The slot's entry cannot be dialled (its endpoint or TLS settings).
+    #[error("{0}")]
+    Entry(String),
+    #[error("the context engine needs attention (see above)")]
+    NeedsAttention,
+    /// `--fix`: reading, backing up or rewriting the config file.
+    #[error("{}: {source}", path.display())]
+    File { path: PathBuf, source: std::io::Error },
+    /// `--fix`: the config file is not JSON5.
+    #[error("{}: {source}", path.display())]
+    Parse { path: PathBuf, source: json5::Error },
+    #[error(transparent)]
+    Render(#[from] serde_json::Error),
+}
+
 /// Runs the checks; `Err` when something needs attention (exit 1).
-pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> {
-    let config = Config::load(config_path, |k| std::env::var(k).ok()).map_err(|e| CliError(e.to_string()))?;
+pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), DoctorError> {
+    let config = Config::load(config_path, |k| std::env::var(k).ok())?;
     let EngineSlot::Named(slot) = config.plugins.slots.context_engine() else {
         println!("{SLOT}: the default \"legacy\" engine; nothing to check.");
         return Ok(());
@@ -33,8 +53,8 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
         return warn(format!("- {SLOT}: context engine \"{slot}\" is disabled or denied; turns use \"legacy\"."));
     }
     // Replicas are one engine: any one of them answers for all.
-    let at = entry.target().map_err(CliError)?.by_name();
-    let remote = Remote::new(slot, entry, config.compaction_timeout(), &at, None).map_err(CliError)?;
+    let at = entry.target().map_err(DoctorError::Entry)?.by_name();
+    let remote = Remote::new(slot, entry, config.compaction_timeout(), &at, None).map_err(DoctorError::Entry)?;
     let info = match tokio::time::timeout(Duration::from_secs(10), remote.attach(&Call::default())).await {
         Ok(Ok(info)) => info,
         Ok(Err(e)) => {
@@ -109,23 +129,24 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), CliError> 
     Ok(())
 }
 
-fn warn(message: String) -> Result<(), CliError> {
+fn warn(message: String) -> Result<(), DoctorError> {
     println!("{message}");
-    Err(CliError("the context engine needs attention (see above)".into()))
+    Err(DoctorError::NeedsAttention)
 }
 
 /// Removes the slot from the config file, keeping a `.bak` copy. The file
 /// is rewritten as JSON (valid JSON5; comments are not kept — the backup has them).
-fn reset_slot(path: &Path) -> Result<(), CliError> {
-    let io = |e: std::io::Error| CliError(format!("{}: {e}", path.display()));
+fn reset_slot(path: &Path) -> Result<(), DoctorError> {
+    let io = |source| DoctorError::File { path: path.to_owned(), source };
     let text = std::fs::read_to_string(path).map_err(io)?;
-    let mut v: serde_json::Value = json5::from_str(&text).map_err(|e| CliError(format!("{}: {e}", path.display())))?;
+    let mut v: serde_json::Value =
+        json5::from_str(&text).map_err(|source| DoctorError::Parse { path: path.to_owned(), source })?;
     if let Some(slots) = v.pointer_mut("/plugins/slots").and_then(|s| s.as_object_mut()) {
         slots.remove("contextEngine");
     }
     let backup = path.with_extension("json5.bak");
     std::fs::write(&backup, &text).map_err(io)?;
-    let out = serde_json::to_string_pretty(&v).map_err(|e| CliError(e.to_string()))?;
+    let out = serde_json::to_string_pretty(&v)?;
     std::fs::write(path, out + "\n").map_err(io)?;
     Ok(())
 }

@@ -1,0 +1,53 @@
+//! `ctxgate engines ls|readmit`: the engines with their health and
+//! counters, and lifting a quarantine by hand.
+
+use clap::Subcommand;
+use ctxgate_proto::gateway as api;
+
+use super::render::{engine_json, print_engine};
+use super::{CliError, Conn, connect};
+
+#[derive(Subcommand, Debug)]
+pub enum EnginesCommand {
+    /// Engines with health, quarantine and per-method counters.
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Lift an engine's quarantine now; its next call is a trial.
+    Readmit {
+        #[command(flatten)]
+        conn: Conn,
+        /// The engine id (its plugins.entries key).
+        id: String,
+    },
+}
+
+pub async fn run(cmd: EnginesCommand) -> Result<(), CliError> {
+    match cmd {
+        EnginesCommand::Ls { conn, json } => {
+            let s = connect(&conn).await?.get_status(api::StatusRequest {}).await?.into_inner();
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&s.engines.iter().map(engine_json).collect::<Vec<_>>())
+                        .unwrap_or_default()
+                );
+            } else {
+                println!("selected: {}", s.selected_engine);
+                s.engines.iter().for_each(print_engine);
+            }
+        }
+        EnginesCommand::Readmit { conn, id } => {
+            let r = connect(&conn).await?.readmit_engine(api::ReadmitEngineRequest { engine_id: id.clone() }).await?;
+            if r.into_inner().readmitted {
+                println!("Engine {id:?} re-admitted; its next call is a trial.");
+            } else {
+                println!("Engine {id:?} was not quarantined.");
+            }
+        }
+    }
+    Ok(())
+}
