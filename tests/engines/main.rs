@@ -3,11 +3,19 @@
 //! `cargo test -p ctxgate-tests --test engines`.
 
 mod conformance;
+mod deadlines_and_cancellation;
 mod delta_history;
+mod doctor;
+mod engine_selection;
+mod grants;
+mod host_requirements;
 mod hostile_engines;
+mod maintenance;
 mod overload;
+mod python_engine;
 mod quarantine;
 mod replicas;
 mod sdk_server;
+mod subagents;
 mod tracing;
 mod window_engine;

@@ -3,6 +3,7 @@
 //! the client API's limits. One module a feature (tests/README.md maps
 //! them). Run this area alone with `cargo test -p ctxgate-tests --test turns`.
 
+mod compaction_by_engine;
 mod durable_turns;
 mod harness_turns;
 mod limits;
