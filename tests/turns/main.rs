@@ -3,6 +3,8 @@
 //! the client API's limits. One module a feature (tests/README.md maps
 //! them). Run this area alone with `cargo test -p ctxgate-tests --test turns`.
 
+mod busy_policies;
+mod compaction;
 mod compaction_by_engine;
 mod durable_turns;
 mod harness_turns;
