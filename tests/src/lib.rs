@@ -248,3 +248,9 @@ pub async fn metrics_text(addr: std::net::SocketAddr) -> String {
     s.read_to_string(&mut out).await.expect("read");
     out
 }
+
+/// A counter's value in the Prometheus text (0 when absent).
+pub fn counter(metrics: &str, name: &str, labels: &str) -> u64 {
+    let key = format!("{name}{{{labels}}} ");
+    metrics.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |v| v.trim().parse().expect("a counter's value"))
+}

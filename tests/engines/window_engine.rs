@@ -1,17 +1,23 @@
 //! The window engine's behaviour: summaries and kept turns, durable state
 //! across a SIGKILL, host model summaries through grants, maintenance and
 //! subagent forks. In-process engines run on the real SDK server over
-//! loopback; the restart test runs the real binary.
+//! loopback; the restart test runs the real binary. Last, turns through the
+//! binary hosted by a gateway: the engine owns compaction and summarises
+//! through the host's model with its grant.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::time::Duration;
 
+use ctxgate::config::ProviderKind;
 use ctxgate_engine_sdk::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
 use ctxgate_engine_sdk::testkit::{TestEngine, TestHost, msg};
 use ctxgate_engine_sdk::{LLM_COMPLETE, READ_TRANSCRIPT, connect, engine_client};
 use ctxgate_engine_window::{Config, WindowEngine};
-use ctxgate_tests::start_window;
+use ctxgate_proto::gateway as api;
+use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
+use ctxgate_tests::hosting::{attached, completed, engine_status, hosting, messages, run_turn, selected, session};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
@@ -360,4 +366,68 @@ async fn after_turn_compacts_on_its_own_once_enough_turns_pile_up() {
     let a = assemble(&mut c, "auto", h.clone(), None).await;
     assert!(a.messages[0].id.starts_with("window-summary:"), "5 turns > 2 kept + 2: compacted");
     assert_eq!(ids(&a.messages[1..]), ids(&h[12..]));
+}
+
+#[tokio::test]
+async fn turns_run_through_the_window_engine_as_a_real_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().to_str().unwrap().to_owned();
+    let engine = EngineProcess::start(
+        bin("ctxgate-engine-window"),
+        &["--listen", "127.0.0.1:0", "--state-dir", &state, "--keep-turns", "2"],
+    )
+    .await
+    .unwrap();
+    // A real (local) model behind the host: the engine's summaries go
+    // through Host.LlmComplete with its grant.
+    let fake = FakeOpenAi::start().await;
+    fake.summary_default(Reply::Text(ctxgate_tests::fake_openai::good_summary("module_0.rs")));
+    let mut config = hosting("window", &engine.endpoint, &[]);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    config.models.provider = ProviderKind::Openai;
+    config.models.base_url = fake.base_url.clone();
+    config.models.model = "gpt-test".into();
+    let g = TestGateway::start(config).await;
+    attached(&g, "window").await;
+    for i in 0..6 {
+        let events = run_turn(&g, "w", &format!("Turn {i}: look at module_{i}.rs please")).await;
+        assert!(completed(&events), "{events:?}");
+        assert_eq!(selected(&events).engine_id, "window");
+        assert_eq!(selected(&events).reason, "configured");
+    }
+    // Manual compaction goes to the engine, which owns it; progress streams through.
+    let mut stream = g
+        .client
+        .clone()
+        .compact(api::CompactSessionRequest { session: session("w"), custom_instructions: None })
+        .await
+        .unwrap()
+        .into_inner();
+    let mut progress = 0;
+    let mut done = None;
+    while let Some(e) = stream.next().await {
+        match e.unwrap().event.unwrap() {
+            api::compaction_event::Event::Progress(_) => progress += 1,
+            api::compaction_event::Event::Done(d) => done = Some(d),
+            api::compaction_event::Event::Started(_) => {}
+        }
+    }
+    let done = done.unwrap();
+    assert!(done.compacted && done.entry_id.is_none(), "engine-owned: reported, transcript untouched: {done:?}");
+    assert!(progress >= 1, "the engine's progress reached the client");
+    assert_eq!(messages(&g, "w").await.len(), 12, "every message is still in the transcript");
+    // The engine summarised through the host's model, with its grant.
+    let metrics = metrics_text(g.metrics.unwrap()).await;
+    assert!(
+        metrics.contains("ctxgate_host_llm_calls_total{engine=\"window\",operation=\"context-engine.compaction\"}"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("ctxgate_engine_calls_total{engine=\"window\",method=\"Assemble\"} 6"), "{metrics}");
+
+    let e = engine_status(&g, "window").await;
+    assert_eq!(e.health, "SERVING");
+    assert!(e.quarantine.is_none());
+    let assemble = e.methods.iter().find(|m| m.method == "Assemble").unwrap();
+    assert_eq!((assemble.calls, assemble.failures), (6, 0));
+    g.stop().await;
 }

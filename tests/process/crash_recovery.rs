@@ -1,120 +1,20 @@
-//! The `ctxgate` binary as a user runs it: serve, chat, compact, sessions,
-//! status; clear errors for bad config and an unreachable gateway; and a
-//! SIGKILL in the middle of turns and compactions that loses nothing.
+//! Crash recovery of the `ctxgate` binary: a SIGKILL in the middle of turns
+//! and compactions loses no message a client was told was accepted, and a
+//! harness turn cut by a SIGKILL is rewound (an abort's shape) when the
+//! gateway restarts. The crash matrix (tests/crash_matrix/) does the same
+//! at every stage of a durable turn, with the engine killed too.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::HashSet;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
-use ctxgate_tests::{EngineProcess, bin};
-use tokio::process::Command;
 use tokio_stream::StreamExt;
 
-/// A config that compacts often: a small window and a short kept tail.
-const SMALL_WINDOW: &str = "{
-  models: { contextWindow: 3000, maxOutputTokens: 200 },
-  agents: { defaults: { compaction: { keepRecentTokens: 300, reserveTokens: 300 } } },
-}";
-
-async fn serve(state: &Path, config: Option<&Path>) -> EngineProcess {
-    let dir = state.to_str().unwrap();
-    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--state-dir", dir];
-    if let Some(c) = config {
-        args.extend(["--config", c.to_str().unwrap()]);
-    }
-    EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts")
-}
-
-async fn ctxgate(args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(bin("ctxgate")).args(args).output().await.unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-#[tokio::test]
-async fn the_cli_chats_compacts_and_shows_sessions() {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ctxgate.json5");
-    std::fs::write(&config, SMALL_WINDOW).unwrap();
-    let gw = serve(&dir.path().join("state"), Some(&config)).await;
-    let url = gw.endpoint.as_str();
-
-    for i in 0..12 {
-        let msg = format!("Message {i}: remember ticket OPS-{i}0 and keep it. {}", "words ".repeat(60));
-        let (code, out, err) = ctxgate(&["chat", "--gateway", url, "--session", "demo", "-m", &msg]).await;
-        assert_eq!(code, Some(0), "{err}");
-        assert!(out.starts_with("(offline model)"), "{out}");
-    }
-    let (code, out, _) = ctxgate(&["compact", "--gateway", url, "--session", "demo"]).await;
-    assert_eq!(code, Some(0));
-    assert!(out.contains("compacted"), "{out}");
-
-    let (code, out, _) = ctxgate(&["sessions", "show", "demo", "--gateway", url]).await;
-    assert_eq!(code, Some(0));
-    assert!(out.contains("── compaction summary"), "{out}");
-    assert!(out.contains("## Exact identifiers") && out.contains("OPS-10"), "{out}");
-
-    let (_, out, _) = ctxgate(&["sessions", "show", "demo", "--gateway", url, "--json"]).await;
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["entries"][0]["kind"], "compaction");
-    assert_eq!(v["session"]["session_key"], "demo");
-
-    let (_, out, _) = ctxgate(&["sessions", "ls", "--gateway", url, "--json"]).await;
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert!(v[0]["compactions"].as_u64().unwrap() >= 1);
-
-    // Interactive chat reads lines from stdin and understands its commands.
-    let mut child = Command::new(bin("ctxgate"))
-        .args(["chat", "--gateway", url, "--session", "interactive"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    use tokio::io::AsyncWriteExt;
-    let mut stdin = child.stdin.take().unwrap();
-    stdin.write_all(b"first line\n/new\nsecond line\n/quit\n").await.unwrap();
-    drop(stdin);
-    let out = child.wait_with_output().await.unwrap();
-    assert!(out.status.success());
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(stdout.matches("(offline model)").count(), 2, "{stdout}");
-    assert!(String::from_utf8_lossy(&out.stderr).contains("New session"), "/new was understood");
-    let (_, out, _) = ctxgate(&["sessions", "show", "interactive", "--gateway", url, "--json"]).await;
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["entries"].as_array().unwrap().len(), 2, "/new started a fresh session: only the second exchange");
-
-    let (_, out, _) = ctxgate(&["status", "--gateway", url, "--json"]).await;
-    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["selected_engine"], "legacy");
-    assert_eq!(v["context_window"], 3000);
-}
-
-#[tokio::test]
-async fn bad_config_and_an_unreachable_gateway_read_like_sentences() {
-    let dir = tempfile::tempdir().unwrap();
-    let bad = dir.path().join("bad.json5");
-    std::fs::write(&bad, "{ agents: { defaults: { compaction: { timeoutSecs: 5 } } } }").unwrap();
-    let (code, out, err) = ctxgate(&["serve", "--config", bad.to_str().unwrap(), "--listen", "127.0.0.1:0"]).await;
-    assert_eq!(code, Some(1));
-    assert!(out.is_empty(), "nothing was bound: {out}");
-    assert!(err.contains("agents.defaults.compaction") && err.contains("timeoutSecs"), "{err}");
-
-    let (code, _, err) = ctxgate(&["status", "--gateway", "http://127.0.0.1:1"]).await;
-    assert_eq!(code, Some(1));
-    assert!(err.contains("Cannot reach the gateway at http://127.0.0.1:1"), "{err}");
-    let (code, _, err) = ctxgate(&["chat", "--gateway", "http://127.0.0.1:1", "-m", "hi"]).await;
-    assert_eq!(code, Some(1));
-    assert!(err.contains("ctxgate serve"), "{err}");
-}
+use crate::cli::{SMALL_WINDOW, serve};
 
 fn client(url: &str) -> GatewayClient<tonic::transport::Channel> {
     GatewayClient::new(tonic::transport::Endpoint::from_shared(url.to_owned()).unwrap().connect_lazy())
@@ -310,31 +210,4 @@ async fn a_harness_turn_cut_by_sigkill_is_rewound_when_the_gateway_restarts() {
     };
     let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
     assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
-}
-
-#[tokio::test]
-async fn health_subcommands_exit_zero_when_serving_and_one_with_a_sentence_otherwise() {
-    let dir = tempfile::tempdir().unwrap();
-    let gw = serve(&dir.path().join("state"), None).await;
-    let (code, out, err) = ctxgate(&["health", "--gateway", &gw.endpoint]).await;
-    assert_eq!((code, out.trim()), (Some(0), "SERVING"), "{err}");
-    let (code, _, err) = ctxgate(&["health", "--gateway", "http://127.0.0.1:1"]).await;
-    assert_eq!(code, Some(1));
-    assert!(err.contains("Cannot reach the gateway at http://127.0.0.1:1"), "{err}");
-
-    let engine = ctxgate_tests::start_window(&dir.path().join("window"), &[]).await;
-    let check = async |endpoint: &str| {
-        let out = Command::new(bin("ctxgate-engine-window")).args(["health", "--endpoint", endpoint]).output().await;
-        let out = out.unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
-    let (code, out, err) = check(&engine.endpoint).await;
-    assert_eq!((code, out.trim()), (Some(0), "SERVING"), "{err}");
-    let (code, _, err) = check("127.0.0.1:1").await;
-    assert_eq!(code, Some(1));
-    assert!(err.starts_with("ctxgate-engine-window: the engine at 127.0.0.1:1 cannot be checked"), "{err}");
 }

@@ -1,7 +1,8 @@
 //! Harness turns (`ctxgate.v1.Harness/DriveTurn`) through the real gateway
 //! (`server::run` in-process, real gRPC, real SQLite) and real engine
-//! processes: the tool loop, aborts, busy policies, capture-only hosts,
-//! host requirements, projection, overflow and bad input.
+//! processes: the tool loop, aborts, capture-only hosts, host
+//! requirements, projection, overflow, bad input, and harnesses that go
+//! silent or stop reading. The helpers here serve busy_policies.rs too.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -53,7 +54,7 @@ async fn branch(g: &TestGateway, key: &str) -> Vec<ctxgate_proto::pb::Transcript
 }
 
 /// (role, text-ish) of every message on the branch.
-async fn shape(g: &TestGateway, key: &str) -> Vec<(Role, String)> {
+pub(crate) async fn shape(g: &TestGateway, key: &str) -> Vec<(Role, String)> {
     branch(g, key)
         .await
         .into_iter()
@@ -64,7 +65,7 @@ async fn shape(g: &TestGateway, key: &str) -> Vec<(Role, String)> {
         .collect()
 }
 
-fn status_of<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> tonic::Status {
+pub(crate) fn status_of<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> tonic::Status {
     r.expect_err("the request is refused")
 }
 
@@ -234,22 +235,18 @@ async fn an_explicit_abort_or_failed_end_never_reaches_the_engine_and_rewinds() 
     w.g.stop().await;
 }
 
-/// A harness turn that holds session `key` open (begun, not ended).
-async fn hold(hc: &api::harness_client::HarnessClient<tonic::transport::Channel>, key: &str) -> Drive {
-    let mut d = Drive::open(hc, begin(key, "holding")).await.unwrap();
-    d.context().await.unwrap();
-    d
-}
-
-fn run_req(key: &str, text: &str, busy: api::BusyPolicy) -> api::RunTurnRequest {
+pub(crate) fn run_req(key: &str, text: &str, busy: api::BusyPolicy) -> api::RunTurnRequest {
     api::RunTurnRequest { session: sref(key), message: text.into(), system_prompt: None, busy_policy: busy as i32 }
 }
 
-async fn run_to_end(g: &TestGateway, req: api::RunTurnRequest) -> Result<Vec<api::turn_event::Event>, tonic::Status> {
+pub(crate) async fn run_to_end(
+    g: &TestGateway,
+    req: api::RunTurnRequest,
+) -> Result<Vec<api::turn_event::Event>, tonic::Status> {
     run_to_end_owned(g.client.clone(), req).await
 }
 
-async fn run_to_end_owned(
+pub(crate) async fn run_to_end_owned(
     mut client: api::gateway_client::GatewayClient<tonic::transport::Channel>,
     req: api::RunTurnRequest,
 ) -> Result<Vec<api::turn_event::Event>, tonic::Status> {
@@ -259,83 +256,6 @@ async fn run_to_end_owned(
         out.push(e?.event.unwrap());
     }
     Ok(out)
-}
-
-#[tokio::test]
-async fn busy_policy_reject_refuses_a_second_turn_at_once() {
-    let g = TestGateway::start(Config::default()).await;
-    let hc = client(&g.endpoint);
-    let mut holder = hold(&hc, "busy").await;
-    let s = status_of(run_to_end(&g, run_req("busy", "me too", api::BusyPolicy::Reject)).await);
-    assert_eq!(s.code(), Code::FailedPrecondition);
-    assert!(s.message().contains("session busy"), "{s:?}");
-    let mut b = begin("busy", "me too");
-    b.busy_policy = api::BusyPolicy::Reject as i32;
-    let s = status_of(Drive::open(&hc, b).await.unwrap().context().await);
-    assert_eq!(s.code(), Code::FailedPrecondition);
-    holder.end(api::TurnOutcome::Accepted).await.unwrap();
-    assert_eq!(shape(&g, "busy").await, [(Role::User, "holding".into())], "rejected turns left nothing");
-    g.stop().await;
-}
-
-/// Waits (bounded) until the gateway reports `n` queued turns.
-async fn queued(g: &TestGateway, n: u32) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
-        if s.turns_queued == n {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "{} queued, never {n}", s.turns_queued);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-#[tokio::test]
-async fn busy_policy_enqueue_waits_in_a_bounded_queue_and_a_cancelled_waiter_leaves_no_trace() {
-    let mut config = Config::default();
-    config.gateway.limits.queued_turns_per_session = 1;
-    let g = TestGateway::start(config).await;
-    let hc = client(&g.endpoint);
-    let mut holder = hold(&hc, "q").await;
-
-    // One waits; a second is refused at once: the queue holds one.
-    let waiting = g.client.clone().run_turn(run_req("q", "queued then cancelled", api::BusyPolicy::Enqueue)).await;
-    let waiting = waiting.unwrap().into_inner();
-    queued(&g, 1).await;
-    let full = status_of(run_to_end(&g, run_req("q", "one too many", api::BusyPolicy::Enqueue)).await);
-    assert_eq!(full.code(), Code::ResourceExhausted);
-    assert!(full.message().contains("queuedTurnsPerSession"), "{full:?}");
-    // The queued turn's client leaves before it starts: its place is free.
-    drop(waiting);
-    queued(&g, 0).await;
-    let next =
-        tokio::spawn(run_to_end_owned(g.client.clone(), run_req("q", "after the holder", api::BusyPolicy::Enqueue)));
-    queued(&g, 1).await;
-    holder.end(api::TurnOutcome::Accepted).await.unwrap();
-    let events = next.await.unwrap().unwrap();
-    assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
-    let texts: Vec<String> = shape(&g, "q").await.into_iter().map(|(_, t)| t).collect();
-    assert_eq!(texts[..2], ["holding".to_owned(), "after the holder".to_owned()], "{texts:?}");
-    assert!(!texts.iter().any(|t| t.contains("cancelled") || t.contains("too many")), "{texts:?}");
-    g.stop().await;
-}
-
-#[tokio::test]
-async fn busy_policy_interrupt_aborts_the_running_turn_then_runs() {
-    let g = TestGateway::start(Config::default()).await;
-    let hc = client(&g.endpoint);
-    let mut holder = hold(&hc, "int").await;
-    holder.append(vec![tool_call("c", "calculator", "{}")]).await.unwrap();
-    let events = run_to_end(&g, run_req("int", "stop that", api::BusyPolicy::Interrupt)).await.unwrap();
-    assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
-    let s = holder.status().await;
-    assert_eq!(s.code(), Code::Cancelled, "{s:?}");
-    let roles: Vec<(Role, String)> = shape(&g, "int").await;
-    assert_eq!(roles[0], (Role::User, "holding".into()));
-    assert_eq!(roles[1], (Role::User, "stop that".into()), "the interrupted turn's tool call left the branch");
-    assert_eq!(roles.len(), 3);
-    g.stop().await;
 }
 
 #[tokio::test]

@@ -1,7 +1,9 @@
 //! Durable turns under refusals, quarantines, configuration changes and
 //! deletes: each accepted turn reaches its durable engine once, in order;
 //! a poison turn blocks only its own session; a deleted session is
-//! forgotten by every engine that saw it.
+//! forgotten by every engine that saw it. Last, the outbox from the start:
+//! a durable engine gets CommitTurn instead of AfterTurn, and a commit lost
+//! in transport stays queued until the engine is back.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -322,4 +324,60 @@ async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legac
             .unwrap();
     let lines = engine.wait_lines("event commit ", 2, Duration::from_secs(15)).await.expect("both delivered");
     assert_eq!(commit_keys(&lines), keys, "the turns legacy served reached the engine, in order");
+}
+
+#[tokio::test]
+async fn durable_engines_get_commit_turn_through_the_outbox_instead_of_after_turn() {
+    let engine = fault_engine("durable").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let first = run_turn(&g, "d", "first").await;
+    let second = run_turn(&g, "d", "second").await;
+    assert!(completed(&first) && completed(&second));
+    let commits = engine.lines_starting("event commit ");
+    assert_eq!(commits.len(), 2, "{commits:?}");
+    for (line, events) in commits.iter().zip([&first, &second]) {
+        assert!(
+            line.starts_with(&format!("event commit {} messages=2 terminal_is_last=true ", turn_id(events))),
+            "{line}"
+        );
+    }
+    let methods = engine_status(&g, "fault").await.methods;
+    let calls = |m: &str| methods.iter().find(|x| x.method == m).map_or(0, |x| x.calls);
+    assert_eq!(
+        (calls("CommitTurn"), calls("AfterTurn"), calls("Ingest")),
+        (2, 0, 0),
+        "durable turns reach the engine only as commits"
+    );
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_commit_lost_in_transport_quarantines_stays_queued_and_is_delivered_once_the_engine_is_back() {
+    // UNAVAILABLE is a transport failure: the engine, not the turn, is at
+    // fault (a refusal of the turn itself is in durable_turns.rs).
+    let engine = fault_engine("durable,commit-fails-first").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let first = run_turn(&g, "q", "first").await;
+    assert!(completed(&first), "the reply is stored even though the engine refused the commit");
+    assert!(first.iter().any(|e| matches!(e, Event::Warning(w) if w.message.contains("stays queued"))));
+    assert_eq!(quarantine_of(&engine_status(&g, "fault").await).0, "CommitTurn");
+
+    // While quarantined, turns run on legacy; the queued commit waits.
+    let second = run_turn(&g, "q", "second").await;
+    assert_eq!(selected(&second).engine_id, "legacy");
+    assert!(engine.lines_starting("event commit ").is_empty());
+
+    // Back in service: the background drain delivers the first turn.
+    g.client.clone().readmit_engine(api::ReadmitEngineRequest { engine_id: "fault".into() }).await.unwrap();
+    let line = engine.wait_line(&format!("event commit {}", turn_id(&first)), Duration::from_secs(10)).await;
+    assert!(line.is_some(), "the queued commit was delivered");
+    let line = engine.wait_line(&format!("event commit {}", turn_id(&second)), Duration::from_secs(10)).await;
+    assert!(line.is_some(), "and so was the turn legacy served meanwhile");
+    let third = run_turn(&g, "q", "third").await;
+    assert_eq!(selected(&third).engine_id, "fault");
+    assert!(engine.wait_line(&format!("event commit {}", turn_id(&third)), Duration::from_secs(5)).await.is_some());
+    assert_eq!(messages(&g, "q").await.len(), 6, "nothing lost");
+    g.stop().await;
 }

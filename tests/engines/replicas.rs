@@ -10,12 +10,7 @@ use std::path::Path;
 
 use ctxgate_proto::gateway as api;
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
-
-fn counter(metrics: &str, name: &str, labels: &str) -> u64 {
-    let key = format!("{name}{{{labels}}} ");
-    metrics.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |v| v.trim().parse().unwrap())
-}
+use ctxgate_tests::{EngineProcess, TestGateway, bin, counter, metrics_text, start_window};
 
 fn addr(e: &EngineProcess) -> String {
     e.endpoint.strip_prefix("http://").unwrap().to_owned()

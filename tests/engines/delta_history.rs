@@ -10,13 +10,7 @@ use std::path::Path;
 
 use ctxgate_engine_sdk::extractive::HEADINGS;
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{EngineProcess, TestGateway, metrics_text, start_python, start_window};
-
-/// A counter's value in the Prometheus text (0 when absent).
-fn counter(metrics: &str, name: &str, labels: &str) -> u64 {
-    let key = format!("{name}{{{labels}}} ");
-    metrics.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |v| v.trim().parse().unwrap())
-}
+use ctxgate_tests::{EngineProcess, TestGateway, counter, metrics_text, start_python, start_window};
 
 async fn sent(g: &TestGateway, engine: &str, method: &str) -> u64 {
     let m = metrics_text(g.metrics.unwrap()).await;

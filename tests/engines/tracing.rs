@@ -2,7 +2,9 @@
 //! gateway's turn span and its engine call spans (exported over OTLP by the
 //! gateway), and the engine's method spans (exported by the SDK server in
 //! the window engine's process), all received by an OTLP/gRPC collector
-//! this test runs.
+//! this test runs. And without a collector: a client's `traceparent` is
+//! continued into the engine's calls (the fault fixture reports the one it
+//! got).
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -193,4 +195,33 @@ async fn the_python_engine_continues_the_trace_too() {
     traced_turn(&g, "traced").await;
     assert_one_trace(&collector, "ctxgate-engine-python").await;
     g.stop().await;
+}
+
+#[tokio::test]
+async fn a_clients_traceparent_is_continued_into_the_engines_calls() {
+    let engine = fault_engine("trace-probe").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    let client_trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let mut req = tonic::Request::new(api::RunTurnRequest {
+        session: session("traced"),
+        message: "hello".into(),
+        ..Default::default()
+    });
+    req.metadata_mut().insert("traceparent", client_trace.parse().unwrap());
+    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    while stream.next().await.is_some() {}
+    let line = engine.wait_line("event trace ", Duration::from_secs(5)).await.expect("Assemble ran");
+    let got = line.trim_start_matches("event trace ").split(' ').next().unwrap();
+    let parts: Vec<&str> = got.split('-').collect();
+    assert_eq!(parts.len(), 4, "{line}");
+    assert_eq!(parts[1], "4bf92f3577b34da6a3ce929d0e0e4736", "the client's trace: {line}");
+    assert_ne!(parts[2], "00f067aa0ba902b7", "the gateway's own span as the parent: {line}");
+
+    // No traceparent from the client: the turn's calls still share one (new) trace.
+    let events = run_turn(&g, "untraced", "hello").await;
+    assert!(completed(&events));
+    let lines = engine.lines_starting("event trace ");
+    let last = lines.last().unwrap().trim_start_matches("event trace ");
+    assert!(last.starts_with("00-") && !last.contains("4bf92f35"), "a trace of its own: {last}");
 }

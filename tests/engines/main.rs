@@ -1,0 +1,21 @@
+//! The gateway hosting engine processes, and the engines themselves: one
+//! module a feature (tests/README.md maps them). Run this area alone with
+//! `cargo test -p ctxgate-tests --test engines`.
+
+mod conformance;
+mod deadlines_and_cancellation;
+mod delta_history;
+mod doctor;
+mod engine_selection;
+mod grants;
+mod host_requirements;
+mod hostile_engines;
+mod maintenance;
+mod overload;
+mod python_engine;
+mod quarantine;
+mod replicas;
+mod sdk_server;
+mod subagents;
+mod tracing;
+mod window_engine;

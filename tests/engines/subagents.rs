@@ -1,0 +1,99 @@
+//! Subagents: a fork starts from the parent's history through the window
+//! engine, children end once and are swept after their ttl; a spawn that
+//! fails after the engine prepared it is rolled back.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::time::{Duration, Instant};
+
+use ctxgate_proto::gateway as api;
+use ctxgate_tests::hosting::*;
+use ctxgate_tests::{EngineProcess, TestGateway, bin};
+use tonic::Code;
+
+#[tokio::test]
+async fn subagents_fork_from_the_window_engine_end_and_are_swept() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().to_str().unwrap().to_owned();
+    let engine =
+        EngineProcess::start(bin("ctxgate-engine-window"), &["--listen", "127.0.0.1:0", "--state-dir", &state])
+            .await
+            .unwrap();
+    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
+    attached(&g, "window").await;
+    for i in 0..3 {
+        assert!(completed(&run_turn(&g, "parent", &format!("parent turn {i}")).await));
+    }
+    let mut c = g.client.clone();
+    let spawn = |child: &str, mode: &str, ttl: Option<u64>| api::SpawnSubagentRequest {
+        parent: Some(sref("parent")),
+        child_session_key: child.into(),
+        context_mode: mode.into(),
+        ttl_ms: ttl,
+    };
+    let r = c.spawn_subagent(spawn("child", "fork", None)).await.unwrap().into_inner();
+    assert!(r.engine_prepared);
+    assert_eq!(messages(&g, "child").await, messages(&g, "parent").await, "a fork starts from the parent's history");
+    let e = c.spawn_subagent(spawn("child", "fork", None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let e = c.spawn_subagent(spawn("x", "sideways", None)).await.unwrap_err();
+    assert_eq!((e.code(), e.message().starts_with("context_mode:")), (Code::InvalidArgument, true));
+
+    let iso = c.spawn_subagent(spawn("iso", "isolated", None)).await.unwrap().into_inner();
+    assert!(!iso.engine_prepared, "isolated: the window engine has nothing to prepare");
+    assert!(messages(&g, "iso").await.is_empty());
+
+    let end = |key: &str, reason: &str| api::EndSubagentRequest { child: Some(sref(key)), reason: reason.into() };
+    assert!(c.end_subagent(end("child", "deleted")).await.unwrap().into_inner().ended);
+    assert_eq!(c.get_session(sref("child")).await.unwrap_err().code(), Code::NotFound, "deleted");
+    assert!(c.end_subagent(end("iso", "completed")).await.unwrap().into_inner().ended);
+    assert!(c.get_session(sref("iso")).await.is_ok(), "completed children stay readable");
+    assert_eq!(c.end_subagent(end("iso", "completed")).await.unwrap_err().code(), Code::NotFound, "ended once");
+
+    // A ttl: the sweeper ends it with "swept" and archives the child.
+    c.spawn_subagent(spawn("brief", "fork", Some(100))).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let all = c
+            .list_sessions(api::ListSessionsRequest { agent_id: None, include_archived: true, ..Default::default() })
+            .await
+            .unwrap()
+            .into_inner();
+        let brief: Vec<_> = all.sessions.iter().filter(|s| s.session_key == "brief").collect();
+        if brief.iter().any(|s| s.state == "archived") {
+            assert_eq!(brief.len(), 1, "archived in place, no fresh session made: {brief:?}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the sweeper never ended the subagent");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_spawn_that_fails_after_preparation_is_rolled_back() {
+    let engine = fault_engine("slow-prepare").await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    assert!(completed(&run_turn(&g, "p", "parent").await));
+    let mut c = g.client.clone();
+    let req = api::SpawnSubagentRequest {
+        parent: Some(sref("p")),
+        child_session_key: "kid".into(),
+        context_mode: "fork".into(),
+        ttl_ms: None,
+    };
+    let spawning = tokio::spawn(async move { c.spawn_subagent(req).await });
+    if engine.wait_line("event prepare kid", Duration::from_secs(10)).await.is_none() {
+        panic!("the engine was never asked to prepare: {:?}", spawning.await);
+    }
+    // Someone takes the child's key while the engine prepares.
+    g.client.clone().new_session(sref("kid")).await.unwrap();
+    let e = spawning.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        engine.wait_line("event rollback tok-kid", Duration::from_secs(5)).await.is_some(),
+        "the preparation was rolled back"
+    );
+    g.stop().await;
+}

@@ -1,0 +1,12 @@
+//! Turns through a gateway running in the test's process: managed and
+//! harness turns, compaction, busy policies, durable turns and the outbox,
+//! the client API's limits. One module a feature (tests/README.md maps
+//! them). Run this area alone with `cargo test -p ctxgate-tests --test turns`.
+
+mod busy_policies;
+mod compaction;
+mod compaction_by_engine;
+mod durable_turns;
+mod harness_turns;
+mod limits;
+mod managed_turns;
