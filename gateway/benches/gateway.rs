@@ -109,11 +109,11 @@ async fn turns_per_second(driver: Driver, concurrency: usize, per_session: usize
     let state = tempfile::tempdir().unwrap();
     let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
     config.gateway.listen = "127.0.0.1:0".into();
-    let listeners = ctxgate::server::Listeners::bind(&config).await.unwrap();
+    let listeners = ctxgate::api::server::Listeners::bind(&config).await.unwrap();
     let url = format!("http://{}", listeners.api.local_addr().unwrap());
     let stop = CancellationToken::new();
     let s = stop.clone();
-    let server = tokio::spawn(ctxgate::server::run(config, listeners, async move { s.cancelled().await }));
+    let server = tokio::spawn(ctxgate::api::server::run(config, listeners, async move { s.cancelled().await }));
     let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
     // Warm up each session (creation is not a turn's steady-state cost).
     for i in 0..concurrency {

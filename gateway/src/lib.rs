@@ -1,5 +1,24 @@
 //! The ctxgate gateway as a library: `main.rs` only parses the command
-//! line, so tests run the same `server::run` as the binary.
+//! line, so tests run the same [`api::server::run`] as the binary.
+//!
+//! The map, outside in:
+//!
+//! - [`cli`] — the `ctxgate` commands, one file each (`serve` among them).
+//! - [`api`] — the adapters: the client API, the harness API, the Host
+//!   callbacks engines make, client event streams, and the listeners. Client
+//!   protos stop here.
+//! - [`core`] — the domain: one turn lifecycle with two drivers,
+//!   compaction, subagents, durable turns, admission. Speaks its own types
+//!   and the engine contract.
+//! - [`engines`] — the engines a turn runs with: the in-process legacy
+//!   engine and remote ones behind quarantine, replicas and health.
+//! - [`store`] — sessions, the transcript tree, the outbox, cursors:
+//!   SQLite (one gateway) or PostgreSQL (several).
+//! - Domain services the core uses: [`compaction`] (built-in),
+//!   [`summarize`], [`transcript`] (what is visible), [`provider`] (the
+//!   model), [`grants`] (what an engine's callbacks may do).
+//! - Cross-cutting: [`config`] (read and validated before any port is
+//!   bound) and [`metrics`].
 
 pub mod api;
 pub mod cli;
@@ -8,12 +27,8 @@ pub mod config;
 pub mod core;
 pub mod engines;
 pub mod grants;
-pub mod harness;
-pub mod host;
 pub mod metrics;
-pub mod outbound;
 pub mod provider;
-pub mod server;
 pub mod store;
 pub mod summarize;
 pub mod transcript;

@@ -159,7 +159,7 @@ pub struct TestGateway {
     pub metrics: Option<std::net::SocketAddr>,
     reloads: tokio::sync::mpsc::Sender<ctxgate::config::Config>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), ctxgate::server::ServeError>>,
+    task: tokio::task::JoinHandle<Result<(), ctxgate::api::server::ServeError>>,
     _state: tempfile::TempDir,
 }
 
@@ -168,13 +168,13 @@ impl TestGateway {
         let state = tempfile::tempdir().expect("temp dir");
         config.state_dir = state.path().to_path_buf();
         config.gateway.listen = "127.0.0.1:0".into();
-        let listeners = ctxgate::server::Listeners::bind(&config).await.expect("bind");
+        let listeners = ctxgate::api::server::Listeners::bind(&config).await.expect("bind");
         let addr = listeners.api.local_addr().expect("addr");
         let metrics = listeners.metrics.as_ref().map(|l| l.local_addr().expect("addr"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (reloads, reload_rx) = tokio::sync::mpsc::channel(1);
-        let store = ctxgate::server::open_store(&config).await.expect("the store opens");
-        let task = tokio::spawn(ctxgate::server::run_with_reloads(
+        let store = ctxgate::api::server::open_store(&config).await.expect("the store opens");
+        let task = tokio::spawn(ctxgate::api::server::run_with_reloads(
             config,
             store,
             listeners,

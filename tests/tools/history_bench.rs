@@ -134,13 +134,13 @@ async fn measure(engine: &str, age: usize, args: &Args) -> R<(f64, f64)> {
     };
     config.state_dir = gw_state;
     config.gateway.listen = "127.0.0.1:0".into();
-    let store = ctxgate::server::open_store(&config).await?;
-    let listeners = ctxgate::server::Listeners::bind(&config).await?;
+    let store = ctxgate::api::server::open_store(&config).await?;
+    let listeners = ctxgate::api::server::Listeners::bind(&config).await?;
     let addr = listeners.api.local_addr()?;
     let stop = tokio_util::sync::CancellationToken::new();
     let s = stop.clone();
     let (_keep, reloads) = tokio::sync::mpsc::channel(1);
-    let server = tokio::spawn(ctxgate::server::run_with_reloads(
+    let server = tokio::spawn(ctxgate::api::server::run_with_reloads(
         config,
         store,
         listeners,

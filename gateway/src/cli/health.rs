@@ -8,7 +8,7 @@ use super::{CliError, Conn, ConnectError, channel};
 /// `ctxgate health`: SERVING, or a sentence and exit code 1.
 pub async fn run(conn: &Conn) -> Result<(), CliError> {
     let channel = channel(conn).await?;
-    let req = tonic_health::pb::HealthCheckRequest { service: crate::server::GATEWAY_SERVICE.into() };
+    let req = tonic_health::pb::HealthCheckRequest { service: crate::api::server::GATEWAY_SERVICE.into() };
     let mut client = tonic_health::pb::health_client::HealthClient::new(channel);
     let status = match tokio::time::timeout(Duration::from_secs(3), client.check(req)).await {
         Err(_) => return Err(ConnectError::Silent { gateway: conn.gateway.clone(), secs: 3 }.into()),

@@ -20,8 +20,8 @@ use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
 use self::doctor::DoctorError;
+use crate::api::server::ServeError;
 use crate::config::ConfigError;
-use crate::server::ServeError;
 
 pub mod chat;
 pub mod compact;

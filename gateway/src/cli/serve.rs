@@ -21,8 +21,8 @@ pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Opt
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
-    let store = crate::server::open_store(&cfg).await?;
-    let listeners = crate::server::Listeners::bind(&cfg).await?;
+    let store = crate::api::server::open_store(&cfg).await?;
+    let listeners = crate::api::server::Listeners::bind(&cfg).await?;
     let addr = listeners.api.local_addr()?;
     let metrics = listeners.metrics.as_ref().and_then(|l| l.local_addr().ok());
     let store_at = match &cfg.store.url {
@@ -51,7 +51,7 @@ pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Opt
             }
         }
     });
-    Ok(crate::server::run_with_reloads(cfg, store, listeners, shutdown_signal(), reloads).await?)
+    Ok(crate::api::server::run_with_reloads(cfg, store, listeners, shutdown_signal(), reloads).await?)
 }
 
 async fn shutdown_signal() {

@@ -465,7 +465,7 @@ impl Turn {
     }
 
     /// The model rejected the prompt as too long: compacts, at most
-    /// [`MAX_OVERFLOW_COMPACTIONS`] times a turn. `Ok(false)`: no
+    /// `MAX_OVERFLOW_COMPACTIONS` times a turn. `Ok(false)`: no
     /// compaction is left to try.
     pub async fn overflow(&mut self) -> Result<bool, Failure> {
         self.degraded = Some(pb::ReasonCode::ContextOverflow);

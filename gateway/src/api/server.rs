@@ -13,10 +13,10 @@ use tonic::{Request, Status};
 use tonic_health::ServingStatus;
 
 use crate::api::Api;
+use crate::api::harness::HarnessApi;
+use crate::api::host::HostService;
 use crate::config::Config;
 use crate::core::Core;
-use crate::harness::HarnessApi;
-use crate::host::HostService;
 use crate::metrics::Metrics;
 use crate::store::postgres::PostgresStore;
 use crate::store::{SqliteStore, Store};

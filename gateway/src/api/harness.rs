@@ -13,6 +13,7 @@ use ctxgate_proto::{estimate, limits};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::api::outbound::{Backlog, Event, Outbound};
 use crate::api::{
     Compaction, EventStream, STREAM_BACKLOG, STREAM_CAPACITY, busy_policy, compaction, compaction_done, failed,
     guarded, session_fields,
@@ -22,7 +23,6 @@ use crate::core::types::{
     TurnSpec,
 };
 use crate::core::{Begun, Core, CoreError, StepError, Turn, check_client_message, session_ref};
-use crate::outbound::{Backlog, Event, Outbound};
 
 /// Longest host label and `end.reason` accepted.
 const MAX_LABEL_BYTES: usize = 1024;

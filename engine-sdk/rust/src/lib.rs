@@ -21,6 +21,7 @@ pub mod health;
 mod host;
 pub mod otlp;
 mod server;
+mod service;
 pub mod testkit;
 pub mod tls;
 
@@ -30,4 +31,5 @@ pub use endpoint::{Endpoint, channel, connect, engine_client, tls_channel};
 pub use engine::{CompactOutcome, ContextEngine, Progress};
 pub use error::EngineError;
 pub use host::{HostClient, HostPolicy, LLM_COMPLETE, Peer, READ_TRANSCRIPT, Refused};
-pub use server::{AbortOnDrop, Bound, ServeArgs, Server, parse_grpc_timeout, serve_main, shutdown_signal};
+pub use server::{AbortOnDrop, Bound, ServeArgs, Server, serve_main, shutdown_signal};
+pub use service::parse_grpc_timeout;

@@ -1,0 +1,349 @@
+//! Configuration: one JSON5 file whose keys mirror OpenClaw's, then
+//! `CTXGATE_*` environment overrides, then validation — all before any port
+//! is bound. No file at all is fine: every key has a default.
+
+//!
+//! The sections live in [`sections`] (gateway, store, models, agents) and
+//! [`plugins`] (the engines and the slot that selects one); this file reads,
+//! overrides and validates them.
+
+mod plugins;
+mod sections;
+#[cfg(test)]
+mod tests;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ctxgate_proto::Method;
+use serde::Deserialize;
+
+pub use plugins::*;
+pub use sections::*;
+
+/// A configuration problem, always naming the key path.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.to_owned(), message: message.into() }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct Config {
+    pub gateway: GatewaySection,
+    /// Where the gateway keeps its SQLite store.
+    pub state_dir: PathBuf,
+    /// A shared store instead (several gateways on one state).
+    pub store: StoreSection,
+    pub models: ModelsSection,
+    pub agents: AgentsSection,
+    pub plugins: PluginsSection,
+}
+
+/// The environment variables read as overrides, with the key each replaces.
+pub const ENV_OVERRIDES: &[(&str, &str)] = &[
+    ("CTXGATE_LISTEN", "gateway.listen"),
+    ("CTXGATE_METRICS_LISTEN", "gateway.metricsListen"),
+    ("CTXGATE_AUTH_TOKEN", "gateway.auth.token"),
+    ("CTXGATE_OTLP_ENDPOINT", "gateway.otlp.endpoint"),
+    ("CTXGATE_STATE_DIR", "stateDir"),
+    ("CTXGATE_STORE_URL", "store.url"),
+    ("CTXGATE_MODEL_PROVIDER", "models.provider"),
+    ("CTXGATE_MODEL_BASE_URL", "models.baseUrl"),
+    ("CTXGATE_MODEL_API_KEY", "models.apiKey"),
+    ("CTXGATE_MODEL", "models.model"),
+    ("CTXGATE_CONTEXT_WINDOW", "models.contextWindow"),
+];
+
+impl Config {
+    /// Loads `path` (or defaults when `None`), applies `env`, validates.
+    pub fn load(path: Option<&Path>, env: impl Fn(&str) -> Option<String>) -> Result<Self, ConfigError> {
+        let mut config = match path {
+            Some(p) => Self::parse(p)?,
+            None => Self::default(),
+        };
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn parse(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        Self::parse_text(&text, path)
+    }
+
+    /// The config in `text` (errors name `path`), validated; no
+    /// environment overrides.
+    pub fn from_text(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let mut config = Self::parse_text(text, path)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn parse_text(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let parse_err = |message: String| ConfigError::Parse { path: path.into(), message };
+        let mut de = json5::Deserializer::from_str(text).map_err(|e| parse_err(e.to_string()))?;
+        serde_path_to_error::deserialize(&mut de).map_err(|e| {
+            let at = e.path().to_string();
+            parse_err(format!("at {at}: {}", e.into_inner()))
+        })
+    }
+
+    fn apply_env(&mut self, env: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        for (var, key) in ENV_OVERRIDES {
+            let Some(v) = env(var) else { continue };
+            let number = || v.parse::<u64>().map_err(|_| invalid(key, format!("{var}={v:?} is not a whole number")));
+            match *var {
+                "CTXGATE_LISTEN" => self.gateway.listen = v,
+                "CTXGATE_METRICS_LISTEN" => self.gateway.metrics_listen = v,
+                "CTXGATE_AUTH_TOKEN" => self.gateway.auth.token = Some(v),
+                "CTXGATE_OTLP_ENDPOINT" => {
+                    self.gateway.otlp = Some(v).filter(|v| !v.is_empty()).map(|endpoint| OtlpSection {
+                        endpoint,
+                        service_name: self.gateway.otlp.take().map_or_else(default_service_name, |o| o.service_name),
+                    })
+                }
+                "CTXGATE_STATE_DIR" => self.state_dir = v.into(),
+                "CTXGATE_STORE_URL" => self.store.url = Some(v).filter(|v| !v.is_empty()),
+                "CTXGATE_MODEL_PROVIDER" => {
+                    self.models.provider = match v.as_str() {
+                        "offline" => ProviderKind::Offline,
+                        "openai" => ProviderKind::Openai,
+                        _ => return Err(invalid(key, format!("{var}={v:?}: expected offline or openai"))),
+                    }
+                }
+                "CTXGATE_MODEL_BASE_URL" => self.models.base_url = v,
+                "CTXGATE_MODEL_API_KEY" => self.models.api_key = Some(v),
+                "CTXGATE_MODEL" => self.models.model = v,
+                "CTXGATE_CONTEXT_WINDOW" => self.models.context_window = number()?,
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn validate(&mut self) -> Result<(), ConfigError> {
+        self.listen_addr()?;
+        self.metrics_addr()?;
+        if self.state_dir.as_os_str().is_empty() {
+            self.state_dir = PathBuf::from("ctxgate-state");
+        }
+        if let Some(url) = &self.store.url {
+            if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+                return Err(invalid(
+                    "store.url",
+                    "expected a postgres:// URL (leave it unset for SQLite in stateDir)".to_string(),
+                ));
+            }
+            if let Err(e) = url.parse::<tokio_postgres::Config>() {
+                return Err(invalid("store.url", format!("not a PostgreSQL URL: {e}")));
+            }
+        }
+        if let Some(tls) = &self.gateway.tls {
+            tls.live()?;
+        }
+        if let Some(o) = &self.gateway.otlp {
+            let ok = matches!(
+                o.endpoint.parse::<ctxgate_engine_sdk::Endpoint>(),
+                Ok(ctxgate_engine_sdk::Endpoint::Tcp(_) | ctxgate_engine_sdk::Endpoint::Host(..))
+            );
+            if !ok || o.endpoint.starts_with("https://") {
+                return Err(invalid("gateway.otlp.endpoint", format!("{:?}: expected http://HOST:PORT", o.endpoint)));
+            }
+            if o.service_name.trim().is_empty() {
+                return Err(invalid("gateway.otlp.serviceName", "must not be empty"));
+            }
+        }
+        let lease = self.store.lease_seconds;
+        if !(lease.is_finite() && (1.0..=3600.0).contains(&lease)) {
+            return Err(invalid("store.leaseSeconds", format!("{lease} is outside 1–3600")));
+        }
+        if !(1..=1024).contains(&self.store.pool_size) {
+            return Err(invalid("store.poolSize", format!("{} is outside 1–1024", self.store.pool_size)));
+        }
+        if let Some(e) = &self.gateway.host_endpoint
+            && self.gateway.tls.is_some()
+            && !e.starts_with("https://")
+        {
+            return Err(invalid("gateway.hostEndpoint", "with gateway.tls the Host service is TLS too: use https://"));
+        }
+        if let Some(e) = &self.gateway.host_endpoint
+            && e.strip_prefix("https://").unwrap_or(e).parse::<ctxgate_engine_sdk::Endpoint>().is_err()
+        {
+            return Err(invalid(
+                "gateway.hostEndpoint",
+                format!("{e:?}: expected http://HOST:PORT, https://HOST:PORT or unix:///PATH"),
+            ));
+        }
+        if self.gateway.limits.queued_turns_per_session > 10_000 {
+            return Err(invalid("gateway.limits.queuedTurnsPerSession", "is over 10000"));
+        }
+        let l = &self.gateway.limits;
+        if l.harness_idle_seconds == 0 {
+            return Err(invalid("gateway.limits.harnessIdleSeconds", "must be positive"));
+        }
+        if l.max_concurrent_turns == 0 || l.max_concurrent_turns > 1_000_000 {
+            return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
+        }
+        let a = &l.adaptive_concurrency;
+        if a.min_limit == 0 || a.initial_limit == 0 {
+            let key = if a.min_limit == 0 { "minLimit" } else { "initialLimit" };
+            return Err(invalid(&format!("gateway.limits.adaptiveConcurrency.{key}"), "must be positive"));
+        }
+        if !(1.1..=10.0).contains(&a.tolerance) {
+            return Err(invalid("gateway.limits.adaptiveConcurrency.tolerance", "must be between 1.1 and 10"));
+        }
+        if l.max_concurrent_streams_per_connection == 0 {
+            return Err(invalid("gateway.limits.maxConcurrentStreamsPerConnection", "must be positive"));
+        }
+        // The harness carries whole turns: the contract's gRPC limit bounds it too.
+        if l.max_request_bytes < 64 * 1024 || l.max_request_bytes > ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES {
+            return Err(invalid(
+                "gateway.limits.maxRequestBytes",
+                format!("must be between 65536 and {}", ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
+            ));
+        }
+        for (key, v) in [
+            ("gateway.limits.http2KeepaliveSeconds", l.http2_keepalive_seconds),
+            ("gateway.limits.http2KeepaliveTimeoutSeconds", l.http2_keepalive_timeout_seconds),
+            ("gateway.limits.tcpKeepaliveSeconds", l.tcp_keepalive_seconds),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be positive"));
+            }
+        }
+        if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
+            return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));
+        }
+        let m = &self.models;
+        if m.context_window < 2_000 {
+            return Err(invalid("models.contextWindow", format!("{} is too small (at least 2000)", m.context_window)));
+        }
+        if m.max_output_tokens == 0 || m.max_output_tokens >= m.context_window {
+            return Err(invalid("models.maxOutputTokens", "must be positive and below models.contextWindow"));
+        }
+        if m.request_timeout_seconds == 0 {
+            return Err(invalid("models.requestTimeoutSeconds", "must be positive"));
+        }
+        if m.provider == ProviderKind::Openai {
+            let url = reqwest::Url::parse(&m.base_url)
+                .map_err(|e| invalid("models.baseUrl", format!("{:?} is not a URL ({e})", m.base_url)))?;
+            if !matches!(url.scheme(), "http" | "https") {
+                return Err(invalid("models.baseUrl", "must be http:// or https://"));
+            }
+            if m.model.trim().is_empty() || m.model == "offline" {
+                return Err(invalid("models.model", "name the provider's model"));
+            }
+        }
+        let c = &self.agents.defaults.compaction;
+        if !(1..=3600).contains(&c.timeout_seconds) {
+            return Err(invalid("agents.defaults.compaction.timeoutSeconds", "must be between 1 and 3600"));
+        }
+        if let Some(r) = c.reserve_tokens
+            && r + 1_000 > m.context_window
+        {
+            return Err(invalid(
+                "agents.defaults.compaction.reserveTokens",
+                format!("{r} leaves less than 1000 tokens of the {}-token window", m.context_window),
+            ));
+        }
+        for (id, e) in &self.plugins.entries {
+            let key = |k: &str| format!("plugins.entries.{id}.{k}");
+            if EngineSlot::reserved(id) {
+                return Err(invalid(
+                    &format!("plugins.entries.{id}"),
+                    "this id is reserved for the core-owned legacy engine",
+                ));
+            }
+            ctxgate_proto::validate::id(id, "id").map_err(|v| invalid(&format!("plugins.entries.{id}"), v.problem))?;
+            let target = e.target().map_err(|m| invalid(&key("endpoint"), m))?;
+            for (m, secs) in &e.timeouts {
+                if m != DEFAULT_TIMEOUT_KEY && Method::from_config_key(m).is_none() {
+                    let keys: Vec<&str> = Method::ALL.iter().map(|m| m.config_key()).collect();
+                    return Err(invalid(
+                        &key("timeouts"),
+                        format!("unknown method {m:?} (expected one of {DEFAULT_TIMEOUT_KEY}, {})", keys.join(", ")),
+                    ));
+                }
+                if !(secs.is_finite() && *secs > 0.0 && *secs <= 3600.0) {
+                    return Err(invalid(&key(&format!("timeouts.{m}")), "must be between 0 and 3600 seconds"));
+                }
+            }
+            if e.max_message_bytes < 1024 {
+                return Err(invalid(&key("maxMessageBytes"), "must be at least 1024"));
+            }
+            if !(1..=100_000).contains(&e.max_concurrent_calls) {
+                return Err(invalid(&key("maxConcurrentCalls"), "must be between 1 and 100000"));
+            }
+            if e.tls.is_some() && !e.uses_tls() {
+                return Err(invalid(&key("tls"), "TLS needs an https://HOST:PORT or dns:///NAME:PORT endpoint"));
+            }
+            if e.uses_tls() {
+                if matches!(target, Target::One(ctxgate_engine_sdk::Endpoint::Unix(_))) {
+                    return Err(invalid(&key("endpoint"), "a unix socket takes no TLS"));
+                }
+                e.client_tls(id)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The engine the slot selects, if it is a usable remote entry. Unset,
+    /// "", "legacy", "none", a disabled, denied or missing entry → `None`
+    /// (legacy). A missing entry is what removing the selected entry leaves
+    /// behind: the slot resets to legacy.
+    pub fn selected_engine(&self) -> Option<(&str, &EngineEntry)> {
+        let EngineSlot::Named(id) = self.plugins.slots.context_engine() else { return None };
+        if self.plugins.deny.iter().any(|d| d == id) {
+            return None;
+        }
+        let (id, entry) = self.plugins.entries.get_key_value(id)?;
+        entry.enabled.then_some((id.as_str(), entry))
+    }
+
+    pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        self.gateway
+            .listen
+            .parse()
+            .map_err(|_| invalid("gateway.listen", format!("{:?} is not HOST:PORT", self.gateway.listen)))
+    }
+
+    pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
+        if self.gateway.metrics_listen.is_empty() {
+            return Ok(None);
+        }
+        self.gateway.metrics_listen.parse().map(Some).map_err(|_| {
+            invalid("gateway.metricsListen", format!("{:?} is not HOST:PORT", self.gateway.metrics_listen))
+        })
+    }
+
+    /// Where engines reach the Host service, given the bound API address.
+    pub fn host_endpoint(&self, bound: SocketAddr) -> String {
+        if let Some(e) = &self.gateway.host_endpoint {
+            return e.clone();
+        }
+        let ip = if bound.ip().is_unspecified() { std::net::IpAddr::from([127, 0, 0, 1]) } else { bound.ip() };
+        // The Host service shares the API port, and its TLS.
+        let scheme = if self.gateway.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", SocketAddr::new(ip, bound.port()))
+    }
+
+    /// Tokens kept free for the reply.
+    pub fn reserve_tokens(&self) -> u64 {
+        self.agents.defaults.compaction.reserve_tokens.unwrap_or_else(|| (self.models.context_window / 4).min(16_384))
+    }
+
+    pub fn compaction_timeout(&self) -> Duration {
+        Duration::from_secs(self.agents.defaults.compaction.timeout_seconds)
+    }
+}

@@ -1,0 +1,299 @@
+//! The config's sections other than `plugins`: `gateway` (listeners, TLS,
+//! limits, OTLP, auth), `store`, `models` and `agents`.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+use super::{ConfigError, invalid};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct GatewaySection {
+    /// The client API (gRPC). Loopback by default.
+    pub listen: String,
+    /// Prometheus `/metrics` over HTTP; empty disables it.
+    pub metrics_listen: String,
+    pub auth: AuthSection,
+    /// Where engines reach the gateway's Host service. Default: the API
+    /// address (127.0.0.1 when listening on all interfaces). Set it when
+    /// engines run in other containers.
+    pub host_endpoint: Option<String>,
+    pub limits: LimitsSection,
+    /// TLS on the client API (and the Host service engines call back).
+    pub tls: Option<TlsSection>,
+    /// Spans exported over OTLP/gRPC (read at start).
+    pub otlp: Option<OtlpSection>,
+}
+
+/// `gateway.otlp`: where the gateway sends its spans (each turn, each
+/// engine call), continuing the client's `traceparent`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct OtlpSection {
+    /// An OTLP/gRPC collector, `http://HOST:PORT` (usually port 4317).
+    pub endpoint: String,
+    /// The spans' `service.name`.
+    #[serde(default = "default_service_name")]
+    pub service_name: String,
+}
+
+pub(super) fn default_service_name() -> String {
+    "ctxgate".into()
+}
+
+/// `gateway.tls`: the API's certificate and key (PEM); with `clientCa`,
+/// every client must present a certificate that CA signed (mTLS).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TlsSection {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsSection {
+    /// The files, each named by its key.
+    pub fn files(&self) -> ctxgate_engine_sdk::tls::ServerFiles {
+        let named = |key: &str, path: &PathBuf| (key.to_owned(), path.clone());
+        ctxgate_engine_sdk::tls::ServerFiles {
+            cert: named("gateway.tls.cert", &self.cert),
+            key: named("gateway.tls.key", &self.key),
+            client_ca: self.client_ca.as_ref().map(|p| named("gateway.tls.clientCa", p)),
+        }
+    }
+
+    /// The API's TLS, read now: a file that cannot be read, holds no PEM,
+    /// or a key that does not match its certificate is a sentence naming
+    /// its key. SIGHUP can replace it while the gateway serves.
+    pub fn live(&self) -> Result<ctxgate_engine_sdk::tls::LiveServerTls, ConfigError> {
+        ctxgate_engine_sdk::tls::LiveServerTls::new(self.files()).map_err(|m| invalid("gateway.tls", m))
+    }
+}
+
+impl Default for GatewaySection {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7300".into(),
+            metrics_listen: String::new(),
+            auth: AuthSection::default(),
+            host_endpoint: None,
+            limits: LimitsSection::default(),
+            tls: None,
+            otlp: None,
+        }
+    }
+}
+
+/// `gateway.limits`: what clients may hold at once.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct LimitsSection {
+    /// Turns that may wait behind a session's running turn (busy policy
+    /// enqueue); one more is RESOURCE_EXHAUSTED.
+    pub queued_turns_per_session: usize,
+    /// A harness stream that sends nothing for this long is ended (its
+    /// turn aborted), so a silent client cannot hold a session.
+    pub harness_idle_seconds: u64,
+    /// Turns (running or waiting for their session) the gateway takes at
+    /// once; one more is shed at once with RESOURCE_EXHAUSTED and a retry
+    /// pushback, never queued.
+    pub max_concurrent_turns: usize,
+    /// HTTP/2 streams one client connection may have open at once; more
+    /// are refused by the HTTP/2 layer (REFUSED_STREAM), not queued.
+    pub max_concurrent_streams_per_connection: u32,
+    /// The largest request message the client API decodes (bytes); over it
+    /// is RESOURCE_EXHAUSTED.
+    pub max_request_bytes: usize,
+    /// HTTP/2 PING every this many seconds on idle connections, and the
+    /// connection is closed when a ping is not answered within the timeout.
+    pub http2_keepalive_seconds: u64,
+    pub http2_keepalive_timeout_seconds: u64,
+    /// TCP keepalive probes on accepted sockets (seconds).
+    pub tcp_keepalive_seconds: u64,
+    /// The turn limit follows measured latency below `maxConcurrentTurns`
+    /// (`core::admission`).
+    pub adaptive_concurrency: AdaptiveConcurrency,
+}
+
+/// `gateway.limits.adaptiveConcurrency`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AdaptiveConcurrency {
+    /// `false`: the limit is `maxConcurrentTurns`, fixed.
+    pub enabled: bool,
+    /// The limit at start (within minLimit..=maxConcurrentTurns).
+    pub initial_limit: usize,
+    /// The limit never goes below this (nor above maxConcurrentTurns).
+    pub min_limit: usize,
+    /// How much slower than the best seen a window's p90 gateway latency
+    /// may be before the limit shrinks (1.1–10).
+    pub tolerance: f64,
+}
+
+impl Default for AdaptiveConcurrency {
+    fn default() -> Self {
+        // Tolerance 2, measured with `loadgen overload` (docs/benchmarks.md):
+        // under 4× overload it kept admitted p99 within 1.1× (legacy) and
+        // 1.9× (window engine) of unloaded; 4 let the window engine's reach
+        // 4×. 4 keeps more closed-loop throughput (legacy 1058 vs 863
+        // turns/s at 64 sessions): a choice for operators who prefer it.
+        Self { enabled: true, initial_limit: 32, min_limit: 4, tolerance: 2.0 }
+    }
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        Self {
+            queued_turns_per_session: 8,
+            harness_idle_seconds: 300,
+            max_concurrent_turns: 1024,
+            max_concurrent_streams_per_connection: 256,
+            max_request_bytes: 4 * 1024 * 1024,
+            http2_keepalive_seconds: 30,
+            http2_keepalive_timeout_seconds: 10,
+            tcp_keepalive_seconds: 60,
+            adaptive_concurrency: AdaptiveConcurrency::default(),
+        }
+    }
+}
+
+/// `store`: unset, the gateway keeps SQLite in `stateDir`; a
+/// `postgres://` URL shares one PostgreSQL among several gateways.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct StoreSection {
+    /// `postgres://user[:password]@host[:port]/database` (env
+    /// `CTXGATE_STORE_URL`).
+    pub url: Option<String>,
+    /// How long a session lease lasts unless renewed (renewed every third
+    /// of it while a turn runs): how soon a dead gateway's sessions are
+    /// taken over.
+    pub lease_seconds: f64,
+    /// PostgreSQL connections this gateway keeps at most.
+    pub pool_size: usize,
+    /// PEM certificates to trust for the server when the URL asks for TLS
+    /// (`sslmode=require`); default: the public web roots.
+    pub ca_file: Option<PathBuf>,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        Self { url: None, lease_seconds: 10.0, pool_size: 16, ca_file: None }
+    }
+}
+
+impl StoreSection {
+    pub fn lease(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.lease_seconds)
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AuthSection {
+    /// When set, every client call needs `authorization: Bearer <token>`.
+    pub token: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ProviderKind {
+    /// Deterministic, local, no key: the embedded default.
+    Offline,
+    /// Any OpenAI-compatible chat-completions endpoint.
+    Openai,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct ModelsSection {
+    pub provider: ProviderKind,
+    /// e.g. `https://api.openai.com/v1` (the provider appends `/chat/completions`).
+    pub base_url: String,
+    pub api_key: Option<String>,
+    pub model: String,
+    /// Tokens the model accepts (prompt + output).
+    pub context_window: u64,
+    pub max_output_tokens: u64,
+    /// One model request may take this long before it counts as a timeout.
+    pub request_timeout_seconds: u64,
+}
+
+impl Default for ModelsSection {
+    fn default() -> Self {
+        Self {
+            provider: ProviderKind::Offline,
+            base_url: String::new(),
+            api_key: None,
+            model: "offline".into(),
+            context_window: 32_000,
+            max_output_tokens: 1024,
+            request_timeout_seconds: 120,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AgentsSection {
+    pub defaults: AgentDefaults,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct AgentDefaults {
+    pub compaction: CompactionConfig,
+}
+
+/// `agents.defaults.compaction.*` (OpenClaw's names and defaults).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct CompactionConfig {
+    /// The safety timeout: one window per model request of built-in
+    /// compaction, one for an engine's whole Compact.
+    pub timeout_seconds: u64,
+    /// Recent history kept verbatim.
+    pub keep_recent_tokens: u64,
+    /// Tokens kept free for the reply; unset: min(16384, window / 4).
+    pub reserve_tokens: Option<u64>,
+    /// Whole recent turns always kept verbatim, whatever their size.
+    pub recent_turns_preserve: u32,
+    pub quality_guard: QualityGuard,
+    pub identifier_policy: IdentifierPolicy,
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        Self {
+            timeout_seconds: 180,
+            keep_recent_tokens: 20_000,
+            reserve_tokens: None,
+            recent_turns_preserve: 0,
+            quality_guard: QualityGuard::default(),
+            identifier_policy: IdentifierPolicy::Strict,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct QualityGuard {
+    pub enabled: bool,
+    /// Regenerations after a failed audit.
+    pub max_retries: u32,
+}
+
+impl Default for QualityGuard {
+    fn default() -> Self {
+        Self { enabled: true, max_retries: 1 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum IdentifierPolicy {
+    /// Summaries must keep every identifier of the history they replace.
+    Strict,
+    Off,
+}

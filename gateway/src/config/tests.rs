@@ -1,0 +1,125 @@
+use super::*;
+
+fn load_str(text: &str) -> Result<Config, ConfigError> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.json5");
+    std::fs::write(&p, text).unwrap();
+    Config::load(Some(&p), |_| None)
+}
+
+#[test]
+fn no_file_gives_working_defaults() {
+    let c = Config::load(None, |_| None).unwrap();
+    assert_eq!(c.listen_addr().unwrap().to_string(), "127.0.0.1:7300");
+    assert_eq!(c.models.provider, ProviderKind::Offline);
+    assert_eq!(c.agents.defaults.compaction.timeout_seconds, 180);
+    assert_eq!(c.reserve_tokens(), 8_000);
+}
+
+#[test]
+fn json5_with_comments_and_openclaw_keys() {
+    let c = load_str(
+        "{ // comment\n agents: { defaults: { compaction: { keepRecentTokens: 500, timeoutSeconds: 5 } } },\n plugins: { slots: { contextEngine: 'legacy' } }, }",
+    )
+    .unwrap();
+    assert_eq!(c.agents.defaults.compaction.keep_recent_tokens, 500);
+}
+
+#[test]
+fn unknown_keys_and_bad_values_name_their_path() {
+    let e = load_str("{ agents: { defaults: { compaction: { keepRecentTokenz: 5 } } } }").unwrap_err().to_string();
+    assert!(e.contains("agents.defaults.compaction") && e.contains("keepRecentTokenz"), "{e}");
+    let e = load_str("{ models: { contextWindow: 'big' } }").unwrap_err().to_string();
+    assert!(e.contains("models.contextWindow"), "{e}");
+    let e = load_str("{ gateway: { listen: 'nowhere' } }").unwrap_err().to_string();
+    assert!(e.contains("gateway.listen"), "{e}");
+    let e =
+        load_str("{ plugins: { entries: { legacy: { endpoint: 'http://127.0.0.1:1' } } } }").unwrap_err().to_string();
+    assert!(e.contains("plugins.entries.legacy") && e.contains("reserved"), "{e}");
+    let e = load_str("{ plugins: { entries: { w: { endpoint: 'ftp://x' } } } }").unwrap_err().to_string();
+    assert!(e.contains("plugins.entries.w.endpoint"), "{e}");
+    for bad in [
+        "dns:///",
+        "dns:///name",
+        "dns:///na me:1",
+        "dns:///unix:///x",
+        "dns://name:1",
+        "ipv4:",
+        "ipv4:1.2.3.4",
+        "ipv4:[::1]:1",
+        "ipv6:127.0.0.1:1",
+    ] {
+        let e = load_str(&format!("{{ plugins: {{ entries: {{ w: {{ endpoint: '{bad}' }} }} }} }}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("plugins.entries.w.endpoint") && e.contains(&format!("{bad:?}")), "{bad}: {e}");
+    }
+    for bad in ["unix:///tmp/c.sock", "https://collector:4317", "not an endpoint"] {
+        let e = load_str(&format!("{{ gateway: {{ otlp: {{ endpoint: '{bad}' }} }} }}")).unwrap_err().to_string();
+        assert!(e.contains("gateway.otlp.endpoint") && e.contains("http://HOST:PORT"), "{bad}: {e}");
+    }
+    let c = load_str("{ gateway: { otlp: { endpoint: 'http://collector:4317' } } }").unwrap();
+    assert_eq!(c.gateway.otlp.map(|o| o.service_name).as_deref(), Some("ctxgate"));
+    let c = load_str("{ plugins: { entries: { w: { endpoint: 'dns:///engine-window:7401' } } } }").unwrap();
+    let w = &c.plugins.entries["w"];
+    assert_eq!(w.target(), Ok(Target::Dns { host: "engine-window".into(), port: 7401 }));
+    assert!(!w.uses_tls());
+    let c =
+        load_str("{ plugins: { entries: { w: { endpoint: 'ipv4:127.0.0.1:2, 127.0.0.1:1,127.0.0.1:2' } } } }").unwrap();
+    let two = ["127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap()];
+    assert_eq!(c.plugins.entries["w"].target(), Ok(Target::Static(two.to_vec())));
+    let e = load_str("{ plugins: { entries: { w: { endpoint: 'http://127.0.0.1:1', timeouts: { asemble: 1 } } } } }")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("plugins.entries.w.timeouts") && e.contains("asemble"), "{e}");
+    let e = load_str("{ plugins: { entries: { w: { endpoint: 'http://127.0.0.1:1', tls: { ca: 'x' } } } } }")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("plugins.entries.w.tls"), "{e}");
+    let e = load_str("{ models: { provider: 'openai', baseUrl: 'not a url', model: 'm' } }").unwrap_err().to_string();
+    assert!(e.contains("models.baseUrl"), "{e}");
+}
+
+#[test]
+fn the_slot_selects_enabled_allowed_entries_only() {
+    let base = "entries: { w: { endpoint: 'http://127.0.0.1:7401' }, off: { endpoint: 'unix:///tmp/x.sock', enabled: false } }";
+    let pick = |slot: &str, deny: &str| {
+        let c = load_str(&format!("{{ plugins: {{ slots: {{ contextEngine: '{slot}' }}, deny: [{deny}], {base} }} }}"))
+            .unwrap();
+        c.selected_engine().map(|(id, _)| id.to_owned())
+    };
+    assert_eq!(pick("w", ""), Some("w".into()));
+    assert_eq!(pick("legacy", ""), None);
+    assert_eq!(pick("none", ""), None);
+    assert_eq!(pick("off", ""), None, "disabled: legacy, silently");
+    assert_eq!(pick("w", "'w'"), None, "denied: legacy, silently");
+    assert_eq!(pick("gone", ""), None, "a removed entry resets the slot to legacy");
+}
+
+#[test]
+fn the_documented_examples_load() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/examples");
+    // compose.json5 names certificates only the stack has: tests/process/tls.rs
+    // loads it with certificates of its own.
+    for name in ["small-window.json5", "openai.json5", "remote-window.json5"] {
+        Config::load(Some(&dir.join(name)), |_| None).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
+
+#[test]
+fn env_overrides_win_and_are_validated() {
+    let env = |k: &str| match k {
+        "CTXGATE_LISTEN" => Some("127.0.0.1:9999".to_owned()),
+        "CTXGATE_CONTEXT_WINDOW" => Some("64000".to_owned()),
+        _ => None,
+    };
+    let c = Config::load(None, env).unwrap();
+    assert_eq!(c.listen_addr().unwrap().port(), 9999);
+    assert_eq!(c.models.context_window, 64_000);
+    let e = Config::load(None, |k| (k == "CTXGATE_CONTEXT_WINDOW").then(|| "lots".to_owned())).unwrap_err();
+    assert!(e.to_string().contains("models.contextWindow"));
+    let c = Config::load(None, |k| (k == "CTXGATE_OTLP_ENDPOINT").then(|| "http://127.0.0.1:4317".to_owned())).unwrap();
+    assert_eq!(c.gateway.otlp.unwrap().endpoint, "http://127.0.0.1:4317");
+    let e = Config::load(None, |k| (k == "CTXGATE_OTLP_ENDPOINT").then(|| "ftp://x".to_owned())).unwrap_err();
+    assert!(e.to_string().contains("gateway.otlp.endpoint"), "{e}");
+}
