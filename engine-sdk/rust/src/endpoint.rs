@@ -101,14 +101,18 @@ pub fn channel(endpoint: &Endpoint) -> Channel {
 
 /// A TLS channel (rustls) to a TCP `endpoint`, not yet connected; a unix
 /// socket takes no TLS.
-pub fn tls_channel(endpoint: &Endpoint, tls: tonic::transport::ClientTlsConfig) -> Result<Channel, String> {
+pub fn tls_channel(
+    endpoint: &Endpoint,
+    tls: tonic::transport::ClientTlsConfig,
+) -> Result<Channel, crate::tls::TlsError> {
+    use crate::tls::TlsError::Settings;
     let uri = match endpoint {
         Endpoint::Tcp(addr) => format!("https://{addr}"),
         Endpoint::Host(host, port) => format!("https://{host}:{port}"),
-        Endpoint::Unix(_) => return Err("a unix socket takes no TLS (use a file mode instead)".into()),
+        Endpoint::Unix(_) => return Err(Settings("a unix socket takes no TLS (use a file mode instead)".into())),
     };
-    let e = tuned(TonicEndpoint::from_shared(uri).map_err(|e| e.to_string())?);
-    Ok(e.tls_config(tls).map_err(|e| e.to_string())?.connect_lazy())
+    let e = tuned(TonicEndpoint::from_shared(uri).map_err(|e| Settings(e.to_string()))?);
+    Ok(e.tls_config(tls).map_err(|e| Settings(e.to_string()))?.connect_lazy())
 }
 
 /// The generated engine client over `channel`, with the contract's limits.

@@ -33,7 +33,7 @@ pub struct HealthArgs {
 }
 
 impl HealthArgs {
-    fn channel(&self) -> Result<tonic::transport::Channel, String> {
+    fn channel(&self) -> Result<tonic::transport::Channel, crate::tls::TlsError> {
         let e = &self.endpoint;
         if !e.https {
             return Ok(channel(&e.endpoint));
@@ -78,7 +78,7 @@ pub async fn subcommand(program: &str) -> Option<ExitCode> {
     let timeout = Duration::from_secs_f64(if secs.is_finite() { secs.clamp(0.1, 60.0) } else { 3.0 });
     let checked = match parsed.channel() {
         Ok(c) => check(c, &parsed.endpoint, timeout).await,
-        Err(e) => Err(e),
+        Err(e) => Err(e.to_string()),
     };
     Some(match checked {
         Ok(()) => {

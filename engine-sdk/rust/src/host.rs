@@ -282,7 +282,7 @@ impl HostChannels {
         Self { policy, tls, channels: Mutex::default() }
     }
 
-    fn open(&self, c: &Checked) -> Result<Channel, String> {
+    fn open(&self, c: &Checked) -> Result<Channel, crate::tls::TlsError> {
         if !c.https {
             return Ok(channel(&c.dial));
         }
@@ -321,7 +321,7 @@ impl HostChannels {
                 None => match self.open(&checked) {
                     Ok(c) => map.entry(key).or_insert(c).clone(),
                     Err(e) => {
-                        tracing::warn!(endpoint = access.endpoint, error = e, "host callbacks refused for this call");
+                        tracing::warn!(endpoint = access.endpoint, error = %e, "host callbacks refused for this call");
                         return None;
                     }
                 },

@@ -68,7 +68,7 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The server TLS the options ask for, read now (a mistake is a
     /// sentence naming its option); SIGHUP re-reads the same files.
-    pub fn tls(&self) -> Result<Option<crate::tls::LiveServerTls>, String> {
+    pub fn tls(&self) -> Result<Option<crate::tls::LiveServerTls>, crate::tls::TlsError> {
         let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
         let named = |option: &str, path: &std::path::PathBuf| (option.to_owned(), path.clone());
         let files = crate::tls::ServerFiles {
@@ -80,7 +80,7 @@ impl ServeArgs {
     }
 
     /// The client TLS for https:// host endpoints.
-    pub fn host_tls(&self) -> Result<tonic::transport::ClientTlsConfig, String> {
+    pub fn host_tls(&self) -> Result<tonic::transport::ClientTlsConfig, crate::tls::TlsError> {
         let ca = self.host_ca.as_deref().map(|p| crate::tls::Pem::new("--host-ca", p));
         crate::tls::client(ca, crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR))
     }

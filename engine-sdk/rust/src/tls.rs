@@ -4,10 +4,36 @@
 //! Servers accept TLS themselves ([`LiveServerTls`]) so that a reload can
 //! replace the certificate while they serve.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+
+/// Why TLS settings could not be made; every variant names the option
+/// (flag or config key) that gave the file.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("{option} {}: {source}", path.display())]
+    Read { option: String, path: PathBuf, source: std::io::Error },
+    #[error("{option} {} holds no PEM certificate", path.display())]
+    NoCertificate { option: String, path: PathBuf },
+    #[error("{option} {} holds no PEM private key", path.display())]
+    NoKey { option: String, path: PathBuf },
+    /// A file that reads but does not make the settings (a CA that is not
+    /// one, a key that does not match its certificate).
+    #[error("{options}: {detail}")]
+    Invalid { options: String, detail: String },
+    /// The settings themselves (a protocol version, a channel's URI).
+    #[error("{0}")]
+    Settings(String),
+}
+
+/// Errors inside a sentence-returning caller read as their sentence.
+impl From<TlsError> for String {
+    fn from(e: TlsError) -> Self {
+        e.to_string()
+    }
+}
 
 /// A PEM file and the option (flag or config key) that named it.
 #[derive(Debug, Clone, Copy)]
@@ -21,14 +47,18 @@ impl<'a> Pem<'a> {
         Self { option, path }
     }
 
-    pub fn read(&self) -> Result<Vec<u8>, String> {
-        std::fs::read(self.path).map_err(|e| format!("{} {}: {e}", self.option, self.path.display()))
+    pub fn read(&self) -> Result<Vec<u8>, TlsError> {
+        std::fs::read(self.path).map_err(|source| TlsError::Read {
+            option: self.option.to_owned(),
+            path: self.path.to_owned(),
+            source,
+        })
     }
 }
 
 /// A client: trusts `ca` (default: the public web roots) and presents the
 /// `identity` certificate and key when given (mTLS).
-pub fn client(ca: Option<Pem<'_>>, identity: Option<(Pem<'_>, Pem<'_>)>) -> Result<ClientTlsConfig, String> {
+pub fn client(ca: Option<Pem<'_>>, identity: Option<(Pem<'_>, Pem<'_>)>) -> Result<ClientTlsConfig, TlsError> {
     let mut tls = ClientTlsConfig::new();
     tls = match ca {
         Some(ca) => tls.ca_certificate(Certificate::from_pem(ca.read()?)),
@@ -45,14 +75,14 @@ pub fn client(ca: Option<Pem<'_>>, identity: Option<(Pem<'_>, Pem<'_>)>) -> Resu
 /// certificate must carry (default: the host dialled).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ClientFiles {
-    pub ca: Option<(String, std::path::PathBuf)>,
-    pub identity: Option<((String, std::path::PathBuf), (String, std::path::PathBuf))>,
+    pub ca: Option<(String, PathBuf)>,
+    pub identity: Option<((String, PathBuf), (String, PathBuf))>,
     pub server_name: Option<String>,
 }
 
 /// The client configuration `files` describe, read now.
-pub fn client_config(files: &ClientFiles) -> Result<ClientTlsConfig, String> {
-    fn pem((option, path): &(String, std::path::PathBuf)) -> Pem<'_> {
+pub fn client_config(files: &ClientFiles) -> Result<ClientTlsConfig, TlsError> {
+    fn pem((option, path): &(String, PathBuf)) -> Pem<'_> {
         Pem::new(option, path)
     }
     let mut tls = client(files.ca.as_ref().map(pem), files.identity.as_ref().map(|(c, k)| (pem(c), pem(k))))?;
@@ -73,8 +103,8 @@ pub fn check_client(tls: ClientTlsConfig) -> Result<(), String> {
 
 /// `(cert, key)` as PEMs when both are given (clap makes them go together).
 pub fn pair<'a>(
-    cert: Option<&'a std::path::PathBuf>,
-    key: Option<&'a std::path::PathBuf>,
+    cert: Option<&'a PathBuf>,
+    key: Option<&'a PathBuf>,
     options: (&'a str, &'a str),
 ) -> Option<(Pem<'a>, Pem<'a>)> {
     Some((Pem::new(options.0, cert?), Pem::new(options.1, key?)))
@@ -84,51 +114,57 @@ pub fn pair<'a>(
 /// each with the option that named it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerFiles {
-    pub cert: (String, std::path::PathBuf),
-    pub key: (String, std::path::PathBuf),
-    pub client_ca: Option<(String, std::path::PathBuf)>,
+    pub cert: (String, PathBuf),
+    pub key: (String, PathBuf),
+    pub client_ca: Option<(String, PathBuf)>,
 }
 
-fn read_named((option, path): &(String, std::path::PathBuf)) -> Result<Vec<u8>, String> {
+fn read_named((option, path): &(String, PathBuf)) -> Result<Vec<u8>, TlsError> {
     Pem::new(option, path).read()
 }
 
 /// The rustls server configuration `files` describe, read now: HTTP/2
 /// only (gRPC), the client CA's certificates required when given. Every
 /// mistake is a sentence naming its option.
-pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, String> {
+pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, TlsError> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-    let certs = |named: &(String, std::path::PathBuf)| -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = |named: &(String, PathBuf)| -> Result<Vec<CertificateDer<'static>>, TlsError> {
         let pem = read_named(named)?;
         let certs: Vec<_> = CertificateDer::pem_slice_iter(&pem).filter_map(Result::ok).collect();
         if certs.is_empty() {
-            return Err(format!("{} {} holds no PEM certificate", named.0, named.1.display()));
+            return Err(TlsError::NoCertificate { option: named.0.clone(), path: named.1.clone() });
         }
         Ok(certs)
     };
     let chain = certs(&files.cert)?;
     let key = PrivateKeyDer::from_pem_slice(&read_named(&files.key)?)
-        .map_err(|_| format!("{} {} holds no PEM private key", files.key.0, files.key.1.display()))?;
+        .map_err(|_| TlsError::NoKey { option: files.key.0.clone(), path: files.key.1.clone() })?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| TlsError::Settings(e.to_string()))?;
+    let invalid = |(option, path): &(String, PathBuf), e: &dyn std::fmt::Display| TlsError::Invalid {
+        options: format!("{option} {}", path.display()),
+        detail: e.to_string(),
+    };
     let builder = match &files.client_ca {
         None => builder.with_no_client_auth(),
         Some(ca) => {
             let mut roots = rustls::RootCertStore::empty();
             for c in certs(ca)? {
-                roots.add(c).map_err(|e| format!("{} {}: {e}", ca.0, ca.1.display()))?;
+                roots.add(c).map_err(|e| invalid(ca, &e))?;
             }
             let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
-                .map_err(|e| format!("{} {}: {e}", ca.0, ca.1.display()))?;
+                .map_err(|e| invalid(ca, &e))?;
             builder.with_client_cert_verifier(verifier)
         }
     };
-    let mut config =
-        builder.with_single_cert(chain, key).map_err(|e| format!("{} and {}: {e}", files.cert.0, files.key.0))?;
+    let mut config = builder.with_single_cert(chain, key).map_err(|e| TlsError::Invalid {
+        options: format!("{} and {}", files.cert.0, files.key.0),
+        detail: e.to_string(),
+    })?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
 }
@@ -155,7 +191,7 @@ const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 
 impl LiveServerTls {
     /// Reads `files` now (a mistake is a sentence naming its option).
-    pub fn new(files: ServerFiles) -> Result<Self, String> {
+    pub fn new(files: ServerFiles) -> Result<Self, TlsError> {
         let config = Arc::new(server_config(&files)?);
         Ok(Self { current: Arc::new(RwLock::new((files, config))) })
     }
@@ -167,7 +203,7 @@ impl LiveServerTls {
     /// Reads `files` (the same or new paths) and serves them from now on;
     /// on a mistake the running certificate stays and the sentence is
     /// returned.
-    pub fn reload(&self, files: ServerFiles) -> Result<(), String> {
+    pub fn reload(&self, files: ServerFiles) -> Result<(), TlsError> {
         let config = Arc::new(server_config(&files)?);
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = (files, config);
         Ok(())

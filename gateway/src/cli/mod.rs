@@ -179,8 +179,8 @@ pub enum ConnectError {
     #[error("--tls-ca/--tls-cert are for an https:// gateway; {0} is plaintext (use https://)")]
     TlsOverPlaintext(String),
     /// The `--tls-*` files, unreadable or unusable (worded by the SDK).
-    #[error("{0}")]
-    TlsFiles(String),
+    #[error(transparent)]
+    TlsFiles(ctxgate_engine_sdk::tls::TlsError),
     /// tonic refused the client TLS settings.
     #[error("TLS: {}", crate::causes(.0))]
     TlsSettings(tonic::transport::Error),

@@ -32,7 +32,7 @@ struct Args {
 }
 
 impl Args {
-    fn tls(&self) -> Result<Option<tonic::transport::ClientTlsConfig>, String> {
+    fn tls(&self) -> Result<Option<tonic::transport::ClientTlsConfig>, tls::TlsError> {
         if !self.endpoint.starts_with("https://") {
             return Ok(None);
         }
