@@ -227,7 +227,7 @@ async fn a_tls_key_that_is_not_pem_stops_serve_before_binding() {
 async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_certificate_keeps_it_out() {
     use ctxgate::config::EngineTls;
     use ctxgate_tests::TestGateway;
-    use ctxgate_tests::hosting::{attached, engine_status, hosting, run_turn, selected};
+    use ctxgate_tests::hosting::{attached, engine_status, hosting, run_turn, selected, wait_engine};
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
@@ -271,6 +271,11 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
         [("a CA that did not sign it", config(&other_pem, true)), ("no client certificate", config(&ca_pem, false))]
     {
         let g = TestGateway::start(c).await;
+        // The attach has been tried and refused (the handshake failed, so
+        // health reads UNREACHABLE) before anything is asserted: a fast
+        // machine must not be what makes the refusal pass.
+        let e = wait_engine(&g, "window", "checked over TLS", |e| e.health != "UNKNOWN").await;
+        assert_eq!(e.health, "UNREACHABLE", "{what}: the handshake is refused: {e:?}");
         let events = run_turn(&g, "refused", "hello").await;
         assert_eq!(selected(&events).engine_id, "legacy", "{what}: legacy answers");
         let e = engine_status(&g, "window").await;

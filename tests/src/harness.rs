@@ -94,7 +94,9 @@ impl Drive {
     pub async fn open_with(client: &HarnessClient<Channel>, first: R) -> Result<Self, tonic::Status> {
         let (tx, rx) = mpsc::channel(8);
         tx.send(api::HarnessRequest { request: Some(first) }).await.expect("channel open");
-        let events = client.clone().drive_turn(ReceiverStream::new(rx)).await?.into_inner();
+        let mut client = client.clone();
+        let opened = client.drive_turn(ReceiverStream::new(rx));
+        let events = crate::within(crate::PATIENCE, "the gateway answering a DriveTurn", opened).await?.into_inner();
         Ok(Self { tx: Some(tx), events, seen: Vec::new() })
     }
 
@@ -109,9 +111,15 @@ impl Drive {
         self.tx = None;
     }
 
-    /// The next event; `Ok(None)` when the stream ended cleanly.
+    /// The next event; `Ok(None)` when the stream ended cleanly. Bounded:
+    /// a step the gateway never answers fails the test, naming the events
+    /// seen so far.
     pub async fn next(&mut self) -> Result<Option<H>, tonic::Status> {
-        match self.events.next().await {
+        let next = match tokio::time::timeout(crate::PATIENCE, self.events.next()).await {
+            Ok(next) => next,
+            Err(_) => panic!("no harness event within {:?}; seen: {:?}", crate::PATIENCE, self.seen),
+        };
+        match next {
             None => Ok(None),
             Some(Err(s)) => Err(s),
             Some(Ok(e)) => {

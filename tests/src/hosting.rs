@@ -11,7 +11,7 @@ use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use tokio_stream::StreamExt;
 
-use crate::{EngineProcess, TestGateway, bin};
+use crate::{EngineProcess, PATIENCE, TestGateway, bin, within};
 
 /// The session of `key` for agent "main".
 pub fn sref(key: &str) -> api::SessionRef {
@@ -72,12 +72,15 @@ pub async fn attached(g: &TestGateway, id: &str) {
 pub async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
     let req =
         api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
-    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
-    let mut events = Vec::new();
-    while let Some(e) = stream.next().await {
-        events.push(e.unwrap().event.unwrap());
-    }
-    events
+    within(PATIENCE, format!("the turn {text:?} on {key:?} ending"), async {
+        let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+        let mut events = Vec::new();
+        while let Some(e) = stream.next().await {
+            events.push(e.unwrap().event.unwrap());
+        }
+        events
+    })
+    .await
 }
 
 pub fn selected(events: &[Event]) -> &api::EngineSelected {

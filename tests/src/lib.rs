@@ -151,6 +151,19 @@ pub async fn start_python_with(state_dir: &Path, extra: &[&str]) -> EngineProces
     EngineProcess::start(repo_root().join("engines/python/run.sh"), &args).await.expect("python engine starts")
 }
 
+/// How long a test waits for any one thing the system should do (an answer,
+/// an event, a turn's end) before it fails: generous for a loaded machine,
+/// short enough that a broken promise is a failure with a name, not a hang.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// `fut`, or a failure naming `what` did not happen within `limit`.
+pub async fn within<T>(limit: Duration, what: impl std::fmt::Display, fut: impl std::future::Future<Output = T>) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(t) => t,
+        Err(_) => panic!("{what} did not happen within {limit:?}"),
+    }
+}
+
 /// A gateway running in this process (the same `server::run` as the
 /// binary), on loopback, with its state in a temp dir.
 pub struct TestGateway {
@@ -225,18 +238,21 @@ pub async fn compact_to_end(
     use tokio_stream::StreamExt;
     let session = Some(ctxgate_proto::gateway::SessionRef { agent_id: String::new(), session_key: key.into() });
     let req = ctxgate_proto::gateway::CompactSessionRequest { session, custom_instructions: None };
-    let mut stream = match client.clone().compact(req).await {
-        Ok(s) => s.into_inner(),
-        Err(status) => return (Vec::new(), Some(status)),
-    };
-    let mut events = Vec::new();
-    while let Some(e) = stream.next().await {
-        match e {
-            Ok(e) => events.push(e),
-            Err(status) => return (events, Some(status)),
+    within(PATIENCE, format!("the compaction of {key:?} ending"), async {
+        let mut stream = match client.clone().compact(req).await {
+            Ok(s) => s.into_inner(),
+            Err(status) => return (Vec::new(), Some(status)),
+        };
+        let mut events = Vec::new();
+        while let Some(e) = stream.next().await {
+            match e {
+                Ok(e) => events.push(e),
+                Err(status) => return (events, Some(status)),
+            }
         }
-    }
-    (events, None)
+        (events, None)
+    })
+    .await
 }
 
 /// `GET /metrics` with a bare HTTP/1.0 request.

@@ -10,11 +10,14 @@ use std::time::Duration;
 use ctxgate::config::Config;
 use ctxgate_proto::gateway as api;
 use ctxgate_proto::pb::Role;
-use ctxgate_tests::TestGateway;
+use ctxgate_tests::{TestGateway, within};
 use ctxgate_tests::harness::{Drive, begin, client, tool_call};
 use tonic::Code;
 
 use crate::harness_turns::{run_req, run_to_end, run_to_end_owned, shape, status_of};
+
+/// How soon a refusal must come: it never waits for the session.
+const AT_ONCE: Duration = Duration::from_secs(5);
 
 /// A harness turn that holds session `key` open (begun, not ended).
 async fn hold(hc: &api::harness_client::HarnessClient<tonic::transport::Channel>, key: &str) -> Drive {
@@ -28,12 +31,15 @@ async fn busy_policy_reject_refuses_a_second_turn_at_once() {
     let g = TestGateway::start(Config::default()).await;
     let hc = client(&g.endpoint);
     let mut holder = hold(&hc, "busy").await;
-    let s = status_of(run_to_end(&g, run_req("busy", "me too", api::BusyPolicy::Reject)).await);
+    // At once: a refusal that waits for the holder is a broken policy.
+    let refused = within(AT_ONCE, "a rejected managed turn's refusal", run_to_end(&g, run_req("busy", "me too", api::BusyPolicy::Reject)));
+    let s = status_of(refused.await);
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(s.message().contains("session busy"), "{s:?}");
     let mut b = begin("busy", "me too");
     b.busy_policy = api::BusyPolicy::Reject as i32;
-    let s = status_of(Drive::open(&hc, b).await.unwrap().context().await);
+    let refused = async { Drive::open(&hc, b).await.unwrap().context().await };
+    let s = status_of(within(AT_ONCE, "a rejected harness turn's refusal", refused).await);
     assert_eq!(s.code(), Code::FailedPrecondition);
     holder.end(api::TurnOutcome::Accepted).await.unwrap();
     assert_eq!(shape(&g, "busy").await, [(Role::User, "holding".into())], "rejected turns left nothing");

@@ -80,7 +80,7 @@ async fn overflow_forever_ends_in_a_clear_error_after_three_compactions() {
 async fn a_hanging_summary_call_is_cut_at_the_safety_timeout() {
     let fake = FakeOpenAi::start().await;
     let mut config = openai_config(&fake);
-    config.agents.defaults.compaction.timeout_seconds = 1;
+    config.agents.defaults.compaction.timeout_seconds = 2;
     let g = TestGateway::start(config).await;
     seed(&g, "s", 6).await;
     fake.summary_default(Reply::Hang("## Decisions".into()));
@@ -88,7 +88,13 @@ async fn a_hanging_summary_call_is_cut_at_the_safety_timeout() {
 
     let started = Instant::now();
     let (_, status) = compact_to_end(&g.client, "s").await;
-    eprintln!("compaction returned after {:?} (timeout 1 s)", started.elapsed());
+    let elapsed = started.elapsed();
+    // Cut at the 2 s safety timeout: not before it, and well before a
+    // timeout twice as long would have ended it.
+    assert!(
+        (Duration::from_millis(1_900)..Duration::from_millis(3_800)).contains(&elapsed),
+        "the compaction returned after {elapsed:?} (timeout 2 s)"
+    );
     let status = status.expect("the compaction fails");
     assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
     assert!(status.message().contains("history kept"), "{}", status.message());

@@ -379,5 +379,12 @@ async fn a_commit_lost_in_transport_quarantines_stays_queued_and_is_delivered_on
     assert_eq!(selected(&third).engine_id, "fault");
     assert!(engine.wait_line(&format!("event commit {}", turn_id(&third)), Duration::from_secs(5)).await.is_some());
     assert_eq!(messages(&g, "q").await.len(), 6, "nothing lost");
+    // What the engine received, not what it kept (its record would hide a
+    // repeat): each turn's commit arrived once, the refused attempt aside.
+    for turn in [&first, &second, &third] {
+        let id = turn_id(turn);
+        let deliveries = engine.lines_starting(&format!("event commit {id} ")).len();
+        assert_eq!(deliveries, 1, "turn {id}'s commit was delivered {deliveries} times");
+    }
     g.stop().await;
 }

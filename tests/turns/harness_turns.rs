@@ -13,7 +13,7 @@ use ctxgate::config::{Config, EngineEntry};
 use ctxgate_proto::gateway::{self as api, harness_event::Event as H, harness_request::Request as R};
 use ctxgate_proto::pb::{Role, transcript_entry::Entry};
 use ctxgate_tests::harness::{Drive, begin, client, text, tool_call, tool_result};
-use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
+use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, bin, metrics_text, start_window, within};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -137,6 +137,12 @@ async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_c
         .filter_map(|e| matches!(e.entry, Some(Entry::Message(_))).then_some(e.id))
         .collect();
     assert_eq!(w.engine_rows("commits"), 3);
+    // What the engine received: one CommitTurn a turn (its table's key
+    // would hide a repeat).
+    let s = g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner();
+    let engine = s.engines.iter().find(|e| e.id == "engine").unwrap();
+    let commits = engine.methods.iter().find(|m| m.method == "CommitTurn").map_or(0, |m| m.calls);
+    assert_eq!(commits, 3, "each turn's CommitTurn was sent once");
     let db = rusqlite::Connection::open(w.state.path().join("window.sqlite")).unwrap();
     let mut stmt = db.prepare("SELECT id FROM messages ORDER BY seq").unwrap();
     let held: Vec<String> = stmt.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
@@ -250,12 +256,16 @@ pub(crate) async fn run_to_end_owned(
     mut client: api::gateway_client::GatewayClient<tonic::transport::Channel>,
     req: api::RunTurnRequest,
 ) -> Result<Vec<api::turn_event::Event>, tonic::Status> {
-    let mut s = client.run_turn(req).await?.into_inner();
-    let mut out = Vec::new();
-    while let Some(e) = s.next().await {
-        out.push(e?.event.unwrap());
-    }
-    Ok(out)
+    let what = format!("the turn {:?} ending", req.message);
+    within(PATIENCE, what, async {
+        let mut s = client.run_turn(req).await?.into_inner();
+        let mut out = Vec::new();
+        while let Some(e) = s.next().await {
+            out.push(e?.event.unwrap());
+        }
+        Ok(out)
+    })
+    .await
 }
 
 #[tokio::test]

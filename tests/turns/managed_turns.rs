@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use ctxgate::config::{Config, ProviderKind};
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
-use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
-use ctxgate_tests::hosting::session;
-use ctxgate_tests::{TestGateway, metrics_text};
+use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
+use ctxgate_tests::hosting::{attached, engine_status, fault_engine, hosting, session, wait_engine};
+use ctxgate_tests::{PATIENCE, TestGateway, metrics_text, within};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
@@ -31,12 +31,15 @@ pub(crate) fn openai_config(fake: &FakeOpenAi) -> Config {
 pub(crate) async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Result<Vec<Event>, tonic::Status> {
     let req =
         api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
-    let mut stream = g.client.clone().run_turn(req).await?.into_inner();
-    let mut events = Vec::new();
-    while let Some(e) = stream.next().await {
-        events.push(e?.event.unwrap());
-    }
-    Ok(events)
+    within(PATIENCE, format!("the turn {text:?} on {key:?} ending"), async {
+        let mut stream = g.client.clone().run_turn(req).await?.into_inner();
+        let mut events = Vec::new();
+        while let Some(e) = stream.next().await {
+            events.push(e?.event.unwrap());
+        }
+        Ok(events)
+    })
+    .await
 }
 
 /// `n` turns of about 100 tokens each, mentioning `file_<i>.rs`.
@@ -92,9 +95,14 @@ async fn a_client_cancel_mid_turn_stops_the_model_call_and_keeps_the_transcript_
 
 #[tokio::test]
 async fn abort_stops_a_running_turn_without_blaming_anyone() {
+    // A remote engine holds the turn (its Assemble never answers): the
+    // abort must reach it as a cancel, and an abort is never its fault.
     let fake = FakeOpenAi::start().await;
-    let g = TestGateway::start(openai_config(&fake)).await;
-    fake.turns([Reply::Hang("working".into())]);
+    let engine = fault_engine("hang").await;
+    let mut config = openai_config(&fake);
+    config.plugins = hosting("fault", &engine.endpoint, &[]).plugins;
+    let g = TestGateway::start(config).await;
+    attached(&g, "fault").await;
     let req = api::RunTurnRequest {
         session: session("a"),
         message: "long task".into(),
@@ -102,19 +110,22 @@ async fn abort_stops_a_running_turn_without_blaming_anyone() {
         ..Default::default()
     };
     let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
-    while let Some(e) = stream.next().await {
-        if matches!(e.unwrap().event, Some(Event::ModelDelta(_))) {
-            break;
-        }
-    }
+    wait_engine(&g, "fault", "holding the turn's Assemble", |e| e.replicas.iter().any(|r| r.in_flight > 0)).await;
     let aborted = g.client.clone().abort(api::AbortRequest { session: session("a") }).await.unwrap().into_inner();
     assert!(aborted.aborted);
-    let mut last = None;
-    while let Some(e) = stream.next().await {
-        last = e.unwrap().event;
-    }
+    let last = within(PATIENCE, "the aborted turn's stream ending", async {
+        let mut last = None;
+        while let Some(e) = stream.next().await {
+            last = e.unwrap().event;
+        }
+        last
+    })
+    .await;
     assert!(matches!(last, Some(Event::Failed(ref f)) if f.reason == "aborted"), "{last:?}");
-    assert!(fake.wait_disconnect(Duration::from_secs(10)).await);
+    assert!(engine.wait_line("event cancelled Assemble", PATIENCE).await.is_some(), "the engine saw the cancel");
+    let e = engine_status(&g, "fault").await;
+    assert_eq!(e.quarantine, None, "an abort blames no one: {e:?}");
+    assert_eq!(fake.count(Kind::Turn), 0, "the model was never called");
     let nothing = g.client.clone().abort(api::AbortRequest { session: session("a") }).await.unwrap().into_inner();
     assert!(!nothing.aborted, "nothing runs any more");
     g.stop().await;

@@ -215,36 +215,52 @@ mod tests {
     use super::{BusyError, SessionLocks};
     use crate::core::types::BusyPolicy;
 
+    /// A refusal never waits for the session; nothing here waits long.
+    const AT_ONCE: std::time::Duration = std::time::Duration::from_secs(5);
+
+    /// `f`, or a failure naming `what` did not happen.
+    async fn soon<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+        tokio::time::timeout(AT_ONCE, f).await.unwrap_or_else(|_| panic!("{what} did not happen within {AT_ONCE:?}"))
+    }
+
     #[tokio::test]
     async fn policies_reject_queue_up_to_the_limit_and_interrupt() {
         let locks = Arc::new(SessionLocks::default());
         let first = CancellationToken::new();
         let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(1)).await.unwrap();
         assert!(locks.is_busy("s"));
-        let e = locks.enter("s", &CancellationToken::new(), BusyPolicy::Reject, Some(1)).await.err();
+        // Refused at once: a refusal that waits for the holder is a broken
+        // policy, and must fail here, not hang.
+        let other = CancellationToken::new();
+        let rejected = locks.enter("s", &other, BusyPolicy::Reject, Some(1));
+        let e = soon("reject answering", rejected).await.err();
         assert_eq!(e, Some(BusyError::Busy));
 
         // One may wait; the second waiter is refused at once.
         let waiter_token = CancellationToken::new();
         let (l, t) = (locks.clone(), waiter_token.clone());
         let waiting = tokio::spawn(async move { l.enter("s", &t, BusyPolicy::Enqueue, Some(1)).await.map(|_| ()) });
-        while locks.slots.lock().unwrap().get("s").unwrap().queued == 0 {
-            tokio::task::yield_now().await;
-        }
-        let e = locks.enter("s", &CancellationToken::new(), BusyPolicy::Enqueue, Some(1)).await.err();
+        soon("the waiter queueing", async {
+            while locks.slots.lock().unwrap().get("s").unwrap().queued == 0 {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await;
+        let full = locks.enter("s", &other, BusyPolicy::Enqueue, Some(1));
+        let e = soon("a full queue answering", full).await.err();
         assert_eq!(e, Some(BusyError::QueueFull(1)));
 
         // A waiter that is cancelled leaves and frees its place.
         waiter_token.cancel();
-        assert_eq!(waiting.await.unwrap(), Err(BusyError::Cancelled));
+        assert_eq!(soon("the cancelled waiter leaving", waiting).await.unwrap(), Err(BusyError::Cancelled));
         assert_eq!(locks.slots.lock().unwrap().get("s").unwrap().queued, 0);
 
         // Interrupt fires the running turn's token and gets in after it.
         let (l, t) = (locks.clone(), CancellationToken::new());
         let interrupting = tokio::spawn(async move { l.enter("s", &t, BusyPolicy::Interrupt, Some(1)).await.is_ok() });
-        first.cancelled().await;
+        soon("the interrupt firing the running turn's token", first.cancelled()).await;
         drop(running);
-        assert!(interrupting.await.unwrap());
+        assert!(soon("the interrupting turn entering", interrupting).await.unwrap());
         assert!(!locks.is_busy("s"), "the guard was dropped with the task");
         assert!(locks.slots.lock().unwrap().is_empty(), "idle sessions are forgotten");
     }

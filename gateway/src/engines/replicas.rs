@@ -231,9 +231,7 @@ impl Replicas {
             // None in service: a quarantined replica answers as legacy.
             [] => &set[0],
             [only] => only,
-            up if let Some(key) = by_session() => {
-                up.iter().max_by_key(|r| rendezvous(r.address(), key)).copied().unwrap_or(&set[0])
-            }
+            up if let Some(key) = by_session() => owner(up, |r| r.address(), key).unwrap_or(&set[0]),
             up => {
                 let a = fastrand::usize(..up.len());
                 let b = (a + 1 + fastrand::usize(..up.len() - 1)) % up.len();
@@ -360,6 +358,13 @@ async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: C
     }
 }
 
+/// The replica among `up` that owns `session`: the highest rendezvous
+/// weight of (address, session), so every gateway picks the same one and
+/// only a departed replica's sessions move.
+fn owner<'a, T: ?Sized>(up: &[&'a T], address: impl Fn(&T) -> &str, session: &str) -> Option<&'a T> {
+    up.iter().copied().max_by_key(|r| rendezvous(address(r), session))
+}
+
 /// A replica's rendezvous score for a session. Every gateway must compute
 /// the same score (so it is written out, not std's hasher, whose algorithm
 /// may change between releases): FNV-1a over both strings, then
@@ -482,8 +487,9 @@ mod tests {
     #[test]
     fn rendezvous_moves_only_a_departed_replicas_sessions() {
         let all = ["10.0.0.1:7401", "10.0.0.2:7401", "10.0.0.3:7401"];
+        // The production rule, as `pick` applies it to the replicas in service.
         fn owner<'a>(set: &[&'a str], s: &str) -> &'a str {
-            set.iter().max_by_key(|r| rendezvous(r, s)).unwrap()
+            super::owner(set, |a| a, s).unwrap()
         }
         let sessions: Vec<String> = (0..3000).map(|i| format!("session-{i}")).collect();
         let mut per = BTreeMap::<&str, usize>::new();
