@@ -5,14 +5,11 @@
 
 use std::time::Duration;
 
-use ctxgate_tests::TestGateway;
 use ctxgate_tests::hosting::*;
 
 #[tokio::test]
 async fn a_grant_reads_only_its_own_session_and_dies_with_its_call() {
-    let engine = fault_engine("grant-probe").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("grant-probe").await;
     run_turn(&g, "gp", "first").await;
     let events = run_turn(&g, "gp", "second").await;
     assert!(completed(&events));

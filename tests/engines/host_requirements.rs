@@ -8,14 +8,11 @@
 use std::time::Duration;
 
 use ctxgate_proto::gateway::turn_event::Event;
-use ctxgate_tests::TestGateway;
 use ctxgate_tests::hosting::*;
 
 #[tokio::test]
 async fn a_missing_host_capability_degrades_the_turn_with_openclaws_message() {
-    let engine = fault_engine("needs-threads").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (_engine, g) = fault_gateway("needs-threads").await;
     let events = run_turn(&g, "t", "hi").await;
     assert!(completed(&events));
     assert_eq!(selected(&events).engine_id, "legacy");
@@ -28,9 +25,7 @@ async fn a_missing_host_capability_degrades_the_turn_with_openclaws_message() {
 
 #[tokio::test]
 async fn host_params_an_engine_does_not_accept_are_not_sent() {
-    let engine = fault_engine("accepts-nothing").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("accepts-nothing").await;
     assert!(completed(&run_turn(&g, "hp", "hi").await));
     let line = engine.wait_line("event params", Duration::from_secs(5)).await.unwrap();
     assert!(line.starts_with("event params key=no prompt=no settings=no context=no host=no "), "{line}");

@@ -7,7 +7,7 @@
 
 use ctxgate_proto::gateway as api;
 use ctxgate_tests::hosting::{
-    attached, completed, engine_status, fault_engine, hosting, quarantine_of, run_turn, selected,
+    attached, completed, engine_status, fault_engine, fault_gateway, hosting, quarantine_of, run_turn, selected,
 };
 use ctxgate_tests::{TestGateway, compact_to_end};
 use std::time::Duration;
@@ -41,9 +41,7 @@ async fn a_progress_flood_is_coalesced_capped_and_the_compaction_completes() {
 
 #[tokio::test]
 async fn a_reply_with_megabytes_of_metadata_is_a_contract_violation_and_the_turn_completes() {
-    let engine = fault_engine("huge-metadata").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (_engine, g) = fault_gateway("huge-metadata").await;
     let events = run_turn(&g, "m", "hello").await;
     assert!(completed(&events), "legacy answered the turn: {events:?}");
     let status = engine_status(&g, "fault").await;

@@ -6,14 +6,11 @@
 use std::time::Duration;
 
 use ctxgate_proto::gateway as api;
-use ctxgate_tests::TestGateway;
 use ctxgate_tests::hosting::*;
 
 #[tokio::test]
 async fn maintenance_rewrites_become_a_new_branch_and_the_old_one_stays() {
-    let engine = fault_engine("maintain-rewrite").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("maintain-rewrite").await;
     assert!(completed(&run_turn(&g, "m", "please rewrite me").await));
     engine.wait_line("event maintain", Duration::from_secs(5)).await.unwrap();
     let texts = messages(&g, "m").await;

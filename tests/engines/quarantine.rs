@@ -16,9 +16,7 @@ use tonic::Code;
 
 #[tokio::test]
 async fn an_engine_that_crashes_mid_call_is_quarantined_and_the_turn_completes_on_legacy() {
-    let engine = fault_engine("crash-on-assemble").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (_engine, g) = fault_gateway("crash-on-assemble").await;
     let events = run_turn(&g, "c", "first question").await;
     assert!(completed(&events), "same-call fallback answers the turn: {events:?}");
     let e = wait_engine(&g, "fault", "quarantined", |e| e.quarantine.is_some()).await;
@@ -57,9 +55,7 @@ async fn garbage_and_oversized_replies_are_contract_violations() {
 
 #[tokio::test]
 async fn not_serving_quarantines_and_serving_again_readmits_within_two_seconds() {
-    let engine = fault_engine("").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("").await;
     let kill = |sig: &str| {
         std::process::Command::new("kill").arg(format!("-{sig}")).arg(engine.pid().to_string()).status().unwrap()
     };
@@ -83,9 +79,7 @@ async fn not_serving_quarantines_and_serving_again_readmits_within_two_seconds()
 
 #[tokio::test]
 async fn an_operator_readmit_lifts_a_quarantine() {
-    let engine = fault_engine("garbage").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (_engine, g) = fault_gateway("garbage").await;
     run_turn(&g, "r", "x").await;
     assert!(engine_status(&g, "fault").await.quarantine.is_some());
     let r = g

@@ -72,9 +72,7 @@ async fn subagents_fork_from_the_window_engine_end_and_are_swept() {
 
 #[tokio::test]
 async fn a_spawn_that_fails_after_preparation_is_rolled_back() {
-    let engine = fault_engine("slow-prepare").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("slow-prepare").await;
     assert!(completed(&run_turn(&g, "p", "parent").await));
     let mut c = g.client.clone();
     let req = api::SpawnSubagentRequest {

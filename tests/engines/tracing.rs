@@ -199,9 +199,7 @@ async fn the_python_engine_continues_the_trace_too() {
 
 #[tokio::test]
 async fn a_clients_traceparent_is_continued_into_the_engines_calls() {
-    let engine = fault_engine("trace-probe").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("trace-probe").await;
     let client_trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let mut req = tonic::Request::new(api::RunTurnRequest {
         session: session("traced"),

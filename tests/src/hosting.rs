@@ -27,6 +27,15 @@ pub async fn fault_engine(faults: &str) -> EngineProcess {
     EngineProcess::start(bin("ctxgate-fault-engine"), &["--listen", "127.0.0.1:0", "--fault", faults]).await.unwrap()
 }
 
+/// The fault fixture with `faults`, and a gateway that selects it as
+/// "fault", attached.
+pub async fn fault_gateway(faults: &str) -> (EngineProcess, TestGateway) {
+    let engine = fault_engine(faults).await;
+    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
+    attached(&g, "fault").await;
+    (engine, g)
+}
+
 pub fn hosting(id: &str, endpoint: &str, timeouts: &[(&str, f64)]) -> Config {
     let mut c = Config::default();
     let entry = EngineEntry {

@@ -10,8 +10,8 @@ use std::time::Duration;
 use ctxgate::config::Config;
 use ctxgate_proto::gateway as api;
 use ctxgate_proto::pb::Role;
-use ctxgate_tests::{TestGateway, within};
 use ctxgate_tests::harness::{Drive, begin, client, tool_call};
+use ctxgate_tests::{TestGateway, within};
 use tonic::Code;
 
 use crate::harness_turns::{run_req, run_to_end, run_to_end_owned, shape, status_of};
@@ -32,7 +32,11 @@ async fn busy_policy_reject_refuses_a_second_turn_at_once() {
     let hc = client(&g.endpoint);
     let mut holder = hold(&hc, "busy").await;
     // At once: a refusal that waits for the holder is a broken policy.
-    let refused = within(AT_ONCE, "a rejected managed turn's refusal", run_to_end(&g, run_req("busy", "me too", api::BusyPolicy::Reject)));
+    let refused = within(
+        AT_ONCE,
+        "a rejected managed turn's refusal",
+        run_to_end(&g, run_req("busy", "me too", api::BusyPolicy::Reject)),
+    );
     let s = status_of(refused.await);
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(s.message().contains("session busy"), "{s:?}");

@@ -32,9 +32,7 @@ async fn outbox_rows(g: &TestGateway) -> Vec<serde_json::Value> {
 
 #[tokio::test]
 async fn a_refused_commit_blocks_only_its_session_and_can_be_retried_or_dropped() {
-    let engine = fault_engine("durable,refuse-poison").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("durable,refuse-poison").await;
 
     let first = run_turn(&g, "poison-a", "first").await;
     assert!(completed(&first), "the turn is accepted; only its commit waits: {first:?}");
@@ -95,9 +93,7 @@ async fn a_refused_commit_blocks_only_its_session_and_can_be_retried_or_dropped(
 
 #[tokio::test]
 async fn turns_served_by_legacy_while_quarantined_reach_the_engine_in_order_once_it_is_back() {
-    let engine = fault_engine("durable").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("durable").await;
     let mut expected = vec![turn_id(&run_turn(&g, "gap", "turn 0").await)];
     engine.wait_lines("event commit ", 1, Duration::from_secs(5)).await.unwrap();
 
@@ -164,9 +160,7 @@ async fn delete(g: &TestGateway, key: &str) {
 
 #[tokio::test]
 async fn a_deleted_session_with_queued_commits_is_never_delivered_and_is_forgotten() {
-    let engine = fault_engine("durable,commit-fails-first").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("durable,commit-fails-first").await;
     let first = run_turn(&g, "del", "first").await;
     assert!(completed(&first));
     assert_eq!(status(&g).await.outbox_queued, 1, "the refused commit waits");
@@ -328,9 +322,7 @@ async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legac
 
 #[tokio::test]
 async fn durable_engines_get_commit_turn_through_the_outbox_instead_of_after_turn() {
-    let engine = fault_engine("durable").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("durable").await;
     let first = run_turn(&g, "d", "first").await;
     let second = run_turn(&g, "d", "second").await;
     assert!(completed(&first) && completed(&second));
@@ -356,9 +348,7 @@ async fn durable_engines_get_commit_turn_through_the_outbox_instead_of_after_tur
 async fn a_commit_lost_in_transport_quarantines_stays_queued_and_is_delivered_once_the_engine_is_back() {
     // UNAVAILABLE is a transport failure: the engine, not the turn, is at
     // fault (a refusal of the turn itself is in durable_turns.rs).
-    let engine = fault_engine("durable,commit-fails-first").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway("durable,commit-fails-first").await;
     let first = run_turn(&g, "q", "first").await;
     assert!(completed(&first), "the reply is stored even though the engine refused the commit");
     assert!(first.iter().any(|e| matches!(e, Event::Warning(w) if w.message.contains("stays queued"))));
