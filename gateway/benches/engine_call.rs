@@ -122,6 +122,9 @@ impl raw::ContextEngine for Echo {
     async fn forget_session(&self, _: Request<pb::ForgetSessionRequest>) -> U<pb::ForgetSessionResult> {
         Err(Status::unimplemented("echo"))
     }
+    async fn call_tool(&self, _: Request<pb::CallToolRequest>) -> U<pb::CallToolResult> {
+        Err(Status::unimplemented("echo"))
+    }
 }
 
 fn request() -> pb::AssembleRequest {

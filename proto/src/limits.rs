@@ -20,3 +20,22 @@ pub const MAX_ID_BYTES: usize = 256;
 
 /// Most messages in one request or result.
 pub const MAX_MESSAGES: usize = 20_000;
+
+/// Most tools one engine declares (`EngineInfo.tools`).
+pub const MAX_TOOLS: usize = 64;
+
+/// Longest tool name (`^[a-zA-Z0-9_-]{1,64}$`, the common tool-name rule).
+pub const MAX_TOOL_NAME_BYTES: usize = 64;
+
+/// Longest tool description.
+pub const MAX_TOOL_DESCRIPTION_BYTES: usize = 4 * 1024;
+
+/// Largest JSON Schema of a tool's arguments.
+pub const MAX_TOOL_SCHEMA_BYTES: usize = 64 * 1024;
+
+/// Largest arguments a model's tool call may carry to an engine.
+pub const MAX_TOOL_ARGUMENTS_BYTES: usize = 256 * 1024;
+
+/// The most text of a tool's result the gateway keeps (it cuts the rest
+/// and says so): what the model sees, and what the transcript stores.
+pub const MAX_TOOL_RESULT_BYTES: usize = 256 * 1024;

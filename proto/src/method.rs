@@ -23,11 +23,12 @@ pub enum Method {
     OnSubagentEnded,
     Dispose,
     ForgetSession,
+    CallTool,
 }
 
 impl Method {
     /// Every RPC, in lifecycle order.
-    pub const ALL: [Method; 14] = [
+    pub const ALL: [Method; 15] = [
         Self::GetInfo,
         Self::Bootstrap,
         Self::Ingest,
@@ -42,6 +43,7 @@ impl Method {
         Self::OnSubagentEnded,
         Self::Dispose,
         Self::ForgetSession,
+        Self::CallTool,
     ];
 
     /// The name on the wire and in `EngineInfo.implemented_methods`.
@@ -61,6 +63,7 @@ impl Method {
             Self::OnSubagentEnded => "OnSubagentEnded",
             Self::Dispose => "Dispose",
             Self::ForgetSession => "ForgetSession",
+            Self::CallTool => "CallTool",
         }
     }
 
@@ -82,6 +85,7 @@ impl Method {
             Self::OnSubagentEnded => "onSubagentEnded",
             Self::Dispose => "dispose",
             Self::ForgetSession => "forgetSession",
+            Self::CallTool => "callTool",
         }
     }
 

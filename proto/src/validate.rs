@@ -9,7 +9,8 @@ use std::fmt;
 use crate::Method;
 use crate::limits::{
     MAX_ID_BYTES, MAX_MESSAGE_CONTENT_BYTES, MAX_MESSAGES, MAX_METADATA_ENTRIES, MAX_METADATA_KEY_BYTES,
-    MAX_METADATA_VALUE_BYTES,
+    MAX_METADATA_VALUE_BYTES, MAX_TOOL_ARGUMENTS_BYTES, MAX_TOOL_DESCRIPTION_BYTES, MAX_TOOL_NAME_BYTES,
+    MAX_TOOL_SCHEMA_BYTES, MAX_TOOLS,
 };
 use crate::pb::{self, AgentMessage, Role, content_part::Part};
 
@@ -207,6 +208,55 @@ pub fn tool_pairs(list: &[AgentMessage], field: &str) -> Result {
     }
 }
 
+/// A tool name: 1 to 64 of `[a-zA-Z0-9_-]`, the rule model APIs share.
+pub fn tool_name(name: &str, field: &str) -> Result {
+    let ok = (1..=MAX_TOOL_NAME_BYTES).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if !ok {
+        return Err(Violation::invalid(field, format!("{name:?} is not 1 to 64 of [a-zA-Z0-9_-]")));
+    }
+    Ok(())
+}
+
+/// An engine's tool declarations: at most [`MAX_TOOLS`], names valid and
+/// unique, descriptions and schemas within their limits, each schema a
+/// JSON object.
+pub fn tools(list: &[pb::ToolDefinition], field: &str) -> Result {
+    if list.len() > MAX_TOOLS {
+        return Err(Violation::too_large(field, format!("declares {} tools, the limit is {MAX_TOOLS}", list.len())));
+    }
+    let mut names = HashSet::new();
+    for (i, t) in list.iter().enumerate() {
+        let at = format!("{field}[{i}]");
+        tool_name(&t.name, &format!("{at}.name"))?;
+        if !names.insert(t.name.as_str()) {
+            return Err(Violation::invalid(format!("{at}.name"), format!("{:?} is declared twice", t.name)));
+        }
+        if t.description.len() > MAX_TOOL_DESCRIPTION_BYTES {
+            return Err(Violation::too_large(
+                format!("{at}.description"),
+                format!("is {} bytes, the limit is {MAX_TOOL_DESCRIPTION_BYTES}", t.description.len()),
+            ));
+        }
+        let schema = &t.parameters_json_schema;
+        if schema.len() > MAX_TOOL_SCHEMA_BYTES {
+            return Err(Violation::too_large(
+                format!("{at}.parameters_json_schema"),
+                format!("is {} bytes, the limit is {MAX_TOOL_SCHEMA_BYTES}", schema.len()),
+            ));
+        }
+        if !schema.trim().is_empty()
+            && !matches!(serde_json::from_str::<serde_json::Value>(schema), Ok(serde_json::Value::Object(_)))
+        {
+            return Err(Violation::invalid(format!("{at}.parameters_json_schema"), "is not a JSON object"));
+        }
+        if pb::ToolAudience::try_from(t.audience).is_err() {
+            return Err(Violation::invalid(format!("{at}.audience"), format!("{} is not a ToolAudience", t.audience)));
+        }
+    }
+    Ok(())
+}
+
 /// Request checks an engine server applies before its code runs.
 pub mod request {
     use super::*;
@@ -285,6 +335,19 @@ pub mod request {
     pub fn forget_session(r: &pb::ForgetSessionRequest) -> Result {
         id(&r.session_id, "session_id")
     }
+
+    pub fn call_tool(r: &pb::CallToolRequest) -> Result {
+        id(&r.session_id, "session_id")?;
+        id(&r.tool_call_id, "tool_call_id")?;
+        tool_name(&r.name, "name")?;
+        if r.arguments_json.len() > MAX_TOOL_ARGUMENTS_BYTES {
+            return Err(Violation::too_large(
+                "arguments_json",
+                format!("is {} bytes, the limit is {MAX_TOOL_ARGUMENTS_BYTES}", r.arguments_json.len()),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// Result checks a caller applies to what an engine answered.
@@ -326,6 +389,10 @@ pub mod result {
                 "is declared but CommitTurn is not implemented",
             ));
         }
+        if !i.tools.is_empty() && !seen.contains(&Method::CallTool) {
+            return Err(Violation::invalid("info.tools", "are declared but CallTool is not implemented"));
+        }
+        tools(&i.tools, "info.tools")?;
         // A DELTA engine is resynced through IngestBatch after a gap.
         if i.history_delivery == pb::HistoryDelivery::Delta as i32 && !seen.contains(&Method::IngestBatch) {
             return Err(Violation::invalid(
@@ -359,6 +426,18 @@ pub mod result {
             Ok(pb::CommitStatus::Committed | pb::CommitStatus::Duplicate) => Ok(()),
             _ => Err(Violation::invalid("status", format!("invalid commitTurn result status: {}", r.status))),
         }
+    }
+
+    /// A tool's result: text parts only (what the model is shown). Its
+    /// size is not refused here: the gateway keeps the first
+    /// `MAX_TOOL_RESULT_BYTES` and says it cut.
+    pub fn call_tool(r: &pb::CallToolResult) -> Result {
+        for (i, p) in r.content.iter().enumerate() {
+            if !matches!(p.part, Some(Part::Text(_))) {
+                return Err(Violation::invalid(format!("content[{i}]"), "a tool's result carries text parts only"));
+            }
+        }
+        Ok(())
     }
 
     pub fn maintain(r: &pb::MaintainResult) -> Result {

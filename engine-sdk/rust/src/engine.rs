@@ -154,4 +154,47 @@ pub trait ContextEngine: Send + Sync + 'static {
     ) -> impl Future<Output = Out<pb::ForgetSessionResult>> + Send {
         async { Err(EngineError::Unimplemented(Method::ForgetSession)) }
     }
+
+    /// The tools the engine offers the model. The server adds them to
+    /// GetInfo's `tools` (and `CallTool` to its implemented methods) when
+    /// `get_info` declares none itself.
+    fn tools(&self) -> Vec<pb::ToolDefinition> {
+        Vec::new()
+    }
+
+    /// Runs one of [`ContextEngine::tools`] for a model's tool call. A tool
+    /// that cannot help — unknown, bad arguments, nothing found — answers
+    /// an error *result* ([`tool_error`]), which the model reads; an `Err`
+    /// reaches the model as an error result too, worded by the gateway.
+    fn call_tool(
+        &self,
+        _ctx: &CallContext,
+        _req: pb::CallToolRequest,
+    ) -> impl Future<Output = Out<pb::CallToolResult>> + Send {
+        async { Err(EngineError::Unimplemented(Method::CallTool)) }
+    }
+}
+
+/// A tool's result: `text` for the model.
+pub fn tool_text(text: impl Into<String>) -> pb::CallToolResult {
+    pb::CallToolResult { content: vec![text_part(text.into())], is_error: false }
+}
+
+/// A tool's failure, for the model: why it could not help.
+pub fn tool_error(text: impl Into<String>) -> pb::CallToolResult {
+    pb::CallToolResult { content: vec![text_part(text.into())], is_error: true }
+}
+
+fn text_part(text: String) -> pb::ContentPart {
+    pb::ContentPart { part: Some(pb::content_part::Part::Text(text)) }
+}
+
+/// A tool declaration: its name, what it does, its arguments' JSON Schema.
+pub fn tool(name: &str, description: &str, parameters_json_schema: &str) -> pb::ToolDefinition {
+    pb::ToolDefinition {
+        name: name.into(),
+        description: description.into(),
+        parameters_json_schema: parameters_json_schema.into(),
+        audience: pb::ToolAudience::Main as i32,
+    }
 }

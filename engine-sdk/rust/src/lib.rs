@@ -28,7 +28,7 @@ pub mod tls;
 pub use context::CallContext;
 pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};
 pub use endpoint::{Endpoint, channel, connect, engine_client, tls_channel};
-pub use engine::{CompactOutcome, ContextEngine, Progress};
+pub use engine::{CompactOutcome, ContextEngine, Progress, tool, tool_error, tool_text};
 pub use error::EngineError;
 pub use host::{HostClient, HostPolicy, LLM_COMPLETE, Peer, READ_TRANSCRIPT, Refused};
 pub use server::{AbortOnDrop, Bound, ServeArgs, Server, serve_main, shutdown_signal};

@@ -216,7 +216,29 @@ type CompactStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CompactE
 #[tonic::async_trait]
 impl<E: ContextEngine> raw::ContextEngine for EngineService<E> {
     async fn get_info(&self, req: Request<pb::GetInfoRequest>) -> Unary<pb::EngineInfo> {
-        self.unary(Method::GetInfo, req, no_check, no_host, |e, ctx, _| async move { e.get_info(&ctx).await }).await
+        self.unary(Method::GetInfo, req, no_check, no_host, |e, ctx, _| async move {
+            let mut info = e.get_info(&ctx).await?;
+            // Tools declared through `tools()` join the info (with CallTool).
+            if info.tools.is_empty() {
+                info.tools = e.tools();
+                if !info.tools.is_empty() && !Method::CallTool.listed_in(&info.implemented_methods) {
+                    info.implemented_methods.push(Method::CallTool.name().to_owned());
+                }
+            }
+            Ok(info)
+        })
+        .await
+    }
+
+    async fn call_tool(&self, req: Request<pb::CallToolRequest>) -> Unary<pb::CallToolResult> {
+        self.unary(
+            Method::CallTool,
+            req,
+            validate::request::call_tool,
+            |r| r.host.as_ref(),
+            |e, ctx, r| async move { e.call_tool(&ctx, r).await },
+        )
+        .await
     }
 
     async fn bootstrap(&self, req: Request<pb::BootstrapRequest>) -> Unary<pb::BootstrapResult> {

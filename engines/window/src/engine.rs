@@ -230,6 +230,7 @@ impl ContextEngine for WindowEngine {
             history_delivery: pb::HistoryDelivery::Delta as i32,
             // Each replica keeps its own sessions: a session's calls go to one.
             replica_affinity: pb::ReplicaAffinity::Session as i32,
+            tools: Vec::new(),
         })
     }
 

@@ -18,6 +18,7 @@ use crate::testkit::msg;
 use crate::{connect, engine_client};
 
 mod cases;
+mod tools;
 
 /// How to run the suite.
 #[derive(Debug, Clone)]
@@ -86,6 +87,12 @@ macro_rules! case {
     };
 }
 
+macro_rules! tool_case {
+    ($name:literal, $f:ident) => {
+        ($name, (|kit| Box::pin(tools::$f(kit))) as CaseFn)
+    };
+}
+
 /// Every case, in the order they run.
 pub const CASES: &[(&str, CaseFn)] = &[
     case!("health.check", health_check),
@@ -105,6 +112,10 @@ pub const CASES: &[(&str, CaseFn)] = &[
     case!("delta.unknown_cursor_is_a_history_gap", delta_gap),
     case!("delta.resend_after_a_gap_is_accepted", delta_resend),
     case!("subagent.prepare_then_rollback_twice", subagent_rollback),
+    tool_case!("tools.declared_valid", declared_valid),
+    tool_case!("tools.unknown_tool_is_an_error_result", unknown_tool_is_an_error_result),
+    tool_case!("tools.each_declared_tool_answers", each_declared_tool_answers),
+    tool_case!("tools.deadline_and_cancel_leave_engine_healthy", deadline_and_cancel_leave_engine_healthy),
     case!("cancel.mid_flight_leaves_engine_healthy", cancel_mid_flight),
     case!("deadline.one_ms_leaves_engine_healthy", deadline_one_ms),
     case!("malformed.missing_session_id", malformed_missing_session),
