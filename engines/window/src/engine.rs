@@ -306,9 +306,7 @@ impl ContextEngine for WindowEngine {
         let head = (!summary.text.is_empty()).then(|| summary_message(&req.session_id, &summary));
         let tail = match req.token_budget {
             Some(budget) => {
-                let fixed =
-                    head.as_ref().map_or(0, estimate::message_tokens) + estimate::text_tokens(retrieval::POLICY);
-                let room = budget.saturating_sub(fixed);
+                let room = budget.saturating_sub(head.as_ref().map_or(0, estimate::message_tokens));
                 turns::fit_turns(tail, room)
             }
             None => tail,
