@@ -188,6 +188,13 @@ impl Drive {
         self.until(|e| if let H::Appended(a) = e { Some(a.entry_ids.clone()) } else { None }).await
     }
 
+    /// Runs engine tool call `tool_call_id` (appended already): the tool
+    /// message the gateway stored as its result.
+    pub async fn call_tool(&mut self, tool_call_id: &str) -> Result<api::ToolResult, tonic::Status> {
+        self.send(R::CallTool(api::CallTool { tool_call_id: tool_call_id.into() })).await;
+        self.until(|e| if let H::ToolResult(r) = e { Some(r.clone()) } else { None }).await
+    }
+
     /// Sends `end`, reads `ended`, closes its side and waits for the close.
     pub async fn end(&mut self, outcome: api::TurnOutcome) -> Result<api::Ended, tonic::Status> {
         self.send(R::End(api::End { outcome: outcome as i32, reason: String::new() })).await;

@@ -28,6 +28,8 @@ use crate::metrics::Metrics;
 
 const FIRST_PENALTY: Duration = Duration::from_secs(1);
 const MAX_PENALTY: Duration = Duration::from_secs(60);
+/// The longest reason a record keeps (it is shown and logged).
+const MAX_REASON_CHARS: usize = 1_000;
 
 /// What took an engine out of service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -241,6 +243,16 @@ impl Guarded {
         self.metrics.engine_quarantined(&self.remote.id, cause.as_str());
         self.replica_gauge(false);
         self.changed.notify_waiters();
+    }
+
+    /// An attach (GetInfo and its validation) failed: while the engine waits
+    /// for an attach, its record says why (a contract violation names its
+    /// field path), not only that it is "not attached yet".
+    pub fn attach_failed(&self, reason: &str) {
+        let mut s = self.lock();
+        if let Some(q) = s.quarantine.as_mut().filter(|q| q.cause == QuarantineCause::Attach) {
+            q.reason = reason.chars().take(MAX_REASON_CHARS).collect();
+        }
     }
 
     /// Records what the health monitor saw.
