@@ -14,10 +14,10 @@ use ctxgate_tests::{compact_to_end, start_window};
 /// every 3rd, a TODO every 4th.
 fn planted(i: usize) -> Vec<String> {
     let mut facts = vec![format!("ID-{i:04}-XQ")];
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         facts.push(format!("DEC-{i:04}"));
     }
-    if i % 4 == 0 {
+    if i.is_multiple_of(4) {
         facts.push(format!("TODO-{i:04}"));
     }
     facts
@@ -25,10 +25,10 @@ fn planted(i: usize) -> Vec<String> {
 
 fn turn_text(i: usize) -> String {
     let mut t = format!("Turn {i}: the build artefact is ID-{i:04}-XQ.");
-    if i % 3 == 0 {
+    if i.is_multiple_of(3) {
         t.push_str(&format!(" Decision DEC-{i:04}: we keep the cache per tenant."));
     }
-    if i % 4 == 0 {
+    if i.is_multiple_of(4) {
         t.push_str(&format!(" TODO-{i:04}: write the migration for it."));
     }
     t
