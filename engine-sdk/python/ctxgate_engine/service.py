@@ -212,11 +212,15 @@ class EngineService:
         """The engine method as a task of its own, bounded by the deadline;
         its answer, or the refusal to send."""
         task = asyncio.ensure_future(call(self.engine, ctx, request))
+        # Shielded: the task is cancelled here, after the context's event is
+        # set, so a method that catches its cancellation finds it set.
         try:
             left = ctx.remaining()
-            result = await (task if left is None else asyncio.wait_for(task, left))
+            shielded = asyncio.shield(task)
+            result = await (shielded if left is None else asyncio.wait_for(shielded, left))
         except (asyncio.TimeoutError, TimeoutError):
             ctx.cancelled.set()
+            task.cancel()
             return _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed")
         except asyncio.CancelledError:
             # The caller went away (or grpc ended the call at its deadline).
