@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The Python SDK's checks, as CI runs them (tests/engines/sdk_python.rs):
+# the venv (made from PyPI on first use), mypy --strict over the SDK and its
+# tests, pytest, and the package built as pip builds it (the contract's code
+# generated at build time).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+cd "$here"
+"$here/../../proto/python-setup.sh" "$here" --requirements requirements-dev.txt --path . contextengine/v1
+echo "== mypy (strict)"
+.venv/bin/python -m mypy
+echo "== pytest"
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
