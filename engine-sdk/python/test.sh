@@ -9,5 +9,10 @@ cd "$here"
 "$here/../../proto/python-setup.sh" "$here" --requirements requirements-dev.txt --path . contextengine/v1
 echo "== mypy (strict)"
 .venv/bin/python -m mypy
+echo "== mypy (strict): the minimal engine of docs/engines-in-python.md"
+doc="$(mktemp -d)"
+trap 'rm -rf "$doc"' EXIT
+.venv/bin/python tests/doc_engine.py >"$doc/my_engine.py"
+.venv/bin/python -m mypy --strict --no-incremental "$doc/my_engine.py"
 echo "== pytest"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

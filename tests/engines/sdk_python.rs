@@ -50,3 +50,25 @@ async fn the_python_sdk_example_engine_passes_the_conformance_kit() {
     assert!(report.lines().any(|l| l == "pass  tools.each_declared_tool_answers"), "{report}");
     assert!(report.lines().any(|l| l == "pass  delta.unknown_cursor_is_a_history_gap"), "{report}");
 }
+
+/// docs/engines-in-python.md's minimal engine, copied out of the page and
+/// run with the page's command, passes the kit (what it does not declare —
+/// DELTA, CommitTurn, subagents, tools — is skipped).
+#[tokio::test]
+async fn the_minimal_python_engine_in_the_docs_passes_the_conformance_kit() {
+    let page = std::fs::read_to_string(repo_root().join("docs/engines-in-python.md")).unwrap();
+    let code = page.split_once("```python\n").unwrap().1.split_once("```").unwrap().0;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("my_engine.py");
+    std::fs::write(&file, code).unwrap();
+    let args = ["python", file.to_str().unwrap(), "--listen", "127.0.0.1:0"];
+    let engine = EngineProcess::start(repo_root().join("engine-sdk/python/run.sh"), &args).await.unwrap();
+    let out = tokio::process::Command::new(bin("ctxgate-conformance"))
+        .args(["--endpoint", &engine.endpoint, "--case-timeout-ms", "20000"])
+        .output()
+        .await
+        .unwrap();
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{report}");
+    assert_eq!(report.lines().last(), Some("19 passed, 0 failed, 9 skipped"), "the page says so:\n{report}");
+}
