@@ -87,19 +87,20 @@ def cursor_of(held: list[types.AgentMessage]) -> pb.HistoryCursor:
     return pb.HistoryCursor(message_id=held[-1].id, seq=n, message_count=n, tokens=messages_tokens(held))
 
 
-def newest_turns(messages: list[types.AgentMessage], budget: int | None) -> list[types.AgentMessage]:
-    """The newest whole turns (from a user message on) within `budget`; a
-    turn is never split, so no tool result loses its call."""
-    if budget is None:
-        return messages
-    starts = [i for i, m in enumerate(messages) if m.role == types.ROLE_USER] or [0]
-    start, total = starts[-1], messages_tokens(messages[starts[-1]:])
-    for s, e in zip(reversed(starts[:-1]), reversed(starts[1:])):
-        total += messages_tokens(messages[s:e])
-        if total > budget:
-            break
-        start = s
-    return messages[start:]
+def newest_turns(messages: list[types.AgentMessage], budget: int | None) -> tuple[list[types.AgentMessage], int]:
+    """The newest whole turns (from a user message on) within `budget`, and
+    their tokens; a turn is never split, so no tool result loses its call."""
+    tokens = [message_tokens(m) for m in messages]
+    start = 0
+    if budget is not None:
+        starts = [i for i, m in enumerate(messages) if m.role == types.ROLE_USER] or [0]
+        start, total = starts[-1], sum(tokens[starts[-1]:])
+        for s, e in zip(reversed(starts[:-1]), reversed(starts[1:])):
+            total += sum(tokens[s:e])
+            if total > budget:
+                break
+            start = s
+    return messages[start:], sum(tokens[start:])
 
 
 class ExampleEngine(ContextEngine):
@@ -129,8 +130,8 @@ class ExampleEngine(ContextEngine):
                                           or len(held) < req.cursor.message_count):
                 raise HistoryGap(held=cursor_of(held))
             messages = held + [m for m in messages if m.id not in ids]
-        out = newest_turns(messages, req.token_budget if req.HasField("token_budget") else None)
-        return pb.AssembleResult(messages=out, estimated_tokens=sum(message_tokens(m) for m in out))
+        out, tokens = newest_turns(messages, req.token_budget if req.HasField("token_budget") else None)
+        return pb.AssembleResult(messages=out, estimated_tokens=tokens)
 
     async def compact(self, ctx: CallContext, req: pb.CompactRequest, progress: Progress) -> CompactOutcome:
         await progress.report("checking", 1, 1)

@@ -91,42 +91,62 @@ def content_bytes(m: types.AgentMessage) -> int:
 _ROLES = frozenset(types.Role.values())
 
 
-def _message(m: types.AgentMessage, at: str) -> None:
-    check_id(m.id, f"{at}.id")
-    if m.role == types.ROLE_UNSPECIFIED:
-        raise Violation(f"{at}.role", "is required")
-    if m.role not in _ROLES:
-        raise Violation(f"{at}.role", f"unknown role {m.role}")
+def _message(m: types.AgentMessage, at: str | Callable[[], str]) -> None:
+    """The checks of one message. `at` is its path, or makes it: nothing is
+    formatted unless something is wrong (this runs on every message of
+    every request)."""
+    def path(rest: str) -> str:
+        return f"{at if isinstance(at, str) else at()}{rest}"
+
+    mid = m.id
+    if not mid.strip() or (len(mid) * 4 > MAX_ID_BYTES and utf8_len(mid) > MAX_ID_BYTES):
+        check_id(mid, path(".id"))
+    role = m.role
+    if role not in _ROLES or role == types.ROLE_UNSPECIFIED:
+        if role == types.ROLE_UNSPECIFIED:
+            raise Violation(path(".role"), "is required")
+        raise Violation(path(".role"), f"unknown role {role}")
+    size = 0
     for i, p in enumerate(m.content):
-        part = f"{at}.content[{i}]"
         kind = p.WhichOneof("part")
-        if kind is None:
-            raise Violation(part, "has no part set")
-        if kind == "tool_call":
+        if kind == "text":
+            size += utf8_len(p.text)
+        elif kind == "tool_call":
+            c = p.tool_call
             try:
-                check_id(p.tool_call.id, "")
+                check_id(c.id, "")
             except Violation as bad:
-                raise bad.at(f"{part}.tool_call.id") from None
-            if not p.tool_call.name.strip():
-                raise Violation(f"{part}.tool_call.name", "is required")
+                raise bad.at(path(f".content[{i}].tool_call.id")) from None
+            if not c.name.strip():
+                raise Violation(path(f".content[{i}].tool_call.name"), "is required")
+            size += utf8_len(c.id) + utf8_len(c.name) + utf8_len(c.arguments_json)
         elif kind == "tool_result":
+            r = p.tool_result
             try:
-                check_id(p.tool_result.tool_call_id, "")
+                check_id(r.tool_call_id, "")
             except Violation as bad:
-                raise bad.at(f"{part}.tool_result.tool_call_id") from None
-    if len(m.metadata) > MAX_METADATA_ENTRIES:
-        raise Violation(f"{at}.metadata", f"has {len(m.metadata)} entries, the limit is {MAX_METADATA_ENTRIES}",
-                        too_large=True)
-    for k, v in m.metadata.items():
-        if utf8_len(k) > MAX_METADATA_KEY_BYTES:
-            raise Violation(f"{at}.metadata", f"has a {utf8_len(k)}-byte key, the limit is {MAX_METADATA_KEY_BYTES}",
+                raise bad.at(path(f".content[{i}].tool_result.tool_call_id")) from None
+            size += utf8_len(r.tool_call_id) + utf8_len(r.tool_name) + utf8_len(r.text)
+        elif kind == "thinking":
+            size += utf8_len(p.thinking.text) + utf8_len(p.thinking.signature)
+        elif kind == "image":
+            size += utf8_len(p.image.uri) + utf8_len(p.image.mime_type)
+        else:
+            raise Violation(path(f".content[{i}]"), "has no part set")
+    metadata = m.metadata
+    if metadata:
+        if len(metadata) > MAX_METADATA_ENTRIES:
+            raise Violation(path(".metadata"), f"has {len(metadata)} entries, the limit is {MAX_METADATA_ENTRIES}",
                             too_large=True)
-        if utf8_len(v) > MAX_METADATA_VALUE_BYTES:
-            raise Violation(f"{at}.metadata", f"[{k[:64]}] is {utf8_len(v)} bytes, the limit is "
-                            f"{MAX_METADATA_VALUE_BYTES}", too_large=True)
-    size = content_bytes(m)
+        for k, v in metadata.items():
+            if utf8_len(k) > MAX_METADATA_KEY_BYTES:
+                raise Violation(path(".metadata"),
+                                f"has a {utf8_len(k)}-byte key, the limit is {MAX_METADATA_KEY_BYTES}", too_large=True)
+            if utf8_len(v) > MAX_METADATA_VALUE_BYTES:
+                raise Violation(path(".metadata"), f"[{k[:64]}] is {utf8_len(v)} bytes, the limit is "
+                                f"{MAX_METADATA_VALUE_BYTES}", too_large=True)
     if size > MAX_MESSAGE_CONTENT_BYTES:
-        raise Violation(f"{at}.content", f"is {size} bytes, the limit is {MAX_MESSAGE_CONTENT_BYTES}",
+        raise Violation(path(".content"), f"is {size} bytes, the limit is {MAX_MESSAGE_CONTENT_BYTES}",
                         too_large=True)
 
 
@@ -142,10 +162,11 @@ def messages(items: Sequence[types.AgentMessage], field: str) -> None:
         raise Violation(field, f"has {len(items)} messages, the limit is {MAX_MESSAGES}", too_large=True)
     seen: set[str] = set()
     for i, m in enumerate(items):
-        _message(m, f"{field}[{i}]")
-        if m.id in seen:
-            raise Violation(f"{field}[{i}].id", f"duplicates message id {quoted(m.id)}")
-        seen.add(m.id)
+        _message(m, lambda: f"{field}[{i}]")
+        mid = m.id
+        if mid in seen:
+            raise Violation(f"{field}[{i}].id", f"duplicates message id {quoted(mid)}")
+        seen.add(mid)
 
 
 def first_orphan_result(items: Sequence[types.AgentMessage]) -> tuple[int, int] | None:
