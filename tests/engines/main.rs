@@ -16,6 +16,7 @@ mod python_engine;
 mod quarantine;
 mod replicas;
 mod retrieval;
+mod sdk_python;
 mod sdk_server;
 mod subagents;
 mod tools;
