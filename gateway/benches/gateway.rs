@@ -140,6 +140,36 @@ async fn harness_attempt(
     Ok(())
 }
 
+/// A gateway in this process on loopback (the same `server::run` as the
+/// binary), its state in a temp dir; `configure` adjusts its config.
+struct Gateway {
+    channel: tonic::transport::Channel,
+    stop: CancellationToken,
+    server: tokio::task::JoinHandle<Result<(), ctxgate::api::server::ServeError>>,
+    _state: tempfile::TempDir,
+}
+
+impl Gateway {
+    async fn start(configure: impl FnOnce(&mut Config)) -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
+        config.gateway.listen = "127.0.0.1:0".into();
+        configure(&mut config);
+        let listeners = ctxgate::api::server::Listeners::bind(&config).await.unwrap();
+        let url = format!("http://{}", listeners.api.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let server = tokio::spawn(ctxgate::api::server::run(config, listeners, async move { s.cancelled().await }));
+        let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+        Self { channel, stop, server, _state: state }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        self.server.await.unwrap().unwrap();
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 enum Driver {
     Managed,
@@ -154,15 +184,8 @@ async fn turn(driver: Driver, channel: &tonic::transport::Channel, key: &str) {
 }
 
 async fn turns_per_second(driver: Driver, concurrency: usize, per_session: usize) -> f64 {
-    let state = tempfile::tempdir().unwrap();
-    let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
-    config.gateway.listen = "127.0.0.1:0".into();
-    let listeners = ctxgate::api::server::Listeners::bind(&config).await.unwrap();
-    let url = format!("http://{}", listeners.api.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let server = tokio::spawn(ctxgate::api::server::run(config, listeners, async move { s.cancelled().await }));
-    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    let gateway = Gateway::start(|_| {}).await;
+    let channel = gateway.channel.clone();
     // Warm up each session (creation is not a turn's steady-state cost).
     for i in 0..concurrency {
         turn(driver, &channel, &format!("bench-{i}")).await;
@@ -182,8 +205,7 @@ async fn turns_per_second(driver: Driver, concurrency: usize, per_session: usize
         t.await.unwrap();
     }
     let rate = (concurrency * per_session) as f64 / started.elapsed().as_secs_f64();
-    stop.cancel();
-    server.await.unwrap().unwrap();
+    gateway.stop().await;
     rate
 }
 
@@ -348,18 +370,13 @@ async fn call_tool_round_trip(rounds: usize) -> (Duration, Duration) {
     use api::harness_event::Event as H;
     use api::harness_request::Request as R;
     let engine = ctxgate_engine_sdk::testkit::TestEngine::start(Echo).await.unwrap();
-    let state = tempfile::tempdir().unwrap();
-    let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
-    config.gateway.listen = "127.0.0.1:0".into();
-    let entry = ctxgate::config::EngineEntry { endpoint: engine.endpoint.as_str().into(), ..Default::default() };
-    config.plugins.entries.insert("echo".into(), entry);
-    config.plugins.slots.context_engine = Some("echo".into());
-    let listeners = ctxgate::api::server::Listeners::bind(&config).await.unwrap();
-    let url = format!("http://{}", listeners.api.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let server = tokio::spawn(ctxgate::api::server::run(config, listeners, async move { s.cancelled().await }));
-    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    let gateway = Gateway::start(|config| {
+        let entry = ctxgate::config::EngineEntry { endpoint: engine.endpoint.as_str().into(), ..Default::default() };
+        config.plugins.entries.insert("echo".into(), entry);
+        config.plugins.slots.context_engine = Some("echo".into());
+    })
+    .await;
+    let channel = gateway.channel.clone();
     let mut gw = GatewayClient::new(channel.clone());
     // Until the engine is attached (its tools are offered).
     loop {
@@ -422,8 +439,7 @@ async fn call_tool_round_trip(rounds: usize) -> (Duration, Duration) {
     send(R::End(api::End { outcome: api::TurnOutcome::Aborted as i32, reason: String::new() }));
     next_until(|e| matches!(e, H::Ended(_))).await;
     drop(tx);
-    stop.cancel();
-    server.await.unwrap().unwrap();
+    gateway.stop().await;
     engine.stop().await;
     took.sort();
     let at = |p: f64| took[((took.len() as f64 - 1.0) * p).round() as usize];
