@@ -1,14 +1,20 @@
 //! Grants: what an engine may do when it calls the gateway back. A grant
 //! covers one session, the call's operations, and the call's deadline; it is
 //! revoked the moment its engine call returns, so no engine can act on a
-//! session outside a call for it.
+//! session outside a call for it. Within the call it has a budget
+//! (`gateway.limits.hostCallbacks`): callbacks at once, callbacks in all,
+//! model calls in all, and model calls per engine at once.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use ctxgate_proto::pb;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+
+use crate::config::HostCallbacks;
 
 /// A host callback an engine may be granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +47,23 @@ pub enum GrantError {
     OtherSession,
     #[error("grant: does not allow {}", .0.as_str())]
     NotAllowed(HostOperation),
+    #[error("{0}")]
+    OverLimit(Limit),
+}
+
+/// A host-callback limit a grant reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Limit {
+    #[error("at most {0} host callbacks of one engine call run at once (gateway.limits.hostCallbacks.inFlightPerCall)")]
+    InFlight(usize),
+    #[error("one engine call may make at most {0} host callbacks (gateway.limits.hostCallbacks.perCall)")]
+    Calls(u32),
+    #[error("one engine call may make at most {0} LlmComplete calls (gateway.limits.hostCallbacks.llmPerCall)")]
+    LlmCalls(u32),
+    #[error(
+        "at most {0} LlmComplete calls of one engine run at once (gateway.limits.hostCallbacks.llmConcurrentPerEngine)"
+    )]
+    LlmConcurrent(usize),
 }
 
 /// What a grant allows.
@@ -58,12 +81,50 @@ pub struct Scope {
 struct Live {
     scope: Scope,
     expires: Instant,
+    budget: Arc<Budget>,
 }
 
-/// Live grants by token.
-#[derive(Default)]
+/// What is left of one grant's callbacks.
+struct Budget {
+    in_flight: Arc<Semaphore>,
+    calls: AtomicU32,
+    llm_calls: AtomicU32,
+}
+
+impl Budget {
+    /// Counts one more against `cap`; false (and nothing counted) past it.
+    fn spend(counter: &AtomicU32, cap: u32) -> bool {
+        counter.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < cap).then_some(n + 1)).is_ok()
+    }
+}
+
+/// A callback under way: it holds one of its grant's in-flight slots
+/// until dropped.
+pub struct Callback {
+    pub scope: Scope,
+    _slot: OwnedSemaphorePermit,
+}
+
+/// One of an engine's model-call slots, held while the model answers.
+pub struct LlmSlot {
+    _permit: OwnedSemaphorePermit,
+}
+
+/// Engines whose model-call slots are remembered at most; past it, those
+/// not in use are forgotten (an engine id comes from the engine).
+const MAX_LLM_ENGINES: usize = 1024;
+
+/// Live grants by token, and each engine's model-call slots.
 pub struct Grants {
     live: Mutex<HashMap<String, Live>>,
+    limits: HostCallbacks,
+    llm: Mutex<HashMap<String, Arc<Semaphore>>>,
+}
+
+impl Default for Grants {
+    fn default() -> Self {
+        Self::new(HostCallbacks::default())
+    }
 }
 
 /// A live grant; dropping it revokes the token.
@@ -80,6 +141,10 @@ impl Drop for GrantGuard {
 }
 
 impl Grants {
+    pub fn new(limits: HostCallbacks) -> Self {
+        Self { live: Mutex::default(), limits, llm: Mutex::default() }
+    }
+
     /// Issues a grant for `scope` that expires after `ttl`.
     pub fn issue(self: &Arc<Self>, endpoint: &str, scope: Scope, ttl: Duration) -> GrantGuard {
         let token = format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple());
@@ -93,7 +158,7 @@ impl Grants {
         self.live
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(token.clone(), Live { scope, expires: Instant::now() + ttl });
+            .insert(token.clone(), Live { scope, expires: Instant::now() + ttl, budget: Arc::new(self.budget()) });
         GrantGuard {
             grants: self.clone(),
             token,
@@ -101,13 +166,22 @@ impl Grants {
         }
     }
 
-    /// The scope of a live token allowing `operation` on `session_id`.
+    fn budget(&self) -> Budget {
+        Budget {
+            in_flight: Arc::new(Semaphore::new(self.limits.in_flight_per_call)),
+            calls: AtomicU32::new(0),
+            llm_calls: AtomicU32::new(0),
+        }
+    }
+
+    /// A callback of a live token allowing `operation` on `session_id`,
+    /// within the grant's budget.
     pub fn authorise(
         &self,
         token: &str,
         session_id: Option<&str>,
         operation: HostOperation,
-    ) -> Result<Scope, GrantError> {
+    ) -> Result<Callback, GrantError> {
         if token.is_empty() {
             return Err(GrantError::Missing);
         }
@@ -122,7 +196,34 @@ impl Grants {
         if !g.scope.operations.contains(&operation) {
             return Err(GrantError::NotAllowed(operation));
         }
-        Ok(g.scope.clone())
+        let (b, l) = (&g.budget, &self.limits);
+        let slot = b.in_flight.clone().try_acquire_owned().map_err(|_| Limit::InFlight(l.in_flight_per_call))?;
+        if operation == HostOperation::LlmComplete && !Budget::spend(&b.llm_calls, l.llm_per_call) {
+            return Err(Limit::LlmCalls(l.llm_per_call).into());
+        }
+        if !Budget::spend(&b.calls, l.per_call) {
+            return Err(Limit::Calls(l.per_call).into());
+        }
+        Ok(Callback { scope: g.scope.clone(), _slot: slot })
+    }
+
+    /// One of `engine_id`'s model-call slots, if one is free.
+    pub fn llm_slot(&self, engine_id: &str) -> Result<LlmSlot, GrantError> {
+        let cap = self.limits.llm_concurrent_per_engine;
+        let slots = {
+            let mut map = self.llm.lock().unwrap_or_else(|e| e.into_inner());
+            if map.len() >= MAX_LLM_ENGINES && !map.contains_key(engine_id) {
+                map.retain(|_, s| s.available_permits() < cap);
+            }
+            map.entry(engine_id.to_owned()).or_insert_with(|| Arc::new(Semaphore::new(cap))).clone()
+        };
+        slots.try_acquire_owned().map(|p| LlmSlot { _permit: p }).map_err(|_| Limit::LlmConcurrent(cap).into())
+    }
+}
+
+impl From<Limit> for GrantError {
+    fn from(l: Limit) -> Self {
+        Self::OverLimit(l)
     }
 }
 
@@ -157,5 +258,52 @@ mod tests {
             grants.authorise(&token, Some("s1"), HostOperation::ReadTranscript).err(),
             Some(GrantError::Unknown)
         );
+    }
+
+    fn both_operations() -> Scope {
+        Scope {
+            engine_id: "e".into(),
+            session_id: "s1".into(),
+            session_key: "k".into(),
+            operations: vec![HostOperation::ReadTranscript, HostOperation::LlmComplete],
+            fence_before: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_grant_spends_its_budget_and_then_is_refused_naming_the_limit() {
+        let limits =
+            HostCallbacks { in_flight_per_call: 2, per_call: 5, llm_per_call: 2, llm_concurrent_per_engine: 1 };
+        let grants = Arc::new(Grants::new(limits));
+        let g = grants.issue("http://h", both_operations(), Duration::from_secs(60));
+        let token = g.access.grant.as_ref().unwrap().token.clone();
+        let read = || grants.authorise(&token, Some("s1"), HostOperation::ReadTranscript);
+
+        let (a, b) = (read().unwrap(), read().unwrap());
+        assert_eq!(read().err(), Some(GrantError::OverLimit(Limit::InFlight(2))), "two at once");
+        drop((a, b));
+        let llm = || grants.authorise(&token, Some("s1"), HostOperation::LlmComplete).map(drop);
+        assert!(llm().is_ok() && llm().is_ok());
+        assert_eq!(llm().err(), Some(GrantError::OverLimit(Limit::LlmCalls(2))));
+        assert!(read().is_ok(), "reads still count under perCall");
+        assert_eq!(read().err(), Some(GrantError::OverLimit(Limit::Calls(5))));
+        let message = GrantError::OverLimit(Limit::Calls(5)).to_string();
+        assert!(message.contains("gateway.limits.hostCallbacks.perCall"), "{message}");
+
+        // A new engine call has a new budget.
+        let g2 = grants.issue("http://h", both_operations(), Duration::from_secs(60));
+        let token2 = g2.access.grant.as_ref().unwrap().token.clone();
+        assert!(grants.authorise(&token2, Some("s1"), HostOperation::ReadTranscript).is_ok());
+    }
+
+    #[test]
+    fn an_engine_has_its_model_slots_across_its_calls() {
+        let limits = HostCallbacks { llm_concurrent_per_engine: 2, ..HostCallbacks::default() };
+        let grants = Grants::new(limits);
+        let (a, _b) = (grants.llm_slot("e").unwrap(), grants.llm_slot("e").unwrap());
+        assert!(matches!(grants.llm_slot("e"), Err(GrantError::OverLimit(Limit::LlmConcurrent(2)))));
+        assert!(grants.llm_slot("other").is_ok(), "per engine");
+        drop(a);
+        assert!(grants.llm_slot("e").is_ok(), "a finished call frees its slot");
     }
 }

@@ -10,6 +10,7 @@ mod engine_selection;
 mod grants;
 mod host_requirements;
 mod hostile_engines;
+mod lanes;
 mod maintenance;
 mod overload;
 mod python_engine;

@@ -99,6 +99,32 @@ async fn bad_config_and_an_unreachable_gateway_read_like_sentences() {
 }
 
 #[tokio::test]
+async fn an_open_client_api_without_authentication_does_not_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    let serve_on = |listen: &'static str, extra: Vec<(&'static str, &'static str)>| {
+        let mut cmd = Command::new(bin("ctxgate"));
+        cmd.args(["serve", "--listen", listen, "--state-dir", state.to_str().unwrap()]);
+        cmd.env_remove("CTXGATE_AUTH_TOKEN").envs(extra).kill_on_drop(true);
+        cmd
+    };
+    // Bounded: a gateway that did start would serve for ever.
+    let out = tokio::time::timeout(ctxgate_tests::PATIENCE, serve_on("0.0.0.0:0", vec![]).output())
+        .await
+        .expect("the gateway started on 0.0.0.0 without authentication")
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(out.stdout.is_empty(), "nothing was bound: {}", String::from_utf8_lossy(&out.stdout));
+    for key in ["gateway.auth.token", "gateway.tls.clientCa", "gateway.allowUnauthenticated"] {
+        assert!(err.contains(key), "the refusal names {key}: {err}");
+    }
+    // With a token it serves.
+    let g = ctxgate_tests::EngineProcess::spawn(serve_on("0.0.0.0:0", vec![("CTXGATE_AUTH_TOKEN", "a-secret")])).await;
+    assert!(g.is_ok(), "a token lets it listen on 0.0.0.0: {:?}", g.err());
+}
+
+#[tokio::test]
 async fn health_subcommands_exit_zero_when_serving_and_one_with_a_sentence_otherwise() {
     let dir = tempfile::tempdir().unwrap();
     let gw = serve(&dir.path().join("state"), None).await;

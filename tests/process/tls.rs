@@ -396,8 +396,9 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
         .replace("\"/certs/", &format!("\"{}/", certs.display()))
         .replace("dns:///engine-window:7401", &format!("dns:///localhost:{port}"))
         .replace("https://engine-python:7402", &format!("https://localhost:{py_port}"))
-        // The derived host endpoint is this gateway's own https:// address.
-        .replace("hostEndpoint: \"https://gateway:7300\",", "");
+        // The derived host endpoint is this gateway's own Host listener.
+        .replace("hostEndpoint: \"https://gateway:7301\",", "")
+        .replace("hostListen: \"0.0.0.0:7301\",", "");
     assert_ne!(config, compose);
     let config = write_file(d, "compose.json5", &config);
     let s = |p: &Path| p.to_str().unwrap().to_owned();

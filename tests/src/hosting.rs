@@ -133,9 +133,14 @@ pub fn shed_pushback(s: &tonic::Status) -> Option<Duration> {
 }
 
 pub async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
+    run_turn_on(&g.client, key, text).await
+}
+
+/// [`run_turn`] on a client of its own (for a task of its own).
+pub async fn run_turn_on(client: &GatewayClient<Channel>, key: &str, text: &str) -> Vec<Event> {
     let req = turn_request(key, text);
     within(PATIENCE, format!("the turn {text:?} on {key:?} ending"), async {
-        let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+        let mut stream = client.clone().run_turn(req).await.unwrap().into_inner();
         let mut events = Vec::new();
         while let Some(e) = stream.next().await {
             events.push(e.unwrap().event.unwrap());

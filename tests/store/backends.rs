@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use ctxgate::store::postgres::PostgresStore;
 use ctxgate::store::{
-    Claimed, Claims, CommitDraft, Cursors, NewEntry, Outbox, Renewal, Session, Sessions, SqliteStore, Store,
-    StoreError, Transcript, TurnClose,
+    Claimed, Claims, CommitDraft, Cursors, NewEntry, Outbox, PageOutcome, PageRequest, Renewal, Session, Sessions,
+    SqliteStore, Store, StoreError, Transcript, TurnClose,
 };
 use ctxgate_proto::pb::{
     self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
@@ -114,6 +114,7 @@ case_list!(
     new_and_reset_start_fresh_sessions_and_delete_removes_all,
     refusals_back_off_drops_are_audited_and_deletes_leave_forgets,
     branch_after_reads_back_to_the_cursor_and_follows_rewrites,
+    a_branch_is_read_a_page_at_a_time_within_its_caps,
     a_closed_turn_queues_its_commit_with_the_turn_messages_and_a_delivery_moves_the_cursor,
     subagents_projections_and_durable_engines_round_trip,
 );
@@ -222,6 +223,48 @@ async fn append_chains_entries_and_branch_reads_them_back_in_order(fx: &Fx) {
     assert_eq!(b.iter().map(|e| e.seq).collect::<Vec<_>>(), [1, 2, 3]);
     let stats = store.list_sessions(None, false, 0, 100).await.unwrap();
     assert_eq!((stats[0].entries, stats[0].compactions), (3, 1));
+}
+
+async fn a_branch_is_read_a_page_at_a_time_within_its_caps(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let all = store.append(&s.session_id, (0..10).map(|i| user(&format!("m{i} {}", "x".repeat(1000)))).collect()).await;
+    let ids: Vec<String> = all.unwrap().into_iter().map(|e| e.id).collect();
+    let page = |after: Option<&str>, until: Option<&str>, limit, max_bytes| PageRequest {
+        after: after.map(Into::into),
+        until: until.map(Into::into),
+        limit,
+        max_bytes,
+    };
+    let read = async |p: PageRequest| match store.branch_page(&s.session_id, p).await.unwrap() {
+        PageOutcome::Page { entries, more } => (entries.into_iter().map(|e| e.id).collect::<Vec<_>>(), more),
+        other => panic!("{other:?}"),
+    };
+    // Through it all, three at a time.
+    let (mut seen, mut after) = (Vec::new(), None::<String>);
+    loop {
+        let (got, more) = read(page(after.as_deref(), None, 3, usize::MAX)).await;
+        assert!(got.len() <= 3);
+        seen.extend(got);
+        after = seen.last().cloned();
+        if !more {
+            break;
+        }
+    }
+    assert_eq!(seen, ids, "every entry once, in order");
+    // Up to a fence, and a byte cap that still makes progress.
+    assert_eq!(read(page(None, Some(&ids[4]), 100, usize::MAX)).await, (ids[..4].to_vec(), false));
+    let (one, more) = read(page(Some(&ids[1]), None, 100, 1)).await;
+    assert_eq!((one, more), (vec![ids[2].clone()], true));
+    let (two, _) = read(page(None, None, 100, 2_500)).await;
+    assert_eq!(two.len(), 2, "~1.1 KB entries, 2.5 KB: two");
+    let unknown = store.branch_page(&s.session_id, page(Some("nope"), None, 3, usize::MAX)).await.unwrap();
+    assert_eq!(unknown, PageOutcome::UnknownAfter);
+    let unknown = store.branch_page(&s.session_id, page(None, Some("nope"), 3, usize::MAX)).await.unwrap();
+    assert_eq!(unknown, PageOutcome::UnknownUntil);
+    assert!(matches!(
+        store.branch_page("no-such-session", page(None, None, 3, 10)).await,
+        Err(StoreError::NoSession(_))
+    ));
 }
 
 async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch(fx: &Fx) {

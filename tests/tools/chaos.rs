@@ -29,6 +29,8 @@ use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 const GATEWAY: &str = "https://127.0.0.1:7300";
 const METRICS: &str = "127.0.0.1:9464";
 const CA: &str = "target/compose-certs/ca.pem";
+/// The client API's bearer token (`CTXGATE_AUTH_TOKEN=…`), made with the certificates.
+const TOKEN_ENV: &str = "target/compose-certs/gateway.env";
 const WORKERS: usize = 4;
 const SESSIONS_PER_WORKER: usize = 3;
 /// A turn that takes longer than this is a hang, not an answer.
@@ -105,11 +107,30 @@ impl Tally {
     }
 }
 
-async fn connect() -> R<GatewayClient<Channel>> {
+type Client = GatewayClient<tonic::service::interceptor::InterceptedService<Channel, Bearer>>;
+
+/// Adds `authorization: Bearer <token>` to every request.
+#[derive(Clone)]
+struct Bearer(tonic::metadata::MetadataValue<tonic::metadata::Ascii>);
+
+impl tonic::service::Interceptor for Bearer {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        req.metadata_mut().insert("authorization", self.0.clone());
+        Ok(req)
+    }
+}
+
+async fn connect() -> R<Client> {
     let ca = std::fs::read(CA).map_err(|e| format!("{CA}: {e}"))?;
+    let env = std::fs::read_to_string(TOKEN_ENV).map_err(|e| format!("{TOKEN_ENV}: {e}"))?;
+    let token = env
+        .lines()
+        .find_map(|l| l.strip_prefix("CTXGATE_AUTH_TOKEN="))
+        .ok_or_else(|| format!("{TOKEN_ENV}: no CTXGATE_AUTH_TOKEN= line"))?;
+    let bearer = format!("Bearer {}", token.trim()).parse().map_err(|_| format!("{TOKEN_ENV}: not a header value"))?;
     let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");
     let ep = Channel::from_static(GATEWAY).tls_config(tls).map_err(|e| e.to_string())?;
-    Ok(GatewayClient::new(ep.connect_timeout(Duration::from_secs(2)).connect_lazy()))
+    Ok(GatewayClient::with_interceptor(ep.connect_timeout(Duration::from_secs(2)).connect_lazy(), Bearer(bearer)))
 }
 
 fn sref(key: &str) -> Option<api::SessionRef> {
@@ -117,7 +138,7 @@ fn sref(key: &str) -> Option<api::SessionRef> {
 }
 
 /// One turn: the engine that served it, or the status that ended it.
-async fn turn(client: &mut GatewayClient<Channel>, key: &str, text: &str) -> Result<String, tonic::Status> {
+async fn turn(client: &mut Client, key: &str, text: &str) -> Result<String, tonic::Status> {
     let req = api::RunTurnRequest { session: sref(key), message: text.into(), ..Default::default() };
     let mut stream = client.run_turn(req).await?.into_inner();
     let mut engine = None;
@@ -178,7 +199,7 @@ fn record(
     }
 }
 
-async fn status(client: &mut GatewayClient<Channel>) -> R<api::EngineStatus> {
+async fn status(client: &mut Client) -> R<api::EngineStatus> {
     let mut req = tonic::Request::new(api::StatusRequest {});
     req.set_timeout(CALL_LIMIT);
     let s = client.get_status(req).await.map_err(|s| s.message().to_owned())?.into_inner();
@@ -191,7 +212,7 @@ fn in_service(r: &api::ReplicaStatus) -> bool {
 
 /// Polls status until `ok` (at most `within`); how long it took.
 async fn until(
-    client: &mut GatewayClient<Channel>,
+    client: &mut Client,
     what: &str,
     within: Duration,
     ok: impl Fn(&api::EngineStatus) -> bool,
@@ -239,7 +260,7 @@ async fn resyncs() -> u64 {
 
 struct Run {
     stack: Stack,
-    client: GatewayClient<Channel>,
+    client: Client,
     tally: Arc<Mutex<Tally>>,
     violations: Vec<String>,
     started: Instant,

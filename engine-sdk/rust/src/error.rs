@@ -39,6 +39,9 @@ pub enum EngineError {
     /// A host callback (ReadTranscript, LlmComplete) failed.
     #[error("host callback {operation} failed: {status}")]
     Host { operation: &'static str, status: Status },
+    /// Something a peer sent went over a limit (RESOURCE_EXHAUSTED).
+    #[error("{0}")]
+    OverLimit(String),
     /// The grant does not allow a host callback.
     #[error("the grant does not allow {0}")]
     NotGranted(&'static str),
@@ -65,6 +68,7 @@ impl From<EngineError> for Status {
             EngineError::HostUnimplemented(op) => Status::unimplemented(format!("{op} is not implemented")),
             EngineError::Cancelled => Status::cancelled("the call was cancelled"),
             EngineError::DeadlineExceeded => Status::deadline_exceeded("the call's deadline passed"),
+            EngineError::OverLimit(m) => Status::resource_exhausted(m),
             EngineError::NotGranted(op) => Status::failed_precondition(format!("the grant does not allow {op}")),
             EngineError::Host { operation, status } => {
                 let code = match status.code() {

@@ -41,12 +41,51 @@ impl HostClient {
     }
 
     /// The whole transcript of the grant's session (or only its visible
-    /// history), collected from the stream.
+    /// history), collected page by page. What a host sends is capped
+    /// ([`MAX_READ_ENTRIES`], [`MAX_READ_BYTES`]): past either the call
+    /// fails RESOURCE_EXHAUSTED rather than grow without bound, whatever the
+    /// peer at the host endpoint streams. Bounded by the call's deadline,
+    /// or [`DEFAULT_HOST_TIMEOUT`] when it has none.
     pub async fn read_transcript(
         &self,
         ctx: &CallContext,
         visible_only: bool,
     ) -> Result<Vec<pb::TranscriptEntry>, EngineError> {
+        let mut read = Read::default();
+        let mut cursor = String::new();
+        loop {
+            let next = self.read_page(ctx, visible_only, &cursor, 0, &mut read).await?;
+            match next {
+                Some(c) if !c.is_empty() => cursor = c,
+                _ => return Ok(read.entries),
+            }
+        }
+    }
+
+    /// One page (at most `limit` entries; 0: as many as the host sends at
+    /// once) after `cursor` (blank: from the start), and the cursor of the
+    /// next page (blank: nothing follows). Capped as [`Self::read_transcript`].
+    pub async fn read_transcript_page(
+        &self,
+        ctx: &CallContext,
+        visible_only: bool,
+        cursor: &str,
+        limit: u32,
+    ) -> Result<(Vec<pb::TranscriptEntry>, String), EngineError> {
+        let mut read = Read::default();
+        let next = self.read_page(ctx, visible_only, cursor, limit, &mut read).await?;
+        Ok((read.entries, next.unwrap_or_default()))
+    }
+
+    /// Reads one ReadTranscript stream into `read`; the last chunk's cursor.
+    async fn read_page(
+        &self,
+        ctx: &CallContext,
+        visible_only: bool,
+        cursor: &str,
+        limit: u32,
+        read: &mut Read,
+    ) -> Result<Option<String>, EngineError> {
         const OP: &str = "ReadTranscript";
         if !self.allows(READ_TRANSCRIPT) {
             return Err(EngineError::NotGranted(READ_TRANSCRIPT));
@@ -54,17 +93,25 @@ impl HostClient {
         let req = pb::ReadTranscriptRequest {
             grant: self.grant.token.clone(),
             session_id: self.grant.session_id.clone(),
+            cursor: cursor.to_owned(),
             visible_only,
-            ..Default::default()
+            limit,
         };
         let host_err = |status| host_error(ctx, OP, status);
-        let mut stream = self.client.clone().read_transcript(bounded(ctx, req)).await.map_err(host_err)?.into_inner();
-        let mut entries = Vec::new();
-        while let Some(chunk) = stream.next().await {
-            ctx.check()?;
-            entries.extend(chunk.map_err(host_err)?.entries);
-        }
-        Ok(entries)
+        let within = ctx.remaining().unwrap_or(DEFAULT_HOST_TIMEOUT);
+        let stream = async {
+            let mut stream =
+                self.client.clone().read_transcript(bounded(ctx, req)).await.map_err(host_err)?.into_inner();
+            let mut last = None;
+            while let Some(chunk) = stream.next().await {
+                ctx.check()?;
+                let chunk = chunk.map_err(host_err)?;
+                read.take(chunk.entries)?;
+                last = Some(chunk.next_cursor);
+            }
+            Ok(last)
+        };
+        tokio::time::timeout(within, stream).await.map_err(|_| EngineError::DeadlineExceeded)?
     }
 
     /// One completion from the host's model.
@@ -102,11 +149,42 @@ fn host_error(ctx: &CallContext, operation: &'static str, status: tonic::Status)
     }
 }
 
+/// Entries one `read_transcript` takes from a host at most.
+pub const MAX_READ_ENTRIES: usize = 20_000;
+/// Encoded bytes one `read_transcript` takes from a host at most.
+pub const MAX_READ_BYTES: usize = 16 * 1024 * 1024;
+/// How long a host callback may take when the engine call has no deadline.
+pub const DEFAULT_HOST_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a read took so far, against the caps.
+#[derive(Default)]
+struct Read {
+    entries: Vec<pb::TranscriptEntry>,
+    bytes: usize,
+}
+
+impl Read {
+    fn take(&mut self, entries: Vec<pb::TranscriptEntry>) -> Result<(), EngineError> {
+        use prost::Message as _;
+        self.bytes = entries.iter().fold(self.bytes, |n, e| n.saturating_add(e.encoded_len()));
+        if self.entries.len().saturating_add(entries.len()) > MAX_READ_ENTRIES {
+            return Err(EngineError::OverLimit(format!(
+                "ReadTranscript: the host sent more than {MAX_READ_ENTRIES} entries; read it in pages"
+            )));
+        }
+        if self.bytes > MAX_READ_BYTES {
+            return Err(EngineError::OverLimit(format!(
+                "ReadTranscript: the host sent more than {MAX_READ_BYTES} bytes; read it in pages"
+            )));
+        }
+        self.entries.extend(entries);
+        Ok(())
+    }
+}
+
 fn bounded<T>(ctx: &CallContext, msg: T) -> tonic::Request<T> {
     let mut req = tonic::Request::new(msg);
-    if let Some(left) = ctx.remaining() {
-        req.set_timeout(left);
-    }
+    req.set_timeout(ctx.remaining().unwrap_or(DEFAULT_HOST_TIMEOUT));
     // The callback continues the call's trace, under this method's span.
     if let Some(t) = ctx.span()
         && let Ok(v) = t.to_string().parse()
@@ -391,5 +469,57 @@ mod tests {
         let e = p.check_now("127.0.0.1:7300", ip("127.0.0.1")).await.unwrap_err();
         assert_eq!(e, Refused::NotListed("127.0.0.1:7300".into()), "the peer is not trusted by itself then");
         assert!(e.to_string().contains("--host-allow"), "{e}");
+    }
+
+    /// A peer at the host endpoint that streams transcript chunks for ever.
+    struct Endless;
+
+    #[tonic::async_trait]
+    impl pb::host_server::Host for Endless {
+        type ReadTranscriptStream =
+            std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::TranscriptChunk, tonic::Status>> + Send>>;
+
+        async fn read_transcript(
+            &self,
+            _: tonic::Request<pb::ReadTranscriptRequest>,
+        ) -> Result<tonic::Response<Self::ReadTranscriptStream>, tonic::Status> {
+            let entry = pb::TranscriptEntry { id: "x".repeat(200), ..Default::default() };
+            let chunk = pb::TranscriptChunk { entries: vec![entry; 128], next_cursor: "more".into() };
+            Ok(tonic::Response::new(Box::pin(tokio_stream::iter(std::iter::repeat(chunk).map(Ok)))))
+        }
+
+        async fn llm_complete(
+            &self,
+            _: tonic::Request<pb::LlmCompleteRequest>,
+        ) -> Result<tonic::Response<pb::LlmCompleteResult>, tonic::Status> {
+            Err(tonic::Status::unimplemented("no model"))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_host_that_streams_for_ever_is_cut_off_at_the_read_caps() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(pb::host_server::HostServer::new(Endless))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let grant = pb::Grant {
+            token: "t".into(),
+            session_id: "s".into(),
+            operations: vec![READ_TRANSCRIPT.into()],
+            expires_at_unix_ms: 0,
+        };
+        let client = HostClient { client: RawHostClient::new(channel(&Endpoint::Tcp(addr))), grant };
+        let ctx = CallContext::detached();
+        let started = std::time::Instant::now();
+        let err = client.read_transcript(&ctx, false).await.unwrap_err();
+        assert!(matches!(&err, EngineError::OverLimit(m) if m.contains("20000 entries")), "{err:?}");
+        assert_eq!(tonic::Status::from(err).code(), tonic::Code::ResourceExhausted);
+        assert!(started.elapsed() < Duration::from_secs(30), "cut off at the cap, not at a timeout");
+        // A page is capped the same way: one stream that never ends.
+        let err = client.read_transcript_page(&ctx, false, "", 10).await.unwrap_err();
+        assert!(matches!(err, EngineError::OverLimit(_)), "{err:?}");
     }
 }

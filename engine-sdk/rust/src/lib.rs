@@ -11,6 +11,7 @@
 //! [`testkit`] runs an engine in-process for tests; [`conformance`] is the
 //! black-box suite behind the `ctxgate-conformance` binary.
 
+pub mod accept;
 pub mod conformance;
 mod context;
 mod endpoint;

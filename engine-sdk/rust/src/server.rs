@@ -26,6 +26,10 @@ pub struct ServeArgs {
     /// Where to listen: HOST:PORT (port 0 picks one) or unix:///PATH.
     #[arg(long, default_value = "127.0.0.1:0")]
     pub listen: Endpoint,
+    /// The permissions of a unix:///PATH socket, in octal (default 600:
+    /// only this user; 660 lets a gateway in the same group connect).
+    #[arg(long, default_value = "600", value_parser = parse_mode)]
+    pub socket_mode: u32,
     /// How long in-flight calls may finish after SIGTERM or Ctrl-C.
     #[arg(long, default_value_t = 10)]
     pub drain_seconds: u64,
@@ -84,6 +88,14 @@ impl ServeArgs {
         let ca = self.host_ca.as_deref().map(|p| crate::tls::Pem::new("--host-ca", p));
         crate::tls::client(ca, crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR))
     }
+}
+
+/// An octal file mode of at most 777.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    u32::from_str_radix(s, 8)
+        .ok()
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| format!("{s:?}: expected an octal mode such as 600 or 660"))
 }
 
 /// The options a certificate and its key come from.
@@ -182,6 +194,7 @@ pub struct Server<E> {
     tls: Option<crate::tls::LiveServerTls>,
     host_tls: Option<tonic::transport::ClientTlsConfig>,
     spans: Option<crate::otlp::Exporter>,
+    socket_mode: u32,
 }
 
 enum Listener {
@@ -214,6 +227,7 @@ impl<E: ContextEngine> Server<E> {
             tls: None,
             host_tls: None,
             spans: None,
+            socket_mode: 0o600,
         }
     }
 
@@ -235,7 +249,14 @@ impl<E: ContextEngine> Server<E> {
             .host_policy(HostPolicy::allow(args.host_allow.clone()))
             .tls(args.tls()?)
             .host_tls(args.host_tls()?)
+            .socket_mode(args.socket_mode)
             .spans(spans))
+    }
+
+    /// The permissions a unix socket is given (default 0o600).
+    pub fn socket_mode(mut self, mode: u32) -> Self {
+        self.socket_mode = mode & 0o777;
+        self
     }
 
     /// Exports a span per engine method (see [`crate::otlp`]).
@@ -303,6 +324,10 @@ impl<E: ContextEngine> Server<E> {
                     tokio::fs::remove_file(path).await?;
                 }
                 let l = tokio::net::UnixListener::bind(path)?;
+                // Before anything is accepted: a socket created with the
+                // umask's permissions would let every local user in.
+                use std::os::unix::fs::PermissionsExt;
+                tokio::fs::set_permissions(path, std::fs::Permissions::from_mode(self.socket_mode)).await?;
                 (Listener::Unix(l, path.clone()), endpoint.clone())
             }
         };
@@ -360,9 +385,16 @@ impl<E: ContextEngine> Bound<E> {
                 // Nagle off on accepted sockets (the builder's tcp_nodelay only
                 // covers sockets it binds itself).
                 let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+                let limits = crate::accept::Limits::default();
                 match &self.server.tls {
-                    Some(tls) => (Box::pin(router.serve_with_incoming_shutdown(tls.incoming(incoming), stopped)), None),
-                    None => (Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)), None),
+                    Some(tls) => {
+                        let admitted = crate::accept::tls(incoming, limits, tls.clone());
+                        (Box::pin(router.serve_with_incoming_shutdown(admitted, stopped)), None)
+                    }
+                    None => {
+                        let admitted = crate::accept::plain(incoming, limits);
+                        (Box::pin(router.serve_with_incoming_shutdown(admitted, stopped)), None)
+                    }
                 }
             }
             Listener::Unix(l, path) => {

@@ -183,12 +183,6 @@ impl std::fmt::Debug for LiveServerTls {
     }
 }
 
-/// TLS handshakes in progress at once, at most; a connection over it is
-/// closed at once.
-const MAX_HANDSHAKES: usize = 1024;
-/// How long a client may take to finish its handshake.
-const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
 impl LiveServerTls {
     /// Reads `files` now (a mistake is a sentence naming its option).
     pub fn new(files: ServerFiles) -> Result<Self, TlsError> {
@@ -213,64 +207,9 @@ impl LiveServerTls {
         self.current.read().unwrap_or_else(|e| e.into_inner()).1.clone()
     }
 
-    /// The TLS connections of `tcp`, each handshake in a task of its own
-    /// (a slow client holds up no one), with the configuration current
-    /// when it was accepted. Ends when the server stops reading it.
-    pub fn incoming<S>(
-        &self,
-        mut tcp: S,
-    ) -> impl tokio_stream::Stream<Item = std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>>
-    + Send
-    + 'static
-    where
-        S: tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> + Send + Unpin + 'static,
-    {
-        use tokio_stream::StreamExt;
-        let (tx, rx) = tokio::sync::mpsc::channel(64);
-        let live = self.clone();
-        tokio::spawn(async move {
-            let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
-            // At most one warning a second about refused connections.
-            let mut warned: Option<tokio::time::Instant> = None;
-            let mut warn = |what: &dyn std::fmt::Display| {
-                if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1)) {
-                    tracing::warn!("{what}");
-                    warned = Some(tokio::time::Instant::now());
-                }
-            };
-            loop {
-                let conn = tokio::select! {
-                    c = tcp.next() => c,
-                    () = tx.closed() => return,
-                };
-                let conn = match conn {
-                    None => return,
-                    Some(Ok(c)) => c,
-                    // An accept error (out of file descriptors, say) passes:
-                    // keep accepting, after a pause rather than a spin.
-                    Some(Err(e)) => {
-                        warn(&format_args!("accepting a connection failed: {e}"));
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                        continue;
-                    }
-                };
-                let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                    warn(&format_args!("{MAX_HANDSHAKES} TLS handshakes in progress; closing new connections"));
-                    continue;
-                };
-                let (acceptor, tx) = (tokio_rustls::TlsAcceptor::from(live.config()), tx.clone());
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(conn)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = tx.send(Ok(tls)).await;
-                        }
-                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!("TLS handshake timed out"),
-                    }
-                });
-            }
-        });
-        tokio_stream::wrappers::ReceiverStream::new(rx)
+    /// An acceptor with the configuration current now (connections
+    /// accepted after a reload use the new certificate).
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.config())
     }
 }

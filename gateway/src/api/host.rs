@@ -5,13 +5,14 @@
 use std::pin::Pin;
 use std::sync::Arc;
 
-use ctxgate_proto::pb::{self, host_server::Host, transcript_entry::Entry};
+use ctxgate_proto::pb::{self, host_server::Host};
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::core::Core;
 use crate::grants::{GrantError, HostOperation};
 use crate::provider::ChatRequest;
+use crate::store::{PageOutcome, PageRequest};
 
 /// The longest `LlmCompleteRequest.purpose` accepted (it is logged and audited).
 const MAX_PURPOSE_BYTES: usize = 128;
@@ -23,42 +24,25 @@ impl From<GrantError> for Status {
             GrantError::Expired | GrantError::OtherSession | GrantError::NotAllowed(_) => {
                 Status::permission_denied(e.to_string())
             }
+            GrantError::OverLimit(_) => Status::resource_exhausted(e.to_string()),
         }
     }
 }
 
-/// What one ReadTranscript returns: the entries before the current-turn
-/// fence, after `cursor`, at most `limit` (0: all), in chunks. A chunk's
-/// cursor resumes after it; the last one's is blank unless `limit` cut
-/// entries off.
-fn page(
-    mut entries: Vec<pb::TranscriptEntry>,
-    fence_before: Option<&str>,
-    cursor: &str,
-    limit: u32,
-) -> Result<Vec<pb::TranscriptChunk>, Status> {
-    // The current-turn fence: a pre-turn read never sees the admitted
-    // message. A rewrite copies it under a new entry id but keeps its
-    // message id, so either names it. Not found: refused, never widened.
-    if let Some(fence) = fence_before {
-        let names =
-            |e: &pb::TranscriptEntry| e.id == fence || matches!(&e.entry, Some(Entry::Message(m)) if m.id == fence);
-        let at = entries.iter().position(names).ok_or_else(|| {
-            Status::failed_precondition("the current turn's fence entry is no longer on the branch; read refused")
-        })?;
-        entries.truncate(at);
-    }
-    if !cursor.is_empty() {
-        let after = entries
-            .iter()
-            .position(|e| e.id == cursor)
-            .ok_or_else(|| Status::invalid_argument("cursor: unknown entry"))?;
-        entries.drain(..=after);
-    }
-    let more = limit > 0 && entries.len() > limit as usize;
-    if more {
-        entries.truncate(limit as usize);
-    }
+/// Entries one ReadTranscript answers at most (a smaller `limit` is
+/// honoured); the last chunk's cursor resumes after them.
+const READ_PAGE_ENTRIES: usize = 1_000;
+/// Stored bytes one ReadTranscript answers at most (about; a single larger
+/// entry is sent alone).
+const READ_PAGE_BYTES: usize = 4 * 1024 * 1024;
+/// Messages one LlmComplete may carry.
+const MAX_LLM_MESSAGES: usize = 1_024;
+/// Bytes of system prompt and message content one LlmComplete may carry.
+const MAX_LLM_BYTES: usize = 4 * 1024 * 1024;
+
+/// One page of entries as chunks of [`CHUNK_ENTRIES`]; each chunk's cursor
+/// resumes after it, the last one's only when `more` follows.
+fn chunks(entries: Vec<pb::TranscriptEntry>, more: bool) -> Vec<pb::TranscriptChunk> {
     let mut chunks: Vec<pb::TranscriptChunk> = entries
         .chunks(CHUNK_ENTRIES)
         .map(|c| pb::TranscriptChunk {
@@ -69,7 +53,7 @@ fn page(
     if let Some(last) = chunks.last_mut().filter(|_| !more) {
         last.next_cursor.clear();
     }
-    Ok(chunks)
+    chunks
 }
 
 /// Purposes that ask for a summary (OpenClaw's compaction purposes and
@@ -93,11 +77,33 @@ impl Host for HostService {
     async fn read_transcript(&self, req: Request<pb::ReadTranscriptRequest>) -> Result<Response<Chunks>, Status> {
         let r = req.into_inner();
         ctxgate_proto::validate::id(&r.session_id, "session_id")?;
-        let scope = self.core.authorise(&r.grant, Some(&r.session_id), HostOperation::ReadTranscript)?;
-        let entries = self.core.transcript(&r.session_id, r.visible_only).await?;
-        let chunks = page(entries, scope.fence_before.as_deref(), &r.cursor, r.limit)?;
-        let chunks = chunks.into_iter().map(Ok);
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+        if !r.cursor.is_empty() {
+            ctxgate_proto::validate::id(&r.cursor, "cursor")?;
+        }
+        let call = self.core.authorise(&r.grant, Some(&r.session_id), HostOperation::ReadTranscript)?;
+        let limit = match r.limit {
+            0 => READ_PAGE_ENTRIES,
+            n => (n as usize).min(READ_PAGE_ENTRIES),
+        };
+        // The current-turn fence: a pre-turn read never sees the admitted
+        // message (by entry or, after a rewrite copied it, by message id).
+        let page = PageRequest {
+            after: Some(r.cursor).filter(|c| !c.is_empty()),
+            until: call.scope.fence_before.clone(),
+            limit,
+            max_bytes: READ_PAGE_BYTES,
+        };
+        let chunks = match self.core.transcript_page(&r.session_id, r.visible_only, page).await? {
+            PageOutcome::Page { entries, more } => chunks(entries, more),
+            PageOutcome::UnknownAfter => return Err(Status::invalid_argument("cursor: unknown entry")),
+            // Not found: refused, never widened.
+            PageOutcome::UnknownUntil => {
+                return Err(Status::failed_precondition(
+                    "the current turn's fence entry is no longer on the branch; read refused",
+                ));
+            }
+        };
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks.into_iter().map(Ok)))))
     }
 
     async fn llm_complete(
@@ -105,9 +111,23 @@ impl Host for HostService {
         req: Request<pb::LlmCompleteRequest>,
     ) -> Result<Response<pb::LlmCompleteResult>, Status> {
         let r = req.into_inner();
-        let scope = self.core.authorise(&r.grant, None, HostOperation::LlmComplete)?;
+        // The grant first: what it cannot do costs it its budget, not the host.
+        let call = self.core.authorise(&r.grant, None, HostOperation::LlmComplete)?;
+        let scope = &call.scope;
         if r.messages.is_empty() {
             return Err(Status::invalid_argument("messages: is required"));
+        }
+        if r.messages.len() > MAX_LLM_MESSAGES {
+            return Err(Status::resource_exhausted(format!("messages: at most {MAX_LLM_MESSAGES} in one LlmComplete")));
+        }
+        let bytes = r
+            .messages
+            .iter()
+            .fold(r.system_prompt.as_deref().map_or(0, str::len), |n, m| n.saturating_add(m.content.len()));
+        if bytes > MAX_LLM_BYTES {
+            return Err(Status::resource_exhausted(format!(
+                "messages: at most {MAX_LLM_BYTES} bytes of prompt and content in one LlmComplete"
+            )));
         }
         if r.purpose.trim().is_empty() {
             return Err(Status::invalid_argument("purpose: is required (e.g. context-engine.compaction)"));
@@ -124,6 +144,7 @@ impl Host for HostService {
                 "the host's model is offline and writes no summaries: summarise locally",
             ));
         }
+        let _slot = self.core.llm_slot(&scope.engine_id)?;
         let mut messages = Vec::with_capacity(r.messages.len());
         for (i, m) in r.messages.iter().enumerate() {
             let role = match m.role.as_str() {
@@ -154,7 +175,7 @@ impl Host for HostService {
         let _cancel_on_drop = cancel.clone().drop_guard();
         let reply = self
             .core
-            .complete_for_engine(&scope, &r.purpose, chat, &cancel)
+            .complete_for_engine(scope, &r.purpose, chat, &cancel)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
         Ok(Response::new(pb::LlmCompleteResult {
@@ -168,7 +189,7 @@ impl Host for HostService {
             audit: Some(pb::LlmAudit {
                 caller: format!("context-engine:{}", scope.engine_id),
                 purpose: r.purpose,
-                session_key: scope.session_key,
+                session_key: scope.session_key.clone(),
             }),
         }))
     }
@@ -182,39 +203,14 @@ mod tests {
         (0..n).map(|i| pb::TranscriptEntry { id: format!("e{i}"), seq: i as u64 + 1, ..Default::default() }).collect()
     }
 
-    fn ids(chunks: &[pb::TranscriptChunk]) -> Vec<String> {
-        chunks.iter().flat_map(|c| c.entries.iter().map(|e| e.id.clone())).collect()
-    }
-
     #[test]
-    fn the_fence_hides_the_admitted_entry_and_what_follows() {
-        let c = page(entries(5), Some("e3"), "", 0).unwrap();
-        assert_eq!(ids(&c), ["e0", "e1", "e2"]);
+    fn the_last_chunk_resumes_only_when_more_follows() {
+        let c = chunks(entries(300), true);
+        assert_eq!(c.len(), 3, "chunks of {CHUNK_ENTRIES}");
+        assert_eq!(c[0].next_cursor, "e127");
+        assert_eq!(c.last().unwrap().next_cursor, "e299", "more follows: the cursor resumes after the page");
+        let c = chunks(entries(3), false);
         assert_eq!(c.last().unwrap().next_cursor, "", "nothing follows");
-    }
-
-    #[test]
-    fn the_fence_follows_a_copied_message_and_fails_closed_without_it() {
-        // A rewrite copied e3 under a new entry id; its message id stays "e3".
-        let mut copied = entries(5);
-        copied[3].id = "copy-of-e3".into();
-        copied[3].entry = Some(Entry::Message(pb::AgentMessage { id: "e3".into(), ..Default::default() }));
-        assert_eq!(ids(&page(copied, Some("e3"), "", 0).unwrap()), ["e0", "e1", "e2"]);
-        let gone = page(entries(5), Some("elsewhere"), "", 0).unwrap_err();
-        assert_eq!(gone.code(), tonic::Code::FailedPrecondition, "never the whole branch");
-    }
-
-    #[test]
-    fn a_cursor_and_a_limit_page_through_everything() {
-        let first = page(entries(300), None, "", 200).unwrap();
-        assert_eq!(first.len(), 2, "chunks of {CHUNK_ENTRIES}");
-        assert_eq!(ids(&first).len(), 200);
-        let cursor = first.last().unwrap().next_cursor.clone();
-        assert_eq!(cursor, "e199", "more follows: the cursor resumes after the page");
-        let rest = page(entries(300), None, &cursor, 200).unwrap();
-        assert_eq!(ids(&rest).first().map(String::as_str), Some("e200"));
-        assert_eq!(ids(&rest).len(), 100);
-        assert_eq!(rest.last().unwrap().next_cursor, "");
-        assert_eq!(page(entries(3), None, "nope", 0).unwrap_err().code(), tonic::Code::InvalidArgument);
+        assert!(chunks(Vec::new(), false).is_empty());
     }
 }

@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use ctxgate_engine_sdk::accept;
+use ctxgate_engine_sdk::tls::LiveServerTls;
 use ctxgate_proto::gateway::gateway_server::GatewayServer;
 use ctxgate_proto::gateway::harness_server::HarnessServer;
 use tokio::net::TcpListener;
@@ -33,6 +35,8 @@ pub enum ServeError {
     #[error("model provider: {0}")]
     Provider(String),
     #[error("{0}")]
+    Config(String),
+    #[error("{0}")]
     Tls(String),
     #[error("reading the store failed: {0}")]
     StoreRead(String),
@@ -44,9 +48,12 @@ pub enum ServeError {
     Otlp(String),
 }
 
-/// The sockets the gateway serves on, bound before anything else starts.
+/// The sockets the gateway serves on, bound before anything else starts:
+/// the client API, the Host service engines call back (a listener of its
+/// own, so no engine reaches the client API), and metrics.
 pub struct Listeners {
     pub api: TcpListener,
+    pub host: TcpListener,
     pub metrics: Option<TcpListener>,
 }
 
@@ -55,13 +62,14 @@ impl Listeners {
         async fn one(addr: SocketAddr) -> Result<TcpListener, ServeError> {
             TcpListener::bind(addr).await.map_err(|source| ServeError::Bind { addr, source })
         }
-        // Both addresses were validated with the config.
-        let api = one(config.listen_addr().map_err(|e| ServeError::Provider(e.to_string()))?).await?;
-        let metrics = match config.metrics_addr().map_err(|e| ServeError::Provider(e.to_string()))? {
+        let config_err = |e: crate::config::ConfigError| ServeError::Config(e.to_string());
+        let api = one(config.listen_addr().map_err(config_err)?).await?;
+        let host = one(config.host_listen_addr().map_err(config_err)?).await?;
+        let metrics = match config.metrics_addr().map_err(config_err)? {
             Some(a) => Some(one(a).await?),
             None => None,
         };
-        Ok(Self { api, metrics })
+        Ok(Self { api, host, metrics })
     }
 }
 
@@ -109,15 +117,39 @@ pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
     })
 }
 
-/// A new `gateway.tls` for the running API (SIGHUP): the certificate is
-/// replaced for new connections; a mistake keeps the running one. Adding
-/// or removing TLS takes a restart.
-fn reload_api_tls(live: Option<&ctxgate_engine_sdk::tls::LiveServerTls>, next: &Config) {
-    match (live, &next.gateway.tls) {
-        (Some(live), Some(t)) => match live.reload(t.files()) {
+/// The TLS of both listeners: the client API's (with `clientCa`, if set)
+/// and the Host listener's (the same certificate; engines authenticate
+/// with their grants, not certificates).
+#[derive(Clone)]
+struct ListenerTls {
+    api: LiveServerTls,
+    host: LiveServerTls,
+}
+
+impl ListenerTls {
+    fn new(t: &crate::config::TlsSection) -> Result<Self, ServeError> {
+        let tls = |files| LiveServerTls::new(files).map_err(|e| ServeError::Tls(e.to_string()));
+        Ok(Self { api: tls(t.files())?, host: tls(host_files(t))? })
+    }
+
+    /// A new `gateway.tls` (SIGHUP): the certificate is replaced for new
+    /// connections; a mistake keeps the running one.
+    fn reload(&self, t: &crate::config::TlsSection) {
+        match self.api.reload(t.files()).and_then(|()| self.host.reload(host_files(t))) {
             Ok(()) => tracing::info!("gateway.tls re-read; new connections use it"),
             Err(e) => tracing::error!(error = %e, "gateway.tls not re-read; keeping the running certificate"),
-        },
+        }
+    }
+}
+
+fn host_files(t: &crate::config::TlsSection) -> ctxgate_engine_sdk::tls::ServerFiles {
+    ctxgate_engine_sdk::tls::ServerFiles { client_ca: None, ..t.files() }
+}
+
+/// Adding or removing TLS takes a restart.
+fn reload_tls(live: Option<&ListenerTls>, next: &Config) {
+    match (live, &next.gateway.tls) {
+        (Some(live), Some(t)) => live.reload(t),
         (None, None) => {}
         _ => tracing::warn!("gateway.tls was added or removed: that takes a restart; the API serves as it started"),
     }
@@ -150,18 +182,18 @@ pub async fn run_with_reloads(
     };
     let metrics = Metrics::new(counters).with_spans(spans);
     let core = Arc::new(Core::new(config.clone(), store, provider, metrics.clone()));
-    let bound = listeners.api.local_addr().map_err(|e| ServeError::Provider(e.to_string()))?;
-    core.set_host_endpoint(config.host_endpoint(bound));
+    let host_bound = listeners.host.local_addr().map_err(|e| ServeError::Config(e.to_string()))?;
+    core.set_host_endpoint(config.host_endpoint(host_bound));
     core.load_durable_engines().await.map_err(|e| ServeError::StoreRead(e.to_string()))?;
 
-    // The API's TLS (read and checked with the config), swappable on reload.
-    let tls = config.gateway.tls.as_ref().map(|t| t.live()).transpose().map_err(|e| ServeError::Tls(e.to_string()))?;
+    // The listeners' TLS (read and checked with the config), swappable on reload.
+    let tls = config.gateway.tls.as_ref().map(ListenerTls::new).transpose()?;
     let reloader = {
         let (core, tls) = (core.clone(), tls.clone());
         tokio::spawn(async move {
             while let Some(next) = reloads.recv().await {
                 core.reload_engines(&next);
-                reload_api_tls(tls.as_ref(), &next);
+                reload_tls(tls.as_ref(), &next);
             }
         })
     };
@@ -215,35 +247,19 @@ pub async fn run_with_reloads(
         tokio::spawn(crate::metrics::serve(metrics, l, async move { stop.cancelled().await }))
     });
 
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // Nagle off on accepted sockets: otherwise small streamed events wait
-    // for delayed ACKs (measured: ~40 ms a turn).
-    let incoming = tonic::transport::server::TcpIncoming::from(listeners.api)
-        .with_nodelay(Some(true))
-        .with_keepalive(Some(Duration::from_secs(limits.tcp_keepalive_seconds)));
-    let router = tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(limits.max_concurrent_streams_per_connection))
-        .http2_keepalive_interval(Some(Duration::from_secs(limits.http2_keepalive_seconds)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(limits.http2_keepalive_timeout_seconds)))
-        .layer(OversizedIsResourceExhausted)
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(api)
-        .add_service(harness)
-        // Engines call back with grants, not the client token.
-        .add_service(
-            ctxgate_proto::pb::host_server::HostServer::new(HostService { core: core.clone() })
-                .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES)
-                .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
-        );
-    let stopped = async {
-        let _ = stop_rx.await;
-    };
-    // With TLS the handshakes are ours (the certificate can change while serving).
-    let serving: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> = match &tls {
-        Some(tls) => Box::pin(router.serve_with_incoming_shutdown(tls.incoming(incoming), stopped)),
-        None => Box::pin(router.serve_with_incoming_shutdown(incoming, stopped)),
-    };
+    let stop = tokio_util::sync::CancellationToken::new();
+    let serve = Serve { limits, stop: stop.clone() };
+    let client_api = serve.router().add_service(health).add_service(reflection).add_service(api).add_service(harness);
+    // Engines call back with grants; nothing else is served there.
+    let host_api = serve.router().add_service(
+        ctxgate_proto::pb::host_server::HostServer::new(HostService { core: core.clone() })
+            .max_decoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES)
+            .max_encoding_message_size(ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES),
+    );
+    let serving = futures_util::future::try_join(
+        serve.on(client_api, listeners.api, tls.as_ref().map(|t| t.api.clone())),
+        serve.on(host_api, listeners.host, tls.as_ref().map(|t| t.host.clone())),
+    );
     tokio::pin!(serving);
     tokio::pin!(shutdown);
     let result = tokio::select! {
@@ -253,8 +269,8 @@ pub async fn run_with_reloads(
             reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::NotServing).await;
             reporter.set_service_status(HARNESS_SERVICE, ServingStatus::NotServing).await;
             core.shutdown();
-            let _ = stop_tx.send(());
-            tokio::time::timeout(Duration::from_secs(10), &mut serving).await.unwrap_or(Ok(()))
+            stop.cancel();
+            tokio::time::timeout(Duration::from_secs(10), &mut serving).await.unwrap_or(Ok(((), ())))
         }
     };
     reloader.abort();
@@ -263,7 +279,50 @@ pub async fn run_with_reloads(
     if let Some(t) = metrics_task {
         t.await.map_err(|e| ServeError::Metrics(std::io::Error::other(e)))?.map_err(ServeError::Metrics)?;
     }
-    Ok(result?)
+    result?;
+    Ok(())
+}
+
+/// How each listener is served: the same HTTP/2 settings and limits, until
+/// `stop`.
+struct Serve<'a> {
+    limits: &'a crate::config::LimitsSection,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+type Layered = tower::layer::util::Stack<OversizedIsResourceExhausted, tower::layer::util::Identity>;
+
+impl Serve<'_> {
+    fn router(&self) -> tonic::transport::Server<Layered> {
+        let l = self.limits;
+        tonic::transport::Server::builder()
+            .max_concurrent_streams(Some(l.max_concurrent_streams_per_connection))
+            .http2_keepalive_interval(Some(Duration::from_secs(l.http2_keepalive_seconds)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(l.http2_keepalive_timeout_seconds)))
+            .layer(OversizedIsResourceExhausted)
+    }
+
+    /// Serves `router` on `listener` (TLS when given), each connection
+    /// admitted under `gateway.limits.connections`.
+    fn on(
+        &self,
+        router: tonic::transport::server::Router<Layered>,
+        listener: TcpListener,
+        tls: Option<LiveServerTls>,
+    ) -> std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> {
+        // Nagle off on accepted sockets: otherwise small streamed events wait
+        // for delayed ACKs (measured: ~40 ms a turn).
+        let incoming = tonic::transport::server::TcpIncoming::from(listener)
+            .with_nodelay(Some(true))
+            .with_keepalive(Some(Duration::from_secs(self.limits.tcp_keepalive_seconds)));
+        let limits = self.limits.connections.limits();
+        let stop = self.stop.clone();
+        let stopped = async move { stop.cancelled().await };
+        match tls {
+            Some(tls) => Box::pin(router.serve_with_incoming_shutdown(accept::tls(incoming, limits, tls), stopped)),
+            None => Box::pin(router.serve_with_incoming_shutdown(accept::plain(incoming, limits), stopped)),
+        }
+    }
 }
 
 /// tonic answers a request over the decode limit with OUT_OF_RANGE; the

@@ -53,6 +53,8 @@ pub struct Config {
 /// The environment variables read as overrides, with the key each replaces.
 pub const ENV_OVERRIDES: &[(&str, &str)] = &[
     ("CTXGATE_LISTEN", "gateway.listen"),
+    ("CTXGATE_HOST_LISTEN", "gateway.hostListen"),
+    ("CTXGATE_HOST_ENDPOINT", "gateway.hostEndpoint"),
     ("CTXGATE_METRICS_LISTEN", "gateway.metricsListen"),
     ("CTXGATE_AUTH_TOKEN", "gateway.auth.token"),
     ("CTXGATE_OTLP_ENDPOINT", "gateway.otlp.endpoint"),
@@ -105,6 +107,8 @@ impl Config {
             let number = || v.parse::<u64>().map_err(|_| invalid(key, format!("{var}={v:?} is not a whole number")));
             match *var {
                 "CTXGATE_LISTEN" => self.gateway.listen = v,
+                "CTXGATE_HOST_LISTEN" => self.gateway.host_listen = Some(v).filter(|v| !v.is_empty()),
+                "CTXGATE_HOST_ENDPOINT" => self.gateway.host_endpoint = Some(v).filter(|v| !v.is_empty()),
                 "CTXGATE_METRICS_LISTEN" => self.gateway.metrics_listen = v,
                 "CTXGATE_AUTH_TOKEN" => self.gateway.auth.token = Some(v),
                 "CTXGATE_OTLP_ENDPOINT" => {
@@ -133,7 +137,7 @@ impl Config {
     }
 
     fn validate(&mut self) -> Result<(), ConfigError> {
-        self.listen_addr()?;
+        self.check_listeners()?;
         self.metrics_addr()?;
         if self.state_dir.as_os_str().is_empty() {
             self.state_dir = PathBuf::from("ctxgate-state");
@@ -221,6 +225,33 @@ impl Config {
             if v == 0 {
                 return Err(invalid(key, "must be positive"));
             }
+        }
+        let h = &l.host_callbacks;
+        for (key, ok) in [
+            ("inFlightPerCall", (1..=64).contains(&h.in_flight_per_call)),
+            ("perCall", (1..=100_000).contains(&h.per_call)),
+            ("llmPerCall", (1..=1_000).contains(&h.llm_per_call)),
+            ("llmConcurrentPerEngine", (1..=10_000).contains(&h.llm_concurrent_per_engine)),
+        ] {
+            if !ok {
+                return Err(invalid(
+                    &format!("gateway.limits.hostCallbacks.{key}"),
+                    "is out of range (see docs/operations.md)",
+                ));
+            }
+        }
+        let c = &l.connections;
+        for (key, v) in [
+            ("openPerPeer", c.open_per_peer),
+            ("pendingPerPeer", c.pending_per_peer),
+            ("pendingTotal", c.pending_total),
+        ] {
+            if !(1..=1_000_000).contains(&v) {
+                return Err(invalid(&format!("gateway.limits.connections.{key}"), "must be between 1 and 1000000"));
+            }
+        }
+        if !(c.handshake_timeout_seconds.is_finite() && (0.1..=120.0).contains(&c.handshake_timeout_seconds)) {
+            return Err(invalid("gateway.limits.connections.handshakeTimeoutSeconds", "must be between 0.1 and 120"));
         }
         if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
             return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));
@@ -314,6 +345,33 @@ impl Config {
         entry.enabled.then_some((id.as_str(), entry))
     }
 
+    /// The listen addresses parse, and a client API other hosts can reach
+    /// authenticates its clients (or says, with `allowUnauthenticated`,
+    /// that something in front does).
+    fn check_listeners(&self) -> Result<(), ConfigError> {
+        let listen = self.listen_addr()?;
+        let host = self.host_listen_addr()?;
+        if host.port() != 0 && host == listen {
+            return Err(invalid(
+                "gateway.hostListen",
+                "must differ from gateway.listen: engines get a listener of their own",
+            ));
+        }
+        let authenticated =
+            self.gateway.auth.token.is_some() || self.gateway.tls.as_ref().is_some_and(|t| t.client_ca.is_some());
+        if !listen.ip().is_loopback() && !authenticated && !self.gateway.allow_unauthenticated {
+            return Err(invalid(
+                "gateway.listen",
+                format!(
+                    "{listen} is reachable from other hosts and no client is authenticated: set gateway.auth.token \
+                     (CTXGATE_AUTH_TOKEN) or gateway.tls.clientCa, or gateway.allowUnauthenticated: true where a mesh \
+                     authenticates clients in front of the gateway"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     pub fn listen_addr(&self) -> Result<SocketAddr, ConfigError> {
         self.gateway
             .listen
@@ -330,13 +388,26 @@ impl Config {
         })
     }
 
-    /// Where engines reach the Host service, given the bound API address.
+    /// The Host listener's address: `gateway.hostListen`, or the client
+    /// API's address (loopback for all interfaces) on a free port.
+    pub fn host_listen_addr(&self) -> Result<SocketAddr, ConfigError> {
+        match &self.gateway.host_listen {
+            Some(a) => a.parse().map_err(|_| invalid("gateway.hostListen", format!("{a:?} is not HOST:PORT"))),
+            None => {
+                let ip = loopback_if_unspecified(self.listen_addr()?.ip());
+                Ok(SocketAddr::new(ip, 0))
+            }
+        }
+    }
+
+    /// Where engines reach the Host service, given the Host listener's
+    /// bound address.
     pub fn host_endpoint(&self, bound: SocketAddr) -> String {
         if let Some(e) = &self.gateway.host_endpoint {
             return e.clone();
         }
-        let ip = if bound.ip().is_unspecified() { std::net::IpAddr::from([127, 0, 0, 1]) } else { bound.ip() };
-        // The Host service shares the API port, and its TLS.
+        let ip = loopback_if_unspecified(bound.ip());
+        // The Host listener serves the API's certificate.
         let scheme = if self.gateway.tls.is_some() { "https" } else { "http" };
         format!("{scheme}://{}", SocketAddr::new(ip, bound.port()))
     }
@@ -348,5 +419,15 @@ impl Config {
 
     pub fn compaction_timeout(&self) -> Duration {
         Duration::from_secs(self.agents.defaults.compaction.timeout_seconds)
+    }
+}
+
+/// 127.0.0.1 (or ::1) for an all-interfaces address: the one address of
+/// this host every local process reaches.
+fn loopback_if_unspecified(ip: std::net::IpAddr) -> std::net::IpAddr {
+    match ip {
+        std::net::IpAddr::V4(a) if a.is_unspecified() => std::net::Ipv4Addr::LOCALHOST.into(),
+        std::net::IpAddr::V6(a) if a.is_unspecified() => std::net::Ipv6Addr::LOCALHOST.into(),
+        other => other,
     }
 }

@@ -10,17 +10,27 @@ use super::{ConfigError, invalid};
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct GatewaySection {
-    /// The client API (gRPC). Loopback by default.
+    /// The client API (gRPC: Gateway, Harness, health). Loopback by
+    /// default; anywhere else it needs client authentication (`auth.token`
+    /// or `tls.clientCa`) or `allowUnauthenticated`.
     pub listen: String,
+    /// The Host service engines call back, on a listener of its own so an
+    /// engine never reaches the client API. Default: `listen`'s address
+    /// (127.0.0.1 when that is all interfaces) on a free port.
+    pub host_listen: Option<String>,
+    /// Serve a non-loopback client API with no client authentication:
+    /// only where something in front (a mesh) authenticates clients.
+    pub allow_unauthenticated: bool,
     /// Prometheus `/metrics` over HTTP; empty disables it.
     pub metrics_listen: String,
     pub auth: AuthSection,
-    /// Where engines reach the gateway's Host service. Default: the API
-    /// address (127.0.0.1 when listening on all interfaces). Set it when
-    /// engines run in other containers.
+    /// Where engines reach the gateway's Host service. Default: the Host
+    /// listener's address (127.0.0.1 when it listens on all interfaces).
+    /// Set it when engines run in other containers.
     pub host_endpoint: Option<String>,
     pub limits: LimitsSection,
-    /// TLS on the client API (and the Host service engines call back).
+    /// TLS on the client API and the Host listener (there without client
+    /// certificates: engines authenticate with their grants).
     pub tls: Option<TlsSection>,
     /// Spans exported over OTLP/gRPC (read at start).
     pub otlp: Option<OtlpSection>,
@@ -75,6 +85,8 @@ impl Default for GatewaySection {
     fn default() -> Self {
         Self {
             listen: "127.0.0.1:7300".into(),
+            host_listen: None,
+            allow_unauthenticated: false,
             metrics_listen: String::new(),
             auth: AuthSection::default(),
             host_endpoint: None,
@@ -114,6 +126,70 @@ pub struct LimitsSection {
     /// The turn limit follows measured latency below `maxConcurrentTurns`
     /// (`core::admission`).
     pub adaptive_concurrency: AdaptiveConcurrency,
+    /// What an engine's host callbacks may use.
+    pub host_callbacks: HostCallbacks,
+    /// What one peer address may hold on each listener.
+    pub connections: Connections,
+}
+
+/// `gateway.limits.hostCallbacks`: an engine calls back with the grant of
+/// one engine call; these bound what that grant can spend. Over a limit:
+/// RESOURCE_EXHAUSTED naming it.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct HostCallbacks {
+    /// Callbacks of one engine call running at once.
+    pub in_flight_per_call: usize,
+    /// Callbacks one engine call may make in all.
+    pub per_call: u32,
+    /// LlmComplete calls one engine call may make.
+    pub llm_per_call: u32,
+    /// LlmComplete calls one engine (all its sessions) may have running.
+    pub llm_concurrent_per_engine: usize,
+}
+
+impl Default for HostCallbacks {
+    fn default() -> Self {
+        Self { in_flight_per_call: 2, per_call: 256, llm_per_call: 8, llm_concurrent_per_engine: 4 }
+    }
+}
+
+/// `gateway.limits.connections`: per peer address, on each listener.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase", default)]
+pub struct Connections {
+    /// Established connections one address may hold; more are closed.
+    pub open_per_peer: usize,
+    /// Connections one address may have handshaking (TLS) or silent
+    /// (plaintext, before their first byte); a new one evicts the oldest.
+    pub pending_per_peer: usize,
+    /// The same over all addresses.
+    pub pending_total: usize,
+    /// How long a connection may stay pending.
+    pub handshake_timeout_seconds: f64,
+}
+
+impl Default for Connections {
+    fn default() -> Self {
+        let d = ctxgate_engine_sdk::accept::Limits::default();
+        Self {
+            open_per_peer: d.open_per_peer,
+            pending_per_peer: d.pending_per_peer,
+            pending_total: d.pending_total,
+            handshake_timeout_seconds: d.handshake_timeout.as_secs_f64(),
+        }
+    }
+}
+
+impl Connections {
+    pub fn limits(&self) -> ctxgate_engine_sdk::accept::Limits {
+        ctxgate_engine_sdk::accept::Limits {
+            open_per_peer: self.open_per_peer,
+            pending_per_peer: self.pending_per_peer,
+            pending_total: self.pending_total,
+            handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout_seconds),
+        }
+    }
 }
 
 /// `gateway.limits.adaptiveConcurrency`.
@@ -154,6 +230,8 @@ impl Default for LimitsSection {
             http2_keepalive_timeout_seconds: 10,
             tcp_keepalive_seconds: 60,
             adaptive_concurrency: AdaptiveConcurrency::default(),
+            host_callbacks: HostCallbacks::default(),
+            connections: Connections::default(),
         }
     }
 }

@@ -123,3 +123,34 @@ fn env_overrides_win_and_are_validated() {
     let e = Config::load(None, |k| (k == "CTXGATE_OTLP_ENDPOINT").then(|| "ftp://x".to_owned())).unwrap_err();
     assert!(e.to_string().contains("gateway.otlp.endpoint"), "{e}");
 }
+
+#[test]
+fn a_client_api_other_hosts_reach_must_authenticate_its_clients() {
+    let open = load_str("{ gateway: { listen: '0.0.0.0:7300' } }").unwrap_err().to_string();
+    for key in ["gateway.auth.token", "gateway.tls.clientCa", "gateway.allowUnauthenticated"] {
+        assert!(open.contains(key), "{open}");
+    }
+    assert!(load_str("{ gateway: { listen: '[::]:7300' } }").is_err(), "IPv6 all-interfaces too");
+    assert!(load_str("{ gateway: { listen: '0.0.0.0:7300', auth: { token: 't' } } }").is_ok());
+    assert!(load_str("{ gateway: { listen: '0.0.0.0:7300', allowUnauthenticated: true } }").is_ok());
+    assert!(load_str("{ gateway: { listen: '[::1]:7300' } }").is_ok(), "loopback needs nothing");
+    let env = |k: &str| (k == "CTXGATE_AUTH_TOKEN").then(|| "t".to_owned());
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.json5");
+    std::fs::write(&p, "{ gateway: { listen: '0.0.0.0:7300' } }").unwrap();
+    assert!(Config::load(Some(&p), env).is_ok(), "the token may come from the environment");
+}
+
+#[test]
+fn the_host_listener_is_its_own() {
+    let c = Config::load(None, |_| None).unwrap();
+    assert_eq!(c.host_listen_addr().unwrap().to_string(), "127.0.0.1:0", "loopback, a free port");
+    let c = load_str("{ gateway: { listen: '0.0.0.0:7300', auth: { token: 't' } } }").unwrap();
+    assert_eq!(c.host_listen_addr().unwrap().to_string(), "127.0.0.1:0", "not on all interfaces unless asked");
+    let e = load_str("{ gateway: { hostListen: '127.0.0.1:7300' } }").unwrap_err().to_string();
+    assert!(e.contains("gateway.hostListen"), "{e}");
+    let e = load_str("{ gateway: { hostListen: 'x' } }").unwrap_err().to_string();
+    assert!(e.contains("gateway.hostListen"), "{e}");
+    let bound = "0.0.0.0:7301".parse().unwrap();
+    assert_eq!(c.host_endpoint(bound), "http://127.0.0.1:7301");
+}

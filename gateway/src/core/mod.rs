@@ -30,7 +30,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ProviderKind};
 use crate::engines::registry::Registry;
 use crate::engines::replicas::Replicas;
-use crate::grants::{GrantError, Grants, HostOperation, Scope};
+use crate::grants::{Callback, GrantError, Grants, HostOperation, LlmSlot, Scope};
 use crate::metrics::Metrics;
 use crate::provider::{ChatRequest, ChatResponse, ModelError, ModelProvider};
 use crate::store::{Session, Store};
@@ -143,12 +143,13 @@ impl Core {
         };
         let registry = RwLock::new(Arc::new(Registry::build(&config, &metrics)));
         let admission = Arc::new(admission::Admission::new(&config.gateway.limits));
+        let grants = Arc::new(Grants::new(config.gateway.limits.host_callbacks));
         Self {
             config,
             store,
             provider,
             metrics,
-            grants: Arc::default(),
+            grants,
             registry,
             host_endpoint: OnceLock::new(),
             summarizer,
@@ -287,9 +288,14 @@ impl Core {
         Ok(self.visible(&session.session_id).await?.render())
     }
 
-    /// The scope of a host callback's grant.
-    pub fn authorise(&self, token: &str, session_id: Option<&str>, op: HostOperation) -> Result<Scope, GrantError> {
+    /// A host callback under its grant's budget.
+    pub fn authorise(&self, token: &str, session_id: Option<&str>, op: HostOperation) -> Result<Callback, GrantError> {
         self.grants.authorise(token, session_id, op)
+    }
+
+    /// One of the engine's model-call slots (Host.LlmComplete).
+    pub fn llm_slot(&self, engine_id: &str) -> Result<LlmSlot, GrantError> {
+        self.grants.llm_slot(engine_id)
     }
 
     /// A model request on an engine's behalf (Host.LlmComplete).

@@ -4,7 +4,7 @@
 use ctxgate_proto::pb::{self, transcript_entry::Entry};
 
 use crate::core::{Core, CoreError, session_ref};
-use crate::store::{Session, SessionStats};
+use crate::store::{PageOutcome, PageRequest, Session, SessionStats, plan_page};
 use crate::transcript;
 
 impl Core {
@@ -28,6 +28,32 @@ impl Core {
     ) -> Result<Vec<pb::TranscriptEntry>, CoreError> {
         let branch = self.store.branch(session_id).await?;
         Ok(if visible_only { transcript::visible_entries(&branch) } else { branch })
+    }
+
+    /// One page of a session's branch (or of the entries behind its visible
+    /// history), read a page at a time from the store. `page.until` may
+    /// name an entry or a message (a rewrite copies a message under a new
+    /// entry id and keeps its message id): a message id is resolved on the
+    /// whole branch, the one read that is not paged, and only then.
+    pub async fn transcript_page(
+        &self,
+        session_id: &str,
+        visible_only: bool,
+        page: PageRequest,
+    ) -> Result<PageOutcome, CoreError> {
+        if !visible_only {
+            match self.store.branch_page(session_id, page.clone()).await? {
+                PageOutcome::UnknownUntil => {}
+                found => return Ok(found),
+            }
+        }
+        // The visible entries are bounded by the context window.
+        let entries = if visible_only {
+            transcript::visible_entries(&self.store.visible_tail(session_id).await?)
+        } else {
+            self.store.branch(session_id).await?
+        };
+        Ok(page_of(entries, page))
     }
 
     /// Entries on the branch, compactions among them, and visible tokens.
@@ -81,5 +107,92 @@ impl Core {
 
     pub async fn count_sessions(&self) -> Result<u32, CoreError> {
         Ok(self.store.count_sessions().await?)
+    }
+}
+
+/// [`Core::transcript_page`] over entries in memory; `until` may name a
+/// message.
+fn page_of(mut entries: Vec<pb::TranscriptEntry>, mut page: PageRequest) -> PageOutcome {
+    if let Some(until) = &page.until {
+        let names =
+            |e: &pb::TranscriptEntry| &e.id == until || matches!(&e.entry, Some(Entry::Message(m)) if &m.id == until);
+        match entries.iter().find(|e| names(e)) {
+            Some(e) => page.until = Some(e.id.clone()),
+            None => return PageOutcome::UnknownUntil,
+        }
+    }
+    let sizes: Vec<(String, usize)> = entries.iter().map(|e| (e.id.clone(), prost::Message::encoded_len(e))).collect();
+    let (ids, more) = match plan_page(&sizes, &page) {
+        Ok(planned) => planned,
+        Err(miss) => return miss,
+    };
+    let start = ids.first().and_then(|first| entries.iter().position(|e| &e.id == first)).unwrap_or(0);
+    entries.drain(..start);
+    entries.truncate(ids.len());
+    PageOutcome::Page { entries, more }
+}
+
+#[cfg(test)]
+mod tests {
+    use ctxgate_proto::pb::{self, transcript_entry::Entry};
+
+    use super::page_of;
+    use crate::store::{PageOutcome, PageRequest};
+
+    fn entries(n: usize) -> Vec<pb::TranscriptEntry> {
+        (0..n).map(|i| pb::TranscriptEntry { id: format!("e{i}"), seq: i as u64 + 1, ..Default::default() }).collect()
+    }
+
+    fn ids(outcome: &PageOutcome) -> (Vec<String>, bool) {
+        match outcome {
+            PageOutcome::Page { entries, more } => (entries.iter().map(|e| e.id.clone()).collect(), *more),
+            other => panic!("not a page: {other:?}"),
+        }
+    }
+
+    fn request(after: Option<&str>, until: Option<&str>, limit: usize) -> PageRequest {
+        PageRequest { after: after.map(Into::into), until: until.map(Into::into), limit, max_bytes: usize::MAX }
+    }
+
+    #[test]
+    fn the_fence_hides_the_admitted_entry_and_what_follows() {
+        let (got, more) = ids(&page_of(entries(5), request(None, Some("e3"), 100)));
+        assert_eq!(got, ["e0", "e1", "e2"]);
+        assert!(!more, "nothing follows before the fence");
+    }
+
+    #[test]
+    fn the_fence_follows_a_copied_message_and_fails_closed_without_it() {
+        // A rewrite copied e3 under a new entry id; its message id stays "e3".
+        let mut copied = entries(5);
+        copied[3].id = "copy-of-e3".into();
+        copied[3].entry = Some(Entry::Message(pb::AgentMessage { id: "e3".into(), ..Default::default() }));
+        assert_eq!(ids(&page_of(copied, request(None, Some("e3"), 100))).0, ["e0", "e1", "e2"]);
+        assert_eq!(page_of(entries(5), request(None, Some("elsewhere"), 100)), PageOutcome::UnknownUntil);
+    }
+
+    #[test]
+    fn a_cursor_and_a_limit_page_through_everything() {
+        let (first, more) = ids(&page_of(entries(300), request(None, None, 200)));
+        assert_eq!((first.len(), more), (200, true));
+        let (rest, more) = ids(&page_of(entries(300), request(Some("e199"), None, 200)));
+        assert_eq!(rest.first().map(String::as_str), Some("e200"));
+        assert_eq!((rest.len(), more), (100, false));
+        assert_eq!(page_of(entries(3), request(Some("nope"), None, 10)), PageOutcome::UnknownAfter);
+    }
+
+    #[test]
+    fn a_page_stops_at_its_byte_cap_but_always_makes_progress() {
+        let mut big = entries(10);
+        for e in &mut big {
+            let text = pb::ContentPart { part: Some(pb::content_part::Part::Text("x".repeat(1000))) };
+            e.entry =
+                Some(Entry::Message(pb::AgentMessage { id: e.id.clone(), content: vec![text], ..Default::default() }));
+        }
+        let capped = PageRequest { max_bytes: 2_500, ..request(None, None, 100) };
+        let (got, more) = ids(&page_of(big.clone(), capped));
+        assert_eq!((got.len(), more), (2, true), "two ~1 KB entries fit 2.5 KB");
+        let tiny = PageRequest { max_bytes: 1, ..request(None, None, 100) };
+        assert_eq!(ids(&page_of(big, tiny)).0.len(), 1, "one entry over the cap is still read alone");
     }
 }

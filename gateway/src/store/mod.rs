@@ -20,6 +20,7 @@ pub mod postgres;
 mod shared;
 mod sqlite;
 
+pub(crate) use shared::plan_page;
 pub use sqlite::{DB_FILE, LOCK_FILE, SCHEMA_VERSION, SqliteStore};
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -135,6 +136,10 @@ pub trait Transcript: Send + Sync + 'static {
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
     /// The active branch, oldest first.
     async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// One page of the active branch, oldest first (see [`PageRequest`]):
+    /// only the page's bodies are read and decoded, so a reader paging
+    /// through a long session costs the store one page at a time.
+    async fn branch_page(&self, session_id: &str, page: PageRequest) -> Result<PageOutcome, StoreError>;
     /// The end of the active branch that the visible history needs: from
     /// the latest compaction's first kept entry onwards (the whole branch
     /// if it was never compacted). `transcript::visible` of it equals that
@@ -481,4 +486,29 @@ pub struct RewriteOutcome {
     pub reason: String,
     /// Old entry id → the id of its copy on the new branch.
     pub remap: std::collections::HashMap<String, String>,
+}
+
+/// Which page of a branch to read.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PageRequest {
+    /// Start after this entry; `None`: at the start.
+    pub after: Option<String>,
+    /// End before this entry; `None`: at the leaf.
+    pub until: Option<String>,
+    /// At most this many entries (at least 1 is read).
+    pub limit: usize,
+    /// At most about this many stored bytes (a first entry over it is still
+    /// read alone, so every page makes progress).
+    pub max_bytes: usize,
+}
+
+/// What a page read found.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PageOutcome {
+    /// The entries, and whether more follow before `until` (or the leaf).
+    Page { entries: Vec<pb::TranscriptEntry>, more: bool },
+    /// `after` is not on the branch.
+    UnknownAfter,
+    /// `until` is not on the branch.
+    UnknownUntil,
 }

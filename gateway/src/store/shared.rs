@@ -10,7 +10,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use prost::Message as _;
 
-use super::{CommitDraft, NewEntry, RewriteOutcome, StoreError};
+use super::{CommitDraft, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError};
 
 pub(super) const KIND_MESSAGE: i64 = 1;
 pub(super) const KIND_COMPACTION: i64 = 2;
@@ -232,4 +232,45 @@ pub(super) fn plan_rewrite(
         remap,
     };
     Ok(RewritePlan { entries, outcome })
+}
+
+/// Which ids of a branch a page reads. `chain` is the branch oldest first,
+/// each entry's id with its stored size. `Err` is the outcome to answer
+/// when a named entry is not on the branch.
+pub(crate) fn plan_page(chain: &[(String, usize)], page: &PageRequest) -> Result<(Vec<String>, bool), PageOutcome> {
+    let position = |id: &str| chain.iter().position(|(e, _)| e == id);
+    let start = match &page.after {
+        Some(a) => position(a).ok_or(PageOutcome::UnknownAfter)? + 1,
+        None => 0,
+    };
+    let end = match &page.until {
+        Some(u) => position(u).ok_or(PageOutcome::UnknownUntil)?,
+        None => chain.len(),
+    };
+    let rest = chain.get(start..end.max(start)).unwrap_or_default();
+    let (mut bytes, mut ids) = (0usize, Vec::new());
+    for (id, size) in rest.iter().take(page.limit.max(1)) {
+        bytes = bytes.saturating_add(*size);
+        if !ids.is_empty() && bytes > page.max_bytes {
+            break;
+        }
+        ids.push(id.clone());
+    }
+    let more = ids.len() < rest.len();
+    Ok((ids, more))
+}
+
+/// The page's entries in `ids`' order, from bodies read in any order.
+pub(super) fn order_page(
+    ids: &[String],
+    mut bodies: std::collections::HashMap<String, Vec<u8>>,
+) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    ids.iter()
+        .map(|id| {
+            let body = bodies
+                .remove(id)
+                .ok_or_else(|| StoreError::Backend(format!("entry {id} vanished while its page was read")))?;
+            decode_entry(&body)
+        })
+        .collect()
 }

@@ -10,9 +10,12 @@ use prost::Message as _;
 
 use super::{PostgresStore, exec, q, q_opt};
 use crate::store::shared::{
-    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, place, plan_rewrite, rewind_carries,
+    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
+    rewind_carries,
 };
-use crate::store::{CommitDraft, Cursors, NewEntry, RewriteOutcome, StoreError, Transcript, TurnClose};
+use crate::store::{
+    CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
+};
 
 /// The session's (leaf, next seq), locking its row for this transaction.
 async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>, i64), StoreError> {
@@ -152,6 +155,36 @@ impl Transcript for PostgresStore {
     async fn branch(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let c = self.client().await?;
         branch_of(&c, session_id).await
+    }
+
+    async fn branch_page(&self, session_id: &str, page: PageRequest) -> Result<PageOutcome, StoreError> {
+        let c = self.client().await?;
+        // The walk reads ids and sizes, not bodies.
+        let rows = q(
+            &c,
+            "WITH RECURSIVE chain(id, parent_id, size, depth) AS (
+               SELECT e.id, e.parent_id, octet_length(e.body), 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+                WHERE s.session_id = $1
+               UNION ALL
+               SELECT e.id, e.parent_id, octet_length(e.body), chain.depth + 1
+                 FROM entries e JOIN chain ON e.id = chain.parent_id
+             ) SELECT id, size FROM chain ORDER BY depth DESC",
+            &[&session_id],
+        )
+        .await?;
+        if rows.is_empty() && q_opt(&c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none()
+        {
+            return Err(StoreError::NoSession(session_id.to_owned()));
+        }
+        let chain: Vec<(String, usize)> =
+            rows.iter().map(|r| (r.get(0), usize::try_from(r.get::<_, i32>(1)).unwrap_or(0))).collect();
+        let (ids, more) = match plan_page(&chain, &page) {
+            Ok(planned) => planned,
+            Err(miss) => return Ok(miss),
+        };
+        let rows = q(&c, "SELECT id, body FROM entries WHERE id = ANY($1)", &[&ids]).await?;
+        let bodies = rows.iter().map(|r| (r.get::<_, String>(0), r.get::<_, Vec<u8>>(1))).collect();
+        Ok(PageOutcome::Page { entries: order_page(&ids, bodies)?, more })
     }
 
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {

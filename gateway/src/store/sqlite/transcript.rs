@@ -12,9 +12,12 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::SqliteStore;
 use crate::store::shared::{
-    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, place, plan_rewrite, rewind_carries,
+    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
+    rewind_carries,
 };
-use crate::store::{CommitDraft, Cursors, NewEntry, RewriteOutcome, StoreError, Transcript, TurnClose};
+use crate::store::{
+    CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
+};
 
 /// Appends entries to the session's active branch inside `tx`.
 fn append_in(
@@ -51,6 +54,15 @@ fn entry(stmt: &mut rusqlite::CachedStatement<'_>, id: &str) -> Result<pb::Trans
     decode_entry(&body)
 }
 
+/// The session's leaf (`None`: no entries yet); NoSession when there is no
+/// such session.
+fn leaf_of(c: &Connection, session_id: &str) -> Result<Option<String>, StoreError> {
+    c.prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
+        .query_row([session_id], |r| r.get(0))
+        .optional()?
+        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))
+}
+
 /// The active branch from its leaf back to (and including) `stop`, newest
 /// first; `None` when `stop` is not on it.
 fn branch_back_to(
@@ -58,12 +70,9 @@ fn branch_back_to(
     session_id: &str,
     stop: &str,
 ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
-    let leaf: Option<String> = tx
-        .prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
-        .query_row([session_id], |r| r.get(0))?;
     let mut stmt = tx.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
     let mut out = Vec::new();
-    let mut next = leaf;
+    let mut next = leaf_of(tx, session_id)?;
     while let Some(id) = next {
         let e = entry(&mut stmt, &id)?;
         next = e.parent_id.clone();
@@ -145,11 +154,7 @@ impl Transcript for SqliteStore {
         let session_id = session_id.to_owned();
         self.db
             .read(move |c| {
-                let leaf: Option<Option<String>> = c
-                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
-                    .optional()?;
-                let Some(leaf) = leaf else { return Err(StoreError::NoSession(session_id)) };
-                let Some(leaf) = leaf else { return Ok(Vec::new()) };
+                let Some(leaf) = leaf_of(c, &session_id)? else { return Ok(Vec::new()) };
                 let mut stmt = c.prepare_cached(
                     "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
                    SELECT id, parent_id, body, 0 FROM entries WHERE id = ?1
@@ -163,19 +168,48 @@ impl Transcript for SqliteStore {
             .await
     }
 
+    async fn branch_page(&self, session_id: &str, page: PageRequest) -> Result<PageOutcome, StoreError> {
+        let session_id = session_id.to_owned();
+        self.db
+            .read(move |c| {
+                // The walk reads ids and sizes, not bodies.
+                let chain: Vec<(String, usize)> = match leaf_of(c, &session_id)? {
+                    None => Vec::new(),
+                    Some(leaf) => {
+                        let mut stmt = c.prepare_cached(
+                            "WITH RECURSIVE chain(id, parent_id, size, depth) AS (
+                               SELECT id, parent_id, length(body), 0 FROM entries WHERE id = ?1
+                               UNION ALL
+                               SELECT e.id, e.parent_id, length(e.body), chain.depth + 1
+                                 FROM entries e JOIN chain ON e.id = chain.parent_id
+                             ) SELECT id, size FROM chain ORDER BY depth DESC",
+                        )?;
+                        let rows = stmt.query_map([leaf], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))?;
+                        rows.map(|r| r.map(|(id, size)| (id, usize::try_from(size).unwrap_or(0))))
+                            .collect::<Result<_, _>>()?
+                    }
+                };
+                let (ids, more) = match plan_page(&chain, &page) {
+                    Ok(planned) => planned,
+                    Err(miss) => return Ok(miss),
+                };
+                let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+                let mut bodies = std::collections::HashMap::with_capacity(ids.len());
+                for id in &ids {
+                    bodies.insert(id.clone(), stmt.query_row([id], |r| r.get::<_, Vec<u8>>(0))?);
+                }
+                Ok(PageOutcome::Page { entries: order_page(&ids, bodies)?, more })
+            })
+            .await
+    }
+
     async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let session_id = session_id.to_owned();
         let tails = self.tails.clone();
         let cached = tails.lock().map(|mut t| t.take(&session_id)).unwrap_or(None);
         self.db
             .read(move |c| {
-                let leaf: Option<Option<String>> = c
-                    .prepare_cached("SELECT leaf_id FROM sessions WHERE session_id = ?1")?
-                    .query_row([&session_id], |r| r.get(0))
-                    .optional()?;
-                let Some(mut next) = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))? else {
-                    return Ok(Vec::new());
-                };
+                let Some(mut next) = leaf_of(c, &session_id)? else { return Ok(Vec::new()) };
                 let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
                 let mut out = Vec::new();
                 // Walk from the leaf towards the root; stop once the latest
@@ -393,10 +427,7 @@ impl Cursors for SqliteStore {
         let (session_id, cursor) = (session_id.to_owned(), cursor.clone());
         self.db
             .read(move |c| {
-                let leaf: Option<Option<String>> = c
-                    .query_row("SELECT leaf_id FROM sessions WHERE session_id = ?1", [&session_id], |r| r.get(0))
-                    .optional()?;
-                let mut next = leaf.ok_or_else(|| StoreError::NoSession(session_id.clone()))?;
+                let mut next = leaf_of(c, &session_id)?;
                 let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
                 let mut out = Vec::new();
                 // Seqs fall walking towards the root (a rewrite's copies get
