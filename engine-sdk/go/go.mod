@@ -1,6 +1,6 @@
 module github.com/ctxgate/ctxgate/engine-sdk/go
 
-go 1.26.8
+go 1.26.0
 
 require (
 	go.opentelemetry.io/proto/otlp v1.11.1
