@@ -168,6 +168,8 @@ func (s *service) Compact(req *pb.CompactRequest, stream pb.ContextEngine_Compac
 	if err != nil {
 		return err
 	}
+	ctx, done := methodContext(ctx)
+	defer done()
 	ctx, h := s.callContext(ctx, req.GetHost())
 	progress := &Progress{ctx: ctx, send: stream.Send}
 	outcome, err := run(ctx, m, release, func() (CompactOutcome, error) { return s.engine.Compact(ctx, req, progress) })

@@ -9,14 +9,18 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
 
 	"github.com/ctxgate/ctxgate/engine-sdk/go/contract"
 	"github.com/ctxgate/ctxgate/engine-sdk/go/pb"
@@ -68,16 +72,17 @@ func DefaultOptions() Options {
 // Server serves one engine: the engine service (validated, bounded,
 // isolated calls), grpc.health.v1 and reflection.
 type Server struct {
-	engine   Engine
-	opts     Options
-	grpc     *grpc.Server
-	health   *health.Server
-	service  *service
-	tls      *LiveTLS
-	spans    *Exporter
-	listener net.Listener
-	addr     Endpoint
-	hangup   chan os.Signal
+	engine    Engine
+	opts      Options
+	grpc      *grpc.Server
+	health    *health.Server
+	healthSvc *healthService
+	service   *service
+	tls       *LiveTLS
+	spans     *Exporter
+	listener  net.Listener
+	addr      Endpoint
+	hangup    chan os.Signal
 }
 
 // NewServer builds a server for engine with opts (Listen is used by
@@ -129,7 +134,8 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 	}
 	s.grpc = grpc.NewServer(serverOpts...)
 	pb.RegisterContextEngineServer(s.grpc, s.service)
-	healthpb.RegisterHealthServer(s.grpc, s.health)
+	s.healthSvc = &healthService{Server: s.health, ended: make(chan struct{})}
+	healthpb.RegisterHealthServer(s.grpc, s.healthSvc)
 	reflection.Register(s.grpc)
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	s.health.SetServingStatus(contract.EngineService, healthpb.HealthCheckResponse_SERVING)
@@ -219,24 +225,82 @@ func (s *Server) Serve(ctx context.Context) error {
 	case <-ctx.Done():
 	}
 	slog.Info("shutdown requested, draining")
+	deadline := time.After(s.opts.Drain)
 	s.health.Shutdown()
+	shutdownAt := time.Now()
 	idle := s.service.inflight.drain()
 	stopped := make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(stopped) }()
 	select {
 	case <-idle:
-	case <-time.After(s.opts.Drain):
-		slog.Warn("drain timed out; dropping remaining calls", "drain", s.opts.Drain.String())
+		// Health watches never end by themselves: once the engine calls are
+		// done (and the watchers have had their NOT_SERVING), end them, so
+		// the graceful stop completes with every answer flushed.
+		if s.healthSvc.watchers.Load() > 0 {
+			time.Sleep(time.Until(shutdownAt.Add(watchGrace)))
+		}
+		s.healthSvc.end()
+		select {
+		case <-stopped:
+		case <-deadline:
+		}
+	case <-deadline:
 	}
-	// What is left are streams that never end by themselves (health
-	// watches): cut them.
-	s.grpc.Stop()
-	<-stopped
+	select {
+	case <-stopped:
+	default:
+		slog.Warn("drain timed out; dropping remaining calls", "drain", s.opts.Drain.String())
+		s.grpc.Stop()
+		<-stopped
+	}
 	if err := <-served; err != nil && !errors.Is(err, grpc.ErrServerStopped) {
 		return err
 	}
 	return nil
 }
+
+// watchGrace is how long health watchers get to receive NOT_SERVING before
+// their streams are ended at the end of a drain.
+const watchGrace = 200 * time.Millisecond
+
+// healthService is grpc-go's health server whose Watch streams end when
+// the server has drained (they would otherwise hold a graceful stop open).
+type healthService struct {
+	*health.Server
+	once     sync.Once
+	ended    chan struct{}
+	watchers atomic.Int64
+}
+
+func (h *healthService) end() { h.once.Do(func() { close(h.ended) }) }
+
+func (h *healthService) Watch(req *healthpb.HealthCheckRequest, stream healthpb.Health_WatchServer) error {
+	h.watchers.Add(1)
+	defer h.watchers.Add(-1)
+	ctx, cancel := context.WithCancel(stream.Context())
+	defer cancel()
+	go func() {
+		select {
+		case <-h.ended:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	err := h.Server.Watch(req, watchStream{stream, ctx})
+	select {
+	case <-h.ended:
+		return status.Error(codes.Unavailable, "the engine has shut down")
+	default:
+		return err
+	}
+}
+
+type watchStream struct {
+	healthpb.Health_WatchServer
+	ctx context.Context
+}
+
+func (w watchStream) Context() context.Context { return w.ctx }
 
 func (s *Server) reloadOnHangup(ctx context.Context) {
 	for {

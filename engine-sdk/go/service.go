@@ -205,9 +205,35 @@ func unary[Req proto.Message, Res any](s *service, ctx context.Context, m contra
 	if err != nil {
 		return res, err
 	}
+	ctx, done := methodContext(ctx)
+	defer done()
 	ctx, h := s.callContext(ctx, access)
 	res, err = run(ctx, m, release, func() (Res, error) { return f(ctx, req) })
 	err = statusOf(m, err)
 	s.finish(h, m, err)
 	return res, err
+}
+
+// deadlineSlack: a caller whose own deadline fired resets its stream a
+// moment before the server's copy of that deadline passes (the server's
+// starts when the request arrives). A cancel that close to the deadline is
+// the deadline.
+const deadlineSlack = 20 * time.Millisecond
+
+// methodContext is the context an engine method runs in: cancelled with the
+// call, ending with context.DeadlineExceeded when the cancel is the
+// caller's deadline (see deadlineSlack), so the method can tell a deadline
+// from a cancel.
+func methodContext(parent context.Context) (context.Context, context.CancelFunc) {
+	d, ok := parent.Deadline()
+	if !ok {
+		return context.WithCancel(parent)
+	}
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(parent), d)
+	stop := context.AfterFunc(parent, func() {
+		if time.Until(d) > deadlineSlack {
+			cancel()
+		}
+	})
+	return ctx, func() { stop(); cancel() }
 }
