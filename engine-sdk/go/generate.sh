@@ -5,9 +5,11 @@
 # the cargo registry; `cargo fetch` brings it); protoc-gen-go and
 # protoc-gen-go-grpc are this module's pinned tools (go.mod `tool`), built
 # from the Go module proxy. The generated .pb.go files are committed, as Go
-# modules ship them; `check.sh` fails when they are stale.
+# modules ship them; `check.sh` fails when they are stale (it generates
+# into GEN_OUT, a scratch module root, and compares).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
+out="${GEN_OUT:-$here}"
 proto="$(cd "$here/../../proto" && pwd)"
 export GOTOOLCHAIN=local
 module="$(cd "$here" && go list -m)"
@@ -33,10 +35,10 @@ go_opts=("module=$module"); grpc_opts=("module=$module")
 for m in "${maps[@]}"; do go_opts+=("$m"); grpc_opts+=("$m"); done
 join() { local IFS=,; echo "$*"; }
 
-rm -f "$here"/pb/*.pb.go
-mkdir -p "$here/pb"
+rm -f "$out"/pb/*.pb.go
+mkdir -p "$out/pb"
 PATH="$bin:$PATH" "$protoc" -I "$proto" \
-  --go_out="$here" --go_opt="$(join "${go_opts[@]}")" \
-  --go-grpc_out="$here" --go-grpc_opt="$(join "${grpc_opts[@]}")" \
+  --go_out="$out" --go_opt="$(join "${go_opts[@]}")" \
+  --go-grpc_out="$out" --go-grpc_opt="$(join "${grpc_opts[@]}")" \
   "${files[@]}"
-echo "generated $(ls "$here"/pb/*.pb.go | wc -l) files in pb/ with $("$protoc" --version)"
+echo "generated $(ls "$out"/pb/*.pb.go | wc -l) files in $out/pb with $("$protoc" --version)"

@@ -226,9 +226,11 @@ func (s *Server) Serve(ctx context.Context) error {
 	}
 	slog.Info("shutdown requested, draining")
 	deadline := time.After(s.opts.Drain)
+	// New calls are refused before health says NOT_SERVING: whoever sees
+	// it is refused from then on.
+	idle := s.service.inflight.drain()
 	s.health.Shutdown()
 	shutdownAt := time.Now()
-	idle := s.service.inflight.drain()
 	stopped := make(chan struct{})
 	go func() { s.grpc.GracefulStop(); close(stopped) }()
 	select {

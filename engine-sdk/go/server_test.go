@@ -30,7 +30,9 @@ func TestHealthServesBothNamesAndReflectionListsTheServices(t *testing.T) {
 			t.Fatalf("Check(%q) = %v, %v; want SERVING", name, r, err)
 		}
 	}
-	stream, err := reflectionpb.NewServerReflectionClient(e.conn).ServerReflectionInfo(timeout(5 * time.Second))
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel() // a stream left open would hold the drain
+	stream, err := reflectionpb.NewServerReflectionClient(e.conn).ServerReflectionInfo(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
