@@ -17,6 +17,7 @@ export GOTOOLCHAIN=local GOFLAGS="${GOFLAGS:-} -mod=readonly"
 exec 9>"$here/.check.lock"
 flock 9
 
+command -v go >/dev/null || [ ! -x /usr/local/go/bin/go ] || PATH="/usr/local/go/bin:$PATH"
 command -v go >/dev/null || { echo "check.sh: no go on PATH (the polyglot machine has it in /usr/local/go/bin)" >&2; exit 1; }
 echo "== $(go version)"
 

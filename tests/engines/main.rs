@@ -15,6 +15,7 @@ mod overload;
 mod python_engine;
 mod quarantine;
 mod replicas;
+mod sdk_go;
 mod sdk_server;
 mod subagents;
 mod tracing;
