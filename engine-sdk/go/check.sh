@@ -2,11 +2,12 @@
 # The Go SDK's checks, as CI runs them (tests/engines/sdk_go.rs starts it):
 #   engine-sdk/go/check.sh [CONFORMANCE_BINARY]
 # go vet; the committed pb/ matches what generate.sh makes from proto/;
-# go test (with -race where cgo can build it); then the example engine
-# (examples/recall) is built and judged by the conformance kit over TCP and
-# over a unix socket. Go modules come from the Go module proxy into the
-# default module cache; the build and test caches make a second run fast.
-# Runs under a lock, so two runs never race over .bin/.
+# go test (with -race where cgo can build it); then the example engines are
+# built and judged by the conformance kit (judge.sh): examples/recall over
+# TCP and over a unix socket, examples/minimal (the one in the docs). Go
+# modules come from the Go module proxy into the default module cache; the
+# build and test caches make a second run fast.
+# Runs under a lock, so two runs never race over the caches.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
@@ -44,37 +45,9 @@ race=()
 if [ "$(go env CGO_ENABLED)" = 1 ] && command -v "$(go env CC)" >/dev/null; then race=(-race); fi
 go test "${race[@]}" ./...
 
-echo "== conformance kit against examples/recall"
-mkdir -p .bin
-go build -o .bin/recall ./examples/recall
+echo "== conformance kit against the examples"
 [ -x "$kit" ] || { echo "check.sh: no conformance kit at $kit (cargo build --workspace --bins)" >&2; exit 1; }
-state="$(mktemp -d)"
-engine_pid=""
-stop_engine() { if [ -n "$engine_pid" ]; then kill -TERM "$engine_pid" 2>/dev/null || true; wait "$engine_pid" 2>/dev/null || true; fi; }
-trap 'stop_engine; rm -rf "$state" "${scratch:-}"' EXIT
-judge() { # judge LISTEN NAME
-  local out="$state/$2.out"
-  .bin/recall --listen "$1" --state-dir "$state/$2" >"$out" 2>"$state/$2.log" &
-  engine_pid=$!
-  local line=""
-  for _ in $(seq 100); do
-    line="$(head -n 1 "$out" 2>/dev/null || true)"
-    [ -n "$line" ] && break
-    kill -0 "$engine_pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  case "$line" in
-    "listening on "*) ;;
-    *) echo "the example engine did not start:" >&2; cat "$state/$2.log" >&2; exit 1 ;;
-  esac
-  local addr="${line#listening on }"
-  case "$addr" in unix://*) ;; *) addr="http://$addr" ;; esac
-  echo "-- $2: ctxgate-conformance --endpoint $addr"
-  "$kit" --endpoint "$addr"
-  kill -TERM "$engine_pid"
-  wait "$engine_pid"   # the drain ends with exit 0
-  engine_pid=""
-}
-judge 127.0.0.1:0 tcp
-judge "unix://$state/engine.sock" unix
+./judge.sh ./examples/recall --kit "$kit"
+./judge.sh ./examples/recall --unix --kit "$kit"
+./judge.sh ./examples/minimal --kit "$kit"
 echo "check.sh: the Go SDK passes"
