@@ -31,6 +31,8 @@ func info(ctx context.Context, e Engine) (*pb.EngineInfo, error) {
 	if i == nil {
 		i = &pb.EngineInfo{}
 	}
+	// The engine may hand out one shared value: fill in a copy.
+	i = proto.CloneOf(i)
 	if len(i.ImplementedMethods) == 0 {
 		for _, m := range Implemented(e) {
 			i.ImplementedMethods = append(i.ImplementedMethods, string(m))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -48,6 +49,8 @@ type finishedSpan struct {
 
 // Exporter sends spans to one OTLP/gRPC collector.
 type Exporter struct {
+	mu       sync.RWMutex // closed and the queue's close
+	closed   bool
 	queue    chan finishedSpan
 	dropped  atomic.Uint64
 	conn     *grpc.ClientConn
@@ -84,6 +87,11 @@ func (x *Exporter) record(s finishedSpan) {
 	if x == nil || !s.this.Sampled() {
 		return
 	}
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	if x.closed {
+		return
+	}
 	select {
 	case x.queue <- s:
 	default:
@@ -99,7 +107,14 @@ func (x *Exporter) Close() {
 	if x == nil {
 		return
 	}
+	x.mu.Lock()
+	if x.closed {
+		x.mu.Unlock()
+		return
+	}
+	x.closed = true
 	close(x.queue)
+	x.mu.Unlock()
 	<-x.done
 	_ = x.conn.Close()
 }

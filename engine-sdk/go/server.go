@@ -100,6 +100,9 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 	}
 	serverOpts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(contract.MaxGRPCMessageBytes), grpc.MaxSendMsgSize(contract.MaxGRPCMessageBytes),
+		// Stop (a drain that timed out) returns once every handler has:
+		// they end at once then, their contexts cancelled.
+		grpc.WaitForHandlers(true),
 	}
 	if opts.TLSCert != "" {
 		live, err := NewLiveTLS(TLSFiles{Cert: opts.TLSCert, Key: opts.TLSKey, ClientCA: opts.TLSClientCA})
