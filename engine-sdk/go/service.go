@@ -171,16 +171,20 @@ func run[Res any](ctx context.Context, m contract.Method, release func(), f func
 	}
 	done := make(chan answer, 1)
 	go func() {
-		defer release()
-		defer func() {
-			if p := recover(); p != nil {
-				slog.Error("engine method panicked", "method", string(m), "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
-				var zero Res
-				done <- answer{zero, status.Errorf(codes.Internal, "%s failed inside the engine", m)}
-			}
+		var a answer
+		func() {
+			defer func() {
+				if p := recover(); p != nil {
+					slog.Error("engine method panicked", "method", string(m), "panic", fmt.Sprint(p), "stack", string(debug.Stack()))
+					a.err = status.Errorf(codes.Internal, "%s failed inside the engine", m)
+				}
+			}()
+			a.res, a.err = f()
 		}()
-		r, err := f()
-		done <- answer{r, err}
+		// The slot is free before the answer goes out: a caller that got
+		// its answer finds the slot free.
+		release()
+		done <- a
 	}()
 	select {
 	case a := <-done:
