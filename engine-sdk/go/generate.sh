@@ -16,7 +16,9 @@ module="$(cd "$here" && go list -m)"
 
 protoc="${PROTOC:-}"
 if [ -z "$protoc" ]; then
-  protoc="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/protoc-bin-vendored-linux-x86_64-*/bin/protoc 2>/dev/null | sort -V | tail -n 1)"
+  # The version Cargo.lock pins (the generated files name it), else the newest.
+  version="$(awk '/^name = "protoc-bin-vendored-linux-x86_64"$/ { getline; gsub(/"/, "", $3); print $3 }' "$here/../../Cargo.lock")"
+  protoc="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/protoc-bin-vendored-linux-x86_64-"${version:-*}"/bin/protoc 2>/dev/null | sort -V | tail -n 1)"
 fi
 if [ ! -x "$protoc" ]; then
   echo "generate.sh: no protoc: run 'cargo fetch' at the repository root (it brings the protoc-bin-vendored crate) or set PROTOC" >&2

@@ -31,7 +31,7 @@ async fn the_go_sdk_passes_its_own_tests_and_its_example_engine_passes_the_kit()
     let report = format!("stdout:\n{stdout}\nstderr:\n{stderr}");
     assert!(out.status.success(), "check.sh failed ({}):\n{report}", out.status);
 
-    for package in ["", "/contract", "/examples/recall"] {
+    for package in ["", "/contract", "/examples/recall", "/examples/minimal"] {
         let ok = format!("ok  \tgithub.com/ctxgate/ctxgate/engine-sdk/go{package}\t");
         assert!(stdout.lines().any(|l| l.starts_with(&ok)), "go test did not pass {ok:?}:\n{report}");
     }

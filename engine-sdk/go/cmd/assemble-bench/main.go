@@ -75,7 +75,7 @@ func main() {
 		return
 	}
 	calls := flag.Int("calls", 2000, "calls per engine at concurrency 1 (6400 at 16)")
-	rounds := flag.Int("rounds", 10, "interleaved rounds the calls are split into")
+	rounds := flag.Int("rounds", 20, "interleaved rounds the calls are split into")
 	flag.Parse()
 	var targets []*target
 	for _, arg := range flag.Args() {
