@@ -8,6 +8,8 @@ import { readFileSync } from "node:fs";
 import { parseArgs, type ParseArgsConfig } from "node:util";
 import * as grpc from "@grpc/grpc-js";
 import type { ContextEngine } from "./engine.js";
+import { CallContext } from "./context.js";
+import { withTools } from "./service.js";
 import { grpcTarget } from "./endpoint.js";
 import { type HostTls, HostPolicy, parseHostEndpoint } from "./host.js";
 import { Exporter } from "./otlp.js";
@@ -148,6 +150,9 @@ export async function serveMain(
   try {
     const { serve: args, rest } = parseServeArgs(argv, options.extra);
     const engine = await make(args, rest);
+    // The engine's own GetInfo must keep the contract: a bad tool
+    // declaration is said now, with its field, not at the gateway's attach.
+    withTools(engine, await engine.getInfo(CallContext.detached()));
     bound = await serveWith(engine, args);
     // SIGHUP re-reads the certificate (listened to before `listening on`
     // is printed, so an early one never kills a TLS engine).

@@ -92,6 +92,15 @@ export class Bound {
       if ((await Promise.race([this.state.idle(), timeout])) === "timeout") {
         console.error(`drain timed out after ${this.drainMs} ms; dropping ${this.state.inflight} remaining call(s)`);
       }
+      // Answers just handed over get to leave: stop accepting, let open
+      // streams end, then cut what remains (health watchers).
+      await new Promise<void>((resolve) => {
+        const cut = setTimeout(resolve, 500);
+        this.server.tryShutdown(() => {
+          clearTimeout(cut);
+          resolve();
+        });
+      });
       this.server.forceShutdown();
       this.hosts.close();
       await this.spans?.flush();

@@ -193,7 +193,13 @@ export function withTools(engine: ContextEngine, info: pb.EngineInfo): pb.Engine
     out.tools = engine.tools();
     if (out.tools.length > 0 && !out.implementedMethods.includes("CallTool")) out.implementedMethods.push("CallTool");
   }
-  resultChecks.info(out);
+  try {
+    resultChecks.info(out);
+  } catch (e) {
+    if (!(e instanceof Violation)) throw e;
+    // The engine's own answer breaks the contract: its fault, said with the field.
+    throw new EngineError(grpc.status.INTERNAL, `GetInfo: the engine's answer breaks the contract: ${e.message}`);
+  }
   return out;
 }
 
@@ -220,23 +226,26 @@ function unaryHandler(state: ServiceState, method: Method): grpc.handleUnaryCall
     state.acquire();
     void (async () => {
       let started: Started | undefined;
+      let settled: Promise<void> = Promise.resolve();
       try {
         started = await begin(state, method, call, hostOf(call.request));
         const { ctx } = started;
         const work = invoke(() => impl(call.request as never, ctx));
-        // The slot is held while the work runs, abandoned work included.
-        work.then(
-          () => state.release(),
-          () => state.release(),
+        // The slot is held while the work runs (abandoned work included)
+        // and until its answer is handed to the transport.
+        settled = work.then(
+          () => {},
+          () => {},
         );
         const value = await race(work, ctx.signal);
         started.finished();
         callback(null, value);
       } catch (e) {
-        if (!started) state.release();
         const s = statusOf(method, e);
         started?.finished(s.details);
         callback(s);
+      } finally {
+        void settled.then(() => state.release());
       }
     })();
   };
@@ -254,6 +263,7 @@ function compactHandler(state: ServiceState): grpc.handleServerStreamingCall<unk
     state.acquire();
     void (async () => {
       let started: Started | undefined;
+      let settled: Promise<void> = Promise.resolve();
       try {
         started = await begin(state, "Compact", call, hostOf(call.request));
         const { ctx } = started;
@@ -278,9 +288,9 @@ function compactHandler(state: ServiceState): grpc.handleServerStreamingCall<unk
           },
         };
         const work = invoke(() => engine.compact(call.request as pb.CompactRequest__Output, ctx, progress));
-        work.then(
-          () => state.release(),
-          () => state.release(),
+        settled = work.then(
+          () => {},
+          () => {},
         );
         const outcome: CompactOutcome = await race(work, ctx.signal);
         started.finished();
@@ -290,10 +300,11 @@ function compactHandler(state: ServiceState): grpc.handleServerStreamingCall<unk
         call.write(terminal);
         call.end();
       } catch (e) {
-        if (!started) state.release();
         const s = statusOf("Compact", e);
         started?.finished(s.details);
         if (!call.cancelled) fail(s);
+      } finally {
+        void settled.then(() => state.release());
       }
     })();
   };
