@@ -19,7 +19,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut prost = prost_build::Config::new();
     prost.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
     let descriptors = out.join("ctxgate_descriptor.bin");
-    tonic_prost_build::configure().file_descriptor_set_path(&descriptors).compile_with_config(prost, &protos, &["."])?;
+    tonic_prost_build::configure().file_descriptor_set_path(&descriptors).compile_with_config(
+        prost,
+        &protos,
+        &["."],
+    )?;
     // Proto3 JSON (serde) for the contract: `contextengine.v1.serde.rs`.
     pbjson_build::Builder::new().register_descriptors(&std::fs::read(&descriptors)?)?.build(&[".contextengine.v1"])?;
     Ok(())

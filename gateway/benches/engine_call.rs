@@ -199,8 +199,13 @@ async fn main() {
     let entry = EngineEntry { endpoint: sdk_url.as_str().into(), ..EngineEntry::default() };
     let at = entry.target().unwrap().by_name();
     let remote = Remote::new("bench", &entry, Duration::from_secs(180), &at, None).unwrap();
-    let guarded =
-        Arc::new(Guarded::new(remote, Arc::new(Legacy::default()), Metrics::default(), entry.max_concurrent_calls));
+    let guarded = Arc::new(Guarded::new(
+        remote,
+        Arc::new(Legacy::default()),
+        Metrics::default(),
+        entry.max_concurrent_calls,
+        true,
+    ));
     guarded.remote.attach(&Call::default()).await.unwrap();
     guarded.readmit("bench start");
 

@@ -46,6 +46,19 @@ pub struct EngineOperation {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineTool {
+    pub engine: String,
+    pub tool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineToolOutcome {
+    pub engine: String,
+    pub tool: String,
+    pub outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EngineReplica {
     pub engine: String,
     pub replica: String,
@@ -94,6 +107,11 @@ pub struct Metrics {
     pub engine_bytes_sent: Family<EngineMethod, Counter>,
     pub engine_bytes_received: Family<EngineMethod, Counter>,
     pub host_llm_calls: Family<EngineOperation, Counter>,
+    /// Engine tool calls by outcome (ok, error, timeout, failed,
+    /// bad_arguments, cancelled) and their latency. The tool label is a
+    /// declared tool's name (64 at most per engine).
+    pub engine_tool_calls: Family<EngineToolOutcome, Counter>,
+    pub engine_tool_seconds: Family<EngineTool, Histogram>,
     /// Where finished spans go (`gateway.otlp`): telemetry, like the
     /// counters, so it travels with them to every turn and engine call.
     pub spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
@@ -183,6 +201,10 @@ impl Metrics {
             "Host model calls made for engines, by purpose (operation label)",
             host_llm_calls.clone(),
         );
+        let engine_tool_calls = Family::<EngineToolOutcome, Counter>::default();
+        let engine_tool_seconds = Family::<EngineTool, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
+        r.register("engine_tool_calls", "Engine tool calls by tool and outcome", engine_tool_calls.clone());
+        r.register("engine_tool_duration_seconds", "Engine tool call latency", engine_tool_seconds.clone());
         Self {
             registry: Arc::new(r),
             turns,
@@ -207,6 +229,8 @@ impl Metrics {
             engine_bytes_sent,
             engine_bytes_received,
             host_llm_calls,
+            engine_tool_calls,
+            engine_tool_seconds,
             spans: None,
         }
     }
@@ -221,6 +245,14 @@ impl Metrics {
         self.turns.get_or_create(&Outcome { outcome: outcome.into() }).inc();
         self.turns_by_driver.get_or_create(&DriverOutcome { driver: driver.into(), outcome: outcome.into() }).inc();
         self.turn_seconds.observe(took.as_secs_f64());
+    }
+
+    /// One engine tool call: its outcome and how long it took.
+    pub fn tool_called(&self, engine: &str, tool: &str, outcome: &str, took: Duration) {
+        let (engine, tool) = (engine.to_owned(), tool.to_owned());
+        let labels = EngineToolOutcome { engine: engine.clone(), tool: tool.clone(), outcome: outcome.into() };
+        self.engine_tool_calls.get_or_create(&labels).inc();
+        self.engine_tool_seconds.get_or_create(&EngineTool { engine, tool }).observe(took.as_secs_f64());
     }
 
     pub fn compaction_finished(&self, trigger: &str, outcome: &str, took: Duration, tokens: Option<(u64, u64)>) {

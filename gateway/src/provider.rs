@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ctxgate_proto::estimate;
-use ctxgate_proto::pb::{AgentMessage, Role, Usage};
+use ctxgate_proto::pb::{self, AgentMessage, Role, Usage, content_part::Part};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -16,17 +16,21 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{ModelsSection, ProviderKind};
 
 /// One chat completion.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct ChatRequest {
     pub system: Option<String>,
     pub messages: Vec<AgentMessage>,
     pub max_tokens: u64,
+    /// Tools the model may call (the context engine's); none: a plain reply.
+    pub tools: Vec<pb::ToolDefinition>,
 }
 
 #[derive(Debug, Clone, Default)]
 pub struct ChatResponse {
     pub text: String,
     pub usage: Usage,
+    /// The tools the model called instead of (or besides) answering.
+    pub tool_calls: Vec<pb::ToolCall>,
 }
 
 /// How a model call failed. Overflow and timeout drive recovery; the rest
@@ -104,13 +108,30 @@ impl ModelProvider for Offline {
                 req.max_tokens, self.context_window
             )));
         }
-        let last_user =
-            req.messages.iter().rev().find(|m| m.role == Role::User as i32).map(message_text).unwrap_or_default();
-        let quoted: String = last_user.chars().take(200).collect();
-        let text = format!(
-            "(offline model) I can see {} messages (about {prompt} tokens). You said: {quoted}",
-            req.messages.len()
-        );
+        if let Some(call) = offline_tool_call(&req) {
+            return Ok(ChatResponse { tool_calls: vec![call], ..Default::default() });
+        }
+        let text = match req.messages.last().filter(|m| m.role == Role::Tool as i32) {
+            // After a tool's result, what it found.
+            Some(result) => {
+                let found: String = message_text(result).chars().take(2_000).collect();
+                format!("(offline model) The tool answered: {found}")
+            }
+            None => {
+                let last_user = req
+                    .messages
+                    .iter()
+                    .rev()
+                    .find(|m| m.role == Role::User as i32)
+                    .map(message_text)
+                    .unwrap_or_default();
+                let quoted: String = last_user.chars().take(200).collect();
+                format!(
+                    "(offline model) I can see {} messages (about {prompt} tokens). You said: {quoted}",
+                    req.messages.len()
+                )
+            }
+        };
         if let Some(tx) = deltas {
             for piece in text.split_inclusive(' ') {
                 if cancel.is_cancelled() {
@@ -128,8 +149,32 @@ impl ModelProvider for Offline {
                 total_tokens: Some(prompt + output),
                 ..Default::default()
             },
+            tool_calls: Vec::new(),
         })
     }
+}
+
+/// The offline model calls a search tool when the last message is the
+/// user's asking it to "search history for X" (or "search for X"): so the
+/// tool loop works on a fresh machine, deterministically.
+fn offline_tool_call(req: &ChatRequest) -> Option<pb::ToolCall> {
+    let last = req.messages.last().filter(|m| m.role == Role::User as i32)?;
+    let tool = req.tools.iter().find(|t| t.name.contains("search"))?;
+    let text = message_text(last);
+    let lower = text.to_lowercase();
+    let at = ["search the history for ", "search history for ", "search for "]
+        .iter()
+        .find_map(|p| lower.find(p).map(|i| i + p.len()))?;
+    let query = text[at..].trim().trim_end_matches(['.', '?', '!']).trim_matches(['"', '\'', '`']).trim();
+    if query.is_empty() {
+        return None;
+    }
+    let calls = req.messages.iter().filter(|m| m.role == Role::Tool as i32).count();
+    Some(pb::ToolCall {
+        id: format!("offline-call-{}", calls + 1),
+        name: tool.name.clone(),
+        arguments_json: json!({ "query": query }).to_string(),
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -172,20 +217,19 @@ impl OpenAi {
             messages.push(json!({"role": "system", "content": s}));
         }
         for m in &req.messages {
-            let role = match Role::try_from(m.role) {
-                Ok(Role::System) => "system",
-                Ok(Role::Assistant) => "assistant",
-                _ => "user",
-            };
-            messages.push(json!({"role": role, "content": message_text(m)}));
+            openai_messages(m, &mut messages);
         }
-        json!({
+        let mut body = json!({
             "model": self.model,
             "messages": messages,
             "max_tokens": req.max_tokens,
             "stream": true,
             "stream_options": {"include_usage": true},
-        })
+        });
+        if !req.tools.is_empty() {
+            body["tools"] = req.tools.iter().map(openai_tool).collect();
+        }
+        body
     }
 
     async fn call(&self, req: ChatRequest, deltas: Option<mpsc::Sender<String>>) -> Result<ChatResponse, ModelError> {
@@ -200,6 +244,7 @@ impl OpenAi {
             return Err(classify(status.as_u16(), &body));
         }
         let mut out = ChatResponse::default();
+        let mut calls = StreamedCalls::default();
         let mut buf = Vec::new();
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
@@ -209,6 +254,7 @@ impl OpenAi {
                 let line = String::from_utf8_lossy(&line);
                 let Some(data) = line.trim().strip_prefix("data:").map(str::trim) else { continue };
                 if data == "[DONE]" {
+                    out.tool_calls = calls.finish();
                     return Ok(out);
                 }
                 let v: Value = serde_json::from_str(data)
@@ -224,6 +270,9 @@ impl OpenAi {
                         let _ = tx.send(piece.to_owned()).await;
                     }
                 }
+                for call in v.pointer("/choices/0/delta/tool_calls").and_then(Value::as_array).into_iter().flatten() {
+                    calls.add(call);
+                }
                 if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                     let n = |k: &str| u.get(k).and_then(Value::as_u64);
                     out.usage = Usage {
@@ -237,6 +286,96 @@ impl OpenAi {
         }
         // A stream cut before [DONE] is a broken answer, not a complete one.
         Err(ModelError::Unavailable("the stream ended before [DONE]".into()))
+    }
+}
+
+/// A message as OpenAI's chat format writes it: tool calls and tool
+/// results as such (a tool message per result), the rest as text.
+fn openai_messages(m: &AgentMessage, out: &mut Vec<Value>) {
+    let role = Role::try_from(m.role).unwrap_or(Role::User);
+    let calls: Vec<Value> = m
+        .content
+        .iter()
+        .filter_map(|p| match &p.part {
+            Some(Part::ToolCall(c)) => Some(json!({
+                "id": c.id, "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments_json},
+            })),
+            _ => None,
+        })
+        .collect();
+    let text = |parts: &[pb::ContentPart]| -> String {
+        parts
+            .iter()
+            .filter_map(|p| match &p.part {
+                Some(Part::Text(t)) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    match role {
+        Role::Assistant if !calls.is_empty() => {
+            let content = text(&m.content);
+            let content = if content.is_empty() { Value::Null } else { Value::String(content) };
+            out.push(json!({"role": "assistant", "content": content, "tool_calls": calls}));
+        }
+        Role::Tool => {
+            for p in &m.content {
+                if let Some(Part::ToolResult(r)) = &p.part {
+                    out.push(json!({"role": "tool", "tool_call_id": r.tool_call_id, "content": r.text}));
+                }
+            }
+        }
+        Role::System => out.push(json!({"role": "system", "content": message_text(m)})),
+        Role::Assistant => out.push(json!({"role": "assistant", "content": message_text(m)})),
+        _ => out.push(json!({"role": "user", "content": message_text(m)})),
+    }
+}
+
+/// A tool as OpenAI's `tools` list declares it.
+fn openai_tool(t: &pb::ToolDefinition) -> Value {
+    let parameters = serde_json::from_str::<Value>(&t.parameters_json_schema)
+        .ok()
+        .filter(Value::is_object)
+        .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+    json!({"type": "function", "function": {"name": t.name, "description": t.description, "parameters": parameters}})
+}
+
+/// Tool calls as they stream: each `delta.tool_calls[]` item names its
+/// `index`; the id and name come once, the arguments in pieces.
+#[derive(Default)]
+struct StreamedCalls {
+    calls: std::collections::BTreeMap<u64, pb::ToolCall>,
+}
+
+/// The most tool calls one reply may make, and the longest arguments kept:
+/// a model (or a server posing as one) cannot grow them without bound.
+const MAX_STREAMED_CALLS: usize = 64;
+const MAX_STREAMED_ARGUMENTS: usize = ctxgate_proto::limits::MAX_TOOL_ARGUMENTS_BYTES;
+
+impl StreamedCalls {
+    fn add(&mut self, delta: &Value) {
+        let index = delta.get("index").and_then(Value::as_u64).unwrap_or(0);
+        if !self.calls.contains_key(&index) && self.calls.len() >= MAX_STREAMED_CALLS {
+            return;
+        }
+        let call = self.calls.entry(index).or_default();
+        if let Some(id) = delta.get("id").and_then(Value::as_str) {
+            call.id = id.chars().take(ctxgate_proto::limits::MAX_ID_BYTES).collect();
+        }
+        if let Some(name) = delta.pointer("/function/name").and_then(Value::as_str) {
+            call.name.push_str(name);
+        }
+        if let Some(args) = delta.pointer("/function/arguments").and_then(Value::as_str)
+            && call.arguments_json.len() + args.len() <= MAX_STREAMED_ARGUMENTS
+        {
+            call.arguments_json.push_str(args);
+        }
+    }
+
+    fn finish(self) -> Vec<pb::ToolCall> {
+        self.calls.into_values().collect()
     }
 }
 

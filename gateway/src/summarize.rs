@@ -65,7 +65,12 @@ impl Summarizer for ModelSummarizer {
             content: vec![ContentPart { part: Some(Part::Text(prompt)) }],
             ..Default::default()
         };
-        let req = ChatRequest { system: Some(SYSTEM.into()), messages: vec![message], max_tokens: self.max_tokens };
+        let req = ChatRequest {
+            system: Some(SYSTEM.into()),
+            messages: vec![message],
+            max_tokens: self.max_tokens,
+            tools: Vec::new(),
+        };
         Ok(self.provider.complete(req, None, cancel).await?.text)
     }
 }

@@ -91,10 +91,8 @@ fn disagreement(case: &Value, got: validate::Result) -> Option<String> {
 fn every_request_vector_is_accepted_or_refused_as_it_says() {
     let cases = load("requests.json");
     assert!(cases.len() >= 40, "the vectors are all there");
-    let problems: Vec<String> = cases
-        .iter()
-        .filter_map(|c| disagreement(c, request(c["method"].as_str().unwrap(), &c["request"])))
-        .collect();
+    let problems: Vec<String> =
+        cases.iter().filter_map(|c| disagreement(c, request(c["method"].as_str().unwrap(), &c["request"]))).collect();
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 

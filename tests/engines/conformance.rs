@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use ctxgate_engine_sdk::conformance::{Options, Outcome, Report, run};
+use ctxgate_tests::hosting::broken_engine;
 use ctxgate_tests::{EngineProcess, bin, start_window};
 
 async fn kit(endpoint: &str, case_timeout: Duration) -> Report {
@@ -55,7 +56,7 @@ async fn python_engine_passes_the_kit() {
 
 #[tokio::test]
 async fn broken_fixture_fails_the_kit_where_it_is_broken() {
-    let engine = EngineProcess::start(bin("ctxgate-broken-engine"), &["--listen", "127.0.0.1:0"]).await.unwrap();
+    let engine = broken_engine(&[]).await;
     let report = kit(&engine.endpoint, Duration::from_secs(3)).await;
     let failed = |name: &str| matches!(report.outcome_of(name), Some(Outcome::Fail(_)));
     for name in [
@@ -88,7 +89,7 @@ async fn broken_fixture_fails_the_kit_where_it_is_broken() {
 
 #[tokio::test]
 async fn conformance_binary_prints_a_line_per_case_and_sets_its_exit_code() {
-    let broken = EngineProcess::start(bin("ctxgate-broken-engine"), &["--listen", "127.0.0.1:0"]).await.unwrap();
+    let broken = broken_engine(&[]).await;
     let out = tokio::process::Command::new(bin("ctxgate-conformance"))
         .args(["--endpoint", &broken.endpoint, "--case-timeout-ms", "2000"])
         .output()

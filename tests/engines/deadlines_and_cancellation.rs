@@ -7,15 +7,11 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use ctxgate_proto::gateway as api;
-use ctxgate_tests::TestGateway;
 use ctxgate_tests::hosting::*;
 
 #[tokio::test]
 async fn a_hanging_call_times_out_falls_back_and_the_engine_sees_the_cancel() {
-    let engine = fault_engine("hang").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 0.3)])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway_with("hang", &[("assemble", 0.3)]).await;
     let events = run_turn(&g, "h", "are you there?").await;
     assert!(completed(&events), "{events:?}");
     let e = engine_status(&g, "fault").await;
@@ -35,16 +31,8 @@ fn unix_us() -> u128 {
 
 #[tokio::test]
 async fn a_client_cancel_reaches_the_engine_within_50ms_and_never_quarantines() {
-    let engine = fault_engine("hang").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 60.0)])).await;
-    attached(&g, "fault").await;
-    let req = api::RunTurnRequest {
-        session: session("a"),
-        message: "wait for me".into(),
-        system_prompt: None,
-        ..Default::default()
-    };
-    let stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    let (engine, g) = fault_gateway_with("hang", &[("assemble", 60.0)]).await;
+    let stream = g.client.clone().run_turn(turn_request("a", "wait for me")).await.unwrap().into_inner();
     engine.wait_line("event assemble", Duration::from_secs(10)).await.unwrap();
     let cancelled_at = unix_us();
     drop(stream);

@@ -141,8 +141,7 @@ async fn a_resync_after_maintenance_rewrites_delivers_the_rewritten_messages_too
     // Tool turns with big results: once older than the kept turns, the
     // engine's Maintain elides them, i.e. the gateway rewrites the branch.
     for i in 0..6 {
-        let mut d = Drive::open(&hc, begin("tools", &format!("read part {i}"))).await.unwrap();
-        d.context().await.unwrap();
+        let mut d = Drive::admitted(&hc, begin("tools", &format!("read part {i}"))).await;
         let call = format!("c{i}");
         d.append(vec![tool_call(&call, "read_file", "{}")]).await.unwrap();
         d.append(vec![tool_result(&call, "read_file", &"x".repeat(4_000))]).await.unwrap();

@@ -4,19 +4,18 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use ctxgate_tests::TestGateway;
 use ctxgate_tests::hosting::*;
+use ctxgate_tests::write_file;
 
 #[tokio::test]
 async fn doctor_reports_an_incompatible_engine_and_fix_resets_the_slot() {
     let engine = fault_engine("needs-threads").await;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ctxgate.json5");
     let text = format!(
         "{{\n  // the fixture needs a host we are not\n  plugins: {{ slots: {{ contextEngine: 'fault' }}, entries: {{ fault: {{ endpoint: '{}' }} }} }},\n}}\n",
         engine.endpoint
     );
-    std::fs::write(&path, &text).unwrap();
+    let path = write_file(dir.path(), "ctxgate.json5", &text);
     let p = path.to_str().unwrap();
 
     let (code, out) = ctxgate(&["doctor", "--config", p]).await;
@@ -37,21 +36,12 @@ async fn doctor_reports_an_incompatible_engine_and_fix_resets_the_slot() {
 async fn doctor_passes_a_compatible_engine_and_the_cli_lists_and_readmits_engines() {
     let engine = fault_engine("garbage").await;
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("ctxgate.json5");
-    std::fs::write(
-        &path,
-        format!(
-            "{{ plugins: {{ slots: {{ contextEngine: 'fault' }}, entries: {{ fault: {{ endpoint: '{}' }} }} }} }}",
-            engine.endpoint
-        ),
-    )
-    .unwrap();
+    let path = write_file(dir.path(), "ctxgate.json5", &hosting_json5("fault", &engine.endpoint));
     let (code, out) = ctxgate(&["doctor", "--config", path.to_str().unwrap()]).await;
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("health: SERVING") && out.contains("host requirements: met"), "{out}");
 
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let g = attached_gateway("fault", &engine.endpoint, &[]).await;
     run_turn(&g, "cli", "make it fail").await;
     let (_, out) = ctxgate(&["engines", "ls", "--gateway", &g.endpoint, "--json"]).await;
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();

@@ -6,17 +6,15 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use ctxgate_proto::gateway as api;
+use ctxgate_tests::compact_to_end;
 use ctxgate_tests::hosting::{
-    attached, completed, engine_status, fault_engine, fault_gateway, hosting, quarantine_of, run_turn, selected,
+    completed, engine_status, fault_gateway, fault_gateway_with, quarantine_of, run_turn, selected,
 };
-use ctxgate_tests::{TestGateway, compact_to_end};
 use std::time::Duration;
 
 #[tokio::test]
 async fn a_progress_flood_is_coalesced_capped_and_the_compaction_completes() {
-    let engine = fault_engine("progress-flood").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("compact", 60.0)])).await;
-    attached(&g, "fault").await;
+    let (_engine, g) = fault_gateway_with("progress-flood", &[("compact", 60.0)]).await;
     assert!(completed(&run_turn(&g, "k", "some history first").await));
     let (events, status) = compact_to_end(&g.client, "k").await;
     assert!(status.is_none(), "{status:?}");
@@ -53,9 +51,7 @@ async fn a_reply_with_megabytes_of_metadata_is_a_contract_violation_and_the_turn
 
 #[tokio::test]
 async fn a_16_mib_purpose_is_refused_and_the_gateway_keeps_serving() {
-    let engine = fault_engine("huge-purpose").await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[("assemble", 30.0)])).await;
-    attached(&g, "fault").await;
+    let (engine, g) = fault_gateway_with("huge-purpose", &[("assemble", 30.0)]).await;
     let events = run_turn(&g, "p", "hello").await;
     assert!(completed(&events), "{events:?}");
     assert_eq!(selected(&events).engine_id, "fault");

@@ -98,9 +98,7 @@ async fn an_operator_readmit_lifts_a_quarantine() {
 
 #[tokio::test]
 async fn an_engine_without_a_health_service_counts_as_healthy() {
-    let engine = EngineProcess::start(bin("ctxgate-broken-engine"), &["--listen", "127.0.0.1:0", "--honest-info"])
-        .await
-        .unwrap();
+    let engine = broken_engine(&["--honest-info"]).await;
     let g = TestGateway::start(hosting("bare", &engine.endpoint, &[])).await;
     let e = wait_engine(&g, "bare", "attached", |e| e.quarantine.is_none() && !e.name.is_empty()).await;
     assert_eq!(e.health, "SERVING (no health service)");
@@ -139,12 +137,7 @@ async fn a_malformed_trailer_that_panics_tonic_is_one_failed_call() {
 
 #[tokio::test]
 async fn a_health_check_that_never_answers_times_out_and_the_engine_stays_out_of_service() {
-    let engine = EngineProcess::start(
-        bin("ctxgate-broken-engine"),
-        &["--listen", "127.0.0.1:0", "--honest-info", "--hang-health-check"],
-    )
-    .await
-    .unwrap();
+    let engine = broken_engine(&["--honest-info", "--hang-health-check"]).await;
     let g = TestGateway::start(hosting("bare", &engine.endpoint, &[])).await;
     // The monitor's Check is bounded (5 s): a hung one is an unreachable
     // engine, not a frozen monitor.

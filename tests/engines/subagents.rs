@@ -8,19 +8,14 @@ use std::time::{Duration, Instant};
 
 use ctxgate_proto::gateway as api;
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{EngineProcess, TestGateway, bin};
+use ctxgate_tests::start_window;
 use tonic::Code;
 
 #[tokio::test]
 async fn subagents_fork_from_the_window_engine_end_and_are_swept() {
     let dir = tempfile::tempdir().unwrap();
-    let state = dir.path().to_str().unwrap().to_owned();
-    let engine =
-        EngineProcess::start(bin("ctxgate-engine-window"), &["--listen", "127.0.0.1:0", "--state-dir", &state])
-            .await
-            .unwrap();
-    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
-    attached(&g, "window").await;
+    let engine = start_window(dir.path(), &[]).await;
+    let g = attached_gateway("window", &engine.endpoint, &[]).await;
     for i in 0..3 {
         assert!(completed(&run_turn(&g, "parent", &format!("parent turn {i}")).await));
     }

@@ -16,7 +16,9 @@ use ctxgate_engine_sdk::{LLM_COMPLETE, READ_TRANSCRIPT, connect, engine_client};
 use ctxgate_engine_window::{Config, WindowEngine};
 use ctxgate_proto::gateway as api;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
-use ctxgate_tests::hosting::{attached, completed, engine_status, hosting, messages, run_turn, selected, session};
+use ctxgate_tests::hosting::{
+    attached, compaction_stream, completed, engine_status, hosting, messages, run_turn, selected,
+};
 use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -396,13 +398,7 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
         assert_eq!(selected(&events).reason, "configured");
     }
     // Manual compaction goes to the engine, which owns it; progress streams through.
-    let mut stream = g
-        .client
-        .clone()
-        .compact(api::CompactSessionRequest { session: session("w"), custom_instructions: None })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = compaction_stream(&g, "w").await;
     let mut progress = 0;
     let mut done = None;
     while let Some(e) = stream.next().await {

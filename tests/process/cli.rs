@@ -1,12 +1,10 @@
 //! The `ctxgate` binary as a user runs it: serve, chat, compact, sessions,
 //! status, health; clear errors for bad config and an unreachable gateway.
-//! The helpers here serve crash_recovery.rs too.
+//! Its small-window config serves crash_recovery.rs too.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::path::Path;
-
-use ctxgate_tests::{EngineProcess, bin};
+use ctxgate_tests::{bin, serve, write_file};
 use tokio::process::Command;
 
 /// A config that compacts often: a small window and a short kept tail.
@@ -14,15 +12,6 @@ pub(crate) const SMALL_WINDOW: &str = "{
   models: { contextWindow: 3000, maxOutputTokens: 200 },
   agents: { defaults: { compaction: { keepRecentTokens: 300, reserveTokens: 300 } } },
 }";
-
-pub(crate) async fn serve(state: &Path, config: Option<&Path>) -> EngineProcess {
-    let dir = state.to_str().unwrap();
-    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--state-dir", dir];
-    if let Some(c) = config {
-        args.extend(["--config", c.to_str().unwrap()]);
-    }
-    EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts")
-}
 
 async fn ctxgate(args: &[&str]) -> (Option<i32>, String, String) {
     let out = Command::new(bin("ctxgate")).args(args).output().await.unwrap();
@@ -36,8 +25,7 @@ async fn ctxgate(args: &[&str]) -> (Option<i32>, String, String) {
 #[tokio::test]
 async fn the_cli_chats_compacts_and_shows_sessions() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ctxgate.json5");
-    std::fs::write(&config, SMALL_WINDOW).unwrap();
+    let config = write_file(dir.path(), "ctxgate.json5", SMALL_WINDOW);
     let gw = serve(&dir.path().join("state"), Some(&config)).await;
     let url = gw.endpoint.as_str();
 

@@ -10,19 +10,13 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
+use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
+use ctxgate_tests::hosting::{message_roles, session, shed_pushback, transcript, turn_request};
+use ctxgate_tests::{gateway_client, serve, write_file};
 use tokio_stream::StreamExt;
 
-use crate::cli::{SMALL_WINDOW, serve};
-
-fn client(url: &str) -> GatewayClient<tonic::transport::Channel> {
-    GatewayClient::new(tonic::transport::Endpoint::from_shared(url.to_owned()).unwrap().connect_lazy())
-}
-
-fn sref(key: &str) -> Option<api::SessionRef> {
-    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
-}
+use crate::cli::SMALL_WINDOW;
 
 /// What clients were told before the crash: entries that must survive.
 #[derive(Default)]
@@ -34,27 +28,13 @@ struct Acknowledged {
     sessions: HashSet<String>,
 }
 
-/// How long to wait before retrying a turn the gateway shed (a fresh
-/// gateway admits only `minLimit` turns while it measures its baseline).
-fn shed_pushback(s: &tonic::Status) -> Option<Duration> {
-    (s.code() == tonic::Code::ResourceExhausted).then(|| {
-        let ms = s.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()?.parse().ok());
-        Duration::from_millis(ms.unwrap_or(100))
-    })
-}
-
 /// Runs turns on `key` until the gateway dies, recording every entry id the
 /// gateway acknowledged; a shed turn is retried after its pushback, as a
 /// client must.
 async fn churn(url: String, key: String, acked: Arc<Mutex<Acknowledged>>) {
-    let mut c = client(&url);
+    let mut c = gateway_client(&url);
     for i in 0.. {
-        let req = api::RunTurnRequest {
-            session: sref(&key),
-            message: format!("{key} turn {i}: {}", "load ".repeat(80)),
-            system_prompt: None,
-            ..Default::default()
-        };
+        let req = turn_request(&key, format!("{key} turn {i}: {}", "load ".repeat(80)));
         let mut stream = match c.run_turn(req).await {
             Ok(resp) => resp.into_inner(),
             Err(s) => match shed_pushback(&s) {
@@ -97,8 +77,7 @@ async fn churn(url: String, key: String, acked: Arc<Mutex<Acknowledged>>) {
 #[tokio::test]
 async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("ctxgate.json5");
-    std::fs::write(&config, SMALL_WINDOW).unwrap();
+    let config = write_file(dir.path(), "ctxgate.json5", SMALL_WINDOW);
     let state = dir.path().join("state");
     let acked = Arc::new(Mutex::new(Acknowledged::default()));
     let keys: Vec<String> = (0..6).map(|i| format!("crash-{i}")).collect();
@@ -123,11 +102,15 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
     }
 
     let gw = serve(&state, Some(&config)).await;
-    let mut c = client(&gw.endpoint);
+    let mut c = gateway_client(&gw.endpoint);
     let mut on_disk = HashSet::new();
     for key in &keys {
         let t = c
-            .get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: false, ..Default::default() })
+            .get_transcript(api::GetTranscriptRequest {
+                session: session(key),
+                visible_only: false,
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner();
@@ -145,16 +128,17 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
         }
         on_disk.extend(t.entries.into_iter().map(|e| e.id));
         // The visible history reads and the session takes new turns.
-        c.get_transcript(api::GetTranscriptRequest { session: sref(key), visible_only: true, ..Default::default() })
+        c.get_transcript(api::GetTranscriptRequest { session: session(key), visible_only: true, ..Default::default() })
             .await
             .unwrap();
-        let req = api::RunTurnRequest {
-            session: sref(key),
-            message: "still there?".into(),
-            system_prompt: None,
-            ..Default::default()
-        };
-        let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
+        let events: Vec<_> = c
+            .run_turn(turn_request(key, "still there?"))
+            .await
+            .unwrap()
+            .into_inner()
+            .collect::<Result<_, _>>()
+            .await
+            .unwrap();
         assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))), "{key}");
     }
     let a = acked.lock().unwrap();
@@ -174,40 +158,20 @@ async fn sigkill_mid_turns_and_compactions_loses_no_accepted_message() {
 #[tokio::test]
 async fn a_harness_turn_cut_by_sigkill_is_rewound_when_the_gateway_restarts() {
     use ctxgate_proto::pb::Role;
-    use ctxgate_tests::harness::{Drive, begin, client as harness_client, tool_call, tool_result};
+    use ctxgate_tests::harness::open_tool_turn;
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     let gw = serve(&state, None).await;
-    let hc = harness_client(&gw.endpoint);
-    let mut d = Drive::open(&hc, begin("cut", "run the tools")).await.unwrap();
-    d.context().await.unwrap();
-    d.append(vec![tool_call("c1", "calculator", "{}")]).await.unwrap();
-    d.append(vec![tool_result("c1", "calculator", "42")]).await.unwrap();
+    let d = open_tool_turn(&gw.endpoint, "cut", "run the tools").await;
     // Acknowledged, durable — and the gateway dies before the turn ends.
     gw.signal_and_wait("KILL").await.unwrap();
     drop(d);
 
     let gw = serve(&state, None).await;
-    let mut c = client(&gw.endpoint);
-    let t = c
-        .get_transcript(api::GetTranscriptRequest { session: sref("cut"), visible_only: false, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
-    let roles: Vec<Role> = t
-        .entries
-        .iter()
-        .filter_map(
-            |e| if let Some(Entry::Message(m)) = &e.entry { Some(Role::try_from(m.role).unwrap()) } else { None },
-        )
-        .collect();
+    let mut c = gateway_client(&gw.endpoint);
+    let roles: Vec<Role> = message_roles(&transcript(&c, "cut").await);
     assert_eq!(roles, [Role::User], "the unfinished turn ends as an abort: its user message only");
-    let req = api::RunTurnRequest {
-        session: sref("cut"),
-        message: "again".into(),
-        system_prompt: None,
-        ..Default::default()
-    };
-    let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
+    let events: Vec<_> =
+        c.run_turn(turn_request("cut", "again")).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
     assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
 }

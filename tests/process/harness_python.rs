@@ -7,10 +7,10 @@
 
 use std::time::Duration;
 
-use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient};
 use ctxgate_proto::pb::{Role, content_part::Part, transcript_entry::Entry};
 use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
-use ctxgate_tests::{EngineProcess, bin, repo_root, start_window};
+use ctxgate_tests::hosting::{hosting_json5, transcript};
+use ctxgate_tests::{gateway_client, repo_root, serve, start_window, write_file};
 
 const TURNS: usize = 20;
 
@@ -19,30 +19,8 @@ async fn the_python_example_agent_drives_twenty_tool_turns_through_the_window_en
     let dir = tempfile::tempdir().unwrap();
     let window_state = dir.path().join("window");
     let engine = start_window(&window_state, &[]).await;
-    let config = dir.path().join("ctxgate.json5");
-    std::fs::write(
-        &config,
-        format!(
-            "{{ plugins: {{ slots: {{ contextEngine: 'window' }}, entries: {{ window: {{ endpoint: '{}' }} }} }} }}",
-            engine.endpoint
-        ),
-    )
-    .unwrap();
-    let state = dir.path().join("gateway");
-    let gw = EngineProcess::start(
-        bin("ctxgate"),
-        &[
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--state-dir",
-            state.to_str().unwrap(),
-            "--config",
-            config.to_str().unwrap(),
-        ],
-    )
-    .await
-    .unwrap();
+    let config = write_file(dir.path(), "ctxgate.json5", &hosting_json5("window", &engine.endpoint));
+    let gw = serve(&dir.path().join("gateway"), Some(&config)).await;
     let model = FakeOpenAi::start().await;
     model.turn_default(Reply::ToolLoop);
     let work = dir.path().join("work");
@@ -75,16 +53,9 @@ async fn the_python_example_agent_drives_twenty_tool_turns_through_the_window_en
     assert_eq!(model.count(Kind::Turn), 2 * TURNS);
 
     // The transcript: per turn user, tool calls, their results, the answer.
-    let mut c =
-        GatewayClient::new(tonic::transport::Endpoint::from_shared(gw.endpoint.clone()).unwrap().connect_lazy());
-    let session = Some(api::SessionRef { agent_id: String::new(), session_key: "py".into() });
-    let t = c
-        .get_transcript(api::GetTranscriptRequest { session, visible_only: false, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
+    let entries = transcript(&gateway_client(&gw.endpoint), "py").await;
     let messages: Vec<_> =
-        t.entries.iter().filter_map(|e| if let Some(Entry::Message(m)) = &e.entry { Some(m) } else { None }).collect();
+        entries.iter().filter_map(|e| if let Some(Entry::Message(m)) = &e.entry { Some(m) } else { None }).collect();
     assert_eq!(messages.len(), TURNS * 5);
     for turn in messages.chunks(5) {
         let roles: Vec<Role> = turn.iter().map(|m| Role::try_from(m.role).unwrap()).collect();

@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ctxgate_tests::{EngineProcess, bin};
+use ctxgate_tests::{EngineProcess, bin, write_file};
 use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair};
 
 /// A CA that signs what the test needs.
@@ -30,7 +30,7 @@ impl Ca {
     /// [`Ca::leaf`] written to `dir/name.crt` and `dir/name.key`.
     fn leaf_files(&self, dir: &Path, name: &str, names: &[&str], server: bool, expired: bool) -> (PathBuf, PathBuf) {
         let (crt, key) = self.leaf(names, server, expired);
-        (write(dir, &format!("{name}.crt"), &crt), write(dir, &format!("{name}.key"), &key))
+        (write_file(dir, &format!("{name}.crt"), &crt), write_file(dir, &format!("{name}.key"), &key))
     }
 
     /// A leaf for `names` that serves and is a client too.
@@ -57,19 +57,11 @@ impl Ca {
     }
 }
 
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
-
+/// `ctxgate serve` with `tls` as its `gateway.tls` settings; its config
+/// file and state dir are named `name` in `dir`.
 async fn serve(dir: &Path, name: &str, tls: &str) -> EngineProcess {
-    let config = write(dir, &format!("{name}.json5"), &format!("{{ gateway: {{ tls: {{ {tls} }} }} }}"));
-    let state = dir.join(name);
-    let args = ["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap(), "--state-dir"];
-    let mut args = args.to_vec();
-    args.push(state.to_str().unwrap());
-    EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts")
+    let config = write_file(dir, &format!("{name}.json5"), &format!("{{ gateway: {{ tls: {{ {tls} }} }} }}"));
+    ctxgate_tests::serve(&dir.join(name), Some(&config)).await
 }
 
 /// `ctxgate status` against `url` with `flags`: exit code, stdout, stderr.
@@ -120,8 +112,8 @@ async fn the_cli_reaches_an_https_gateway_and_each_tls_mistake_says_which() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
-    let ca_pem = write(d, "ca.pem", &ca.pem);
-    let other_pem = write(d, "other.pem", &other.pem);
+    let ca_pem = write_file(d, "ca.pem", &ca.pem);
+    let other_pem = write_file(d, "other.pem", &other.pem);
     let (crt, key) = ca.leaf_files(d, "server", &["localhost", "127.0.0.1"], true, false);
     let tls = format!("cert: {:?}, key: {:?}", crt.to_str().unwrap(), key.to_str().unwrap());
     let g = serve(d, "plain-tls", &tls).await;
@@ -151,12 +143,7 @@ async fn the_cli_reaches_an_https_gateway_and_each_tls_mistake_says_which() {
     assert!(err.contains("expired"), "expired certificate: {err}");
 
     // A TLS client against a plaintext gateway.
-    let plain = EngineProcess::start(
-        bin("ctxgate"),
-        &["serve", "--listen", "127.0.0.1:0", "--state-dir", d.join("plain").to_str().unwrap()],
-    )
-    .await
-    .unwrap();
+    let plain = ctxgate_tests::serve(&d.join("plain"), None).await;
     let (code, _, err) = status(&https(&plain), &ca_flag).await;
     assert_eq!(code, Some(1));
     assert!(err.contains("does not speak TLS"), "TLS client, plaintext gateway: {err}");
@@ -167,7 +154,7 @@ async fn mtls_admits_a_client_the_gateways_ca_signed_and_refuses_others() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
-    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let ca_pem = write_file(d, "ca.pem", &ca.pem);
     let (crt, key) = ca.leaf_files(d, "server", &["localhost", "127.0.0.1"], true, false);
     let tls = format!(
         "cert: {:?}, key: {:?}, clientCa: {:?}",
@@ -179,7 +166,7 @@ async fn mtls_admits_a_client_the_gateways_ca_signed_and_refuses_others() {
     let ca_flag = ["--tls-ca", ca_pem.to_str().unwrap()];
     let client = |ca: &Ca, name: &str| {
         let (c, k) = ca.leaf(&["client"], false, false);
-        (write(d, &format!("{name}.crt"), &c), write(d, &format!("{name}.key"), &k))
+        (write_file(d, &format!("{name}.crt"), &c), write_file(d, &format!("{name}.key"), &k))
     };
     let (good, good_key) = client(&ca, "good");
     let (bad, bad_key) = client(&other, "bad");
@@ -209,9 +196,9 @@ async fn a_tls_key_that_is_not_pem_stops_serve_before_binding() {
     let d = dir.path();
     let ca = Ca::new("ctxgate test CA");
     let (crt, _) = ca.leaf(&["localhost"], true, false);
-    let crt = write(d, "server.crt", &crt);
-    let key = write(d, "server.key", "not a key");
-    let config = write(d, "c.json5", &format!("{{ gateway: {{ tls: {{ cert: {:?}, key: {:?} }} }} }}", crt, key));
+    let crt = write_file(d, "server.crt", &crt);
+    let key = write_file(d, "server.key", "not a key");
+    let config = write_file(d, "c.json5", &format!("{{ gateway: {{ tls: {{ cert: {:?}, key: {:?} }} }} }}", crt, key));
     let out = tokio::process::Command::new(bin("ctxgate"))
         .args(["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()])
         .output()
@@ -231,8 +218,8 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (ca, other) = (Ca::new("ctxgate test CA"), Ca::new("someone else"));
-    let ca_pem = write(d, "ca.pem", &ca.pem);
-    let other_pem = write(d, "other.pem", &other.pem);
+    let ca_pem = write_file(d, "ca.pem", &ca.pem);
+    let other_pem = write_file(d, "other.pem", &other.pem);
     let (crt, key) = ca.leaf_files(d, "engine", &["localhost", "127.0.0.1"], true, false);
     let (gw, gw_key) = ca.leaf_files(d, "gateway", &["ctxgate-gateway"], false, false);
     let flags = ["--tls-cert", crt.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
@@ -289,10 +276,10 @@ async fn mtls_everywhere_client_to_gateway_gateway_to_engine_and_the_engines_cal
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ca = Ca::new("ctxgate test CA");
-    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let ca_pem = write_file(d, "ca.pem", &ca.pem);
     let pair = |name: &str| {
         let (c, k) = ca.leaf_both(&["localhost", "127.0.0.1"]);
-        (write(d, &format!("{name}.crt"), &c), write(d, &format!("{name}.key"), &k))
+        (write_file(d, &format!("{name}.crt"), &c), write_file(d, &format!("{name}.key"), &k))
     };
     let (gw, gw_key) = pair("gateway");
     let (en, en_key) = pair("engine");
@@ -321,14 +308,9 @@ async fn mtls_everywhere_client_to_gateway_gateway_to_engine_and_the_engines_cal
         s(&gw),
         s(&gw_key)
     );
-    let config = write(d, "all.json5", &format!("{{ gateway: {{ tls: {{ {tls} }} }}, {plugins} }}"));
+    let config = write_file(d, "all.json5", &format!("{{ gateway: {{ tls: {{ {tls} }} }}, {plugins} }}"));
     let state = d.join("state");
-    let g = EngineProcess::start(
-        bin("ctxgate"),
-        &["serve", "--listen", "127.0.0.1:0", "--config", &s(&config), "--state-dir", &s(&state)],
-    )
-    .await
-    .unwrap();
+    let g = ctxgate_tests::serve(&state, Some(&config)).await;
     let url = https(&g);
     let flags = ["--tls-ca", &s(&ca_pem), "--tls-cert", &s(&cli), "--tls-key", &s(&cli_key)];
     // Wait for the gateway to attach the engine (over mTLS).
@@ -352,7 +334,7 @@ async fn the_conformance_kit_checks_the_python_engine_over_mtls() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let ca = Ca::new("ctxgate test CA");
-    let ca_pem = write(d, "ca.pem", &ca.pem);
+    let ca_pem = write_file(d, "ca.pem", &ca.pem);
     let (crt, key) = ca.leaf_files(d, "py", &["localhost", "127.0.0.1"], true, false);
     let (cli, cli_key) = ca.leaf_files(d, "kit", &["kit"], false, false);
     let s = |p: &Path| p.to_str().unwrap().to_owned();
@@ -417,7 +399,7 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
         // The derived host endpoint is this gateway's own https:// address.
         .replace("hostEndpoint: \"https://gateway:7300\",", "");
     assert_ne!(config, compose);
-    let config = write(d, "compose.json5", &config);
+    let config = write_file(d, "compose.json5", &config);
     let s = |p: &Path| p.to_str().unwrap().to_owned();
     let state = d.join("state");
     let mut cmd = tokio::process::Command::new(bin("ctxgate"));
@@ -483,7 +465,7 @@ async fn sighup_replaces_the_certificates_of_the_gateway_and_of_an_sdk_engine() 
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let (old, new) = (Ca::new("the old CA"), Ca::new("the new CA"));
-    let (old_pem, new_pem) = (write(d, "old.pem", &old.pem), write(d, "new.pem", &new.pem));
+    let (old_pem, new_pem) = (write_file(d, "old.pem", &old.pem), write_file(d, "new.pem", &new.pem));
     let s = |p: &Path| p.to_str().unwrap().to_owned();
     let trusts = |p: &Path| vec!["--tls-ca".to_owned(), s(p)];
 

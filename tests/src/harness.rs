@@ -76,6 +76,16 @@ pub fn begin(key: &str, user: &str) -> api::Begin {
     }
 }
 
+/// A harness turn on session `key` at the gateway `endpoint`, past one
+/// calculator call and its stored result and left open (never ended):
+/// what the crash tests cut.
+pub async fn open_tool_turn(endpoint: &str, key: &str, user: &str) -> Drive {
+    let mut d = Drive::admitted(&client(endpoint), begin(key, user)).await;
+    d.append(vec![tool_call("c1", "calculator", "{}")]).await.expect("the tool call is stored");
+    d.append(vec![tool_result("c1", "calculator", "42")]).await.expect("the tool result is stored");
+    d
+}
+
 /// One DriveTurn stream.
 pub struct Drive {
     tx: Option<mpsc::Sender<api::HarnessRequest>>,
@@ -88,6 +98,14 @@ impl Drive {
     /// Opens the stream and sends `begin`.
     pub async fn open(client: &HarnessClient<Channel>, b: api::Begin) -> Result<Self, tonic::Status> {
         Self::open_with(client, R::Begin(b)).await
+    }
+
+    /// [`Drive::open`], then the first context read: the turn is admitted
+    /// and the harness may append. Panics if the gateway refuses either.
+    pub async fn admitted(client: &HarnessClient<Channel>, b: api::Begin) -> Self {
+        let mut d = Self::open(client, b).await.expect("the gateway opens the turn");
+        d.context().await.expect("the turn's first context");
+        d
     }
 
     /// Opens the stream with any first request.
@@ -168,6 +186,13 @@ impl Drive {
     pub async fn append(&mut self, messages: Vec<pb::AgentMessage>) -> Result<Vec<String>, tonic::Status> {
         self.send(R::Append(api::Append { messages })).await;
         self.until(|e| if let H::Appended(a) = e { Some(a.entry_ids.clone()) } else { None }).await
+    }
+
+    /// Runs engine tool call `tool_call_id` (appended already): the tool
+    /// message the gateway stored as its result.
+    pub async fn call_tool(&mut self, tool_call_id: &str) -> Result<api::ToolResult, tonic::Status> {
+        self.send(R::CallTool(api::CallTool { tool_call_id: tool_call_id.into() })).await;
+        self.until(|e| if let H::ToolResult(r) = e { Some(r.clone()) } else { None }).await
     }
 
     /// Sends `end`, reads `ended`, closes its side and waits for the close.

@@ -1,5 +1,6 @@
-//! What the hosting tests share: a fault engine process, a config that
-//! selects an engine, turns run to their end, and status polls.
+//! What the hosting tests share: fixture engine processes, a config that
+//! selects an engine (and a gateway using it), turns run to their end,
+//! transcripts read back, and status polls.
 
 #![allow(clippy::unwrap_used)] // test helpers fail loudly by design
 
@@ -7,9 +8,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use ctxgate::config::{Config, EngineEntry};
-use ctxgate_proto::gateway::{self as api, turn_event::Event};
-use ctxgate_proto::pb::transcript_entry::Entry;
+use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
+use ctxgate_proto::pb::{Role, TranscriptEntry, transcript_entry::Entry};
 use tokio_stream::StreamExt;
+use tonic::transport::Channel;
 
 use crate::{EngineProcess, PATIENCE, TestGateway, bin, within};
 
@@ -27,13 +29,49 @@ pub async fn fault_engine(faults: &str) -> EngineProcess {
     EngineProcess::start(bin("ctxgate-fault-engine"), &["--listen", "127.0.0.1:0", "--fault", faults]).await.unwrap()
 }
 
+/// The broken fixture on loopback with `flags` (`--honest-info`, …).
+pub async fn broken_engine(flags: &[&str]) -> EngineProcess {
+    let args = [&["--listen", "127.0.0.1:0"], flags].concat();
+    EngineProcess::start(bin("ctxgate-broken-engine"), &args).await.unwrap()
+}
+
 /// The fault fixture with `faults`, and a gateway that selects it as
 /// "fault", attached.
 pub async fn fault_gateway(faults: &str) -> (EngineProcess, TestGateway) {
+    fault_gateway_with(faults, &[]).await
+}
+
+/// [`fault_gateway`] with per-method `timeouts` (seconds) for the engine.
+pub async fn fault_gateway_with(faults: &str, timeouts: &[(&str, f64)]) -> (EngineProcess, TestGateway) {
     let engine = fault_engine(faults).await;
-    let g = TestGateway::start(hosting("fault", &engine.endpoint, &[])).await;
-    attached(&g, "fault").await;
+    let g = attached_gateway("fault", &engine.endpoint, timeouts).await;
     (engine, g)
+}
+
+/// The Python engine with its state in a temp dir of its own, and a
+/// gateway that selects it as "py", attached: the dir (to keep while the
+/// engine runs), the engine, the gateway.
+pub async fn python_gateway() -> (tempfile::TempDir, EngineProcess, TestGateway) {
+    let state = tempfile::tempdir().unwrap();
+    let engine = crate::start_python(state.path()).await;
+    let g = attached_gateway("py", &engine.endpoint, &[]).await;
+    (state, engine, g)
+}
+
+/// A gateway that selects engine `id` at `endpoint` ([`hosting`]), once
+/// the engine is attached.
+pub async fn attached_gateway(id: &str, endpoint: &str, timeouts: &[(&str, f64)]) -> TestGateway {
+    let g = TestGateway::start(hosting(id, endpoint, timeouts)).await;
+    attached(&g, id).await;
+    g
+}
+
+/// [`hosting`] (without timeouts) as the text of a config file, as a
+/// user writes it for `ctxgate serve --config`.
+pub fn hosting_json5(id: &str, endpoint: &str) -> String {
+    format!(
+        "{{ plugins: {{ slots: {{ contextEngine: '{id}' }}, entries: {{ {id}: {{ endpoint: '{endpoint}' }} }} }} }}"
+    )
 }
 
 pub fn hosting(id: &str, endpoint: &str, timeouts: &[(&str, f64)]) -> Config {
@@ -78,9 +116,24 @@ pub async fn attached(g: &TestGateway, id: &str) {
     wait_engine(g, id, "attached", |e| e.quarantine.is_none() && !e.name.is_empty()).await;
 }
 
+/// A RunTurn request: `text` on session `key`, no system prompt.
+pub fn turn_request(key: &str, text: impl Into<String>) -> api::RunTurnRequest {
+    api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() }
+}
+
+/// How long to wait before retrying a call the gateway shed
+/// (RESOURCE_EXHAUSTED: a fresh gateway admits few turns while it measures
+/// its baseline): its `grpc-retry-pushback-ms`, else 100 ms. `None` for
+/// any other failure.
+pub fn shed_pushback(s: &tonic::Status) -> Option<Duration> {
+    (s.code() == tonic::Code::ResourceExhausted).then(|| {
+        let ms = s.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()?.parse().ok());
+        Duration::from_millis(ms.unwrap_or(100))
+    })
+}
+
 pub async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
-    let req =
-        api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
+    let req = turn_request(key, text);
     within(PATIENCE, format!("the turn {text:?} on {key:?} ending"), async {
         let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
         let mut events = Vec::new();
@@ -92,6 +145,12 @@ pub async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
     .await
 }
 
+/// Starts a manual Compact of session `key`: its events, unread.
+pub async fn compaction_stream(g: &TestGateway, key: &str) -> tonic::Streaming<api::CompactionEvent> {
+    let req = api::CompactSessionRequest { session: session(key), custom_instructions: None };
+    g.client.clone().compact(req).await.unwrap().into_inner()
+}
+
 pub fn selected(events: &[Event]) -> &api::EngineSelected {
     events.iter().find_map(|e| if let Event::EngineSelected(s) = e { Some(s) } else { None }).unwrap()
 }
@@ -101,18 +160,29 @@ pub fn completed(events: &[Event]) -> bool {
 }
 
 pub async fn messages(g: &TestGateway, key: &str) -> Vec<String> {
-    let req = api::GetTranscriptRequest { session: session(key), visible_only: false, ..Default::default() };
-    g.client
-        .clone()
-        .get_transcript(req)
+    transcript(&g.client, key)
         .await
-        .unwrap()
-        .into_inner()
-        .entries
         .into_iter()
         .filter_map(|e| {
             if let Some(Entry::Message(m)) = e.entry { Some(ctxgate::provider::message_text(&m)) } else { None }
         })
+        .collect()
+}
+
+/// Every entry of session `key`'s active branch (GetTranscript, not only
+/// the visible part), through `client`.
+pub async fn transcript(client: &GatewayClient<Channel>, key: &str) -> Vec<TranscriptEntry> {
+    let req = api::GetTranscriptRequest { session: session(key), visible_only: false, ..Default::default() };
+    client.clone().get_transcript(req).await.unwrap().into_inner().entries
+}
+
+/// The roles of the messages among `entries`, in order.
+pub fn message_roles(entries: &[TranscriptEntry]) -> Vec<Role> {
+    entries
+        .iter()
+        .filter_map(
+            |e| if let Some(Entry::Message(m)) = &e.entry { Some(Role::try_from(m.role).unwrap()) } else { None },
+        )
         .collect()
 }
 

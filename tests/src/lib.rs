@@ -138,6 +138,32 @@ pub async fn start_window(state_dir: &Path, extra: &[&str]) -> EngineProcess {
     EngineProcess::start(bin("ctxgate-engine-window"), &args).await.expect("window engine starts")
 }
 
+/// `ctxgate serve` as a process on loopback, its state in `state` and its
+/// config read from `config` when there is one.
+pub async fn serve(state: &Path, config: Option<&Path>) -> EngineProcess {
+    let dir = state.to_str().expect("utf-8 temp dir");
+    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--state-dir", dir];
+    if let Some(c) = config {
+        args.extend(["--config", c.to_str().expect("utf-8 temp dir")]);
+    }
+    EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts")
+}
+
+/// Writes `text` to `dir/name` (a config file, a certificate): its path.
+pub fn write_file(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("the temp dir takes a file");
+    path
+}
+
+/// A client of the gateway API at `endpoint`; it connects on first use.
+pub fn gateway_client(
+    endpoint: &str,
+) -> ctxgate_proto::gateway::gateway_client::GatewayClient<tonic::transport::Channel> {
+    let channel = tonic::transport::Endpoint::from_shared(endpoint.to_owned()).expect("uri").connect_lazy();
+    ctxgate_proto::gateway::gateway_client::GatewayClient::new(channel)
+}
+
 /// The Python engine (engines/python/run.sh) with its state in `state_dir`.
 pub async fn start_python(state_dir: &Path) -> EngineProcess {
     start_python_with(state_dir, &[]).await
@@ -197,8 +223,7 @@ impl TestGateway {
             reload_rx,
         ));
         let endpoint = format!("http://{addr}");
-        let channel = tonic::transport::Endpoint::from_shared(endpoint.clone()).expect("uri").connect_lazy();
-        let client = ctxgate_proto::gateway::gateway_client::GatewayClient::new(channel);
+        let client = gateway_client(&endpoint);
         Self { endpoint, client, metrics, reloads, stop: Some(stop), task, _state: state }
     }
 

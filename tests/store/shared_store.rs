@@ -9,53 +9,55 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
-use ctxgate_tests::hosting::{fault_engine, sref};
+use ctxgate_tests::hosting::{fault_engine, shed_pushback, turn_request};
 use ctxgate_tests::postgres::{Postgres, pg_options};
-use ctxgate_tests::{EngineProcess, bin};
+use ctxgate_tests::{EngineProcess, bin, gateway_client, serve, write_file};
 use tokio_stream::StreamExt;
 
-/// `ctxgate serve` on the shared store, with the durable fault engine.
-async fn gateway(dir: &Path, name: &str, url: &str, engine: &str) -> EngineProcess {
-    let config = dir.join(format!("{name}.json5"));
-    let text = format!(
-        "{{ store: {{ url: {url:?}, leaseSeconds: 2 }},
-           plugins: {{ entries: {{ fault: {{ endpoint: {engine:?} }} }}, slots: {{ contextEngine: 'fault' }} }} }}"
-    );
-    std::fs::write(&config, text).unwrap();
-    let state = dir.join(name);
-    let args = ["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap(), "--state-dir"];
-    let mut args: Vec<&str> = args.to_vec();
-    args.push(state.to_str().unwrap());
-    let g = EngineProcess::start(bin("ctxgate"), &args).await.expect("ctxgate serve starts");
-    // Turns before the engine's first attach anywhere are legacy's and not
-    // recorded for it (as on one gateway): wait until this one attached.
-    let deadline = Instant::now() + Duration::from_secs(15);
-    loop {
-        let s = client(&g.endpoint).get_status(api::StatusRequest {}).await.unwrap().into_inner();
-        if s.engines.iter().any(|e| e.id == "fault" && e.quarantine.is_none() && !e.name.is_empty()) {
-            return g;
-        }
-        assert!(Instant::now() < deadline, "{name}: the engine never attached");
-        tokio::time::sleep(Duration::from_millis(20)).await;
+/// One PostgreSQL database (in a cluster of the test's own) that the
+/// test's gateways share, and the durable fault engine they all select.
+/// (Fields drop in order: the cluster last.)
+struct SharedStore {
+    /// The gateways' config files and state dirs.
+    dir: tempfile::TempDir,
+    engine: EngineProcess,
+    url: String,
+    _pg: Postgres,
+}
+
+impl SharedStore {
+    async fn start(database: &str) -> Self {
+        let pg = Postgres::start(false).await;
+        let url = pg.database(database).await;
+        let engine = fault_engine("durable").await;
+        Self { dir: tempfile::tempdir().unwrap(), engine, url, _pg: pg }
     }
-}
 
-fn client(url: &str) -> GatewayClient<tonic::transport::Channel> {
-    GatewayClient::new(tonic::transport::Endpoint::from_shared(url.to_owned()).unwrap().connect_lazy())
-}
-
-/// A shed turn's pushback (a fresh gateway admits few turns while it
-/// measures its baseline).
-fn pushback(s: &tonic::Status) -> Option<Duration> {
-    (s.code() == tonic::Code::ResourceExhausted).then(|| {
-        let ms = s.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()?.parse().ok());
-        Duration::from_millis(ms.unwrap_or(100))
-    })
+    /// `ctxgate serve` on the shared store, with the durable fault engine.
+    async fn gateway(&self, name: &str) -> EngineProcess {
+        let (dir, url, engine) = (self.dir.path(), &self.url, &self.engine.endpoint);
+        let text = format!(
+            "{{ store: {{ url: {url:?}, leaseSeconds: 2 }},
+           plugins: {{ entries: {{ fault: {{ endpoint: {engine:?} }} }}, slots: {{ contextEngine: 'fault' }} }} }}"
+        );
+        let config = write_file(dir, &format!("{name}.json5"), &text);
+        let g = serve(&dir.join(name), Some(&config)).await;
+        // Turns before the engine's first attach anywhere are legacy's and not
+        // recorded for it (as on one gateway): wait until this one attached.
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let s = gateway_client(&g.endpoint).get_status(api::StatusRequest {}).await.unwrap().into_inner();
+            if s.engines.iter().any(|e| e.id == "fault" && e.quarantine.is_none() && !e.name.is_empty()) {
+                return g;
+            }
+            assert!(Instant::now() < deadline, "{name}: the engine never attached");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 /// Runs one turn to its end, retrying after a shed; the turn's id when it
@@ -64,10 +66,10 @@ async fn turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str, text:
     let deadline = Instant::now() + Duration::from_secs(60);
     'retry: loop {
         assert!(Instant::now() < deadline, "{key}: shed for 60 s");
-        let req = api::RunTurnRequest { session: Some(sref(key)), message: text.into(), ..Default::default() };
+        let req = turn_request(key, text);
         let mut stream = match c.run_turn(req).await {
             Ok(r) => r.into_inner(),
-            Err(s) => match pushback(&s) {
+            Err(s) => match shed_pushback(&s) {
                 Some(wait) => {
                     tokio::time::sleep(wait).await;
                     continue;
@@ -84,8 +86,8 @@ async fn turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str, text:
                     Some(Event::Failed(f)) => return Err(format!("failed: {f:?}")),
                     _ => {}
                 },
-                Err(s) if id.is_none() && pushback(&s).is_some() => {
-                    tokio::time::sleep(pushback(&s).unwrap()).await;
+                Err(s) if id.is_none() && shed_pushback(&s).is_some() => {
+                    tokio::time::sleep(shed_pushback(&s).unwrap()).await;
                     continue 'retry;
                 }
                 Err(s) => return Err(format!("{s:?}")),
@@ -95,9 +97,9 @@ async fn turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str, text:
     }
 }
 
+/// Session `key`'s whole branch as the gateway at `url` reads it.
 async fn transcript(url: &str, key: &str) -> Vec<ctxgate_proto::pb::TranscriptEntry> {
-    let req = api::GetTranscriptRequest { session: Some(sref(key)), visible_only: false, ..Default::default() };
-    client(url).get_transcript(req).await.unwrap().into_inner().entries
+    ctxgate_tests::hosting::transcript(&gateway_client(url), key).await
 }
 
 /// The advancement keys the engine committed (its record), with how often
@@ -159,13 +161,10 @@ fn assert_one_clean_chain(key: &str, entries: &[ctxgate_proto::pb::TranscriptEnt
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_keep_each_session_one_clean_chain_under_concurrent_turns() {
-    let pg = Postgres::start(false).await;
-    let url = pg.database("mesh").await;
-    let engine = fault_engine("durable").await;
-    let dir = tempfile::tempdir().unwrap();
+    let store = SharedStore::start("mesh").await;
     let mut gateways = Vec::new();
     for name in ["g0", "g1", "g2"] {
-        gateways.push(gateway(dir.path(), name, &url, &engine.endpoint).await);
+        gateways.push(store.gateway(name).await);
     }
     let urls: Vec<String> = gateways.iter().map(|g| g.endpoint.clone()).collect();
 
@@ -185,7 +184,8 @@ async fn three_gateways_keep_each_session_one_clean_chain_under_concurrent_turns
                     seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
                     let url = &urls[(seed >> 33) as usize % urls.len()];
                     let text = format!("{key} client {w} turn {t}");
-                    let id = turn(&mut client(url), &key, &text).await.unwrap_or_else(|e| panic!("{text}: {e}"));
+                    let id =
+                        turn(&mut gateway_client(url), &key, &text).await.unwrap_or_else(|e| panic!("{text}: {e}"));
                     done.push((key.clone(), text, id));
                 }
                 done
@@ -207,7 +207,7 @@ async fn three_gateways_keep_each_session_one_clean_chain_under_concurrent_turns
         assert_one_clean_chain(key, &entries, texts);
         assert_eq!(entries, transcript(&urls[(i + 1) % urls.len()], key).await, "{key}: gateways disagree");
     }
-    let record = committed_all(&engine, &accepted).await;
+    let record = committed_all(&store.engine, &accepted).await;
     let extra: Vec<_> = record.keys().filter(|k| !accepted.contains(*k)).collect();
     assert!(extra.is_empty(), "the engine has turns nobody accepted: {extra:?}");
     eprintln!(
@@ -221,27 +221,20 @@ async fn three_gateways_keep_each_session_one_clean_chain_under_concurrent_turns
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_killed_mid_turn_loses_its_session_to_another_once_the_lease_lapses() {
-    use ctxgate_tests::harness::{Drive, begin, client as harness_client, tool_call, tool_result};
-    let pg = Postgres::start(false).await;
-    let url = pg.database("takeover").await;
-    let engine = fault_engine("durable").await;
-    let dir = tempfile::tempdir().unwrap();
-    let a = gateway(dir.path(), "a", &url, &engine.endpoint).await;
-    let b = gateway(dir.path(), "b", &url, &engine.endpoint).await;
+    use ctxgate_tests::harness::open_tool_turn;
+    let store = SharedStore::start("takeover").await;
+    let a = store.gateway("a").await;
+    let b = store.gateway("b").await;
 
-    let before = turn(&mut client(&a.endpoint), "cut", "first").await.unwrap();
-    let hc = harness_client(&a.endpoint);
-    let mut d = Drive::open(&hc, begin("cut", "run the tools")).await.unwrap();
-    d.context().await.unwrap();
-    d.append(vec![tool_call("c1", "calculator", "{}")]).await.unwrap();
-    d.append(vec![tool_result("c1", "calculator", "42")]).await.unwrap();
+    let before = turn(&mut gateway_client(&a.endpoint), "cut", "first").await.unwrap();
+    let d = open_tool_turn(&a.endpoint, "cut", "run the tools").await;
     // Acknowledged, durable, the lease held — and the gateway dies.
     a.signal_and_wait("KILL").await.unwrap();
     drop(d);
 
     // The other gateway's turn waits for the lease (enqueue), then runs.
     let started = Instant::now();
-    let after = turn(&mut client(&b.endpoint), "cut", "again").await.unwrap();
+    let after = turn(&mut gateway_client(&b.endpoint), "cut", "again").await.unwrap();
     let waited = started.elapsed();
     assert!(waited < Duration::from_secs(20), "took over after {waited:?}");
     let entries = transcript(&b.endpoint, "cut").await;
@@ -260,7 +253,7 @@ async fn a_gateway_killed_mid_turn_loses_its_session_to_another_once_the_lease_l
     assert_eq!(&shape[2], "User:run the tools", "the killed turn ends as an abort: its user message only");
     assert_eq!(&shape[3], "User:again", "{shape:?}");
     let keys: HashSet<String> = [before.clone(), after.clone()].into();
-    let record = committed_all(&engine, &keys).await;
+    let record = committed_all(&store.engine, &keys).await;
     assert_eq!(record.len(), 2, "the killed turn never reaches the engine's record: {record:?}");
     eprintln!("taken over after {waited:?}; engine record {record:?}");
     drop(b);

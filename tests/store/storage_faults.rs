@@ -12,7 +12,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use ctxgate_proto::gateway::{self as api, gateway_client::GatewayClient, turn_event::Event};
-use ctxgate_proto::pb::{Role, transcript_entry::Entry};
+use ctxgate_proto::pb::Role;
+use ctxgate_tests::hosting::{message_roles, transcript, turn_request};
 use ctxgate_tests::{EngineProcess, bin};
 use tokio::process::Command;
 use tokio_stream::StreamExt;
@@ -112,14 +113,9 @@ async fn a_read_only_state_dir_is_refused() {
     assert!(err.contains(&want), "{err}");
 }
 
-fn sref(key: &str) -> Option<api::SessionRef> {
-    Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
-}
-
 /// One turn; `Err` with the status that ended it (at the call or in the stream).
 async fn turn(c: &mut GatewayClient<tonic::transport::Channel>, text: String) -> Result<Vec<Event>, tonic::Status> {
-    let req = api::RunTurnRequest { session: sref("full"), message: text, system_prompt: None, ..Default::default() };
-    let mut stream = c.run_turn(req).await?.into_inner();
+    let mut stream = c.run_turn(turn_request("full", text)).await?.into_inner();
     let mut events = Vec::new();
     while let Some(e) = stream.next().await {
         events.push(e?.event.unwrap());
@@ -153,16 +149,7 @@ async fn a_full_disk_fails_the_call_with_a_sentence_and_every_stored_turn_stays_
     assert_eq!(status.message(), "the gateway's state storage is full; nothing of this call was stored");
 
     // Reads still work, and every stored turn is whole: user, then reply.
-    let t = c
-        .get_transcript(api::GetTranscriptRequest { session: sref("full"), visible_only: false, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner();
-    let roles: Vec<Role> = t
-        .entries
-        .iter()
-        .filter_map(|e| if let Some(Entry::Message(m)) = &e.entry { Role::try_from(m.role).ok() } else { None })
-        .collect();
+    let roles: Vec<Role> = message_roles(&transcript(&c, "full").await);
     let pairs: Vec<&[Role]> = roles.chunks(2).collect();
     assert!(pairs.len() >= completed, "{roles:?}");
     for (i, p) in pairs.iter().enumerate().take(completed) {

@@ -310,6 +310,25 @@ impl Run {
         Err(format!("no container at {address}"))
     }
 
+    /// The replica that has served the most calls: its address and the
+    /// container behind it (one of `windows`).
+    async fn busiest(&mut self, windows: &[String]) -> R<(String, String)> {
+        let e = status(&mut self.client).await?;
+        let address = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
+        let container = self.container_at(windows, &address).await?;
+        Ok((address, container))
+    }
+
+    /// Waits (at most `within`) until the replica at `address` is out of
+    /// service, quarantined or dropped once its name stopped resolving to
+    /// it, and says how long that took and which it was (then `note`).
+    async fn until_out(&mut self, address: &str, what: &str, within: Duration, note: &str) {
+        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != address || !in_service(r));
+        let d = until(&mut self.client, what, within, gone).await;
+        let how = self.how_out(address).await;
+        self.waited(d, &format!("replica {address} {how}{note}"));
+    }
+
     async fn scenario(&mut self) -> R<()> {
         let windows = self.stack.ids("engine-window").await?;
         let gateway = self.stack.ids("gateway").await?.first().cloned().ok_or("no gateway container")?;
@@ -323,16 +342,10 @@ impl Run {
         self.check(failed == 0 && seen.get("window").copied().unwrap_or(0) > 0, "baseline: served by window".into());
 
         // 1. The busiest replica dies: its sessions move, resync, no turn fails.
-        let e = status(&mut self.client).await?;
-        let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
-        let victim = self.container_at(&windows, &busiest).await?;
+        let (busiest, victim) = self.busiest(&windows).await?;
         let gaps = resyncs().await;
         self.docker(&["kill", &victim]).await;
-        // Out of service: quarantined, or dropped once its name stopped resolving to it.
-        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
-        let d = until(&mut self.client, "the killed replica out of service", Duration::from_secs(20), gone).await;
-        let how = self.how_out(&busiest).await;
-        self.waited(d, &format!("replica {busiest} {how}"));
+        self.until_out(&busiest, "the killed replica out of service", Duration::from_secs(20), "").await;
         let (seen, failed) = self.flow(Duration::from_secs(4)).await;
         let moved = resyncs().await.saturating_sub(gaps);
         self.say(&format!("{moved} session(s) resynced on another replica"));
@@ -374,17 +387,12 @@ impl Run {
         );
 
         // 4. One replica cut off the network: a deadline, fallback, quarantined.
-        let e = status(&mut self.client).await?;
-        let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
-        let cut = self.container_at(&windows, &busiest).await?;
+        let (busiest, cut) = self.busiest(&windows).await?;
         let (net, _) = self.stack.network(&cut).await?;
         self.docker(&["network", "disconnect", &net, &cut]).await;
         // Out of service either way: quarantined when a call to it reached
         // its deadline, or dropped when its name stopped resolving to it.
-        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
-        let d = until(&mut self.client, "the cut-off replica out of service", Duration::from_secs(40), gone).await;
-        let how = self.how_out(&busiest).await;
-        self.waited(d, &format!("replica {busiest} {how}"));
+        self.until_out(&busiest, "the cut-off replica out of service", Duration::from_secs(40), "").await;
         let e = status(&mut self.client).await?;
         self.say(&format!("status: {}", describe(&e)));
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
@@ -403,15 +411,9 @@ impl Run {
         self.check(seen.get("window").copied().unwrap_or(0) > 0, "after the gateway restart: served by window".into());
 
         // 6. One replica paused: a hang, then a deadline; unpaused: back.
-        let e = status(&mut self.client).await?;
-        let busiest = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
-        let paused = self.container_at(&windows, &busiest).await?;
+        let (busiest, paused) = self.busiest(&windows).await?;
         self.docker(&["pause", &paused]).await;
-        // Out of service: quarantined, or dropped once its name stopped resolving to it.
-        let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != busiest || !in_service(r));
-        let d = until(&mut self.client, "the paused replica out of service", Duration::from_secs(40), gone).await;
-        let how = self.how_out(&busiest).await;
-        self.waited(d, &format!("replica {busiest} {how} (a hang)"));
+        self.until_out(&busiest, "the paused replica out of service", Duration::from_secs(40), " (a hang)").await;
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("pause: {failed} turn(s) failed"));
         self.docker(&["unpause", &paused]).await;

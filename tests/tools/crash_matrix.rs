@@ -515,6 +515,26 @@ impl Round {
 
     // ---- step 2: the crash ----
 
+    /// A harness turn on `key` whose message says `what`, read up to
+    /// `admitted` (bounded by STEP): the stream and the turn id.
+    async fn admit(&mut self, key: &str, what: &str) -> Result<(Drive, String), String> {
+        let hc = self.harness()?;
+        let user = self.next_text(key, what);
+        within("admitting the turn", STEP, open_admitted(&hc, key, &user)).await
+    }
+
+    /// Sends `end ACCEPTED` and waits 0–`max_ms` ms (picked at random) for
+    /// `ended`; `Err` when it did not come in that time.
+    async fn end_within(
+        &mut self,
+        drive: &mut Drive,
+        max_ms: u64,
+    ) -> Result<Result<api::Ended, String>, tokio::time::error::Elapsed> {
+        let delay = Duration::from_millis(self.rng.between(0, max_ms));
+        send_end(drive).await;
+        tokio::time::timeout(delay, await_ended(drive)).await
+    }
+
     async fn crash(&mut self, stage: Stage, key: &str) -> Result<(), String> {
         match stage {
             Stage::BeforeAdmission => self.crash_before_admission(key).await,
@@ -551,9 +571,7 @@ impl Round {
 
     /// A harness turn is admitted; the gateway dies.
     async fn crash_after_admission(&mut self, key: &str) -> Result<(), String> {
-        let hc = self.harness()?;
-        let user = self.next_text(key, "admitted, then the gateway dies");
-        let (drive, turn) = within("admitting the turn", STEP, open_admitted(&hc, key, &user)).await?;
+        let (drive, turn) = self.admit(key, "admitted, then the gateway dies").await?;
         self.mark_cut(key, &turn, Stage::AfterAdmission);
         self.kill_gateway().await?;
         drop(drive);
@@ -579,9 +597,7 @@ impl Round {
     /// A harness reply is stored (`appended`), the turn not ended; the
     /// gateway dies.
     async fn crash_reply_stored_before_end(&mut self, key: &str) -> Result<(), String> {
-        let hc = self.harness()?;
-        let user = self.next_text(key, "the reply is stored, the turn never ends");
-        let (mut drive, turn) = within("admitting the turn", STEP, open_admitted(&hc, key, &user)).await?;
+        let (mut drive, turn) = self.admit(key, "the reply is stored, the turn never ends").await?;
         self.mark_cut(key, &turn, Stage::ReplyStoredBeforeEnd);
         within("storing the reply", STEP, store_reply(&mut drive, "a reply that is never accepted")).await?;
         self.kill_gateway().await?;
@@ -592,13 +608,9 @@ impl Round {
     /// `end ACCEPTED`, then the gateway dies 0–15 ms later (or as soon as
     /// `ended` arrives).
     async fn crash_during_accept(&mut self, key: &str) -> Result<(), String> {
-        let hc = self.harness()?;
-        let user = self.next_text(key, "the gateway dies while it accepts");
-        let (mut drive, turn) = within("admitting the turn", STEP, open_admitted(&hc, key, &user)).await?;
+        let (mut drive, turn) = self.admit(key, "the gateway dies while it accepts").await?;
         within("storing the reply", STEP, store_reply(&mut drive, "a reply accepted at the crash")).await?;
-        let delay = Duration::from_millis(self.rng.between(0, 15));
-        send_end(&mut drive).await;
-        let ended = tokio::time::timeout(delay, await_ended(&mut drive)).await;
+        let ended = self.end_within(&mut drive, 15).await;
         self.kill_gateway().await?;
         match ended {
             Ok(Ok(e)) if e.outcome == api::TurnOutcome::Accepted as i32 => {
@@ -616,13 +628,9 @@ impl Round {
     /// (still up) must answer `ended` ACCEPTED. Then the gateway is killed
     /// too: the restarted engine has a new port for the config.
     async fn crash_engine_during_commit(&mut self, key: &str) -> Result<(), String> {
-        let hc = self.harness()?;
-        let user = self.next_text(key, "the engine dies while it commits");
-        let (mut drive, turn) = within("admitting the turn", STEP, open_admitted(&hc, key, &user)).await?;
+        let (mut drive, turn) = self.admit(key, "the engine dies while it commits").await?;
         within("storing the reply", STEP, store_reply(&mut drive, "a reply committed at the crash")).await?;
-        let delay = Duration::from_millis(self.rng.between(0, 10));
-        send_end(&mut drive).await;
-        let early = tokio::time::timeout(delay, await_ended(&mut drive)).await;
+        let early = self.end_within(&mut drive, 10).await;
         self.kill_engine().await?;
         let ended = match early {
             Ok(r) => r,

@@ -15,15 +15,14 @@ use ctxgate_tests::{TestGateway, within};
 use tonic::Code;
 
 use crate::harness_turns::{run_req, run_to_end, run_to_end_owned, shape, status_of};
+use crate::limited_gateway;
 
 /// How soon a refusal must come: it never waits for the session.
 const AT_ONCE: Duration = Duration::from_secs(5);
 
 /// A harness turn that holds session `key` open (begun, not ended).
 async fn hold(hc: &api::harness_client::HarnessClient<tonic::transport::Channel>, key: &str) -> Drive {
-    let mut d = Drive::open(hc, begin(key, "holding")).await.unwrap();
-    d.context().await.unwrap();
-    d
+    Drive::admitted(hc, begin(key, "holding")).await
 }
 
 #[tokio::test]
@@ -65,9 +64,7 @@ async fn queued(g: &TestGateway, n: u32) {
 
 #[tokio::test]
 async fn busy_policy_enqueue_waits_in_a_bounded_queue_and_a_cancelled_waiter_leaves_no_trace() {
-    let mut config = Config::default();
-    config.gateway.limits.queued_turns_per_session = 1;
-    let g = TestGateway::start(config).await;
+    let g = limited_gateway(|l| l.queued_turns_per_session = 1).await;
     let hc = client(&g.endpoint);
     let mut holder = hold(&hc, "q").await;
 

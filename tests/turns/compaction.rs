@@ -13,12 +13,12 @@ use ctxgate::config::Config;
 use ctxgate_proto::gateway::{self as api, compaction_event, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
-use ctxgate_tests::hosting::session;
+use ctxgate_tests::hosting::{compaction_stream, session};
 use ctxgate_tests::{TestGateway, compact_to_end};
 use tokio_stream::StreamExt;
 use tonic::Code;
 
-use crate::managed_turns::{branch, openai_config, run_turn, seed};
+use crate::managed_turns::{branch, openai_config, run_turn, seeded};
 
 fn compactions_started(events: &[Event], trigger: &str) -> usize {
     events.iter().filter(|e| matches!(e, Event::CompactionStarted(c) if c.trigger == trigger)).count()
@@ -27,8 +27,7 @@ fn compactions_started(events: &[Event], trigger: &str) -> usize {
 #[tokio::test]
 async fn overflow_three_times_then_success() {
     let fake = FakeOpenAi::start().await;
-    let g = TestGateway::start(openai_config(&fake)).await;
-    seed(&g, "s", 6).await;
+    let g = seeded(openai_config(&fake), 6).await;
     fake.turns([Reply::Overflow, Reply::Overflow, Reply::Overflow, Reply::Text("finally an answer".into())]);
 
     let events = run_turn(&g, "s", "one more question about file_9.rs").await.unwrap();
@@ -54,8 +53,7 @@ async fn overflow_three_times_then_success() {
 #[tokio::test]
 async fn overflow_forever_ends_in_a_clear_error_after_three_compactions() {
     let fake = FakeOpenAi::start().await;
-    let g = TestGateway::start(openai_config(&fake)).await;
-    seed(&g, "s", 6).await;
+    let g = seeded(openai_config(&fake), 6).await;
     fake.turn_default(Reply::Overflow);
     let before = fake.count(Kind::Turn);
 
@@ -81,8 +79,7 @@ async fn a_hanging_summary_call_is_cut_at_the_safety_timeout() {
     let fake = FakeOpenAi::start().await;
     let mut config = openai_config(&fake);
     config.agents.defaults.compaction.timeout_seconds = 2;
-    let g = TestGateway::start(config).await;
-    seed(&g, "s", 6).await;
+    let g = seeded(config, 6).await;
     fake.summary_default(Reply::Hang("## Decisions".into()));
     let entries_before = branch(&g, "s").await.len();
 
@@ -106,17 +103,10 @@ async fn a_hanging_summary_call_is_cut_at_the_safety_timeout() {
 #[tokio::test]
 async fn a_client_cancel_mid_compaction_stops_it_and_changes_nothing() {
     let fake = FakeOpenAi::start().await;
-    let g = TestGateway::start(openai_config(&fake)).await;
-    seed(&g, "s", 6).await;
+    let g = seeded(openai_config(&fake), 6).await;
     fake.summary_default(Reply::Hang("## Decisions".into()));
     let entries_before = branch(&g, "s").await.len();
-    let mut stream = g
-        .client
-        .clone()
-        .compact(api::CompactSessionRequest { session: session("s"), custom_instructions: None })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut stream = compaction_stream(&g, "s").await;
     let first = stream.next().await.unwrap().unwrap();
     assert!(matches!(first.event, Some(compaction_event::Event::Started(_))));
     // Wait until the summary request is in flight, then leave.

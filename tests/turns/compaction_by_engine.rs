@@ -7,12 +7,13 @@
 
 use std::time::{Duration, Instant};
 
-use ctxgate::config::ProviderKind;
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
 use ctxgate_tests::hosting::*;
 use ctxgate_tests::{TestGateway, compact_to_end};
 use tonic::Code;
+
+use crate::managed_turns::openai_hosting;
 
 #[tokio::test]
 async fn a_hung_compact_returns_within_the_timeout_plus_100ms_and_quarantines() {
@@ -39,13 +40,7 @@ async fn a_hung_compact_returns_within_the_timeout_plus_100ms_and_quarantines() 
 async fn a_failing_engine_compaction_in_overflow_recovery_falls_back_to_built_in() {
     let fake = FakeOpenAi::start().await;
     let engine = fault_engine("compact-fails").await;
-    let mut config = hosting("fault", &engine.endpoint, &[]);
-    config.models.provider = ProviderKind::Openai;
-    config.models.base_url = fake.base_url.clone();
-    config.models.model = "gpt-test".into();
-    config.models.context_window = 4_000;
-    config.models.max_output_tokens = 256;
-    config.agents.defaults.compaction.reserve_tokens = Some(500);
+    let mut config = openai_hosting(&fake, "fault", &engine.endpoint);
     config.agents.defaults.compaction.keep_recent_tokens = 200;
     let g = TestGateway::start(config).await;
     attached(&g, "fault").await;

@@ -12,7 +12,7 @@ use std::time::Duration;
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::{self, context_engine_client::ContextEngineClient, transcript_entry::Entry};
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::{EngineProcess, TestGateway, start_window};
+use ctxgate_tests::{EngineProcess, TestGateway, serve, start_window, write_file};
 
 /// The advancement keys of the engine's `event commit` lines, in order.
 fn commit_keys(lines: &[String]) -> Vec<String> {
@@ -122,8 +122,7 @@ async fn turns_served_by_legacy_while_quarantined_reach_the_engine_in_order_once
 async fn rows_for_an_engine_that_is_gone_block_nothing_and_a_reload_brings_them_home() {
     let a = fault_engine("durable,commit-fails-first").await;
     let b = fault_engine("durable").await;
-    let g = TestGateway::start(hosting("a", &a.endpoint, &[])).await;
-    attached(&g, "a").await;
+    let g = attached_gateway("a", &a.endpoint, &[]).await;
     let first = run_turn(&g, "moved", "first").await;
     assert!(completed(&first) && warned(&first, "stays queued"), "{first:?}");
 
@@ -193,8 +192,7 @@ fn window_rows(db: &std::path::Path, session_id: &str) -> i64 {
 async fn the_window_engine_forgets_a_deleted_session_but_not_a_reset_one() {
     let dir = tempfile::tempdir().unwrap();
     let engine = start_window(dir.path(), &[]).await;
-    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
-    attached(&g, "window").await;
+    let g = attached_gateway("window", &engine.endpoint, &[]).await;
     let kept = run_turn(&g, "kept", "reset me, do not forget me").await;
     let gone = run_turn(&g, "gone", "delete me").await;
     assert!(completed(&kept) && completed(&gone));
@@ -215,25 +213,11 @@ async fn the_window_engine_forgets_a_deleted_session_but_not_a_reset_one() {
 
 #[tokio::test]
 async fn the_python_engine_forgets_a_deleted_session() {
-    let py_state = tempfile::tempdir().unwrap();
-    let engine = ctxgate_tests::start_python(py_state.path()).await;
-    let g = TestGateway::start(hosting("py", &engine.endpoint, &[])).await;
-    attached(&g, "py").await;
+    let (_py_state, engine, g) = python_gateway().await;
     let t = run_turn(&g, "gone", "delete me").await;
     assert!(completed(&t), "{t:?}");
-    let transcript = g
-        .client
-        .clone()
-        .get_transcript(api::GetTranscriptRequest {
-            session: session("gone"),
-            visible_only: false,
-            ..Default::default()
-        })
+    let held: Vec<pb::AgentMessage> = transcript(&g.client, "gone")
         .await
-        .unwrap()
-        .into_inner();
-    let held: Vec<pb::AgentMessage> = transcript
-        .entries
         .into_iter()
         .filter_map(|e| if let Some(Entry::Message(m)) = e.entry { Some(m) } else { None })
         .collect();
@@ -258,23 +242,8 @@ async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legac
     let dir = tempfile::tempdir().unwrap();
     let engine = fault_engine("durable").await;
     let addr = engine.endpoint.strip_prefix("http://").unwrap().to_owned();
-    let config = dir.path().join("ctxgate.json5");
-    let body = format!(
-        "{{ plugins: {{ slots: {{ contextEngine: 'fault' }}, entries: {{ fault: {{ endpoint: '{}' }} }} }} }}",
-        engine.endpoint
-    );
-    std::fs::write(&config, body).unwrap();
+    let config = write_file(dir.path(), "ctxgate.json5", &hosting_json5("fault", &engine.endpoint));
     let state = dir.path().join("state");
-    let args = [
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--state-dir",
-        state.to_str().unwrap(),
-        "--config",
-        config.to_str().unwrap(),
-    ];
-    let serve = || EngineProcess::start(ctxgate_tests::bin("ctxgate"), &args);
     let turn = |url: String, text: &'static str| async move {
         let mut c = GatewayClient::connect(url).await.unwrap();
         let req = api::RunTurnRequest { session: session("restart"), message: text.into(), ..Default::default() };
@@ -297,7 +266,7 @@ async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legac
         panic!("the engine never attached");
     };
 
-    let gw = serve().await.unwrap();
+    let gw = serve(&state, Some(&config)).await;
     wait_attached(gw.endpoint.clone()).await;
     let first = turn(gw.endpoint.clone(), "first").await;
     assert!(completed(&first));
@@ -305,7 +274,7 @@ async fn a_gateway_restarted_while_the_durable_engine_is_down_still_queues_legac
     engine.signal_and_wait("KILL").await.unwrap();
 
     // The gateway starts again with the engine down: it never attaches.
-    let gw = serve().await.unwrap();
+    let gw = serve(&state, Some(&config)).await;
     let mut keys = Vec::new();
     for text in ["second", "third"] {
         let t = turn(gw.endpoint.clone(), text).await;

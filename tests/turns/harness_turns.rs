@@ -6,35 +6,32 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
-use ctxgate::config::{Config, EngineEntry};
+use ctxgate::config::Config;
 use ctxgate_proto::gateway::{self as api, harness_event::Event as H, harness_request::Request as R};
 use ctxgate_proto::pb::{Role, transcript_entry::Entry};
 use ctxgate_tests::harness::{Drive, begin, client, text, tool_call, tool_result};
-use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, bin, metrics_text, start_window, within};
+use ctxgate_tests::hosting::{attached_gateway, fault_engine};
+use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, metrics_text, start_window, within};
 use tokio_stream::StreamExt;
 use tonic::Code;
+
+use crate::limited_gateway;
 
 fn sref(key: &str) -> Option<api::SessionRef> {
     Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
 }
 
+/// A config that selects the engine at `endpoint` as "engine".
 fn hosting(endpoint: &str) -> Config {
-    let mut c = Config::default();
-    let entry = EngineEntry { endpoint: endpoint.into(), timeouts: BTreeMap::new(), ..EngineEntry::default() };
-    c.plugins.entries.insert("engine".into(), entry);
-    c.plugins.slots.context_engine = Some("engine".into());
-    c
+    ctxgate_tests::hosting::hosting("engine", endpoint, &[])
 }
 
 /// The fault fixture with `faults` as a process, and a gateway using it.
 async fn fault_gateway(faults: &str) -> (EngineProcess, TestGateway) {
-    let args = ["--listen", "127.0.0.1:0", "--fault", faults];
-    let engine = EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.unwrap();
-    let g = TestGateway::start(hosting(&engine.endpoint)).await;
-    g.wait_attached("engine").await;
+    let engine = fault_engine(faults).await;
+    let g = attached_gateway("engine", &engine.endpoint, &[]).await;
     (engine, g)
 }
 
@@ -156,8 +153,7 @@ async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_c
 async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
     let (engine, g) = fault_gateway("hang-on-tools").await;
     let hc = client(&g.endpoint);
-    let mut drive = Drive::open(&hc, begin("drop", "read my files")).await.unwrap();
-    drive.context().await.unwrap();
+    let mut drive = Drive::admitted(&hc, begin("drop", "read my files")).await;
     drive.append(vec![tool_call("c1", "read_file", "{\"path\":\"a\"}")]).await.unwrap();
     drive.append(vec![tool_result("c1", "read_file", "contents")]).await.unwrap();
     drive.send(R::Assemble(api::AssembleContext { pending: vec![] })).await;
@@ -168,8 +164,7 @@ async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
 
     // The next turn starts at once; the aborted one left only its user message.
     let started = std::time::Instant::now();
-    let mut next = Drive::open(&hc, begin("drop", "next")).await.unwrap();
-    next.context().await.unwrap();
+    let mut next = Drive::admitted(&hc, begin("drop", "next")).await;
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     next.append(vec![text(Role::Assistant, "done")]).await.unwrap();
     next.end(api::TurnOutcome::Accepted).await.unwrap();
@@ -186,16 +181,10 @@ async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
 #[tokio::test]
 async fn a_rewrite_while_the_turn_begins_is_followed_by_its_abort() {
     // A turn on legacy first, so the engine meets a session with history.
-    let engine = EngineProcess::start(
-        bin("ctxgate-fault-engine"),
-        &["--listen", "127.0.0.1:0", "--fault", "bootstraps,maintain-rewrite"],
-    )
-    .await
-    .unwrap();
+    let engine = fault_engine("bootstraps,maintain-rewrite").await;
     let g = TestGateway::start(Config::default()).await;
     let hc = client(&g.endpoint);
-    let mut d = Drive::open(&hc, begin("rw", "first question")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("rw", "first question")).await;
     d.append(vec![text(Role::Assistant, "first answer")]).await.unwrap();
     d.end(api::TurnOutcome::Accepted).await.unwrap();
     g.reload(hosting(&engine.endpoint)).await;
@@ -203,8 +192,7 @@ async fn a_rewrite_while_the_turn_begins_is_followed_by_its_abort() {
 
     // Bootstrap, then Maintain(bootstrap) rewrites the first message: the
     // branch (this turn's admitted message included) is copied.
-    let mut d = Drive::open(&hc, begin("rw", "second question")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("rw", "second question")).await;
     engine.wait_line("event maintain", Duration::from_secs(5)).await.expect("maintenance ran at bootstrap");
     d.append(vec![tool_call("c", "read_file", "{}")]).await.unwrap();
     d.append(vec![tool_result("c", "read_file", "text")]).await.unwrap();
@@ -309,8 +297,7 @@ async fn missing_host_capabilities_fail_closed_before_admission_with_openclaws_m
 
     let mut b = begin("threads", "hi");
     b.host.as_mut().unwrap().capabilities.push("thread-bootstrap-projection".into());
-    let mut d = Drive::open(&hc, b).await.unwrap();
-    d.context().await.unwrap();
+    let d = Drive::admitted(&hc, b).await;
     let sel = d.seen.iter().find_map(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).unwrap();
     assert_eq!(sel.engine_id, "fault");
     g.stop().await;
@@ -347,8 +334,7 @@ async fn overflow_compacts_and_answers_a_new_context_then_fails_clearly() {
     let g = TestGateway::start(config).await;
     let hc = client(&g.endpoint);
     for i in 0..6 {
-        let mut d = Drive::open(&hc, begin("big", &format!("turn {i}: {}", "words ".repeat(150)))).await.unwrap();
-        d.context().await.unwrap();
+        let mut d = Drive::admitted(&hc, begin("big", &format!("turn {i}: {}", "words ".repeat(150)))).await;
         d.append(vec![text(Role::Assistant, &format!("reply {i}: {}", "more ".repeat(150)))]).await.unwrap();
         d.end(api::TurnOutcome::Accepted).await.unwrap();
     }
@@ -375,8 +361,7 @@ async fn overflow_compacts_and_answers_a_new_context_then_fails_clearly() {
     assert_eq!(ended.outcome, api::TurnOutcome::Failed as i32);
 
     // A manual compaction mid-turn: its events, then done.
-    let mut d = Drive::open(&hc, begin("big", "compact please")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("big", "compact please")).await;
     d.send(R::Compact(api::CompactNow { custom_instructions: Some("keep file names".into()) })).await;
     let done = d.until(|e| if let H::CompactionDone(x) = e { Some(x.clone()) } else { None }).await.unwrap();
     assert!(d.seen.iter().any(|e| matches!(e, H::CompactionStarted(s) if s.trigger == "manual")));
@@ -421,25 +406,21 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     assert!(shape(&g, "bad").await.is_empty(), "refused begins admit nothing");
 
     // In a turn: a result without its call, an oversized message.
-    let mut d = Drive::open(&hc, begin("bad", "hi")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("bad", "hi")).await;
     let s = status_of(d.append(vec![tool_result("nope", "calculator", "1")]).await);
     assert_eq!(s.code(), Code::InvalidArgument);
     assert_eq!(
         s.message(),
         "append.messages[0].content[0].tool_result.tool_call_id: \"nope\" is not a tool call of this turn"
     );
-    let mut d = Drive::open(&hc, begin("bad", "hi again")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("bad", "hi again")).await;
     let s = status_of(d.append(vec![text(Role::Assistant, &"x".repeat(1024 * 1024 + 1))]).await);
     assert_eq!(s.code(), Code::ResourceExhausted);
     assert!(s.message().starts_with("append.messages[0].content:"), "{s:?}");
-    let mut d = Drive::open(&hc, begin("bad", "roles")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("bad", "roles")).await;
     let s = status_of(d.append(vec![text(Role::User, "sneaky")]).await);
     assert_eq!(s.message(), "append.messages[0].role: must be ROLE_ASSISTANT or ROLE_TOOL");
-    let mut d = Drive::open(&hc, begin("bad", "metadata")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("bad", "metadata")).await;
     let mut m = text(Role::Assistant, "tagged");
     m.metadata = (0..65).map(|i| (format!("k{i}"), "v".into())).collect();
     let s = status_of(d.append(vec![m]).await);
@@ -447,8 +428,7 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     assert!(s.message().starts_with("append.messages[0].metadata:"), "{s:?}");
     // Accepting a turn whose tool call has no result would hand the model a
     // history it refuses.
-    let mut d = Drive::open(&hc, begin("bad", "dangling")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("bad", "dangling")).await;
     d.append(vec![tool_call("open", "calculator", "{}")]).await.unwrap();
     d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
     let s = d.status().await;
@@ -467,8 +447,7 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
         R::Append(api::Append { messages: vec![text(Role::Assistant, "late")] }),
         R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() }),
     ] {
-        let mut d = Drive::open(&hc, begin("late", "hi")).await.unwrap();
-        d.context().await.unwrap();
+        let mut d = Drive::admitted(&hc, begin("late", "hi")).await;
         d.append(vec![text(Role::Assistant, "answer")]).await.unwrap();
         d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
         d.send(late).await;
@@ -484,12 +463,9 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
 
 #[tokio::test]
 async fn a_silent_harness_loses_its_turn_after_the_idle_limit() {
-    let mut config = Config::default();
-    config.gateway.limits.harness_idle_seconds = 1;
-    let g = TestGateway::start(config).await;
+    let g = limited_gateway(|l| l.harness_idle_seconds = 1).await;
     let hc = client(&g.endpoint);
-    let mut d = Drive::open(&hc, begin("idle", "hello")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("idle", "hello")).await;
     d.append(vec![tool_call("c", "calculator", "{}")]).await.unwrap();
     // Then nothing: the gateway ends the stream and frees the session.
     let started = std::time::Instant::now();
@@ -506,13 +482,10 @@ async fn a_silent_harness_loses_its_turn_after_the_idle_limit() {
 
 #[tokio::test]
 async fn a_harness_that_stops_reading_loses_its_turn_and_frees_the_session() {
-    let mut config = Config::default();
-    config.gateway.limits.harness_idle_seconds = 1;
-    let g = TestGateway::start(config).await;
+    let g = limited_gateway(|l| l.harness_idle_seconds = 1).await;
     let hc = client(&g.endpoint);
     // Contexts of ~100 KiB each: a few fill every buffer on the way.
-    let mut d = Drive::open(&hc, begin("deaf", &"big history ".repeat(9_000))).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("deaf", &"big history ".repeat(9_000))).await;
     for _ in 0..80 {
         d.send(R::Assemble(api::AssembleContext::default())).await;
     }
@@ -542,8 +515,7 @@ async fn engines_see_the_harness_as_host_with_its_model_and_capabilities() {
     let hc = client(&g.endpoint);
     let mut b = begin("who", "hi");
     b.system_prompt_tokens = Some(500);
-    let mut d = Drive::open(&hc, b).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, b).await;
     let line = engine.wait_line("event settings", Duration::from_secs(5)).await.unwrap();
     // Budget: window 32000 − reply reserve 1000 − system prompt 500.
     assert!(
@@ -556,8 +528,7 @@ async fn engines_see_the_harness_as_host_with_its_model_and_capabilities() {
     // Without runtime-llm-complete the engine's grant has no host model.
     let mut b = begin("who", "again");
     b.host.as_mut().unwrap().capabilities.retain(|c| c != "runtime-llm-complete");
-    let mut d = Drive::open(&hc, b).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, b).await;
     let lines =
         engine.wait_lines("event settings", 2, Duration::from_secs(5)).await.expect("the second assemble reported");
     assert!(lines[1].contains("llm=false"), "{lines:?}");
@@ -569,8 +540,7 @@ async fn engines_see_the_harness_as_host_with_its_model_and_capabilities() {
 async fn a_turn_too_big_for_one_commit_is_refused_with_resource_exhausted() {
     let g = TestGateway::start(Config::default()).await;
     let hc = client(&g.endpoint);
-    let mut d = Drive::open(&hc, begin("huge", "read everything")).await.unwrap();
-    d.context().await.unwrap();
+    let mut d = Drive::admitted(&hc, begin("huge", "read everything")).await;
     let big = "y".repeat(1_000_000);
     let mut stored = 0;
     let refused = loop {

@@ -12,6 +12,8 @@ use ctxgate_tests::TestGateway;
 use tokio_stream::StreamExt;
 use tonic::Code;
 
+use crate::limited_gateway;
+
 fn request(text: String) -> api::RunTurnRequest {
     api::RunTurnRequest {
         session: Some(api::SessionRef { agent_id: String::new(), session_key: "limits".into() }),
@@ -22,9 +24,7 @@ fn request(text: String) -> api::RunTurnRequest {
 
 #[tokio::test]
 async fn a_request_over_max_request_bytes_is_resource_exhausted_and_one_under_it_runs() {
-    let mut config = Config::default();
-    config.gateway.limits.max_request_bytes = 64 * 1024;
-    let g = TestGateway::start(config).await;
+    let g = limited_gateway(|l| l.max_request_bytes = 64 * 1024).await;
     let over = g.client.clone().run_turn(request("x".repeat(70 * 1024))).await.unwrap_err();
     assert_eq!(over.code(), Code::ResourceExhausted, "{over:?}");
 
@@ -147,8 +147,7 @@ async fn turns_over_max_concurrent_turns_are_shed_at_once_with_a_pushback() {
     config.gateway.metrics_listen = "127.0.0.1:0".into();
     let g = TestGateway::start(config).await;
     let hc = client(&g.endpoint);
-    let mut held = Drive::open(&hc, begin("holder", "hold the only slot")).await.unwrap();
-    held.context().await.unwrap();
+    let mut held = Drive::admitted(&hc, begin("holder", "hold the only slot")).await;
 
     let shed = turn_status(&g, request("another session".into())).await.unwrap_err();
     assert_eq!(shed.code(), Code::ResourceExhausted, "{shed:?}");
@@ -199,16 +198,12 @@ async fn streams_over_the_per_connection_limit_wait_at_the_client_and_other_conn
     use ctxgate_proto::pb::Role;
     use ctxgate_tests::harness::{Drive, begin, text};
     use std::time::Duration;
-    let mut config = Config::default();
-    config.gateway.limits.max_concurrent_streams_per_connection = 2;
-    let g = TestGateway::start(config).await;
+    let g = limited_gateway(|l| l.max_concurrent_streams_per_connection = 2).await;
     // One HTTP/2 connection with two harness turns held open on it.
     let one = tonic::transport::Endpoint::from_shared(g.endpoint.clone()).unwrap().connect().await.unwrap();
     let hc = HarnessClient::new(one.clone());
-    let mut a = Drive::open(&hc, begin("a", "hold")).await.unwrap();
-    a.context().await.unwrap();
-    let mut b = Drive::open(&hc, begin("b", "hold")).await.unwrap();
-    b.context().await.unwrap();
+    let mut a = Drive::admitted(&hc, begin("a", "hold")).await;
+    let mut b = Drive::admitted(&hc, begin("b", "hold")).await;
 
     // A third stream on that connection is not opened (the server's
     // SETTINGS_MAX_CONCURRENT_STREAMS): it waits, and nothing is stored.

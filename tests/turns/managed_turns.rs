@@ -11,7 +11,7 @@ use ctxgate::config::{Config, ProviderKind};
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
-use ctxgate_tests::hosting::{attached, engine_status, fault_engine, hosting, session, wait_engine};
+use ctxgate_tests::hosting::{attached, engine_status, fault_engine, hosting, session, turn_request, wait_engine};
 use ctxgate_tests::{PATIENCE, TestGateway, metrics_text, within};
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -28,9 +28,23 @@ pub(crate) fn openai_config(fake: &FakeOpenAi) -> Config {
     c
 }
 
+/// [`openai_config`] that also selects engine `id` at `endpoint`.
+pub(crate) fn openai_hosting(fake: &FakeOpenAi, id: &str, endpoint: &str) -> Config {
+    let mut c = openai_config(fake);
+    c.plugins = hosting(id, endpoint, &[]).plugins;
+    c
+}
+
+/// A gateway on `config` whose session "s" already has `turns` turns
+/// ([`seed`]).
+pub(crate) async fn seeded(config: Config, turns: usize) -> TestGateway {
+    let g = TestGateway::start(config).await;
+    seed(&g, "s", turns).await;
+    g
+}
+
 pub(crate) async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Result<Vec<Event>, tonic::Status> {
-    let req =
-        api::RunTurnRequest { session: session(key), message: text.into(), system_prompt: None, ..Default::default() };
+    let req = turn_request(key, text);
     within(PATIENCE, format!("the turn {text:?} on {key:?} ending"), async {
         let mut stream = g.client.clone().run_turn(req).await?.into_inner();
         let mut events = Vec::new();
@@ -60,17 +74,10 @@ pub(crate) async fn branch(g: &TestGateway, key: &str) -> Vec<ctxgate_proto::pb:
 #[tokio::test]
 async fn a_client_cancel_mid_turn_stops_the_model_call_and_keeps_the_transcript_consistent() {
     let fake = FakeOpenAi::start().await;
-    let g = TestGateway::start(openai_config(&fake)).await;
-    seed(&g, "s", 1).await;
+    let g = seeded(openai_config(&fake), 1).await;
     fake.turns([Reply::Hang("thinking".into())]);
 
-    let req = api::RunTurnRequest {
-        session: session("s"),
-        message: "a slow question".into(),
-        system_prompt: None,
-        ..Default::default()
-    };
-    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    let mut stream = g.client.clone().run_turn(turn_request("s", "a slow question")).await.unwrap().into_inner();
     while let Some(e) = stream.next().await {
         if matches!(e.unwrap().event, Some(Event::ModelDelta(_))) {
             break;
@@ -99,17 +106,9 @@ async fn abort_stops_a_running_turn_without_blaming_anyone() {
     // abort must reach it as a cancel, and an abort is never its fault.
     let fake = FakeOpenAi::start().await;
     let engine = fault_engine("hang").await;
-    let mut config = openai_config(&fake);
-    config.plugins = hosting("fault", &engine.endpoint, &[]).plugins;
-    let g = TestGateway::start(config).await;
+    let g = TestGateway::start(openai_hosting(&fake, "fault", &engine.endpoint)).await;
     attached(&g, "fault").await;
-    let req = api::RunTurnRequest {
-        session: session("a"),
-        message: "long task".into(),
-        system_prompt: None,
-        ..Default::default()
-    };
-    let mut stream = g.client.clone().run_turn(req).await.unwrap().into_inner();
+    let mut stream = g.client.clone().run_turn(turn_request("a", "long task")).await.unwrap().into_inner();
     wait_engine(&g, "fault", "holding the turn's Assemble", |e| e.replicas.iter().any(|r| r.in_flight > 0)).await;
     let aborted = g.client.clone().abort(api::AbortRequest { session: session("a") }).await.unwrap().into_inner();
     assert!(aborted.aborted);
@@ -135,19 +134,15 @@ async fn abort_stops_a_running_turn_without_blaming_anyone() {
 async fn bad_input_gets_clear_errors() {
     let g = TestGateway::start(Config::default()).await;
     let mut c = g.client.clone();
-    let turn = |key: &str, msg: String| api::RunTurnRequest {
-        session: session(key),
-        message: msg,
-        system_prompt: None,
-        ..Default::default()
-    };
-
-    let e = c.run_turn(turn("s", "   ".into())).await.err().unwrap();
+    let e = c.run_turn(turn_request("s", "   ")).await.err().unwrap();
     assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "message: is empty"));
-    let e = c.run_turn(turn("", "hi".into())).await.err().unwrap();
+    let e = c.run_turn(turn_request("", "hi")).await.err().unwrap();
     assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "session.session_key: is required"));
-    let e =
-        c.run_turn(turn("s", "x".repeat(ctxgate_proto::limits::MAX_MESSAGE_CONTENT_BYTES + 1))).await.err().unwrap();
+    let e = c
+        .run_turn(turn_request("s", "x".repeat(ctxgate_proto::limits::MAX_MESSAGE_CONTENT_BYTES + 1)))
+        .await
+        .err()
+        .unwrap();
     assert_eq!(e.code(), Code::ResourceExhausted);
     assert!(e.message().starts_with("message: is"), "{}", e.message());
     let e = c.get_session(api::SessionRef { agent_id: String::new(), session_key: "nope".into() }).await.unwrap_err();
@@ -181,9 +176,8 @@ async fn a_configured_token_is_required_and_metrics_count_turns() {
         r.metadata_mut().insert("authorization", token.clone());
         Ok(r)
     });
-    let req =
-        api::RunTurnRequest { session: session("s"), message: "hi".into(), system_prompt: None, ..Default::default() };
-    let events: Vec<_> = c.run_turn(req).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
+    let events: Vec<_> =
+        c.run_turn(turn_request("s", "hi")).await.unwrap().into_inner().collect::<Result<_, _>>().await.unwrap();
     assert!(matches!(events.last().and_then(|e| e.event.as_ref()), Some(Event::Completed(_))));
 
     let metrics = metrics_text(g.metrics.unwrap()).await;

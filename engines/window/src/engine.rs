@@ -10,6 +10,7 @@ use ctxgate_engine_sdk::{
     CallContext, CompactOutcome, ContextEngine, EngineError, Progress, READ_TRANSCRIPT, estimate,
 };
 
+use crate::retrieval;
 use crate::store::{self, Store, Summary};
 use crate::summary::{self, Source};
 use crate::turns;
@@ -48,7 +49,11 @@ fn summary_message(session_id: &str, s: &Summary) -> AgentMessage {
         id: format!("window-summary:{session_id}:{}", s.covered_seq),
         role: pb::Role::User as i32,
         content: vec![pb::ContentPart { part: Some(Part::Text(s.text.clone())) }],
-        metadata: [("ctxgate.window".to_owned(), "summary".to_owned())].into(),
+        metadata: [
+            ("ctxgate.window".to_owned(), "summary".to_owned()),
+            ("ctxgate.kind".to_owned(), "summary".to_owned()),
+        ]
+        .into(),
         ..Default::default()
     }
 }
@@ -230,7 +235,7 @@ impl ContextEngine for WindowEngine {
             history_delivery: pb::HistoryDelivery::Delta as i32,
             // Each replica keeps its own sessions: a session's calls go to one.
             replica_affinity: pb::ReplicaAffinity::Session as i32,
-            tools: Vec::new(),
+            tools: retrieval::tools(),
         })
     }
 
@@ -311,7 +316,7 @@ impl ContextEngine for WindowEngine {
             estimated_tokens: estimate::messages_tokens(&messages),
             messages,
             prompt_authority: pb::PromptAuthority::Assembled as i32,
-            system_prompt_addition: None,
+            system_prompt_addition: Some(retrieval::POLICY.into()),
             projection: None,
         })
     }
@@ -499,6 +504,10 @@ impl ContextEngine for WindowEngine {
             })
             .await?;
         Ok(pb::ForgetSessionResult {})
+    }
+
+    async fn call_tool(&self, _ctx: &CallContext, req: pb::CallToolRequest) -> Result<pb::CallToolResult, EngineError> {
+        retrieval::call(&self.store, req).await
     }
 
     async fn dispose(&self, _ctx: &CallContext) -> Result<pb::DisposeResult, EngineError> {

@@ -2,6 +2,7 @@
 //! summary of everything older, with its state in its own SQLite file.
 
 mod engine;
+mod retrieval;
 mod store;
 mod summary;
 mod turns;

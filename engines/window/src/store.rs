@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+use ctxgate_engine_sdk::extractive::message_text;
 use ctxgate_engine_sdk::pb::AgentMessage;
 use ctxgate_engine_sdk::{EngineError, estimate};
 use prost::Message as _;
@@ -41,7 +42,16 @@ CREATE TABLE IF NOT EXISTS spawns (
     child_session TEXT NOT NULL,
     expires_at_ms INTEGER
 );
+-- Every message's text, for history_search: summarised or not, a message
+-- stays findable until its session is forgotten.
+CREATE VIRTUAL TABLE IF NOT EXISTS message_text USING fts5(
+    text, session_id UNINDEXED, seq UNINDEXED, role UNINDEXED, tokenize = 'unicode61'
+);
 ";
+
+/// `PRAGMA user_version` once the full-text index holds every message
+/// (databases from before it are indexed once, at open).
+const INDEXED_VERSION: i64 = 1;
 
 /// A session's rolling summary: everything up to `covered_seq` is in it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -71,7 +81,7 @@ impl Store {
     /// Opens (or creates) `<dir>/window.sqlite`.
     pub fn open(dir: &Path) -> Result<Self, EngineError> {
         std::fs::create_dir_all(dir).map_err(internal)?;
-        let conn = Connection::open(dir.join("window.sqlite")).map_err(internal)?;
+        let mut conn = Connection::open(dir.join("window.sqlite")).map_err(internal)?;
         conn.pragma_update(None, "journal_mode", "WAL").map_err(internal)?;
         // FULL: a COMMITTED answer survives a power cut. The gateway drops
         // its queued copy on that answer, so NORMAL (durable only against
@@ -82,6 +92,7 @@ impl Store {
         conn.pragma_update(None, "temp_store", "MEMORY").map_err(internal)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(internal)?;
         conn.execute_batch(SCHEMA).map_err(internal)?;
+        index_all(&mut conn).map_err(internal)?;
         Ok(Self { conn: Arc::new(Mutex::new(conn)) })
     }
 
@@ -120,6 +131,37 @@ pub fn session_known(c: &Connection, session_id: &str) -> rusqlite::Result<bool>
         .map(|r| r.is_some())
 }
 
+/// Indexes every stored message once, for a database from before the
+/// full-text index.
+fn index_all(c: &mut Connection) -> rusqlite::Result<()> {
+    let version: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0))?;
+    if version >= INDEXED_VERSION {
+        return Ok(());
+    }
+    let tx = c.transaction()?;
+    tx.execute("DELETE FROM message_text", [])?;
+    {
+        let mut rows = tx.prepare("SELECT session_id, seq, body FROM messages")?;
+        let mut add = tx.prepare("INSERT INTO message_text (text, session_id, seq, role) VALUES (?1, ?2, ?3, ?4)")?;
+        let mut all = rows.query([])?;
+        while let Some(r) = all.next()? {
+            let (session_id, seq, body): (String, i64, Vec<u8>) = (r.get(0)?, r.get(1)?, r.get(2)?);
+            if let Ok(m) = AgentMessage::decode(body.as_slice()) {
+                add.execute(params![message_text(&m), session_id, seq, m.role])?;
+            }
+        }
+    }
+    tx.pragma_update(None, "user_version", INDEXED_VERSION)?;
+    tx.commit()
+}
+
+/// Adds a stored message to the full-text index.
+fn index(c: &Connection, session_id: &str, seq: i64, m: &AgentMessage) -> rusqlite::Result<()> {
+    c.prepare_cached("INSERT INTO message_text (text, session_id, seq, role) VALUES (?1, ?2, ?3, ?4)")?
+        .execute(params![message_text(m), session_id, seq, m.role])?;
+    Ok(())
+}
+
 /// Appends the messages whose id the session does not hold yet; returns how
 /// many were new. Call inside a transaction for atomicity.
 pub fn insert_messages(c: &Connection, session_id: &str, messages: &[AgentMessage]) -> rusqlite::Result<u64> {
@@ -136,6 +178,7 @@ pub fn insert_messages(c: &Connection, session_id: &str, messages: &[AgentMessag
         if changed > 0 {
             next += 1;
             added += 1;
+            index(c, session_id, next, m)?;
         }
     }
     Ok(added)
@@ -147,7 +190,57 @@ pub fn replace_message(c: &Connection, session_id: &str, m: &AgentMessage) -> ru
         "UPDATE messages SET body = ?3, tokens = ?4 WHERE session_id = ?1 AND id = ?2",
         params![session_id, m.id, m.encode_to_vec(), estimate::message_tokens(m) as i64],
     )?;
+    let seq: Option<i64> = c
+        .query_row("SELECT seq FROM messages WHERE session_id = ?1 AND id = ?2", params![session_id, m.id], |r| {
+            r.get(0)
+        })
+        .optional()?;
+    if let Some(seq) = seq {
+        c.execute("DELETE FROM message_text WHERE session_id = ?1 AND seq = ?2", params![session_id, seq])?;
+        index(c, session_id, seq, m)?;
+    }
     Ok(())
+}
+
+/// A full-text hit: the message's position, role, and a snippet of its text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hit {
+    pub seq: i64,
+    pub role: i32,
+    pub snippet: String,
+}
+
+/// The session's messages matching an FTS5 `query`, best first.
+pub fn search(c: &Connection, session_id: &str, query: &str, limit: usize) -> rusqlite::Result<Vec<Hit>> {
+    let mut stmt = c.prepare_cached(
+        "SELECT seq, role, snippet(message_text, 0, '[', ']', '…', 24) FROM message_text
+         WHERE message_text MATCH ?1 AND session_id = ?2 ORDER BY rank LIMIT ?3",
+    )?;
+    let rows = stmt.query_map(params![query, session_id, limit as i64], |r| {
+        Ok(Hit { seq: r.get(0)?, role: r.get(1)?, snippet: r.get(2)? })
+    })?;
+    rows.collect()
+}
+
+/// The session's messages with `from <= seq <= to`, oldest first, at most `limit`.
+pub fn messages_between(
+    c: &Connection,
+    session_id: &str,
+    from: i64,
+    to: i64,
+    limit: usize,
+) -> rusqlite::Result<Vec<Stored>> {
+    let mut stmt = c.prepare_cached(
+        "SELECT seq, body FROM messages WHERE session_id = ?1 AND seq >= ?2 AND seq <= ?3 ORDER BY seq LIMIT ?4",
+    )?;
+    let rows = stmt.query_map(params![session_id, from, to, limit as i64], |r| {
+        let seq: i64 = r.get(0)?;
+        let body: Vec<u8> = r.get(1)?;
+        let message = AgentMessage::decode(body.as_slice())
+            .map_err(|e| rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e)))?;
+        Ok(Stored { seq, message })
+    })?;
+    rows.collect()
 }
 
 /// Messages after `after_seq`, oldest first.
@@ -210,7 +303,7 @@ pub fn record_commit(c: &Connection, session_id: &str, key: &str) -> rusqlite::R
 
 /// Forgets everything about a session.
 pub fn delete_session(c: &Connection, session_id: &str) -> rusqlite::Result<()> {
-    for table in ["messages", "summaries", "commits", "sessions"] {
+    for table in ["messages", "message_text", "summaries", "commits", "sessions"] {
         c.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [session_id])?;
     }
     Ok(())

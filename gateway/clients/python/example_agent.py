@@ -18,7 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from ctxgate_harness import Gateway, Host, Model, TurnFailed, assistant, to_openai, tool_result
+from ctxgate_harness import Gateway, Host, Model, TurnFailed, assistant, openai_tools, to_openai, tool_result
 
 SYSTEM = "You are a careful assistant. Use the tools when they help; answer briefly."
 
@@ -115,10 +115,10 @@ class Overflow(Exception):
     pass
 
 
-def chat(model_url, model, messages, max_tokens, api_key):
+def chat(model_url, model, messages, max_tokens, api_key, tools=TOOLS):
     """One non-streaming chat completion: the assistant message dict."""
     body = json.dumps(
-        {"model": model, "messages": messages, "tools": TOOLS, "max_tokens": max_tokens, "stream": False}
+        {"model": model, "messages": messages, "tools": tools, "max_tokens": max_tokens, "stream": False}
     ).encode()
     req = urllib.request.Request(
         model_url.rstrip("/") + "/chat/completions", data=body, headers={"content-type": "application/json"}
@@ -147,8 +147,10 @@ def one_turn(gw, args, n, prompt):
             system = SYSTEM + ("\n\n" + ctx.system_prompt_addition if ctx.system_prompt_addition else "")
             try:
                 report["model_calls"] += 1
+                # The engine's tools (e.g. history_search) beside the agent's own.
+                tools = TOOLS + openai_tools(ctx.engine_tools)
                 message, usage = chat(args.model_url, args.model, to_openai(ctx.messages, system),
-                                      args.max_output_tokens or 1024, args.api_key)
+                                      args.max_output_tokens or 1024, args.api_key, tools)
             except Overflow:
                 try:
                     ctx = turn.overflow()
@@ -170,7 +172,13 @@ def one_turn(gw, args, n, prompt):
                 report["reply"] = message.get("content") or ""
                 break
             report["tool_calls"] += len(calls)
-            turn.append([tool_result(i, name, *run_tool(args.workdir, name, a)) for (i, name, a) in calls])
+            engine_tools = turn.engine_tool_names()
+            for (i, name, a) in calls:
+                if name in engine_tools:
+                    turn.call_tool(i)  # the gateway runs it and stores the result
+                    report["engine_tool_calls"] = report.get("engine_tool_calls", 0) + 1
+                else:
+                    turn.append([tool_result(i, name, *run_tool(args.workdir, name, a))])
             ctx = turn.assemble()  # before the next model call
         else:
             report["reply"] = "(stopped: too many steps)"

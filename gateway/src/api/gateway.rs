@@ -313,6 +313,27 @@ impl Gateway for Api {
         let readmitted = self.core.registry().readmit(&id).ok_or(CoreError::NoEngine(id))?;
         Ok(Response::new(api::ReadmitEngineResult { readmitted }))
     }
+
+    async fn preview_context(&self, req: Request<api::SessionRef>) -> Result<Response<api::ContextPreview>, Status> {
+        let r = req.get_ref();
+        let p = self.core.preview_context(&r.agent_id, &r.session_key).await?;
+        Ok(Response::new(api::ContextPreview {
+            engine_id: p.engine_id,
+            messages: p
+                .messages
+                .into_iter()
+                .map(|m| api::PreviewMessage {
+                    kind: if m.summary { "summary" } else { "raw" }.into(),
+                    tokens: m.tokens,
+                    message: Some(m.message),
+                })
+                .collect(),
+            system_prompt_addition: p.system_prompt_addition,
+            estimated_tokens: p.estimated_tokens,
+            token_budget: p.token_budget,
+            engine_tools: p.engine_tools,
+        }))
+    }
 }
 
 /// Engines for Status: legacy first, then every remote one with its replicas.
@@ -327,6 +348,7 @@ fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
         methods: vec![],
         replicas: vec![],
         affinity: String::new(),
+        tools: vec![],
     }];
     for (id, g) in registry.engines() {
         let replicas = g
@@ -348,6 +370,7 @@ fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
             quarantine: g.quarantine_record().map(quarantine),
             replicas,
             affinity: g.affinity().map(|a| a.as_str().to_owned()).unwrap_or_default(),
+            tools: g.attached_info().map(|i| i.tools).unwrap_or_default(),
             methods: g
                 .stats()
                 .into_iter()

@@ -231,6 +231,13 @@ impl Drive {
                         self.out.answer(H::CompactionDone(compaction_done(done))).await?;
                     }
                 },
+                R::CallTool(c) => match turn.call_tool(&c.tool_call_id, "call_tool.tool_call_id").await {
+                    Ok(a) => {
+                        let result = api::ToolResult { message: Some(a.message), entry_id: a.entry_id };
+                        self.out.answer(H::ToolResult(result)).await?;
+                    }
+                    Err(e) => self.step_failed(e).await?,
+                },
                 R::End(e) => {
                     outcome(&e)?;
                     return Ok(e);
@@ -281,6 +288,7 @@ fn request_name(r: &R) -> &'static str {
         R::Append(_) => "append",
         R::Overflow(_) => "overflow",
         R::Compact(_) => "compact",
+        R::CallTool(_) => "call_tool",
         R::End(_) => "end",
     }
 }
@@ -430,6 +438,7 @@ fn context(c: Context) -> api::Context {
             reinject: p.reinject,
         }),
         sequence: c.sequence,
+        engine_tools: c.engine_tools,
     }
 }
 
@@ -451,6 +460,10 @@ fn harness_event(e: TurnEvent) -> Option<H> {
             Compaction::Done(d) => H::CompactionDone(d),
         },
         TurnEvent::Warning(message) => H::Warning(api::Warning { message }),
-        TurnEvent::Assembled { .. } | TurnEvent::ModelDelta(_) => return None,
+        // The harness asked for its tool calls itself (`tool_result` answers).
+        TurnEvent::Assembled { .. }
+        | TurnEvent::ModelDelta(_)
+        | TurnEvent::ToolCalled { .. }
+        | TurnEvent::ToolAnswered(_) => return None,
     })
 }

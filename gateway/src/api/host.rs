@@ -146,6 +146,7 @@ impl Host for HostService {
             system: r.system_prompt.clone(),
             messages,
             max_tokens: r.max_tokens.map_or(u64::MAX, u64::from),
+            tools: Vec::new(),
         };
         // The engine dropping its call drops this future, and the guard
         // cancels the model request with it.

@@ -147,6 +147,16 @@ pub(crate) fn turn_events(e: TurnEvent, mut emit: impl FnMut(api::turn_event::Ev
             Compaction::Done(d) => E::CompactionDone(d),
         },
         TurnEvent::Warning(message) => E::Warning(api::Warning { message }),
+        TurnEvent::ToolCalled { id, name, arguments } => {
+            E::ToolCalled(api::ToolCalled { tool_call_id: id, name, arguments_json: arguments })
+        }
+        TurnEvent::ToolAnswered(a) => E::ToolAnswered(api::ToolAnswered {
+            tool_call_id: a.tool_call_id,
+            name: a.name,
+            is_error: a.is_error,
+            text: a.text,
+            entry_id: a.entry_id,
+        }),
     };
     emit(event);
 }

@@ -50,6 +50,12 @@ pub async fn run(conn: &Conn, session: &SessionArg, one: Option<String>) -> Resu
     }
 }
 
+/// `text` on one line, at most `max` characters.
+fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= max { flat } else { flat.chars().take(max).collect::<String>() + "…" }
+}
+
 async fn turn(client: &mut Client, session: &SessionArg, message: String) -> Result<(), CliError> {
     use api::turn_event::Event;
     let req =
@@ -65,6 +71,11 @@ async fn turn(client: &mut Client, session: &SessionArg, message: String) -> Res
             Some(Event::CompactionStarted(c)) => eprintln!("[compacting ({}), {} tokens]", c.trigger, c.tokens_before),
             Some(Event::CompactionDone(d)) => eprintln!("{}", done_line(&d)),
             Some(Event::Warning(w)) => eprintln!("[warning] {}", w.message),
+            Some(Event::ToolCalled(t)) => eprintln!("[tool] {} {}", t.name, one_line(&t.arguments_json, 120)),
+            Some(Event::ToolAnswered(t)) => {
+                let what = if t.is_error { "error" } else { "result" };
+                eprintln!("[tool {what}] {}: {}", t.name, one_line(&t.text, 160));
+            }
             Some(Event::Completed(_)) => {
                 let _ = writeln!(out);
                 return Ok(());

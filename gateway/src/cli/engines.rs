@@ -1,10 +1,10 @@
-//! `ctxgate engines ls|readmit`: the engines with their health and
-//! counters, and lifting a quarantine by hand.
+//! `ctxgate engines ls|tools|readmit`: the engines with their health and
+//! counters, the tools they offer, and lifting a quarantine by hand.
 
 use clap::Subcommand;
 use ctxgate_proto::gateway as api;
 
-use super::render::{engine_json, print_engine};
+use super::render::{engine_json, print_engine, tool_json};
 use super::{CliError, Conn, connect};
 
 #[derive(Subcommand, Debug)]
@@ -13,6 +13,15 @@ pub enum EnginesCommand {
     Ls {
         #[command(flatten)]
         conn: Conn,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The tools engines offer the model (all engines, or one).
+    Tools {
+        #[command(flatten)]
+        conn: Conn,
+        /// Only this engine's (its plugins.entries key).
+        engine: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -38,6 +47,32 @@ pub async fn run(cmd: EnginesCommand) -> Result<(), CliError> {
             } else {
                 println!("selected: {}", s.selected_engine);
                 s.engines.iter().for_each(print_engine);
+            }
+        }
+        EnginesCommand::Tools { conn, engine, json } => {
+            let s = connect(&conn).await?.get_status(api::StatusRequest {}).await?.into_inner();
+            let engines: Vec<&api::EngineStatus> =
+                s.engines.iter().filter(|e| engine.as_deref().is_none_or(|id| e.id == id)).collect();
+            if let Some(id) = &engine
+                && engines.is_empty()
+            {
+                return Err(CliError::NoSuchEngine(id.clone()));
+            }
+            if json {
+                let list: Vec<_> = engines
+                    .iter()
+                    .map(|e| serde_json::json!({"engine": e.id, "tools": e.tools.iter().map(tool_json).collect::<Vec<_>>()}))
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&list).unwrap_or_default());
+            } else {
+                for e in engines {
+                    if e.tools.is_empty() {
+                        println!("{}: no tools", e.id);
+                    }
+                    for t in &e.tools {
+                        println!("{}: {} — {}", e.id, t.name, t.description.lines().next().unwrap_or_default());
+                    }
+                }
             }
         }
         EnginesCommand::Readmit { conn, id } => {

@@ -155,6 +155,9 @@ pub enum CliError {
     /// The compaction's stream ended without its `Done`.
     #[error("The gateway ended the compaction without a result.")]
     CompactionUnfinished,
+    /// `ctxgate engines tools ID` for an id the gateway does not know.
+    #[error("No engine {0:?} is configured (ctxgate engines ls lists them).")]
+    NoSuchEngine(String),
     /// `ctxgate health`: the gateway answered, and is not SERVING.
     #[error("The gateway at {gateway} reports {status}.")]
     NotServing { gateway: String, status: &'static str },

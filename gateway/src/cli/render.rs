@@ -54,3 +54,8 @@ pub(super) fn print_engine(e: &api::EngineStatus) {
         );
     }
 }
+
+/// A tool declaration as proto3 JSON (the contract's own mapping).
+pub(super) fn tool_json(t: &ctxgate_proto::pb::ToolDefinition) -> serde_json::Value {
+    serde_json::to_value(t).unwrap_or_default()
+}

@@ -1,5 +1,6 @@
-//! `ctxgate sessions ls|show`: the gateway's sessions, and one session's
-//! history (every page of either).
+//! `ctxgate sessions ls|show|context`: the gateway's sessions, one
+//! session's history (every page of either), and what its engine would
+//! assemble now.
 
 use clap::Subcommand;
 use ctxgate_proto::gateway as api;
@@ -35,10 +36,50 @@ pub enum SessionsCommand {
         #[arg(long)]
         json: bool,
     },
+    /// What the session's engine would assemble now — each message raw or
+    /// summary with its tokens, the system prompt addition, the engine's
+    /// tools — changing nothing.
+    Context {
+        #[command(flatten)]
+        conn: Conn,
+        /// The session key.
+        key: String,
+        #[arg(long, default_value = "main")]
+        agent: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub async fn run(cmd: SessionsCommand) -> Result<(), CliError> {
     match cmd {
+        SessionsCommand::Context { conn, key, agent, json } => {
+            let r = api::SessionRef { agent_id: agent, session_key: key };
+            let p = connect(&conn).await?.preview_context(r).await?.into_inner();
+            if json {
+                println!("{}", serde_json::to_string_pretty(&preview_json(&p)).unwrap_or_default());
+                return Ok(());
+            }
+            println!(
+                "engine {}: {} messages, about {} of {} tokens",
+                p.engine_id,
+                p.messages.len(),
+                p.estimated_tokens,
+                p.token_budget
+            );
+            if let Some(addition) = &p.system_prompt_addition {
+                println!("system prompt addition: {}", addition.trim());
+            }
+            for m in &p.messages {
+                let Some(msg) = &m.message else { continue };
+                let role = role_name(msg.role);
+                let text: String = message_text(msg).chars().take(200).collect();
+                println!("[{:<7}] {:>6} tok  {role}: {}", m.kind, m.tokens, text.replace('\n', " "));
+            }
+            for t in &p.engine_tools {
+                println!("tool {}: {}", t.name, t.description.lines().next().unwrap_or_default());
+            }
+        }
         SessionsCommand::Ls { conn, all, json } => {
             let mut client = connect(&conn).await?;
             let mut sessions = Vec::new();
@@ -118,6 +159,21 @@ pub async fn run(cmd: SessionsCommand) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+fn preview_json(p: &api::ContextPreview) -> serde_json::Value {
+    json!({
+        "engine_id": p.engine_id,
+        "estimated_tokens": p.estimated_tokens,
+        "token_budget": p.token_budget,
+        "system_prompt_addition": p.system_prompt_addition,
+        "messages": p.messages.iter().map(|m| json!({
+            "kind": m.kind,
+            "tokens": m.tokens,
+            "message": m.message.as_ref().map(|m| serde_json::to_value(m).unwrap_or_default()),
+        })).collect::<Vec<_>>(),
+        "engine_tools": p.engine_tools.iter().map(|t| serde_json::to_value(t).unwrap_or_default()).collect::<Vec<_>>(),
+    })
 }
 
 fn session_json(s: &api::SessionInfo) -> serde_json::Value {

@@ -249,6 +249,9 @@ impl Config {
         if !(1..=3600).contains(&c.timeout_seconds) {
             return Err(invalid("agents.defaults.compaction.timeoutSeconds", "must be between 1 and 3600"));
         }
+        if !(1..=64).contains(&self.agents.defaults.max_tool_rounds) {
+            return Err(invalid("agents.defaults.maxToolRounds", "must be between 1 and 64"));
+        }
         if let Some(r) = c.reserve_tokens
             && r + 1_000 > m.context_window
         {

@@ -38,6 +38,19 @@ pub struct EngineEntry {
     /// TLS to the engine (the endpoint is then `https://HOST:PORT`, or
     /// `dns:///NAME:PORT` with this set).
     pub tls: Option<EngineTls>,
+    /// What a turn does when this engine cannot serve it (quarantined, or
+    /// a call failed): answer through legacy (OpenClaw's default), or fail
+    /// with a clear error naming the engine (openclaw#116716).
+    pub on_failure: OnFailure,
+}
+
+/// `plugins.entries.<id>.onFailure`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    #[default]
+    Legacy,
+    Fail,
 }
 
 /// Where an entry's engine runs.
@@ -218,6 +231,7 @@ impl Default for EngineEntry {
             max_message_bytes: ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES,
             max_concurrent_calls: 256,
             tls: None,
+            on_failure: OnFailure::Legacy,
         }
     }
 }

@@ -240,10 +240,20 @@ pub struct AgentsSection {
     pub defaults: AgentDefaults,
 }
 
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct AgentDefaults {
     pub compaction: CompactionConfig,
+    /// Model calls a managed turn may spend on the engine's tools before it
+    /// stops with a clear message (each round: the model calls tools, they
+    /// answer, the context is assembled again).
+    pub max_tool_rounds: u32,
+}
+
+impl Default for AgentDefaults {
+    fn default() -> Self {
+        Self { compaction: CompactionConfig::default(), max_tool_rounds: 8 }
+    }
 }
 
 /// `agents.defaults.compaction.*` (OpenClaw's names and defaults).

@@ -8,6 +8,7 @@ use std::time::Duration;
 use ctxgate_proto::pb;
 use tokio::time::Instant;
 
+use crate::config::OnFailure;
 use crate::core::types::{Capability, HostProfile, ModelSpec, Operation, Selection};
 use crate::core::{Core, CoreError};
 use crate::engines::{Engine, LEGACY_ID};
@@ -156,6 +157,12 @@ impl Core {
             }
         };
         Ok(match reason {
+            Some(reason) if g.on_failure() == OnFailure::Fail => {
+                let id = g.id();
+                return Err(CoreError::EngineFailed(format!(
+                    "Context engine \"{id}\" cannot serve this turn: {reason}. plugins.entries.{id}.onFailure is \"fail\", so the turn fails instead of running on \"{LEGACY_ID}\"."
+                )));
+            }
             Some(reason) => {
                 let id = g.id();
                 let warning = format!(

@@ -107,7 +107,8 @@ impl Core {
         system: Option<String>,
         events: EventSink,
     ) -> Result<TurnEnd, CoreError> {
-        let (mut timeout_compactions, mut truncated) = (0, false);
+        let (mut timeout_compactions, mut truncated, mut tool_rounds) = (0, false, 0);
+        let max_tool_rounds = self.config.agents.defaults.max_tool_rounds;
         for attempt in 1.. {
             let ctx = match turn.assemble(&[], "messages").await {
                 Ok(c) => c,
@@ -137,13 +138,31 @@ impl Core {
                 Err(ModelError::ContextOverflow(format!("the prompt is {checked} tokens, the budget {}", ctx.budget)))
             } else {
                 let asked = std::time::Instant::now();
-                let r = self.call_model(system.as_deref(), messages, &events, turn.cancel()).await;
+                let tools = ctx.engine_tools;
+                let r = self.call_model(system.as_deref(), messages, tools, &events, turn.cancel()).await;
                 // The model's time is not the gateway's: admission control
                 // samples only the rest.
                 turn.outside_gateway(asked.elapsed());
                 r
             };
             match result {
+                // The model called the engine's tools: their results join the
+                // turn and the model is asked again, with the context assembled anew.
+                Ok(reply) if !reply.tool_calls.is_empty() => {
+                    tool_rounds += 1;
+                    if tool_rounds > max_tool_rounds {
+                        let f = Failure::new(
+                            FailureReason::ToolRounds,
+                            format!(
+                                "The model kept calling tools ({max_tool_rounds} rounds, agents.defaults.maxToolRounds) without answering; the turn was stopped. Ask again, more specifically."
+                            ),
+                        );
+                        return fail(turn, f).await;
+                    }
+                    if let Err(f) = self.run_tools(&mut turn, reply, &events).await {
+                        return fail(turn, f).await;
+                    }
+                }
                 Ok(reply) => {
                     let mut m = text_message(Role::Assistant, reply.text.clone());
                     m.usage = Some(reply.usage);
@@ -202,6 +221,48 @@ impl Core {
         unreachable!("the attempt loop returns")
     }
 
+    /// Appends the model's tool calls (with its text) and each call's
+    /// result: the engine's tool, or an error result for a tool that is not
+    /// the engine's. A malformed call (an empty or repeated id) fails the
+    /// turn: the model broke the tool protocol.
+    async fn run_tools(&self, turn: &mut Turn, reply: ChatResponse, events: &EventSink) -> Result<(), Failure> {
+        let mut content = Vec::new();
+        if !reply.text.is_empty() {
+            content.push(pb::ContentPart { part: Some(Part::Text(reply.text)) });
+        }
+        content.extend(reply.tool_calls.iter().map(|c| pb::ContentPart { part: Some(Part::ToolCall(c.clone())) }));
+        let mut m =
+            AgentMessage { role: Role::Assistant as i32, content, usage: Some(reply.usage), ..Default::default() };
+        m.metadata.insert("model".into(), self.provider.model().into());
+        let refused = |e: CoreError| {
+            Failure::new(FailureReason::ModelError, format!("The model's tool call could not be recorded: {e}."))
+        };
+        match turn.append(vec![m], "model.tool_calls").await {
+            Ok(_) => {}
+            Err(StepError::Refused(e)) => return Err(refused(e)),
+            Err(StepError::Failed(f)) => return Err(f),
+        }
+        for call in reply.tool_calls {
+            events(TurnEvent::ToolCalled {
+                id: call.id.clone(),
+                name: call.name.clone(),
+                arguments: call.arguments_json.clone(),
+            });
+            let answer = if turn.is_engine_tool(&call.name) {
+                turn.call_tool(&call.id, "model.tool_call").await
+            } else {
+                let text = format!("There is no tool named {:?} here.", call.name);
+                turn.answer(&call.id, &call.name, text, true, "model.tool_call").await
+            };
+            match answer {
+                Ok(a) => events(TurnEvent::ToolAnswered(Box::new(a))),
+                Err(StepError::Refused(e)) => return Err(refused(e)),
+                Err(StepError::Failed(f)) => return Err(f),
+            }
+        }
+        Ok(())
+    }
+
     /// One model request, its streamed text forwarded as `ModelDelta`s,
     /// coalesced: a delta goes out once it holds [`MIN_DELTA_BYTES`] or its
     /// first byte is [`MAX_DELTA_DELAY`] old. Models stream a few bytes at a
@@ -211,6 +272,7 @@ impl Core {
         &self,
         system: Option<&str>,
         messages: Vec<AgentMessage>,
+        tools: Vec<pb::ToolDefinition>,
         events: &EventSink,
         cancel: &CancellationToken,
     ) -> Result<ChatResponse, ModelError> {
@@ -249,6 +311,7 @@ impl Core {
             system: system.map(str::to_owned),
             messages,
             max_tokens: self.config.models.max_output_tokens,
+            tools,
         };
         let r = self.provider.complete(req, Some(dtx), cancel).await;
         let _ = forward.await;

@@ -84,6 +84,8 @@ pub enum FailureReason {
     EngineBacklog,
     /// A harness ended its turn failed (its model or tools failed).
     HarnessFailed,
+    /// The model kept calling tools past `agents.defaults.maxToolRounds`.
+    ToolRounds,
 }
 
 impl FailureReason {
@@ -96,6 +98,7 @@ impl FailureReason {
             Self::EngineError => "engine_error",
             Self::EngineBacklog => "engine_backlog",
             Self::HarnessFailed => "harness_failed",
+            Self::ToolRounds => "tool_rounds",
         }
     }
 }
@@ -339,6 +342,9 @@ pub struct Context {
     pub projection: Option<Projection>,
     /// 1 for the turn's first context, then 2, 3, ...
     pub sequence: u32,
+    /// The context engine's tools offered in this turn (none while it is
+    /// quarantined, and by audience: main or subagent session).
+    pub engine_tools: Vec<pb::ToolDefinition>,
 }
 
 /// What a turn reports while it runs.
@@ -364,6 +370,27 @@ pub enum TurnEvent {
     ModelDelta(String),
     Compaction(CompactionEvent),
     Warning(String),
+    /// A managed turn's model called one of the engine's tools.
+    ToolCalled {
+        id: String,
+        name: String,
+        arguments: String,
+    },
+    /// ... and what it answered (stored as the call's result).
+    ToolAnswered(Box<ToolAnswer>),
+}
+
+/// An engine tool's answer to a tool call, now in the transcript.
+#[derive(Debug, Clone)]
+pub struct ToolAnswer {
+    pub tool_call_id: String,
+    pub name: String,
+    pub is_error: bool,
+    /// What the model reads (at most `MAX_TOOL_RESULT_BYTES`).
+    pub text: String,
+    /// The tool message, as stored.
+    pub message: pb::AgentMessage,
+    pub entry_id: String,
 }
 
 /// Where a turn's events go. Called in order from the turn's own task; an

@@ -28,6 +28,8 @@ use crate::metrics::Metrics;
 
 const FIRST_PENALTY: Duration = Duration::from_secs(1);
 const MAX_PENALTY: Duration = Duration::from_secs(60);
+/// The longest reason a record keeps (it is shown and logged).
+const MAX_REASON_CHARS: usize = 1_000;
 
 /// What took an engine out of service.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,13 +138,16 @@ pub struct Guarded {
     /// Left its replica set: a call still in flight to it must not bring
     /// its metric series back.
     retired: std::sync::atomic::AtomicBool,
+    /// Legacy answers a call this engine cannot (`onFailure: legacy`);
+    /// otherwise the failure surfaces to the turn (`onFailure: fail`).
+    fallback: bool,
 }
 
 type R<T> = Result<T, EngineCallError>;
 
 impl Guarded {
     /// A new engine starts quarantined until its first attach succeeds.
-    pub fn new(remote: Remote, legacy: Arc<Legacy>, metrics: Metrics, max_calls: usize) -> Self {
+    pub fn new(remote: Remote, legacy: Arc<Legacy>, metrics: Metrics, max_calls: usize, fallback: bool) -> Self {
         let pending = QuarantineRecord {
             cause: QuarantineCause::Attach,
             reason: "not attached yet".into(),
@@ -168,6 +173,7 @@ impl Guarded {
             state: Mutex::new(state),
             changed: tokio::sync::Notify::new(),
             retired: std::sync::atomic::AtomicBool::new(false),
+            fallback,
         }
     }
 
@@ -239,6 +245,16 @@ impl Guarded {
         self.changed.notify_waiters();
     }
 
+    /// An attach (GetInfo and its validation) failed: while the engine waits
+    /// for an attach, its record says why (a contract violation names its
+    /// field path), not only that it is "not attached yet".
+    pub fn attach_failed(&self, reason: &str) {
+        let mut s = self.lock();
+        if let Some(q) = s.quarantine.as_mut().filter(|q| q.cause == QuarantineCause::Attach) {
+            q.reason = reason.chars().take(MAX_REASON_CHARS).collect();
+        }
+    }
+
     /// Records what the health monitor saw.
     pub fn set_health(&self, h: Health) {
         self.lock().health = h;
@@ -296,6 +312,9 @@ impl Guarded {
         Lf: Future<Output = R<T>>,
     {
         if self.is_quarantined() {
+            if !self.fallback {
+                return Err(EngineCallError::Quarantined);
+            }
             self.count(method, |s| s.fallbacks += 1);
             self.metrics.engine_fallback(&self.remote.id, method.name());
             return legacy.await;
@@ -345,7 +364,7 @@ impl Guarded {
                 });
                 self.metrics.engine_shed(&self.remote.id, method.name());
                 self.metrics.engine_fallback(&self.remote.id, method.name());
-                if method.queued() {
+                if method.queued() || !self.fallback {
                     return Err(e);
                 }
                 legacy.await
@@ -365,7 +384,7 @@ impl Guarded {
                     }
                 });
                 self.quarantine(QuarantineCause::Call(method), &e.to_string());
-                if surfaces {
+                if surfaces || !self.fallback {
                     return Err(e);
                 }
                 self.count(method, |s| s.fallbacks += 1);
@@ -515,6 +534,43 @@ impl Engine for Guarded {
             self.legacy.on_subagent_ended(req, call),
         )
         .await
+    }
+
+    async fn call_tool(&self, req: pb::CallToolRequest, call: &Call) -> R<pb::CallToolResult> {
+        if self.is_quarantined() {
+            return Err(EngineCallError::Quarantined);
+        }
+        // A tool's trouble is the model's to read, not the engine's
+        // quarantine: transport failures still reach the health monitor.
+        let started = Instant::now();
+        self.count(Method::CallTool, |s| s.calls += 1);
+        let bytes_out = req.encoded_len();
+        let r = match self.slots.try_acquire() {
+            Ok(_permit) => self.remote.call_tool(req, call).await,
+            Err(_) => Err(EngineCallError::Overloaded {
+                method: Method::CallTool,
+                detail: format!("{} calls in flight (maxConcurrentCalls)", self.max_calls),
+            }),
+        };
+        let code = r.as_ref().err().filter(|e| !matches!(e, EngineCallError::Cancelled)).map(|e| e.code());
+        if code.is_some() {
+            self.count(Method::CallTool, |s| {
+                s.failures += 1;
+                if matches!(r, Err(EngineCallError::DeadlineExceeded { .. })) {
+                    s.timeouts += 1;
+                }
+            });
+        }
+        let bytes_in = r.as_ref().map_or(0, Size::size);
+        self.metrics.engine_call(
+            &self.remote.id,
+            Method::CallTool.name(),
+            started.elapsed(),
+            bytes_out,
+            bytes_in,
+            code,
+        );
+        r
     }
 
     async fn forget_session(&self, req: pb::ForgetSessionRequest, call: &Call) -> R<pb::ForgetSessionResult> {

@@ -112,7 +112,10 @@ async fn readmit_if_due(engine: &Guarded, stop: &CancellationToken) {
         Ok(_) => {
             engine.readmit("health reports SERVING");
         }
-        Err(e) => tracing::warn!(engine = %engine.id(), error = %e, "re-attach failed; the engine stays quarantined"),
+        Err(e) => {
+            tracing::warn!(engine = %engine.id(), error = %e, "re-attach failed; the engine stays quarantined");
+            engine.attach_failed(&e.to_string());
+        }
     }
 }
 

@@ -168,4 +168,9 @@ impl Engine for Legacy {
     ) -> Result<pb::ForgetSessionResult, EngineCallError> {
         Ok(pb::ForgetSessionResult {})
     }
+
+    /// Legacy offers no tools.
+    async fn call_tool(&self, _req: pb::CallToolRequest, _call: &Call) -> Result<pb::CallToolResult, EngineCallError> {
+        Err(EngineCallError::Unimplemented(Method::CallTool))
+    }
 }

@@ -143,6 +143,10 @@ pub trait Engine: Send + Sync + 'static {
     /// The session was deleted. Queued like a commit: never answered by a
     /// fallback, retried until the engine takes it.
     async fn forget_session(&self, req: pb::ForgetSessionRequest, call: &Call) -> R<pb::ForgetSessionResult>;
+    /// One of the engine's tools. Never answered by a fallback and never a
+    /// quarantine: whatever goes wrong becomes an error result the model
+    /// reads (the caller words it).
+    async fn call_tool(&self, req: pb::CallToolRequest, call: &Call) -> R<pb::CallToolResult>;
 }
 
 /// Whether turns on this engine go through the durable outbox: it declares

@@ -20,6 +20,9 @@ use tonic::{Code, Request, Status};
 use super::{Call, CompactReply, EngineCallError, LEGACY_ID, ProgressFn};
 use crate::config::{DEFAULT_ENGINE_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_KEY, EngineEntry};
 
+/// `timeouts.callTool` when the entry sets none.
+pub const DEFAULT_CALL_TOOL_TIMEOUT: Duration = Duration::from_secs(120);
+
 /// One remote engine's connection and settings.
 pub struct Remote {
     pub id: String,
@@ -124,6 +127,9 @@ impl Remote {
         let mut timeouts: BTreeMap<Method, Duration> =
             Method::ALL.into_iter().filter_map(|m| Some((m, seconds(m.config_key())?))).collect();
         timeouts.entry(Method::Compact).or_insert(compact_timeout);
+        // Delegated expansion (a tool calling the host's model) takes tens
+        // of seconds: lossless-claw's runs 30–150 s.
+        timeouts.entry(Method::CallTool).or_insert(DEFAULT_CALL_TOOL_TIMEOUT);
         let default_timeout =
             seconds(DEFAULT_TIMEOUT_KEY).unwrap_or(Duration::from_secs_f64(DEFAULT_ENGINE_TIMEOUT_SECONDS));
         Ok(Self {
@@ -358,6 +364,15 @@ impl Remote {
         pb::OnSubagentEndedResult,
         [],
         ok
+    );
+    unary!(
+        call_tool,
+        call_tool,
+        Method::CallTool,
+        pb::CallToolRequest,
+        pb::CallToolResult,
+        [session_key, runtime_context, host],
+        validate::result::call_tool
     );
     unary!(
         forget_session,

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use super::guarded::{Guarded, Health, MethodStats, QuarantineRecord};
 use super::remote::Remote;
 use super::{Call, CompactReply, Engine, EngineCallError, Legacy, ProgressFn};
-use crate::config::{EngineEntry, MAX_REPLICAS, Target};
+use crate::config::{EngineEntry, MAX_REPLICAS, OnFailure, Target};
 use crate::metrics::Metrics;
 
 /// How often a name is resolved again while every replica is in service.
@@ -111,7 +111,8 @@ impl Maker {
         let at = addr.map_or_else(|| target.by_name(), Endpoint::Tcp);
         let remote = Remote::new(&self.id, &self.entry, self.compact_timeout, &at, self.metrics.spans.clone())?;
         let max = self.entry.max_concurrent_calls;
-        let guarded = Arc::new(Guarded::new(remote, self.legacy.clone(), self.metrics.clone(), max));
+        let fallback = self.entry.on_failure == OnFailure::Legacy;
+        let guarded = Arc::new(Guarded::new(remote, self.legacy.clone(), self.metrics.clone(), max, fallback));
         let stop = self.stop.child_token();
         tokio::spawn(super::health::monitor(guarded.clone(), stop.clone()));
         Ok(Arc::new(Replica { addr, guarded, stop }))
@@ -199,6 +200,11 @@ impl Replicas {
         let set = self.replicas();
         let in_service = set.iter().filter(|r| r.in_service());
         in_service.chain(set.iter()).find_map(|r| r.guarded.attached_info())
+    }
+
+    /// What a turn does when this engine cannot serve it.
+    pub fn on_failure(&self) -> OnFailure {
+        self.maker.entry.on_failure
     }
 
     pub fn affinity(&self) -> Option<Affinity> {
@@ -404,6 +410,7 @@ keyed! {
     pb::AfterTurnRequest => |r| r.session_id.as_str(),
     pb::CommitTurnRequest => |r| r.session_id.as_str(),
     pb::MaintainRequest => |r| r.session_id.as_str(),
+    pb::CallToolRequest => |r| r.session_id.as_str(),
     // A spawn forks the parent's state: the parent's replica holds it.
     pb::PrepareSubagentSpawnRequest => |r| r.parent_session_id.as_deref().unwrap_or(&r.parent_session_key),
 }
@@ -478,6 +485,7 @@ routed! {
     commit_turn(pb::CommitTurnRequest) -> pb::CommitTurnResult;
     maintain(pb::MaintainRequest) -> pb::MaintainResult;
     prepare_subagent_spawn(pb::PrepareSubagentSpawnRequest) -> pb::PrepareSubagentSpawnResult;
+    call_tool(pb::CallToolRequest) -> pb::CallToolResult;
 }
 
 #[cfg(test)]

@@ -270,6 +270,9 @@ pub trait Subagents: Send + Sync + 'static {
     async fn add_subagent(&self, s: Subagent) -> Result<(), StoreError>;
     /// Removes and returns a subagent record.
     async fn take_subagent(&self, agent: &str, child_key: &str) -> Result<Option<Subagent>, StoreError>;
+    /// Whether `child_key` is a live subagent session of `agent` (its
+    /// engine tools are the subagent audience's).
+    async fn is_subagent(&self, agent: &str, child_key: &str) -> Result<bool, StoreError>;
     /// Subagents whose ttl ended before `now_ms`.
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError>;
 }

@@ -148,7 +148,9 @@ async fn probe(kit: &Kit, method: Method, session_id: &str) -> Result<bool, Stri
             .await
             .err(),
         // An implementing engine answers an unknown tool with an error result.
-        Method::CallTool => c.call_tool(req(super::tools::call(session_id, "ctxgate_conformance_probe", "{}"))).await.err(),
+        Method::CallTool => {
+            c.call_tool(req(super::tools::call(session_id, "ctxgate_conformance_probe", "{}"))).await.err()
+        }
         Method::GetInfo | Method::Ingest | Method::Assemble | Method::Compact | Method::Dispose => {
             return Err(format!("no probe for {method}"));
         }

@@ -64,7 +64,8 @@ pub(super) async fn each_declared_tool_answers(kit: &Kit) -> CaseResult {
         validate::result::call_tool(&r).map_err(|v| format!("tool {:?}: {v}", t.name))?;
         // Arguments that are not JSON: an error result, never a failure.
         let r = kit.client().call_tool(req(call(&session_id, &t.name, "not json"))).await;
-        let r = r.map_err(|s| format!("tool {:?} given arguments that are not JSON answered {}", t.name, describe(&s)))?;
+        let r =
+            r.map_err(|s| format!("tool {:?} given arguments that are not JSON answered {}", t.name, describe(&s)))?;
         ensure(r.into_inner().is_error, || format!("tool {:?} accepted arguments that are not JSON", t.name))?;
     }
     Ok(Outcome::Pass)

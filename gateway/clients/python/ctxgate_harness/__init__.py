@@ -22,6 +22,7 @@ turn: nothing it appended stays on the session's branch, and the engine
 never learns of it. docs/harness.md has the protocol.
 """
 
+import json
 import os
 import queue
 import sys
@@ -123,6 +124,22 @@ def tool_calls_of(m):
 
 
 _ROLES = {types.ROLE_SYSTEM: "system", types.ROLE_USER: "user", types.ROLE_ASSISTANT: "assistant"}
+
+
+def openai_tools(tools):
+    """Tool definitions (the engine's ``Context.engine_tools``) as OpenAI's
+    ``tools`` list."""
+    out = []
+    for t in tools:
+        try:
+            parameters = json.loads(t.parameters_json_schema) if t.parameters_json_schema else {}
+        except ValueError:
+            parameters = {}
+        if not isinstance(parameters, dict) or not parameters:
+            parameters = {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                     "parameters": parameters}})
+    return out
 
 
 def to_openai(messages, system=None):
@@ -263,6 +280,17 @@ class Turn:
         """Stores what the model and tools produced; returns the entry ids."""
         self._send(append=hpb.Append(messages=list(messages)))
         return list(self._until("appended").entry_ids)
+
+    def engine_tool_names(self):
+        """The names of the engine's tools offered in this turn."""
+        return {t.name for t in self.context.engine_tools} if self.context is not None else set()
+
+    def call_tool(self, tool_call_id):
+        """Runs an engine tool call (its assistant message appended already):
+        the gateway runs it at the engine and stores the result as the
+        call's answer. Returns the tool message (append nothing for it)."""
+        self._send(call_tool=hpb.CallTool(tool_call_id=tool_call_id))
+        return self._until("tool_result").message
 
     def overflow(self, observed_tokens=None, pending=()):
         """The model said the prompt is too long: compacts and returns a new

@@ -3,7 +3,7 @@
 //! them. It checks what a caller adds against the turn's rules before
 //! anything is stored, and records it once stored.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use ctxgate_proto::limits;
 use ctxgate_proto::pb::{self, AgentMessage, Role, content_part::Part};
@@ -24,15 +24,22 @@ pub(super) struct Ledger {
     own: HashSet<String>,
     /// Their encoded size: a turn must fit one CommitTurn.
     bytes: usize,
-    /// Tool calls appended in this turn, and those a result answered.
-    tool_calls: HashSet<String>,
+    /// Tool calls appended in this turn (by id), and those a result answered.
+    tool_calls: HashMap<String, ToolCallMade>,
     answered: HashSet<String>,
+}
+
+/// A tool call the model made in this turn: what it called, with what.
+#[derive(Debug, Clone)]
+pub(super) struct ToolCallMade {
+    pub name: String,
+    pub arguments_json: String,
 }
 
 /// What a checked list of messages adds once it is stored.
 #[derive(Debug, Default)]
 pub(super) struct Additions {
-    calls: HashSet<String>,
+    calls: HashMap<String, ToolCallMade>,
     answers: HashSet<String>,
     bytes: usize,
 }
@@ -108,7 +115,8 @@ impl Ledger {
                                 "only assistant messages call tools",
                             ));
                         }
-                        if self.tool_calls.contains(&c.id) || !add.calls.insert(c.id.clone()) {
+                        let made = ToolCallMade { name: c.name.clone(), arguments_json: c.arguments_json.clone() };
+                        if self.tool_calls.contains_key(&c.id) || add.calls.insert(c.id.clone(), made).is_some() {
                             return Err(CoreError::invalid(
                                 format!("{part}.tool_call.id"),
                                 format!("{:?} is already a tool call of this turn", c.id),
@@ -117,7 +125,7 @@ impl Ledger {
                     }
                     Some(Part::ToolResult(r)) => {
                         let id = &r.tool_call_id;
-                        if !self.tool_calls.contains(id) && !add.calls.contains(id) {
+                        if !self.tool_calls.contains_key(id) && !add.calls.contains_key(id) {
                             return Err(CoreError::invalid(
                                 format!("{part}.tool_result.tool_call_id"),
                                 format!("{id:?} is not a tool call of this turn"),
@@ -150,7 +158,12 @@ impl Ledger {
 
     /// A tool call of this turn that no result answered yet.
     pub(super) fn unanswered(&self) -> Option<&str> {
-        self.tool_calls.iter().find(|c| !self.answered.contains(*c)).map(String::as_str)
+        self.tool_calls.keys().find(|c| !self.answered.contains(*c)).map(String::as_str)
+    }
+
+    /// Tool call `id` of this turn, and whether a result answered it.
+    pub(super) fn tool_call(&self, id: &str) -> Option<(&ToolCallMade, bool)> {
+        self.tool_calls.get(id).map(|c| (c, self.answered.contains(id)))
     }
 
     /// Where the turn's own messages start in `history`: its first message

@@ -13,6 +13,7 @@
 mod finish;
 mod history;
 mod ledger;
+mod tools;
 mod trace;
 
 use std::sync::Arc;
@@ -36,6 +37,7 @@ pub use finish::Finished;
 use history::{HistoryView, Read, Source};
 use ledger::Ledger;
 pub use ledger::check_client_message;
+pub(crate) use tools::offered as offered_tools;
 use trace::{Attributes, TurnTrace};
 
 /// Overflow compactions before the gateway gives up on compacting.
@@ -83,7 +85,12 @@ pub struct Turn {
     system_prompt_tokens: u64,
     /// The user messages' text (AssembleRequest.prompt).
     prompt: String,
+    /// The harness's own tool names (the engine's are `engine_tools`).
     available_tools: Vec<String>,
+    /// The context engine's tools offered in this turn.
+    engine_tools: Vec<pb::ToolDefinition>,
+    /// The session is a subagent's (its tools are the subagent audience's).
+    subagent: bool,
     events: EventSink,
     cancel: CancellationToken,
     call: Call,
@@ -136,6 +143,15 @@ impl Core {
             Driver::Harness => Unmet::FailClosed,
         };
         let lease = self.lease_engine(Operation::AgentRun, &spec.host, spec.model, unmet)?;
+        let subagent = self.store.is_subagent(&session.agent_id, &session.session_key).await?;
+        let engine_tools = tools::offered(&lease, subagent);
+        // A harness tool the model could not tell from the engine's is refused.
+        if let Some(clash) = spec.available_tools.iter().find(|t| engine_tools.iter().any(|e| &e.name == *t)) {
+            return Err(CoreError::Precondition(format!(
+                "the harness tool {clash:?} has the name of context engine {:?}'s tool {clash:?}: rename the harness's tool",
+                lease.info.id
+            )));
+        }
         // It holds its session and runs: from here its time is a sample.
         admission.admitted();
 
@@ -171,6 +187,8 @@ impl Core {
             system_prompt_tokens: spec.system_prompt_tokens,
             prompt,
             available_tools: spec.available_tools,
+            engine_tools,
+            subagent,
             events,
             call: Call::new(cancel.clone()).traced(Some(trace.this)),
             cancel,
@@ -283,6 +301,13 @@ impl Turn {
         StepError::Failed(Failure::aborted())
     }
 
+    /// Every tool the model may call in this turn: the harness's, then the
+    /// engine's (Assemble's `available_tools`).
+    fn tool_names(&self) -> Vec<String> {
+        let engine = self.engine_tools.iter().map(|t| t.name.clone());
+        self.available_tools.iter().cloned().chain(engine).collect()
+    }
+
     /// The message id of the turn's first user message (rewrites keep it):
     /// a resync sends the engine everything before it.
     fn fence(&self) -> String {
@@ -335,7 +360,7 @@ impl Turn {
                 session_key: Some(self.session.session_key.clone()),
                 messages,
                 token_budget: Some(budget),
-                available_tools: self.available_tools.clone(),
+                available_tools: self.tool_names(),
                 prompt: Some(self.prompt.clone()),
                 model: Some(self.lease.model.id.clone()),
                 runtime_settings: Some(self.lease.runtime_settings(budget, self.degraded)),
@@ -361,7 +386,7 @@ impl Turn {
                 Err(e) => {
                     return Err(StepError::Failed(Failure::new(
                         FailureReason::EngineError,
-                        format!("The context engine could not assemble the prompt: {e}."),
+                        format!("The context engine \"{}\" could not assemble the prompt: {e}.", self.lease.info.id),
                     )));
                 }
             };
@@ -384,6 +409,7 @@ impl Turn {
                 budget,
                 projection,
                 sequence: self.contexts,
+                engine_tools: self.engine_tools.clone(),
             });
         }
     }

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::Transaction;
+use deadpool_postgres::{Object, Transaction};
 
 use super::{PostgresStore, exec, millis, q, q_opt};
 use crate::store::{Claim, Claimed, Claims, Renewal, StoreError, Transcript, TurnClose};
@@ -29,6 +29,15 @@ impl PostgresStore {
             Some(t) if t == token => Ok(()),
             _ => Err(StoreError::Fenced(session_id.into())),
         }
+    }
+
+    /// A transaction on `c` for a write to `session_id`, its fencing check
+    /// ([`fence`](Self::fence)) already run: how every write of a session
+    /// begins.
+    pub(super) async fn fenced<'c>(&self, c: &'c mut Object, session_id: &str) -> Result<Transaction<'c>, StoreError> {
+        let tx = c.transaction().await?;
+        self.fence(&tx, session_id).await?;
+        Ok(tx)
     }
 }
 

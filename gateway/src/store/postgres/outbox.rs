@@ -99,8 +99,7 @@ impl Outbox for PostgresStore {
         advance: Option<Advance>,
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         exec(
             &tx,
             "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
@@ -134,8 +133,7 @@ impl Outbox for PostgresStore {
         next_attempt_ms: i64,
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         exec(
             &tx,
             "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4

@@ -184,6 +184,13 @@ impl Subagents for PostgresStore {
         Ok(row.as_ref().map(read_subagent))
     }
 
+    async fn is_subagent(&self, agent: &str, child_key: &str) -> Result<bool, StoreError> {
+        let c = self.client().await?;
+        let row =
+            q_opt(&c, "SELECT 1 FROM subagents WHERE agent_id = $1 AND child_key = $2", &[&agent, &child_key]).await?;
+        Ok(row.is_some())
+    }
+
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
         let c = self.client().await?;
         let sql =

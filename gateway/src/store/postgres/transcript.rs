@@ -143,8 +143,7 @@ async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft
 impl Transcript for PostgresStore {
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         let out = append_in(&tx, session_id, entries).await?;
         self.commit(tx).await?;
         Ok(out)
@@ -188,8 +187,7 @@ impl Transcript for PostgresStore {
     ) -> Result<RewriteOutcome, StoreError> {
         let branch = self.branch(session_id).await?;
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         let (leaf, seq) = head(&tx, session_id).await?;
         let plan = match plan_rewrite(&branch, replacements, leaf.as_deref(), seq) {
             Ok(plan) => plan,
@@ -224,8 +222,7 @@ impl Transcript for PostgresStore {
         seen_by: Option<&str>,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         rewind_in(&tx, session_id).await?;
         let out = append_in(&tx, session_id, entries).await?;
         let (Some(first), Some(last)) = (out.first(), out.last()) else {
@@ -251,8 +248,7 @@ impl Transcript for PostgresStore {
 
     async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         let out = match close {
             TurnClose::Rewind => {
                 rewind_in(&tx, session_id).await?;
@@ -279,8 +275,7 @@ impl Transcript for PostgresStore {
         fingerprint: &str,
     ) -> Result<bool, StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         let before = q_opt(
             &tx,
             "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2",
@@ -327,8 +322,7 @@ impl Cursors for PostgresStore {
         cursor: Option<pb::HistoryCursor>,
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
+        let tx = self.fenced(&mut c, session_id).await?;
         match cursor {
             None => {
                 exec(&tx, "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])

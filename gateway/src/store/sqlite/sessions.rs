@@ -211,6 +211,18 @@ impl Subagents for SqliteStore {
             .await
     }
 
+    async fn is_subagent(&self, agent: &str, child_key: &str) -> Result<bool, StoreError> {
+        let (agent, key) = (agent.to_owned(), child_key.to_owned());
+        self.db
+            .read(move |c| {
+                let found = c
+                    .prepare_cached("SELECT 1 FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?
+                    .exists(params![agent, key])?;
+                Ok(found)
+            })
+            .await
+    }
+
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
         self.db
             .read(move |c| {
