@@ -95,6 +95,26 @@ async function start(stateDir: string | undefined, rest: Record<string, unknown>
   return engine;
 }
 
+// `--install-only --plugin SPEC`: install (or find) the plugin and exit, so
+// an image has it at build time.
+const only = process.argv.indexOf("--install-only");
+if (only >= 0) {
+  const at = process.argv.indexOf("--plugin");
+  const spec = at >= 0 ? process.argv[at + 1] : undefined;
+  if (!spec) {
+    console.error("openclaw-host: --install-only needs --plugin SPEC");
+    process.exit(2);
+  }
+  try {
+    const loaded = await loadPlugin(spec, join(HOST_ROOT, ".plugins"));
+    process.stdout.write(`installed ${String(loaded.packageJson["name"])}@${String(loaded.packageJson["version"])} at ${loaded.root}\n`);
+    process.exit(0);
+  } catch (e) {
+    console.error(`openclaw-host: ${e instanceof Error ? e.message : String(e)}`);
+    process.exit(2);
+  }
+}
+
 await serveMain((args, rest) => start(args.stateDir, rest), {
   program: "openclaw-host",
   extra: {
