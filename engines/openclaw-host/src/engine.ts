@@ -13,6 +13,7 @@ import {
   type Progress,
   type pb,
   messagesTokens,
+  textTokens,
   toolArguments,
   toolError,
 } from "@ctxgate/engine-sdk";
@@ -182,7 +183,7 @@ export class OpenClawEngine implements ContextEngine {
     const r = await within(ctx, () =>
       this.plugin.bootstrap!({
         ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.pathOf(req.sessionId),
+        sessionFile: this.transcripts.ensure(req.sessionId),
         runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host),
       }),
     );
@@ -223,11 +224,22 @@ export class OpenClawEngine implements ContextEngine {
   async assemble(req: pb.AssembleRequest__Output, ctx: CallContext): Promise<pb.AssembleResult> {
     const session = this.session(req.sessionId, req.sessionKey);
     const messages = req.messages.flatMap(toOpenClaw);
+    // before_prompt_build → the system prompt addition. The gateway counts
+    // the addition within the budget (OpenClaw keeps its system prompt
+    // apart), so the plugin assembles within what the addition leaves.
+    const built = (await within(ctx, () => this.hooks("before_prompt_build", { prompt: req.prompt ?? "", messages }, session))) as {
+      prependSystemContext?: string;
+      appendSystemContext?: string;
+    }[];
+    const before = built.map((b) => b?.prependSystemContext).filter((t): t is string => !!t);
+    const after = built.map((b) => b?.appendSystemContext).filter((t): t is string => !!t);
+    const hookTokens = textTokens([...before, ...after].join("\n\n"));
+    const budget = req.tokenBudget === undefined || req.tokenBudget === null ? undefined : Math.max(1, Number(req.tokenBudget) - hookTokens);
     const r = await within(ctx, () =>
       this.plugin.assemble({
         ...session,
         messages,
-        ...(req.tokenBudget !== undefined && req.tokenBudget !== null ? { tokenBudget: Number(req.tokenBudget) } : {}),
+        ...(budget !== undefined ? { tokenBudget: budget } : {}),
         availableTools: new Set(req.availableTools),
         ...(req.citationsMode ? { citationsMode: req.citationsMode } : {}),
         ...(req.model ? { model: req.model } : {}),
@@ -237,12 +249,7 @@ export class OpenClawEngine implements ContextEngine {
     );
     const known = [...this.transcripts.messages(req.sessionId), ...req.messages];
     const out = matchBack(r?.messages ?? [], known);
-    // before_prompt_build → the system prompt addition.
-    const additions: string[] = [];
-    const built = await within(ctx, () => this.hooks("before_prompt_build", { prompt: req.prompt ?? "", messages }, session));
-    for (const b of built as { prependSystemContext?: string; systemPrompt?: string }[]) if (b?.prependSystemContext) additions.push(b.prependSystemContext);
-    if (r?.systemPromptAddition) additions.push(r.systemPromptAddition);
-    for (const b of built as { appendSystemContext?: string }[]) if (b?.appendSystemContext) additions.push(b.appendSystemContext);
+    const additions = [...before, ...(r?.systemPromptAddition ? [r.systemPromptAddition] : []), ...after];
     const result: pb.AssembleResult = {
       messages: out,
       estimatedTokens: typeof r?.estimatedTokens === "number" && Number.isFinite(r.estimatedTokens) ? Math.max(0, Math.round(r.estimatedTokens)) : messagesTokens(out),
@@ -262,7 +269,7 @@ export class OpenClawEngine implements ContextEngine {
     const r = await within(ctx, () =>
       this.plugin.compact({
         ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.pathOf(req.sessionId),
+        sessionFile: this.transcripts.ensure(req.sessionId),
         ...(req.agentId ? { agentId: req.agentId } : {}),
         ...(req.tokenBudget !== undefined && req.tokenBudget !== null ? { tokenBudget: Number(req.tokenBudget) } : {}),
         force: req.force,
@@ -299,7 +306,7 @@ export class OpenClawEngine implements ContextEngine {
     await within(ctx, () =>
       this.plugin.afterTurn!({
         ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.pathOf(req.sessionId),
+        sessionFile: this.transcripts.ensure(req.sessionId),
         messages: req.messages.flatMap(toOpenClaw),
         prePromptMessageCount: req.messages.slice(0, Number(req.prePromptMessageCount)).flatMap(toOpenClaw).length,
         ...(req.autoCompactionSummary ? { autoCompactionSummary: req.autoCompactionSummary } : {}),
@@ -347,7 +354,7 @@ export class OpenClawEngine implements ContextEngine {
     const r = await within(ctx, () =>
       this.plugin.maintain!({
         ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.pathOf(req.sessionId),
+        sessionFile: this.transcripts.ensure(req.sessionId),
         reason,
         runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host, { rewriteTranscriptEntries }),
         abortSignal: ctx.signal,

@@ -72,6 +72,26 @@ export class Transcripts {
     return this.load(sessionId).messages;
   }
 
+  /** The session's transcript file, made (with its header) if missing:
+   * the locator a plugin is given must name a file. */
+  ensure(sessionId: string): string {
+    const path = this.pathOf(sessionId);
+    if (!existsSync(path)) {
+      const fd = openSync(path, "a");
+      try {
+        writeSync(fd, this.header());
+        fsyncSync(fd);
+      } finally {
+        closeSync(fd);
+      }
+    }
+    return path;
+  }
+
+  private header(): string {
+    return JSON.stringify({ type: "session", version: 3, id: randomUUID(), timestamp: new Date().toISOString(), cwd: this.dir }) + "\n";
+  }
+
   /** Appends the messages the transcript does not hold yet (durably,
    * before the plugin is told); returns the ones written. */
   append(sessionId: string, list: readonly Proto[]): Proto[] {
@@ -79,9 +99,7 @@ export class Transcripts {
     const fresh = list.filter((m, i) => !s.ids.has(m.id!) && list.findIndex((x) => x.id === m.id) === i);
     if (fresh.length === 0) return [];
     const lines: string[] = [];
-    if (!existsSync(s.path)) {
-      lines.push(JSON.stringify({ type: "session", version: 3, id: randomUUID(), timestamp: new Date().toISOString(), cwd: this.dir }));
-    }
+    if (!existsSync(s.path)) lines.push(this.header().trimEnd());
     for (const m of fresh) {
       const oc: OcMessage[] = toOpenClaw(m);
       oc.forEach((message, k) => {
