@@ -232,15 +232,19 @@ async fn a_killed_host_is_quarantined_legacy_answers_and_the_restarted_host_has_
         assert_eq!(selected(&events).engine_id, "lossless-claw");
         turn += 1;
     }
-    // kill -9 mid-run: the next turn finds the engine gone.
+    // kill -9 mid-run: the next turn finds the engine gone; its calls fall
+    // back to legacy and the gateway quarantines the host.
     host.signal_and_wait("KILL").await.unwrap();
-    for _ in 0..3 {
+    let events = run_turn(&g, "k", &turn_text(turn)).await;
+    assert!(matches!(events.last(), Some(Event::Completed(_))), "the turn completes on the fallback: {events:?}");
+    turn += 1;
+    assert!(engine_status(&g, "lossless").await.quarantine.is_some(), "the gateway quarantined the host");
+    for _ in 0..2 {
         let events = run_turn(&g, "k", &turn_text(turn)).await;
         assert!(matches!(events.last(), Some(Event::Completed(_))), "{events:?}");
         assert_eq!(selected(&events).engine_id, "legacy", "legacy answers while the host is down: {events:?}");
         turn += 1;
     }
-    assert!(engine_status(&g, "lossless").await.quarantine.is_some(), "the gateway quarantined the host");
     // The restarted host, same state and address, is re-admitted.
     let _host = start_host(state.path(), &listen, SMALL_WINDOW_CONFIG).await;
     let deadline = Instant::now() + Duration::from_secs(90);
