@@ -20,17 +20,28 @@ echo "== node $(node --version), npm $(npm --version)"
 echo "== the SDK's tests"
 (cd "$sdk" && node --test --test-reporter=spec --test-timeout=120000 dist/test/*.test.js)
 
-echo "== the conformance kit against the example engine"
 [ -x "$kit" ] || { echo "the conformance kit $kit is not built: cargo build -p ctxgate-engine-sdk --bin ctxgate-conformance" >&2; exit 1; }
 state=$(mktemp -d)
-out="$state/stdout"
-node "$sdk/dist/example/main.js" --listen 127.0.0.1:0 --state-dir "$state/engine" >"$out" &
-engine=$!
-trap 'kill -TERM $engine 2>/dev/null || true; wait $engine 2>/dev/null || true; rm -rf "$state"' EXIT
-for _ in $(seq 1 100); do
-  grep -q '^listening on ' "$out" 2>/dev/null && break
-  kill -0 $engine 2>/dev/null || { echo "the example engine exited before listening" >&2; exit 1; }
-  sleep 0.1
-done
-addr=$(sed -n 's/^listening on //p' "$out")
-"$kit" --endpoint "http://$addr"
+engine=""
+trap '[ -n "$engine" ] && { kill -TERM $engine 2>/dev/null || true; wait $engine 2>/dev/null || true; }; rm -rf "$state"' EXIT
+
+# Starts `node SCRIPT ARGS...` as an engine on a free port and runs the kit
+# against it; stops it after.
+kit_against() {
+  local out="$state/stdout"
+  : > "$out"
+  node "$@" --listen 127.0.0.1:0 >"$out" &
+  engine=$!
+  for _ in $(seq 1 100); do
+    grep -q '^listening on ' "$out" 2>/dev/null && break
+    kill -0 $engine 2>/dev/null || { echo "$1 exited before listening" >&2; exit 1; }
+    sleep 0.1
+  done
+  "$kit" --endpoint "http://$(sed -n 's/^listening on //p' "$out")"
+  kill -TERM $engine; wait $engine || true; engine=""
+}
+
+echo "== the conformance kit against the docs' minimal engine (docs/engines-in-typescript.md)"
+kit_against "$sdk/dist/example/minimal.js"
+echo "== the conformance kit against the example engine"
+kit_against "$sdk/dist/example/main.js" --state-dir "$state/engine"

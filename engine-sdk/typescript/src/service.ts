@@ -111,7 +111,10 @@ async function begin(state: ServiceState, method: Method, call: AnyCall, host: p
     timer = setTimeout(() => abort.abort(EngineError.deadlineExceeded()), Math.max(0, deadlineMs - Date.now()));
   }
   const onCancel = () => {
-    const over = deadlineMs !== undefined && Date.now() >= deadlineMs;
+    // grpc-js ends a call at its deadline with its own timer, which can fire
+    // a millisecond before the clock reads the deadline: a cancel that
+    // close to it is the deadline.
+    const over = deadlineMs !== undefined && Date.now() >= deadlineMs - 10;
     abort.abort(over ? EngineError.deadlineExceeded() : EngineError.cancelled());
   };
   call.on("cancelled", onCancel);
