@@ -49,7 +49,8 @@ async fn start_host(state: &Path, listen: &str, config: &str) -> EngineProcess {
     std::fs::create_dir_all(state).unwrap();
     let config_file = state.join("plugin.json");
     std::fs::write(&config_file, config).unwrap();
-    let (state, config_file) = (state.join("lcm").to_str().unwrap().to_owned(), config_file.to_str().unwrap().to_owned());
+    let (state, config_file) =
+        (state.join("lcm").to_str().unwrap().to_owned(), config_file.to_str().unwrap().to_owned());
     let args = [
         "--plugin",
         "@martian-engineering/lossless-claw@0.15.3",
@@ -66,7 +67,8 @@ async fn start_host(state: &Path, listen: &str, config: &str) -> EngineProcess {
 /// A gateway selecting the host as "lossless", on the tests' local
 /// OpenAI-compatible model with a small window.
 fn gateway_config(fake: &FakeOpenAi, endpoint: &str, window: u64) -> Config {
-    let timeouts = [("afterTurn", 60.0), ("maintain", 60.0), ("compact", 120.0), ("assemble", 30.0), ("bootstrap", 30.0)];
+    let timeouts =
+        [("afterTurn", 60.0), ("maintain", 60.0), ("compact", 120.0), ("assemble", 30.0), ("bootstrap", 30.0)];
     let mut c = hosting("lossless", endpoint, &timeouts);
     c.models.provider = ProviderKind::Openai;
     c.models.base_url = fake.base_url.clone();
@@ -99,7 +101,9 @@ fn turn_text(i: usize) -> String {
 
 /// Every message lossless-claw holds, as (role, content), in its order.
 fn lcm_messages(state: &Path) -> Vec<(String, String)> {
-    let db = rusqlite::Connection::open_with_flags(state.join("lcm/lcm.db"), rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
+    let db =
+        rusqlite::Connection::open_with_flags(state.join("lcm/lcm.db"), rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
     let mut q = db.prepare("SELECT role, content FROM messages ORDER BY conversation_id, seq").unwrap();
     q.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect()
 }
@@ -133,7 +137,12 @@ async fn lossless_claw_declares_its_tools_with_their_audience() {
     let main = pb::ToolAudience::Main as i32;
     assert_eq!(
         tools,
-        [("lcm_grep", main), ("lcm_describe", main), ("lcm_expand", pb::ToolAudience::Subagent as i32), ("lcm_expand_query", main)]
+        [
+            ("lcm_grep", main),
+            ("lcm_describe", main),
+            ("lcm_expand", pb::ToolAudience::Subagent as i32),
+            ("lcm_expand_query", main)
+        ]
     );
     assert!(info.implemented_methods.iter().any(|m| m == "CallTool"));
     assert!(info.owns_compaction, "lossless-claw owns compaction once its schema migrated");
@@ -155,14 +164,25 @@ async fn a_hundred_turns_in_a_small_window_build_the_summary_dag_within_budget()
         assert_eq!(selected(&events).engine_id, "lossless-claw", "turn {i} ran on lossless-claw: {events:?}");
         for e in &events {
             if let Event::Assembled(a) = e {
-                assert!(a.estimated_tokens <= a.token_budget, "turn {i} assembled {} tokens over its budget {}", a.estimated_tokens, a.token_budget);
+                assert!(
+                    a.estimated_tokens <= a.token_budget,
+                    "turn {i} assembled {} tokens over its budget {}",
+                    a.estimated_tokens,
+                    a.token_budget
+                );
             }
         }
     }
     eprintln!("100 turns through lossless-claw in {:?}", started.elapsed());
     assert_eq!(engine_status(&g, "lossless").await.quarantine, None);
-    let db = rusqlite::Connection::open_with_flags(state.path().join("lcm/lcm.db"), rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY).unwrap();
-    let count = |kind: &str| -> i64 { db.query_row("SELECT count(*) FROM summaries WHERE kind = ?1", [kind], |r| r.get(0)).unwrap() };
+    let db = rusqlite::Connection::open_with_flags(
+        state.path().join("lcm/lcm.db"),
+        rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+    )
+    .unwrap();
+    let count = |kind: &str| -> i64 {
+        db.query_row("SELECT count(*) FROM summaries WHERE kind = ?1", [kind], |r| r.get(0)).unwrap()
+    };
     let (leaf, condensed) = (count("leaf"), count("condensed"));
     eprintln!("lossless-claw's DAG: {leaf} leaf and {condensed} condensed summaries");
     assert!(leaf > 0 && condensed > 0, "leaf {leaf}, condensed {condensed}");
@@ -171,7 +191,8 @@ async fn a_hundred_turns_in_a_small_window_build_the_summary_dag_within_budget()
     // Nothing dropped: every turn's user message is held once.
     let held = lcm_messages(state.path());
     for i in 0..100 {
-        let n = held.iter().filter(|(role, content)| role == "user" && content.starts_with(&format!("Turn {i}:"))).count();
+        let n =
+            held.iter().filter(|(role, content)| role == "user" && content.starts_with(&format!("Turn {i}:"))).count();
         assert_eq!(n, 1, "turn {i} held {n} times");
     }
     g.stop().await;
@@ -202,7 +223,10 @@ async fn lcm_grep_in_a_harness_turn_finds_a_fact_planted_in_turn_one() {
     let ctx = d.context().await.unwrap();
     let offered: Vec<&str> = ctx.engine_tools.iter().map(|t| t.name.as_str()).collect();
     assert!(offered.contains(&"lcm_grep") && !offered.contains(&"lcm_expand"), "main-session tools only: {offered:?}");
-    assert!(ctx.system_prompt_addition.as_deref().is_some_and(|a| a.contains("Lossless Recall Policy")), "before_prompt_build's policy");
+    assert!(
+        ctx.system_prompt_addition.as_deref().is_some_and(|a| a.contains("Lossless Recall Policy")),
+        "before_prompt_build's policy"
+    );
     d.append(vec![tool_call("g1", "lcm_grep", r#"{"pattern":"ORCHID-\\d+"}"#)]).await.unwrap();
     let r = d.call_tool("g1").await.unwrap();
     let (answer, is_error) = match r.message.as_ref().and_then(|m| m.content.first()).and_then(|p| p.part.as_ref()) {
@@ -213,7 +237,8 @@ async fn lcm_grep_in_a_harness_turn_finds_a_fact_planted_in_turn_one() {
     d.append(vec![text(Role::Assistant, "The launch code is ORCHID-7731.")]).await.unwrap();
     d.end(api::TurnOutcome::Accepted).await.unwrap();
     let entries = transcript(&g.client, "grep").await;
-    let results = entries.iter().filter(|e| matches!(&e.entry, Some(Entry::Message(m)) if m.role == Role::Tool as i32)).count();
+    let results =
+        entries.iter().filter(|e| matches!(&e.entry, Some(Entry::Message(m)) if m.role == Role::Tool as i32)).count();
     assert_eq!(results, 1, "the tool's result is stored once");
     g.stop().await;
 }
@@ -261,10 +286,12 @@ async fn a_killed_host_is_quarantined_legacy_answers_and_the_restarted_host_has_
     // while it was down — is held exactly once: nothing lost, nothing twice.
     let held = lcm_messages(state.path());
     for i in 0..turn {
-        let n = held.iter().filter(|(role, content)| role == "user" && content.starts_with(&format!("Turn {i}:"))).count();
+        let n =
+            held.iter().filter(|(role, content)| role == "user" && content.starts_with(&format!("Turn {i}:"))).count();
         assert_eq!(n, 1, "turn {i} is held {n} times by lossless-claw");
     }
-    let messages = transcript(&g.client, "k").await.iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).count();
+    let messages =
+        transcript(&g.client, "k").await.iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).count();
     assert_eq!(held.len(), messages, "lossless-claw holds exactly the gateway's messages");
     g.stop().await;
 }

@@ -17,7 +17,10 @@ pub(crate) async fn run_script(script: &str, limit: Duration) -> (bool, String) 
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true)
         .output();
-    let out = tokio::time::timeout(limit, run).await.unwrap_or_else(|_| panic!("{script} did not finish within {limit:?}")).unwrap();
+    let out = tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{script} did not finish within {limit:?}"))
+        .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     (out.status.success(), text)
 }
@@ -29,7 +32,8 @@ pub(crate) fn kit_closing_line(output: &str) -> (usize, usize, usize) {
         .rev()
         .find(|l| l.contains(" passed, ") && l.contains(" skipped"))
         .unwrap_or_else(|| panic!("no closing line from the kit:\n{output}"));
-    let n: Vec<usize> = line.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).map(|w| w.parse().unwrap()).collect();
+    let n: Vec<usize> =
+        line.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).map(|w| w.parse().unwrap()).collect();
     (n[0], n[1], n[2])
 }
 
