@@ -161,11 +161,22 @@ export function fingerprint(m: OcMessage): string {
  * message; the rest (summaries, placeholders) are synthesised with ids
  * unique in the result.
  */
+/** A contract message's fingerprints (one per OpenClaw message it makes),
+ * computed once per message object. */
+const fingerprints = new WeakMap<object, string[]>();
+export function fingerprintsOf(m: Proto): string[] {
+  let fps = fingerprints.get(m);
+  if (!fps) {
+    fps = toOpenClaw(m).map(fingerprint);
+    fingerprints.set(m, fps);
+  }
+  return fps;
+}
+
 export function matchBack(assembled: OcMessage[], known: Proto[]): pb.AgentMessage[] {
   const queue = new Map<string, { message: Proto; index: number }[]>();
   known.forEach((message, index) => {
-    for (const oc of toOpenClaw(message)) {
-      const fp = fingerprint(oc);
+    for (const fp of fingerprintsOf(message)) {
       const list = queue.get(fp) ?? [];
       list.push({ message, index });
       queue.set(fp, list);

@@ -247,7 +247,10 @@ export class OpenClawEngine implements ContextEngine {
         runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host),
       }),
     );
-    const known = [...this.transcripts.messages(req.sessionId), ...req.messages];
+    // What the plugin may give back: the session's transcript (whose
+    // fingerprints are computed once) and what this request adds to it.
+    const held = this.transcripts.messages(req.sessionId);
+    const known = [...held, ...req.messages.filter((m) => !this.transcripts.holds(req.sessionId, m.id))];
     const out = matchBack(r?.messages ?? [], known);
     const additions = [...before, ...(r?.systemPromptAddition ? [r.systemPromptAddition] : []), ...after];
     const result: pb.AssembleResult = {
