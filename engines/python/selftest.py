@@ -75,6 +75,11 @@ def expect_gap(c, cursor, messages=()):
     raise AssertionError(f"no gap for {cursor}")
 
 
+def search(c, arguments_json):
+    return c.CallTool(pb.CallToolRequest(session_id=SID, tool_call_id="t1", name="history_search",
+                                         arguments_json=arguments_json), timeout=10)
+
+
 def ids(result):
     return [m.id for m in result.messages]
 
@@ -139,8 +144,18 @@ def main():
         assert "hello there" in r.messages[0].content[0].text and "question 4" in r.messages[0].content[0].text
         print("summary survives a restart: ok")
 
+        assert [t.name for t in info.tools] == ["history_search"] and "CallTool" in info.implemented_methods
+        hits = search(c, '{"query": "hello question", "limit": 3}')
+        assert not hits.is_error and len(hits.content[0].text.splitlines()) == 3, hits
+        assert hits.content[0].text.startswith("seq 1 (user): [hello] there"), hits  # summarised messages too
+        assert "[question]" in hits.content[0].text, hits
+        for bad in ('not json', '[]', '{}', '{"query": "  "}', '{"query": "x", "limit": 0}', '{"query": "x", "limit": "2"}'):
+            assert search(c, bad).is_error, bad
+        print("history_search: ok")
+
         c.ForgetSession(pb.ForgetSessionRequest(session_id=SID), timeout=10)
         c.ForgetSession(pb.ForgetSessionRequest(session_id=SID), timeout=10)  # idempotent
+        assert "no message" in search(c, '{"query": "question"}').content[0].text, "forgotten from the index too"
         n = c.IngestBatch(pb.IngestBatchRequest(session_id=SID, messages=[m1, m2, m3]), timeout=10).ingested_count
         assert n == 3, n
         assert commit(c, "turn-1", [m3, m4]) == pb.COMMIT_STATUS_COMMITTED

@@ -7,7 +7,10 @@
 //!   SQLite store, legacy engine;
 //! - built-in compaction time for histories of 10k, 100k and 1M tokens
 //!   (extractive summariser, so the figure is the gateway's own cost);
-//! - resident memory of a `ctxgate serve` process holding 10k idle sessions.
+//! - resident memory of a `ctxgate serve` process holding 10k idle sessions;
+//! - an engine tool's round trip through the gateway: a harness's
+//!   `call_tool` → the engine's CallTool (an SDK engine on loopback) → the
+//!   result stored and answered as `tool_result`, p50/p99.
 //!
 //! Set `CTXGATE_BENCH_QUICK=1` for a short smoke run.
 
@@ -34,24 +37,50 @@ fn sref(key: &str) -> Option<api::SessionRef> {
     Some(api::SessionRef { agent_id: String::new(), session_key: key.into() })
 }
 
+/// Turns the gateway shed (RESOURCE_EXHAUSTED with a retry pushback) in
+/// this process; the clients here wait as asked and retry, as a client with
+/// gRPC's retry policy does.
+static SHEDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Counts a shed and waits its pushback; false for any other failure.
+async fn shed(s: &tonic::Status) -> bool {
+    let pushback = s.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    match pushback {
+        Some(ms) if s.code() == tonic::Code::ResourceExhausted => {
+            SHEDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            true
+        }
+        _ => false,
+    }
+}
+
 async fn one_turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str) {
-    let req = api::RunTurnRequest {
-        session: sref(key),
-        message: "How is the build going today?".into(),
-        system_prompt: None,
-        ..Default::default()
+    let attempt = async |c: &mut GatewayClient<tonic::transport::Channel>| -> Result<(), tonic::Status> {
+        let req = api::RunTurnRequest {
+            session: sref(key),
+            message: "How is the build going today?".into(),
+            system_prompt: None,
+            ..Default::default()
+        };
+        let mut s = c.run_turn(req).await?.into_inner();
+        while let Some(e) = s.next().await {
+            e?;
+        }
+        Ok(())
     };
-    let mut s = c.run_turn(req).await.unwrap().into_inner();
-    while let Some(e) = s.next().await {
-        e.unwrap();
+    loop {
+        match attempt(c).await {
+            Ok(()) => return,
+            Err(s) if shed(&s).await => continue,
+            Err(s) => panic!("{s:?}"),
+        }
     }
 }
 
 /// One harness turn: begin (→ admitted, engine, context), append the
 /// reply, end accepted.
 async fn one_harness_turn(c: &mut HarnessClient<tonic::transport::Channel>, key: &str) {
-    use api::harness_event::Event as H;
-    use api::harness_request::Request as R;
     let msg = |role: Role, t: &str| AgentMessage {
         role: role as i32,
         content: vec![ContentPart { part: Some(Part::Text(t.into())) }],
@@ -73,23 +102,72 @@ async fn one_harness_turn(c: &mut HarnessClient<tonic::transport::Channel>, key:
         user_messages: vec![msg(Role::User, "How is the build going today?")],
         ..Default::default()
     };
+    loop {
+        match harness_attempt(c, begin.clone(), msg(Role::Assistant, "All green, 412 tests passed.")).await {
+            Ok(()) => return,
+            Err(s) if shed(&s).await => continue,
+            Err(s) => panic!("{s:?}"),
+        }
+    }
+}
+
+async fn harness_attempt(
+    c: &mut HarnessClient<tonic::transport::Channel>,
+    begin: api::Begin,
+    reply: AgentMessage,
+) -> Result<(), tonic::Status> {
+    use api::harness_event::Event as H;
+    use api::harness_request::Request as R;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let send = |r: R| tx.try_send(api::HarnessRequest { request: Some(r) }).unwrap();
     send(R::Begin(begin));
-    let mut events = c.drive_turn(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
-    let mut next_until = async |want: fn(&H) -> bool| loop {
-        let e = events.next().await.unwrap().unwrap().event.unwrap();
-        if want(&e) {
-            return;
+    let mut events = c.drive_turn(tokio_stream::wrappers::ReceiverStream::new(rx)).await?.into_inner();
+    let mut next_until = async |want: fn(&H) -> bool| -> Result<(), tonic::Status> {
+        loop {
+            let e = events.next().await.unwrap()?.event.unwrap();
+            if want(&e) {
+                return Ok(());
+            }
         }
     };
-    next_until(|e| matches!(e, H::Context(_))).await;
-    send(R::Append(api::Append { messages: vec![msg(Role::Assistant, "All green, 412 tests passed.")] }));
-    next_until(|e| matches!(e, H::Appended(_))).await;
+    next_until(|e| matches!(e, H::Context(_))).await?;
+    send(R::Append(api::Append { messages: vec![reply] }));
+    next_until(|e| matches!(e, H::Appended(_))).await?;
     send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() }));
-    next_until(|e| matches!(e, H::Ended(_))).await;
+    next_until(|e| matches!(e, H::Ended(_))).await?;
     drop(tx);
     while events.next().await.is_some() {}
+    Ok(())
+}
+
+/// A gateway in this process on loopback (the same `server::run` as the
+/// binary), its state in a temp dir; `configure` adjusts its config.
+struct Gateway {
+    channel: tonic::transport::Channel,
+    stop: CancellationToken,
+    server: tokio::task::JoinHandle<Result<(), ctxgate::api::server::ServeError>>,
+    _state: tempfile::TempDir,
+}
+
+impl Gateway {
+    async fn start(configure: impl FnOnce(&mut Config)) -> Self {
+        let state = tempfile::tempdir().unwrap();
+        let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
+        config.gateway.listen = "127.0.0.1:0".into();
+        configure(&mut config);
+        let listeners = ctxgate::api::server::Listeners::bind(&config).await.unwrap();
+        let url = format!("http://{}", listeners.api.local_addr().unwrap());
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let server = tokio::spawn(ctxgate::api::server::run(config, listeners, async move { s.cancelled().await }));
+        let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+        Self { channel, stop, server, _state: state }
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        self.server.await.unwrap().unwrap();
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -106,15 +184,8 @@ async fn turn(driver: Driver, channel: &tonic::transport::Channel, key: &str) {
 }
 
 async fn turns_per_second(driver: Driver, concurrency: usize, per_session: usize) -> f64 {
-    let state = tempfile::tempdir().unwrap();
-    let mut config = Config { state_dir: state.path().to_path_buf(), ..Config::default() };
-    config.gateway.listen = "127.0.0.1:0".into();
-    let listeners = ctxgate::api::server::Listeners::bind(&config).await.unwrap();
-    let url = format!("http://{}", listeners.api.local_addr().unwrap());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let server = tokio::spawn(ctxgate::api::server::run(config, listeners, async move { s.cancelled().await }));
-    let channel = tonic::transport::Endpoint::from_shared(url).unwrap().connect().await.unwrap();
+    let gateway = Gateway::start(|_| {}).await;
+    let channel = gateway.channel.clone();
     // Warm up each session (creation is not a turn's steady-state cost).
     for i in 0..concurrency {
         turn(driver, &channel, &format!("bench-{i}")).await;
@@ -134,8 +205,7 @@ async fn turns_per_second(driver: Driver, concurrency: usize, per_session: usize
         t.await.unwrap();
     }
     let rate = (concurrency * per_session) as f64 / started.elapsed().as_secs_f64();
-    stop.cancel();
-    server.await.unwrap().unwrap();
+    gateway.stop().await;
     rate
 }
 
@@ -244,6 +314,138 @@ async fn idle_sessions_memory(sessions: usize) -> (u64, u64) {
     (before, after)
 }
 
+/// An SDK engine on loopback with one tool that echoes its arguments.
+struct Echo;
+
+impl ctxgate_engine_sdk::ContextEngine for Echo {
+    async fn get_info(
+        &self,
+        _: &ctxgate_engine_sdk::CallContext,
+    ) -> Result<ctxgate_proto::pb::EngineInfo, ctxgate_engine_sdk::EngineError> {
+        use ctxgate_proto::Method;
+        Ok(ctxgate_proto::pb::EngineInfo {
+            id: "echo".into(),
+            name: "Echo".into(),
+            contract_version: ctxgate_proto::CONTRACT_VERSION.into(),
+            implemented_methods: [Method::GetInfo, Method::Ingest, Method::Assemble, Method::Compact, Method::CallTool]
+                .map(|m| m.name().to_owned())
+                .to_vec(),
+            tools: vec![ctxgate_engine_sdk::tool("echo", "Answers its arguments.", r#"{"type":"object"}"#)],
+            ..Default::default()
+        })
+    }
+    async fn ingest(
+        &self,
+        _: &ctxgate_engine_sdk::CallContext,
+        _: ctxgate_proto::pb::IngestRequest,
+    ) -> Result<ctxgate_proto::pb::IngestResult, ctxgate_engine_sdk::EngineError> {
+        Ok(ctxgate_proto::pb::IngestResult { ingested: true })
+    }
+    async fn assemble(
+        &self,
+        _: &ctxgate_engine_sdk::CallContext,
+        r: ctxgate_proto::pb::AssembleRequest,
+    ) -> Result<ctxgate_proto::pb::AssembleResult, ctxgate_engine_sdk::EngineError> {
+        Ok(ctxgate_proto::pb::AssembleResult { messages: r.messages, ..Default::default() })
+    }
+    async fn compact(
+        &self,
+        _: &ctxgate_engine_sdk::CallContext,
+        _: ctxgate_proto::pb::CompactRequest,
+        _: ctxgate_engine_sdk::Progress,
+    ) -> Result<ctxgate_engine_sdk::CompactOutcome, ctxgate_engine_sdk::EngineError> {
+        Ok(ctxgate_engine_sdk::CompactOutcome::DelegateToHost(Default::default()))
+    }
+    async fn call_tool(
+        &self,
+        _: &ctxgate_engine_sdk::CallContext,
+        r: ctxgate_proto::pb::CallToolRequest,
+    ) -> Result<ctxgate_proto::pb::CallToolResult, ctxgate_engine_sdk::EngineError> {
+        Ok(ctxgate_engine_sdk::tool_text(r.arguments_json))
+    }
+}
+
+/// p50 and p99 of `rounds` engine tool calls in one harness turn.
+async fn call_tool_round_trip(rounds: usize) -> (Duration, Duration) {
+    use api::harness_event::Event as H;
+    use api::harness_request::Request as R;
+    let engine = ctxgate_engine_sdk::testkit::TestEngine::start(Echo).await.unwrap();
+    let gateway = Gateway::start(|config| {
+        let entry = ctxgate::config::EngineEntry { endpoint: engine.endpoint.as_str().into(), ..Default::default() };
+        config.plugins.entries.insert("echo".into(), entry);
+        config.plugins.slots.context_engine = Some("echo".into());
+    })
+    .await;
+    let channel = gateway.channel.clone();
+    let mut gw = GatewayClient::new(channel.clone());
+    // Until the engine is attached (its tools are offered).
+    loop {
+        let st = gw.get_status(api::StatusRequest {}).await.unwrap().into_inner();
+        if st.engines.iter().any(|e| e.id == "echo" && e.quarantine.is_none() && !e.tools.is_empty()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let msg = |role: Role, part: Part| AgentMessage {
+        role: role as i32,
+        content: vec![ContentPart { part: Some(part) }],
+        ..Default::default()
+    };
+    let begin = api::Begin {
+        session: sref("tools"),
+        host: Some(api::HostProfile {
+            id: "agent-harness:bench".into(),
+            label: String::new(),
+            capabilities: vec!["assemble-before-prompt".into()],
+        }),
+        model: Some(api::ModelInfo {
+            id: "bench".into(),
+            provider: String::new(),
+            context_window: 1_000_000,
+            max_output_tokens: 1_024,
+        }),
+        user_messages: vec![msg(Role::User, Part::Text("use the tool".into()))],
+        ..Default::default()
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let send = |r: R| tx.try_send(api::HarnessRequest { request: Some(r) }).unwrap();
+    send(R::Begin(begin));
+    let mut events = HarnessClient::new(channel)
+        .drive_turn(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut next_until = async |want: fn(&H) -> bool| loop {
+        let e = events.next().await.unwrap().unwrap().event.unwrap();
+        if want(&e) {
+            return;
+        }
+    };
+    next_until(|e| matches!(e, H::Context(_))).await;
+    let mut took = Vec::with_capacity(rounds);
+    for i in 0..rounds {
+        let call = ctxgate_proto::pb::ToolCall {
+            id: format!("c{i}"),
+            name: "echo".into(),
+            arguments_json: format!(r#"{{"n":{i}}}"#),
+        };
+        send(R::Append(api::Append { messages: vec![msg(Role::Assistant, Part::ToolCall(call))] }));
+        next_until(|e| matches!(e, H::Appended(_))).await;
+        let started = Instant::now();
+        send(R::CallTool(api::CallTool { tool_call_id: format!("c{i}") }));
+        next_until(|e| matches!(e, H::ToolResult(_))).await;
+        took.push(started.elapsed());
+    }
+    send(R::End(api::End { outcome: api::TurnOutcome::Aborted as i32, reason: String::new() }));
+    next_until(|e| matches!(e, H::Ended(_))).await;
+    drop(tx);
+    gateway.stop().await;
+    engine.stop().await;
+    took.sort();
+    let at = |p: f64| took[((took.len() as f64 - 1.0) * p).round() as usize];
+    (at(0.5), at(0.99))
+}
+
 #[tokio::main]
 async fn main() {
     // `cargo bench` passes --bench; nothing else is accepted.
@@ -256,8 +458,9 @@ async fn main() {
                 Driver::Managed => "managed turns (RunTurn, offline model)      ",
                 Driver::Harness => "harness turns (begin, context, append, end)",
             };
+            let sheds = SHEDS.swap(0, std::sync::atomic::Ordering::Relaxed);
             println!(
-                "{what}, legacy, {concurrency:>2} concurrent sessions: {rate:8.0} turns/s ({} turns)",
+                "{what}, legacy, {concurrency:>2} concurrent sessions: {rate:8.0} turns/s ({} turns, {sheds} shed and retried)",
                 concurrency * per
             );
         }
@@ -269,6 +472,13 @@ async fn main() {
             took.as_secs_f64() * 1e3
         );
     }
+    let rounds = if quick() { 50 } else { 500 };
+    let (p50, p99) = call_tool_round_trip(rounds).await;
+    println!(
+        "engine tool round trip (harness call_tool → CallTool → stored tool_result): p50 {:.2} ms, p99 {:.2} ms ({rounds} calls)",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
+    );
     let (before, after) = idle_sessions_memory(idle).await;
     println!(
         "ctxgate serve RSS: {:.1} MiB warm, {:.1} MiB with {idle} idle sessions (+{:.2} KiB/session)",

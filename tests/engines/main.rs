@@ -17,6 +17,7 @@ mod python_engine;
 mod quarantine;
 mod replicas;
 mod retrieval;
+mod sdk_python;
 mod sdk_server;
 mod sdk_typescript;
 mod subagents;

@@ -124,3 +124,48 @@ async fn health_subcommands_exit_zero_when_serving_and_one_with_a_sentence_other
     assert_eq!(code, Some(1));
     assert!(err.starts_with("ctxgate-engine-window: the engine at 127.0.0.1:1 cannot be checked"), "{err}");
 }
+
+#[tokio::test]
+async fn chat_shows_engine_tool_calls_and_the_cli_lists_tools_and_the_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = ctxgate_tests::start_window(&dir.path().join("window"), &[]).await;
+    let config =
+        write_file(dir.path(), "ctxgate.json5", &ctxgate_tests::hosting::hosting_json5("window", &engine.endpoint));
+    let gw = serve(&dir.path().join("state"), Some(&config)).await;
+    let url = gw.endpoint.as_str();
+    let chat = async |msg: &str| ctxgate(&["chat", "--gateway", url, "--session", "tools", "-m", msg]).await;
+    // The engine attaches in the background: the first turns may run on legacy.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let (_, out, _) = ctxgate(&["engines", "tools", "window", "--gateway", url]).await;
+        if out.contains("history_search") {
+            assert!(out.contains("window: history_read"), "{out}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the window engine never offered its tools: {out}");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let (code, _, err) = chat("The invoice number is INV-90210.").await;
+    assert_eq!(code, Some(0), "{err}");
+    let (code, out, err) = chat("search history for INV-90210").await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(err.contains("[tool] history_search {\"query\":\"INV-90210\"}"), "{err}");
+    assert!(err.contains("[tool result] history_search:") && err.contains("INV-90210"), "{err}");
+    assert!(out.contains("(offline model) The tool answered:"), "{out}");
+
+    let (code, out, err) = ctxgate(&["sessions", "context", "tools", "--gateway", url]).await;
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.starts_with("engine window:"), "{out}");
+    assert!(out.contains("system prompt addition:") && out.contains("tool history_search:"), "{out}");
+    assert!(out.contains("[raw    ]") && out.contains("INV-90210"), "{out}");
+    let (_, json, _) = ctxgate(&["sessions", "context", "tools", "--gateway", url, "--json"]).await;
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(v["engine_id"], "window");
+    assert_eq!(v["engine_tools"][0]["name"], "history_search");
+    // Looking changed nothing: the same context again.
+    let (_, again, _) = ctxgate(&["sessions", "context", "tools", "--gateway", url, "--json"]).await;
+    assert_eq!(json, again);
+    let (code, _, err) = ctxgate(&["sessions", "context", "nobody", "--gateway", url]).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no session"), "{err}");
+}

@@ -233,27 +233,24 @@ pub fn messages_between(
     let mut stmt = c.prepare_cached(
         "SELECT seq, body FROM messages WHERE session_id = ?1 AND seq >= ?2 AND seq <= ?3 ORDER BY seq LIMIT ?4",
     )?;
-    let rows = stmt.query_map(params![session_id, from, to, limit as i64], |r| {
-        let seq: i64 = r.get(0)?;
-        let body: Vec<u8> = r.get(1)?;
-        let message = AgentMessage::decode(body.as_slice())
-            .map_err(|e| rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e)))?;
-        Ok(Stored { seq, message })
-    })?;
+    let rows = stmt.query_map(params![session_id, from, to, limit as i64], read_stored)?;
     rows.collect()
+}
+
+/// A `(seq, body)` row as the message it stores.
+fn read_stored(r: &rusqlite::Row<'_>) -> rusqlite::Result<Stored> {
+    let seq: i64 = r.get(0)?;
+    let body: Vec<u8> = r.get(1)?;
+    let message = AgentMessage::decode(body.as_slice())
+        .map_err(|e| rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e)))?;
+    Ok(Stored { seq, message })
 }
 
 /// Messages after `after_seq`, oldest first.
 pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusqlite::Result<Vec<Stored>> {
     let mut stmt =
         c.prepare_cached("SELECT seq, body FROM messages WHERE session_id = ?1 AND seq > ?2 ORDER BY seq")?;
-    let rows = stmt.query_map(params![session_id, after_seq], |r| {
-        let seq: i64 = r.get(0)?;
-        let body: Vec<u8> = r.get(1)?;
-        let message = AgentMessage::decode(body.as_slice())
-            .map_err(|e| rusqlite::Error::FromSqlConversionFailure(1, rusqlite::types::Type::Blob, Box::new(e)))?;
-        Ok(Stored { seq, message })
-    })?;
+    let rows = stmt.query_map(params![session_id, after_seq], read_stored)?;
     rows.collect()
 }
 
