@@ -77,7 +77,7 @@ export class Probe implements ContextEngine {
         await sleep(300);
         return answer;
       case "slower":
-        await sleep(1500);
+        await sleep(3000);
         return answer;
       case "read": {
         if (!ctx.host) throw new Error("no host client");

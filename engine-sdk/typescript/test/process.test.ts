@@ -94,7 +94,8 @@ describe("engine processes", () => {
     const client = engineClient(e.address);
     try {
       const inflight = unary(client, "Assemble", { sessionId: "slower", messages: [user("a", "hi")] }, { deadlineMs: 10_000 });
-      await sleep(300);
+      // The call is in flight (it takes 3 s) before SIGTERM.
+      await sleep(800);
       e.child.kill("SIGTERM");
       await sleep(200);
       assert.equal(await checkHealth(e.address, grpc.credentials.createInsecure(), {}, 2000), "NOT_SERVING");
