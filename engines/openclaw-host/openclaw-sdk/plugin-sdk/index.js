@@ -1,0 +1,2 @@
+// openclaw/plugin-sdk as the ctxgate OpenClaw host provides it.
+export * from "./core.js";

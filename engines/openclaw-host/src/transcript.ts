@@ -1,0 +1,138 @@
+// The session transcripts the host keeps for the plugin, as OpenClaw's
+// file-backed session store writes them (one JSONL file a session: a
+// `{type:"session"}` header, then `{type:"message", id, parentId,
+// timestamp, message}` entries). A plugin of OpenClaw's JSONL era
+// (lossless-claw 0.15) reconciles against this file: bootstrap imports it,
+// afterTurn reads its new tail. The entry id is the contract's message id,
+// so a message is written once however often ctxgate delivers it, and the
+// plugin's own transcript-entry idempotency keys off the same ids.
+import { createHash, randomUUID } from "node:crypto";
+import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readFileSync, rmSync, writeSync } from "node:fs";
+import { join } from "node:path";
+import type { pb } from "@ctxgate/engine-sdk";
+import { type OcMessage, toOpenClaw } from "./convert.js";
+
+type Proto = pb.AgentMessage__Output | pb.AgentMessage;
+
+interface Session {
+  path: string;
+  ids: Set<string>;
+  lastId: string | null;
+  /** Every contract message written, in order (to match assembled output). */
+  messages: Proto[];
+}
+
+export class Transcripts {
+  private readonly sessions = new Map<string, Session>();
+  readonly dir: string;
+
+  constructor(stateDir: string) {
+    this.dir = join(stateDir, "sessions");
+    mkdirSync(this.dir, { recursive: true });
+  }
+
+  /** The session's transcript file (a legacy `sessionFile` locator). */
+  pathOf(sessionId: string): string {
+    const safe = sessionId.replace(/[^a-zA-Z0-9._-]/g, "_").slice(0, 80);
+    const digest = createHash("sha256").update(sessionId).digest("hex").slice(0, 12);
+    return join(this.dir, `${safe}-${digest}.jsonl`);
+  }
+
+  private load(sessionId: string): Session {
+    let s = this.sessions.get(sessionId);
+    if (s) return s;
+    const path = this.pathOf(sessionId);
+    s = { path, ids: new Set(), lastId: null, messages: [] };
+    if (existsSync(path)) {
+      for (const line of readFileSync(path, "utf8").split("\n")) {
+        if (!line.trim()) continue;
+        try {
+          const e = JSON.parse(line) as { type?: string; id?: string; proto?: Proto };
+          if (e.type === "message" && e.id) {
+            s.ids.add(e.id);
+            s.lastId = e.id;
+            if (e.proto) s.messages.push(e.proto);
+          }
+        } catch {
+          // A line cut by a crash was never acknowledged: the gateway resends it.
+        }
+      }
+    }
+    this.sessions.set(sessionId, s);
+    return s;
+  }
+
+  /** Whether the session's transcript holds message `id`. */
+  holds(sessionId: string, id: string): boolean {
+    return this.load(sessionId).ids.has(id);
+  }
+
+  /** Every contract message of the session written so far, in order. */
+  messages(sessionId: string): Proto[] {
+    return this.load(sessionId).messages;
+  }
+
+  /** The session's transcript file, made (with its header) if missing:
+   * the locator a plugin is given must name a file. */
+  ensure(sessionId: string): string {
+    const path = this.pathOf(sessionId);
+    if (!existsSync(path)) {
+      const fd = openSync(path, "a");
+      try {
+        writeSync(fd, this.header());
+        fsyncSync(fd);
+      } finally {
+        closeSync(fd);
+      }
+    }
+    return path;
+  }
+
+  private header(): string {
+    return JSON.stringify({ type: "session", version: 3, id: randomUUID(), timestamp: new Date().toISOString(), cwd: this.dir }) + "\n";
+  }
+
+  /** Appends the messages the transcript does not hold yet (durably,
+   * before the plugin is told); returns the ones written. */
+  append(sessionId: string, list: readonly Proto[]): Proto[] {
+    const s = this.load(sessionId);
+    const fresh = list.filter((m, i) => !s.ids.has(m.id!) && list.findIndex((x) => x.id === m.id) === i);
+    if (fresh.length === 0) return [];
+    const lines: string[] = [];
+    if (!existsSync(s.path)) lines.push(this.header().trimEnd());
+    for (const m of fresh) {
+      const oc: OcMessage[] = toOpenClaw(m);
+      oc.forEach((message, k) => {
+        const id = k === 0 ? m.id! : `${m.id!}#${k}`;
+        lines.push(
+          JSON.stringify({
+            type: "message",
+            id,
+            parentId: s.lastId,
+            timestamp: new Date(Number(m.createdAtUnixMs ?? 0) || Date.now()).toISOString(),
+            message,
+            // The contract message itself, so the host can give it back exactly.
+            ...(k === 0 ? { proto: m } : {}),
+          }),
+        );
+        s.lastId = id;
+      });
+      s.ids.add(m.id!);
+      s.messages.push(m);
+    }
+    const fd = openSync(s.path, "a");
+    try {
+      writeSync(fd, lines.join("\n") + "\n");
+      fsyncSync(fd);
+    } finally {
+      closeSync(fd);
+    }
+    return fresh;
+  }
+
+  /** Drops the session's transcript (ForgetSession). */
+  forget(sessionId: string): void {
+    rmSync(this.pathOf(sessionId), { force: true });
+    this.sessions.delete(sessionId);
+  }
+}

@@ -1,0 +1,63 @@
+//! The TypeScript engine SDK (engine-sdk/typescript): its own test suite
+//! (node's test runner: every guarantee, the shared validation vectors, the
+//! hostile host stream) and the conformance kit against its example engine,
+//! both run by the SDK's script, which installs what it needs (Node from
+//! PyPI when the machine's is older than 20, npm ci, the build).
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::time::Duration;
+
+use ctxgate_tests::{bin, repo_root};
+
+/// What `run-tests.sh` printed (stdout and stderr) and whether it passed.
+pub(crate) async fn run_script(script: &str, limit: Duration) -> (bool, String) {
+    let run = tokio::process::Command::new(repo_root().join(script))
+        .env("CTXGATE_CONFORMANCE", bin("ctxgate-conformance"))
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{script} did not finish within {limit:?}"))
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// The conformance kit's closing line, `N passed, N failed, N skipped`.
+pub(crate) fn kit_closing_line(output: &str) -> (usize, usize, usize) {
+    let line = output
+        .lines()
+        .rev()
+        .find(|l| l.contains(" passed, ") && l.contains(" skipped"))
+        .unwrap_or_else(|| panic!("no closing line from the kit:\n{output}"));
+    let n: Vec<usize> =
+        line.split(|c: char| !c.is_ascii_digit()).filter(|w| !w.is_empty()).map(|w| w.parse().unwrap()).collect();
+    (n[0], n[1], n[2])
+}
+
+#[tokio::test]
+async fn the_typescript_sdk_passes_its_tests_and_its_example_engine_passes_the_kit() {
+    let (ok, out) = run_script("engine-sdk/typescript/run-tests.sh", Duration::from_secs(900)).await;
+    eprintln!("{out}");
+    assert!(ok, "engine-sdk/typescript/run-tests.sh failed");
+    // node's test runner: every test passed.
+    assert!(out.lines().any(|l| l.trim() == "ℹ fail 0"), "the SDK's tests: {out}");
+    for name in [
+        "every request vector is accepted or refused as it says",
+        "every result vector is accepted or refused as it says",
+        "a client cancel reaches the method's AbortSignal within 50 ms",
+        "a hostile host streaming transcript chunks for ever",
+        "SIGTERM drains",
+    ] {
+        assert!(out.lines().any(|l| l.contains('✔') && l.contains(name)), "test {name:?} did not pass: {out}");
+    }
+    // The docs' minimal engine passes too (its closing line comes first).
+    assert!(out.contains("\n18 passed, 0 failed, 10 skipped\n"), "the minimal engine: {out}");
+    let (passed, failed, skipped) = kit_closing_line(&out);
+    assert_eq!(failed, 0, "{out}");
+    assert_eq!(passed + skipped, ctxgate_engine_sdk::conformance::CASES.len());
+    // The example implements everything but subagent hooks.
+    assert_eq!(skipped, 1, "{out}");
+}
