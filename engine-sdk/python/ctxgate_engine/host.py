@@ -17,7 +17,15 @@ import grpc.aio
 
 from .context import CallContext
 from .endpoint import BadEndpoint, Endpoint
-from .errors import DeadlineExceeded, EngineError, HostError, NotGranted, ResourceExhausted, Unimplemented
+from .errors import (
+    DeadlineExceeded,
+    EngineError,
+    HostError,
+    NotGranted,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
 from .limits import MAX_GRPC_MESSAGE_BYTES
 from .methods import HOST_SERVICE
 from .pb import host, types
@@ -27,8 +35,8 @@ log = logging.getLogger("ctxgate_engine.host")
 
 READ_TRANSCRIPT = "read_transcript"
 LLM_COMPLETE = "llm_complete"
-# A ReadTranscript collects at most this much in all: a peer that streams for
-# ever cannot exhaust the engine's memory.
+# A read_transcript collects at most this much over all its pages: a peer that
+# streams or pages for ever cannot exhaust the engine's memory.
 MAX_READ_BYTES = 16 * 1024 * 1024
 MAX_READ_ENTRIES = 20_000
 # The deadline of a callback made during a call that has none.
@@ -217,6 +225,24 @@ def _host_error(ctx: CallContext, operation: str, e: grpc.aio.AioRpcError) -> En
     return HostError(operation, e.code())
 
 
+class _Read:
+    """What one read took so far, over all its pages, against the caps."""
+
+    def __init__(self) -> None:
+        self.entries: list[types.TranscriptEntry] = []
+        self.size = 0
+
+    def take(self, op: str, chunk: host.TranscriptChunk) -> None:
+        self.size += chunk.ByteSize()
+        self.entries.extend(chunk.entries)
+        if len(self.entries) > MAX_READ_ENTRIES:
+            raise ResourceExhausted(f"host callback {op}: the transcript is over the read cap of "
+                                    f"{MAX_READ_ENTRIES} entries")
+        if self.size > MAX_READ_BYTES:
+            raise ResourceExhausted(f"host callback {op}: the transcript is over the read cap of "
+                                    f"{MAX_READ_BYTES} bytes")
+
+
 class HostClient:
     """Calls the gateway back during one engine call. Every request carries
     the grant token, the call's remaining deadline (DEFAULT_CALLBACK_SECONDS
@@ -251,33 +277,55 @@ class HostClient:
 
     async def read_transcript(self, ctx: CallContext, visible_only: bool = False) -> list[types.TranscriptEntry]:
         """The grant's session's transcript (or only its visible history),
-        collected from the stream: at most MAX_READ_ENTRIES entries and
-        MAX_READ_BYTES in all, else RESOURCE_EXHAUSTED naming the cap."""
+        collected page by page: the host answers one page a call, and the
+        last chunk's cursor asks for the next. At most MAX_READ_ENTRIES
+        entries and MAX_READ_BYTES over all pages, else RESOURCE_EXHAUSTED
+        naming the cap; each page is bounded by the call's remaining deadline
+        (DEFAULT_CALLBACK_SECONDS when it has none)."""
+        read = _Read()
+        cursor = ""
+        while True:
+            cursor = await self._read_page(ctx, visible_only, cursor, 0, read)
+            if not cursor:
+                return read.entries
+
+    async def read_transcript_page(self, ctx: CallContext, visible_only: bool = False, cursor: str = "",
+                                   limit: int = 0) -> tuple[list[types.TranscriptEntry], str]:
+        """One page: at most `limit` entries (0: as many as the host sends at
+        once) after `cursor` ("": from the start), and the cursor of the next
+        page ("": nothing follows). For sessions longer than the read caps;
+        one page is capped as `read_transcript` is."""
+        read = _Read()
+        next_cursor = await self._read_page(ctx, visible_only, cursor, limit, read)
+        return read.entries, next_cursor
+
+    async def _read_page(self, ctx: CallContext, visible_only: bool, cursor: str, limit: int, read: _Read) -> str:
+        """One ReadTranscript call into `read`; the last chunk's cursor."""
         op = "ReadTranscript"
         if not self.allows(READ_TRANSCRIPT):
             raise NotGranted(READ_TRANSCRIPT)
+        ctx.check()
         timeout, metadata = self._bounds(ctx)
         req = host.ReadTranscriptRequest(grant=self._grant.token, session_id=self._grant.session_id,
-                                         visible_only=visible_only)
+                                         cursor=cursor, visible_only=visible_only, limit=limit)
         call = self._read(req, timeout=timeout, metadata=metadata)
-        entries: list[types.TranscriptEntry] = []
-        size = 0
+        before = len(read.entries)
+        last = ""
         try:
             async for chunk in call:
                 ctx.check()
-                size += chunk.ByteSize()
-                entries.extend(chunk.entries)
-                if len(entries) > MAX_READ_ENTRIES:
-                    raise ResourceExhausted(f"host callback {op}: the transcript is over the read cap of "
-                                            f"{MAX_READ_ENTRIES} entries")
-                if size > MAX_READ_BYTES:
-                    raise ResourceExhausted(f"host callback {op}: the transcript is over the read cap of "
-                                            f"{MAX_READ_BYTES} bytes")
+                read.take(op, chunk)
+                last = chunk.next_cursor
         except grpc.aio.AioRpcError as e:
             raise _host_error(ctx, op, e) from None
         finally:
             call.cancel()  # a no-op once the stream ended; stops a peer that goes on
-        return entries
+        # A page that says more follows must have moved past `cursor`, or
+        # following it would ask for the same page again.
+        if last and (len(read.entries) == before or last == cursor):
+            raise Unavailable(f"host callback {op}: the host sent a page with no new entries and a cursor "
+                              "to more; stopped rather than read the same page again")
+        return last
 
     async def llm_complete(self, ctx: CallContext, req: host.LlmCompleteRequest) -> host.LlmCompleteResult:
         """One completion from the host's model. Cancelling the call (the

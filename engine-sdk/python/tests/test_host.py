@@ -1,12 +1,14 @@
 """Host callbacks: the allow-list decides which endpoints a request may make
 the engine dial (a refused one is never dialled), every callback carries the
-grant, a deadline and the method's span, and a peer streaming transcript
-chunks for ever makes the read fail with RESOURCE_EXHAUSTED."""
+grant, a deadline and the method's span, a read follows the host's pages
+to the end, and a peer streaming transcript chunks for ever makes the read
+fail with RESOURCE_EXHAUSTED."""
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,8 +16,8 @@ import grpc
 import grpc.aio
 import pytest
 
-from ctxgate_engine import ServeArgs
-from ctxgate_engine.host import MAX_READ_ENTRIES, HostEndpoint, HostPolicy, Refused
+from ctxgate_engine import CallContext, EngineError, ServeArgs
+from ctxgate_engine.host import MAX_READ_ENTRIES, HostClient, HostEndpoint, HostPolicy, Refused
 from ctxgate_engine.methods import HOST_SERVICE
 from ctxgate_engine.pb import host, pb, types
 from helpers import assemble_request, run_async, serving, unary
@@ -66,11 +68,17 @@ async def test_an_allow_list_is_all_that_is_called_back() -> None:
 
 class FakeHost:
     """A Host service: ReadTranscript answers `entries` in one chunk, or
-    streams for ever (`forever`: chunks of `per_chunk` entries of `text`)."""
+    streams for ever (`forever`: chunks of `per_chunk` entries of `text`),
+    or (`paged`) answers `entries` as the gateway does: a page of at most
+    1000 entries after the request's cursor, in chunks of 128, the last
+    chunk's cursor set when more follow; `stuck`: a page with no entries and
+    a cursor to more."""
 
     def __init__(self) -> None:
         self.entries: list[types.TranscriptEntry] = [types.TranscriptEntry(id="e1")]
         self.forever = False
+        self.paged = False
+        self.stuck = False
         self.per_chunk = 100
         self.text = ""
         self.sent_chunks = 0
@@ -85,6 +93,18 @@ class FakeHost:
     async def read(self, req: host.ReadTranscriptRequest,
                    context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[host.TranscriptChunk]:
         self.requests.append((req, context.time_remaining(), dict(context.invocation_metadata() or ())))
+        if self.stuck:
+            yield host.TranscriptChunk(next_cursor="e1")
+            return
+        if self.paged:
+            start = next((i + 1 for i, e in enumerate(self.entries) if e.id == req.cursor), 0)
+            page = self.entries[start:start + min(req.limit or 1000, 1000)]
+            more = start + len(page) < len(self.entries)
+            for i in range(0, len(page), 128):
+                chunk = page[i:i + 128]
+                last = i + 128 >= len(page)
+                yield host.TranscriptChunk(entries=chunk, next_cursor=chunk[-1].id if more or not last else "")
+            return
         if not self.forever:
             yield host.TranscriptChunk(entries=self.entries)
             return
@@ -175,3 +195,46 @@ async def test_a_peer_streaming_for_ever_makes_the_read_resource_exhausted(per_c
     await asyncio.sleep(0.2)
     assert fake.sent_chunks - sent < 64, "the stream was stopped, not drained"
     await fake.server.stop(None)
+
+
+@run_async
+async def test_a_read_follows_the_hosts_pages_to_the_end_in_order() -> None:
+    fake = FakeHost()
+    fake.paged = True
+    fake.entries = [types.TranscriptEntry(id=f"e{i}", seq=i) for i in range(2500)]
+    await fake.server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{fake.port}")
+    client = HostClient(channel, fake.access().grant)
+    ctx = CallContext(deadline=time.monotonic() + 10)
+    try:
+        entries = await client.read_transcript(ctx, visible_only=True)
+        assert [e.seq for e in entries] == list(range(2500)), "all of them, in order"
+        assert [r.cursor for r, _, _ in fake.requests] == ["", "e999", "e1999"], "three calls, each resuming"
+        assert all(r.visible_only and r.limit == 0 for r, _, _ in fake.requests)
+        assert all(left is not None and 0 < left <= 10 for _, left, _ in fake.requests), "each within the call's deadline"
+        page, cursor = await client.read_transcript_page(ctx, cursor="e999", limit=10)
+        assert ([e.id for e in page], cursor) == ([f"e{i}" for i in range(1000, 1010)], "e1009")
+        page, cursor = await client.read_transcript_page(ctx, cursor="e2399", limit=500)
+        assert (len(page), page[-1].id, cursor) == (100, "e2499", ""), "the last page: nothing follows"
+    finally:
+        await channel.close()
+        await fake.server.stop(None)
+
+
+@run_async
+async def test_a_page_with_no_entries_but_a_cursor_fails_rather_than_loop() -> None:
+    fake = FakeHost()
+    fake.stuck = True
+    await fake.server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{fake.port}")
+    client = HostClient(channel, fake.access().grant)
+    try:
+        with pytest.raises(EngineError) as e:
+            await client.read_transcript(CallContext(deadline=time.monotonic() + 10))
+        code, message, _ = e.value.status()
+        assert code == grpc.StatusCode.UNAVAILABLE, code
+        assert "no new entries and a cursor" in message, message
+        assert len(fake.requests) == 1, "it did not ask again"
+    finally:
+        await channel.close()
+        await fake.server.stop(None)
