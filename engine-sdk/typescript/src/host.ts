@@ -223,6 +223,13 @@ export class HostChannels {
 
 type RawCall = grpc.ClientReadableStream<pb.TranscriptChunk__Output>;
 
+/** What one read took so far, over all its pages, against the caps. */
+interface Read {
+  entries: pb.TranscriptEntry__Output[];
+  /** Encoded bytes received. */
+  bytes: number;
+}
+
 /** Calls the gateway back during one engine call: every request carries
  * the grant token, the engine call's remaining deadline (or
  * DEFAULT_CALLBACK_MS) and its trace. */
@@ -260,22 +267,56 @@ export class HostClient {
   }
 
   /** The grant's session transcript (or only its visible history),
-   * collected from the stream: at most MAX_TRANSCRIPT_ENTRIES entries and
-   * MAX_TRANSCRIPT_BYTES in all, else RESOURCE_EXHAUSTED naming the cap. */
-  readTranscript(ctx: CallContext, visibleOnly = false): Promise<pb.TranscriptEntry__Output[]> {
+   * collected page by page: the host answers one page a call, and the last
+   * chunk's cursor asks for the next. At most MAX_TRANSCRIPT_ENTRIES entries
+   * and MAX_TRANSCRIPT_BYTES over all pages, else RESOURCE_EXHAUSTED naming
+   * the cap; each page is bounded by the engine call's remaining deadline
+   * (DEFAULT_CALLBACK_MS when it has none). */
+  async readTranscript(ctx: CallContext, visibleOnly = false): Promise<pb.TranscriptEntry__Output[]> {
+    const read: Read = { entries: [], bytes: 0 };
+    let cursor = "";
+    do {
+      cursor = await this.readPage(ctx, visibleOnly, cursor, 0, read);
+    } while (cursor !== "");
+    return read.entries;
+  }
+
+  /** One page: at most `limit` entries (0: as many as the host sends at
+   * once) after `cursor` ("": from the start), and the cursor of the next
+   * page ("": nothing follows). For sessions longer than the read caps;
+   * one page is capped as readTranscript is. */
+  async readTranscriptPage(
+    ctx: CallContext,
+    opts: { visibleOnly?: boolean; cursor?: string; limit?: number } = {},
+  ): Promise<{ entries: pb.TranscriptEntry__Output[]; nextCursor: string }> {
+    const read: Read = { entries: [], bytes: 0 };
+    const nextCursor = await this.readPage(ctx, opts.visibleOnly ?? false, opts.cursor ?? "", opts.limit ?? 0, read);
+    return { entries: read.entries, nextCursor };
+  }
+
+  /** Why the engine call ended, once it has (its signal's reason). */
+  private aborted(ctx: CallContext): EngineError | undefined {
+    if (!ctx.signal.aborted) return undefined;
+    return ctx.signal.reason instanceof EngineError ? ctx.signal.reason : EngineError.cancelled();
+  }
+
+  /** One ReadTranscript call into `read`; the last chunk's cursor. */
+  private readPage(ctx: CallContext, visibleOnly: boolean, cursor: string, limit: number, read: Read): Promise<string> {
     if (!this.allows(READ_TRANSCRIPT)) {
       return Promise.reject(EngineError.failedPrecondition(`the grant does not allow ${READ_TRANSCRIPT}`));
     }
+    const aborted = this.aborted(ctx);
+    if (aborted) return Promise.reject(aborted);
     const def = hostService.ReadTranscript!;
-    let received = 0;
     const deserialize = (buf: Buffer): pb.TranscriptChunk__Output => {
-      received += buf.length;
+      read.bytes += buf.length;
       return def.responseDeserialize(buf) as pb.TranscriptChunk__Output;
     };
-    const req: pb.ReadTranscriptRequest = { grant: this.grant.token, sessionId: this.grant.sessionId, visibleOnly };
+    const req: pb.ReadTranscriptRequest = { grant: this.grant.token, sessionId: this.grant.sessionId, cursor, visibleOnly, limit };
     const { metadata, options } = this.options(ctx);
+    const before = read.entries.length;
     return new Promise((resolve, reject) => {
-      const entries: pb.TranscriptEntry__Output[] = [];
+      let last = "";
       let done = false;
       const call: RawCall = this.client.makeServerStreamRequest(
         def.path,
@@ -292,21 +333,31 @@ export class HostClient {
         if (err) {
           call.cancel();
           reject(err);
-        } else resolve(entries);
+        } else if (last !== "" && (read.entries.length === before || last === cursor)) {
+          // A page that says more follows must have moved past `cursor`, or
+          // following it would ask for the same page again.
+          reject(
+            new EngineError(
+              grpc.status.UNAVAILABLE,
+              "host callback ReadTranscript: the host sent a page with no new entries and a cursor to more; stopped rather than read the same page again",
+            ),
+          );
+        } else resolve(last);
       };
-      const onAbort = () => finish(ctx.signal.reason instanceof EngineError ? ctx.signal.reason : EngineError.cancelled());
+      const onAbort = () => finish(this.aborted(ctx) ?? EngineError.cancelled());
       ctx.signal.addEventListener("abort", onAbort, { once: true });
       call.on("data", (chunk: pb.TranscriptChunk__Output) => {
         if (done) return;
-        entries.push(...chunk.entries);
-        if (received > MAX_TRANSCRIPT_BYTES) {
+        read.entries.push(...chunk.entries);
+        last = chunk.nextCursor;
+        if (read.bytes > MAX_TRANSCRIPT_BYTES) {
           finish(
             new EngineError(
               grpc.status.RESOURCE_EXHAUSTED,
               `host callback ReadTranscript sent more than ${MAX_TRANSCRIPT_BYTES} bytes, the cap`,
             ),
           );
-        } else if (entries.length > MAX_TRANSCRIPT_ENTRIES) {
+        } else if (read.entries.length > MAX_TRANSCRIPT_ENTRIES) {
           finish(
             new EngineError(
               grpc.status.RESOURCE_EXHAUSTED,

@@ -1,15 +1,44 @@
 // The Host client: callbacks carry the grant, the call's remaining
 // deadline and its trace; the host allow-list decides what is dialled (a
-// refused endpoint is never dialled); a hostile host streaming for ever
-// meets the ReadTranscript cap, memory bounded.
+// refused endpoint is never dialled); a read follows the host's pages to
+// the end; a hostile host streaming for ever meets the ReadTranscript cap,
+// memory bounded, and one paging without progress is stopped.
 import assert from "node:assert/strict";
 import { createServer, type Server as NetServer } from "node:net";
 import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
-import { HostPolicy, limits, parseHostEndpoint, serve, TraceParent } from "./sdk.js";
+import { CallContext, HostChannels, type HostClient, HostPolicy, limits, parseHostEndpoint, type pb, serve, TraceParent } from "./sdk.js";
 import { Probe, engineClient, fakeHost, grant, unary } from "./helpers.js";
 
 const user = (id: string) => ({ id, role: "ROLE_USER", content: [{ text: "hi" }] });
+
+type ReadCall = grpc.ServerWritableStream<pb.ReadTranscriptRequest__Output, pb.TranscriptChunk>;
+
+/** A host serving `entries` as the gateway does: a page of at most 1000
+ * after the request's cursor, in chunks of 128, the last chunk's cursor
+ * set when more follow. */
+function paged(entries: pb.TranscriptEntry[], requests: pb.ReadTranscriptRequest__Output[]) {
+  return (call: ReadCall) => {
+    requests.push(call.request);
+    const start = entries.findIndex((e) => e.id === call.request.cursor) + 1;
+    const page = entries.slice(start, start + Math.min(call.request.limit || 1000, 1000));
+    const more = start + page.length < entries.length;
+    for (let i = 0; i < page.length; i += 128) {
+      const chunk = page.slice(i, i + 128);
+      const last = i + 128 >= page.length;
+      call.write({ entries: chunk, nextCursor: more || !last ? chunk.at(-1)!.id! : "" });
+    }
+    call.end();
+  };
+}
+
+/** A host client to the fake host at `port`, and a call context of 10 s with it. */
+async function hostClient(port: number): Promise<{ host: HostClient; ctx: CallContext; channels: HostChannels }> {
+  const channels = new HostChannels(new HostPolicy());
+  const host = await channels.client({ endpoint: `127.0.0.1:${port}`, grant: grant() as pb.Grant__Output }, { kind: "local" }, 2000);
+  assert.ok(host);
+  return { host, ctx: new CallContext(new AbortController().signal, Date.now() + 10_000, host, undefined, undefined), channels };
+}
 
 describe("host client", () => {
   test("callbacks carry the grant token, the engine call's remaining deadline and the method's span", async () => {
@@ -138,6 +167,49 @@ describe("host client", () => {
       client.close();
       await bound.shutdown();
       host.close();
+    }
+  });
+
+  test("a read follows the host's pages to the end: 2,500 entries in order, in 3 calls", async () => {
+    const entries = Array.from({ length: 2500 }, (_, i) => ({ id: `e${i}`, seq: i }));
+    const requests: pb.ReadTranscriptRequest__Output[] = [];
+    const fake = await fakeHost({ readTranscript: paged(entries, requests) });
+    const { host, ctx, channels } = await hostClient(fake.port);
+    try {
+      const got = await host.readTranscript(ctx, true);
+      assert.deepEqual(got.map((e) => Number(e.seq)), entries.map((e) => e.seq), "all of them, in order");
+      assert.deepEqual(requests.map((r) => r.cursor), ["", "e999", "e1999"], "three calls, each resuming");
+      assert.ok(requests.every((r) => r.visibleOnly && r.limit === 0));
+      assert.ok(fake.calls.every((c) => c.deadline && c.deadline <= Date.now() + 10_000), "each within the call's deadline");
+      const page = await host.readTranscriptPage(ctx, { cursor: "e999", limit: 10 });
+      assert.deepEqual(page.entries.map((e) => e.id), Array.from({ length: 10 }, (_, i) => `e${1000 + i}`));
+      assert.equal(page.nextCursor, "e1009");
+      const last = await host.readTranscriptPage(ctx, { cursor: "e2399", limit: 500 });
+      assert.deepEqual([last.entries.length, last.entries.at(-1)?.id, last.nextCursor], [100, "e2499", ""], "the last page: nothing follows");
+    } finally {
+      channels.close();
+      fake.close();
+    }
+  });
+
+  test("a host paging without progress (no entries, a cursor to more) fails the read rather than loop", async () => {
+    const fake = await fakeHost({
+      readTranscript: (call) => {
+        call.write({ entries: [], nextCursor: "e1" });
+        call.end();
+      },
+    });
+    const { host, ctx, channels } = await hostClient(fake.port);
+    try {
+      await assert.rejects(host.readTranscript(ctx), (e: { code?: number; message?: string }) => {
+        assert.equal(e.code, grpc.status.UNAVAILABLE);
+        assert.match(e.message ?? "", /no new entries and a cursor to more/);
+        return true;
+      });
+      assert.equal(fake.calls.length, 1, "it did not ask again");
+    } finally {
+      channels.close();
+      fake.close();
     }
   });
 });
