@@ -28,8 +28,9 @@ const (
 	LlmCompleteOp    = "llm_complete"
 )
 
-// Caps on one ReadTranscript collection: a host (or something posing as
-// one) that streams for ever cannot exhaust the engine's memory.
+// Caps on one ReadTranscript collection, over all its pages: a host (or
+// something posing as one) that streams or pages for ever cannot exhaust
+// the engine's memory.
 const (
 	MaxTranscriptBytes   = 16 * 1024 * 1024
 	MaxTranscriptEntries = 20_000
@@ -114,42 +115,90 @@ func bounded(ctx context.Context) (context.Context, context.CancelFunc) {
 }
 
 // ReadTranscript collects the grant's session's transcript (visibleOnly:
-// only the visible history), at most MaxTranscriptEntries entries and
-// MaxTranscriptBytes in all; more is RESOURCE_EXHAUSTED naming the cap.
+// only the visible history) page by page: the host answers one page a
+// call, and the last chunk's cursor asks for the next. At most
+// MaxTranscriptEntries entries and MaxTranscriptBytes over all pages; more
+// is RESOURCE_EXHAUSTED naming the cap. Each page is bounded by ctx's
+// deadline (DefaultHostDeadline when it has none).
 func (h *HostClient) ReadTranscript(ctx context.Context, visibleOnly bool) ([]*pb.TranscriptEntry, error) {
+	var r transcriptRead
+	cursor := ""
+	for {
+		next, err := h.readPage(ctx, visibleOnly, cursor, 0, &r)
+		if err != nil {
+			return nil, err
+		}
+		if next == "" {
+			return r.entries, nil
+		}
+		cursor = next
+	}
+}
+
+// ReadTranscriptPage reads one page: at most limit entries (0: as many as
+// the host sends at once) after cursor ("": from the start), and the
+// cursor of the next page ("": nothing follows). For sessions longer than
+// the read caps; one page is capped as ReadTranscript is.
+func (h *HostClient) ReadTranscriptPage(ctx context.Context, visibleOnly bool, cursor string, limit uint32) ([]*pb.TranscriptEntry, string, error) {
+	var r transcriptRead
+	next, err := h.readPage(ctx, visibleOnly, cursor, limit, &r)
+	if err != nil {
+		return nil, "", err
+	}
+	return r.entries, next, nil
+}
+
+// transcriptRead is what one read took so far, over all its pages,
+// against the caps.
+type transcriptRead struct {
+	entries []*pb.TranscriptEntry
+	size    int
+}
+
+// readPage makes one ReadTranscript call into r; the last chunk's cursor.
+func (h *HostClient) readPage(ctx context.Context, visibleOnly bool, cursor string, limit uint32, r *transcriptRead) (string, error) {
 	const op = "ReadTranscript"
 	if !h.Allows(ReadTranscriptOp) {
-		return nil, notGranted(ReadTranscriptOp)
+		return "", notGranted(ReadTranscriptOp)
 	}
 	cctx, cancel := bounded(ctx)
 	defer cancel() // also ends the stream when a cap cuts it
 	stream, err := h.client.ReadTranscript(cctx, &pb.ReadTranscriptRequest{
-		Grant: h.grant.GetToken(), SessionId: h.grant.GetSessionId(), VisibleOnly: visibleOnly,
+		Grant: h.grant.GetToken(), SessionId: h.grant.GetSessionId(),
+		Cursor: cursor, VisibleOnly: visibleOnly, Limit: limit,
 	})
 	if err != nil {
-		return nil, hostError(cctx, op, err)
+		return "", hostError(cctx, op, err)
 	}
-	var entries []*pb.TranscriptEntry
-	size := 0
+	before, last := len(r.entries), ""
 	for {
 		chunk, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
-			return entries, nil
+			break
 		}
 		if err != nil {
-			return nil, hostError(cctx, op, err)
+			return "", hostError(cctx, op, err)
 		}
 		for _, e := range chunk.GetEntries() {
-			size += proto.Size(e)
-			if len(entries) >= MaxTranscriptEntries {
-				return nil, overCap(op, fmt.Sprintf("more than %d entries", MaxTranscriptEntries))
+			r.size += proto.Size(e)
+			if len(r.entries) >= MaxTranscriptEntries {
+				return "", overCap(op, fmt.Sprintf("more than %d entries", MaxTranscriptEntries))
 			}
-			if size > MaxTranscriptBytes {
-				return nil, overCap(op, fmt.Sprintf("more than %d bytes", MaxTranscriptBytes))
+			if r.size > MaxTranscriptBytes {
+				return "", overCap(op, fmt.Sprintf("more than %d bytes", MaxTranscriptBytes))
 			}
-			entries = append(entries, e)
+			r.entries = append(r.entries, e)
 		}
+		last = chunk.GetNextCursor()
 	}
+	// A page that says more follows must have moved past cursor, or
+	// following it would ask for the same page again.
+	if last != "" && (len(r.entries) == before || last == cursor) {
+		return "", &HostError{Operation: op, code: codes.Unavailable,
+			msg: fmt.Sprintf("host callback %s: the host sent a page with no new entries and a cursor to more; "+
+				"stopped rather than read the same page again", op)}
+	}
+	return last, nil
 }
 
 func overCap(op, what string) error {

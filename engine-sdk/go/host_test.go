@@ -2,15 +2,19 @@ package enginesdk
 
 import (
 	"context"
+	"fmt"
 	"net"
 	"runtime"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -183,6 +187,124 @@ func TestAnEndlessTranscriptIsCutAtTheReadCapsWithBoundedMemory(t *testing.T) {
 		if grown := int64(after.HeapInuse) - int64(before.HeapInuse); grown > 64<<20 {
 			t.Fatalf("%s: the heap grew by %d MiB", mode, grown>>20)
 		}
+	}
+}
+
+// pagedHost answers ReadTranscript as the gateway does: a page of at most
+// 1000 of entries after the request's cursor, in chunks of 128, the last
+// chunk's cursor set when more follow; stuck: a page with no entries and a
+// cursor to more.
+type pagedHost struct {
+	pb.UnimplementedHostServer
+	entries  []*pb.TranscriptEntry
+	stuck    bool
+	mu       sync.Mutex
+	requests []*pb.ReadTranscriptRequest
+}
+
+func (h *pagedHost) ReadTranscript(req *pb.ReadTranscriptRequest, stream pb.Host_ReadTranscriptServer) error {
+	h.mu.Lock()
+	h.requests = append(h.requests, req)
+	h.mu.Unlock()
+	if h.stuck {
+		return stream.Send(&pb.TranscriptChunk{NextCursor: "e1"})
+	}
+	start := 0
+	for i, e := range h.entries {
+		if e.GetId() == req.GetCursor() {
+			start = i + 1
+		}
+	}
+	n := 1000
+	if l := int(req.GetLimit()); l > 0 && l < n {
+		n = l
+	}
+	page := h.entries[start:min(start+n, len(h.entries))]
+	more := start+len(page) < len(h.entries)
+	for i := 0; i < len(page); i += 128 {
+		chunk := page[i:min(i+128, len(page))]
+		next := chunk[len(chunk)-1].GetId()
+		if i+128 >= len(page) && !more {
+			next = ""
+		}
+		if err := stream.Send(&pb.TranscriptChunk{Entries: chunk, NextCursor: next}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// seen is the requests h answered so far.
+func (h *pagedHost) seen() []*pb.ReadTranscriptRequest {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return slices.Clone(h.requests)
+}
+
+// pagedClient is a host client to h, served on loopback.
+func pagedClient(t *testing.T, h *pagedHost) *HostClient {
+	t.Helper()
+	l := loopback(t, "127.0.0.1:0")
+	s := grpc.NewServer()
+	pb.RegisterHostServer(s, h)
+	go func() { _ = s.Serve(l) }()
+	t.Cleanup(s.Stop)
+	conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return &HostClient{client: pb.NewHostClient(conn), grant: access("").GetGrant()}
+}
+
+func TestAReadFollowsTheHostsPagesToTheEndInOrder(t *testing.T) {
+	h := &pagedHost{}
+	for i := 0; i < 2500; i++ {
+		h.entries = append(h.entries, &pb.TranscriptEntry{Id: fmt.Sprintf("e%d", i), Seq: uint64(i)})
+	}
+	c := pagedClient(t, h)
+	ctx := timeout(10 * time.Second)
+	entries, err := c.ReadTranscript(ctx, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != 2500 {
+		t.Fatalf("read %d entries, not 2500", len(entries))
+	}
+	for i, e := range entries {
+		if e.GetSeq() != uint64(i) {
+			t.Fatalf("entry %d is seq %d: not in order", i, e.GetSeq())
+		}
+	}
+	var cursors []string
+	for _, r := range h.seen() {
+		if !r.GetVisibleOnly() || r.GetLimit() != 0 {
+			t.Fatalf("a page asked for %v", r)
+		}
+		cursors = append(cursors, r.GetCursor())
+	}
+	if want := []string{"", "e999", "e1999"}; !slices.Equal(cursors, want) {
+		t.Fatalf("the calls' cursors were %q, not %q (three calls, each resuming)", cursors, want)
+	}
+	page, next, err := c.ReadTranscriptPage(ctx, false, "e999", 10)
+	if err != nil || len(page) != 10 || page[0].GetId() != "e1000" || next != "e1009" {
+		t.Fatalf("one page of 10 after e999: %d entries, next %q, %v", len(page), next, err)
+	}
+	page, next, err = c.ReadTranscriptPage(ctx, false, "e2399", 500)
+	if err != nil || len(page) != 100 || page[99].GetId() != "e2499" || next != "" {
+		t.Fatalf("the last page: %d entries, next %q (nothing follows), %v", len(page), next, err)
+	}
+}
+
+func TestAPageWithNoEntriesButACursorFailsRatherThanLoop(t *testing.T) {
+	h := &pagedHost{stuck: true}
+	c := pagedClient(t, h)
+	_, err := c.ReadTranscript(timeout(10*time.Second), false)
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "no new entries and a cursor to more") {
+		t.Fatalf("a host paging without progress: %v", err)
+	}
+	if n := len(h.seen()); n != 1 {
+		t.Fatalf("it asked %d times", n)
 	}
 }
 
