@@ -41,7 +41,9 @@ type ReadTranscriptRequest struct {
 	// Only the visible history (latest compaction summary + kept entries)
 	// instead of the whole active branch.
 	VisibleOnly bool `protobuf:"varint,4,opt,name=visible_only,json=visibleOnly,proto3" json:"visible_only,omitempty"`
-	// At most this many entries in all; 0 = no limit.
+	// At most this many entries; 0 = as many as the host answers at once.
+	// One call answers one page: the host caps it (ctxgate: 1000 entries,
+	// about 4 MiB); the last chunk's next_cursor resumes after it.
 	Limit         uint32 `protobuf:"varint,5,opt,name=limit,proto3" json:"limit,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -115,8 +117,9 @@ func (x *ReadTranscriptRequest) GetLimit() uint32 {
 type TranscriptChunk struct {
 	state   protoimpl.MessageState `protogen:"open.v1"`
 	Entries []*TranscriptEntry     `protobuf:"bytes,1,rep,name=entries,proto3" json:"entries,omitempty"`
-	// Resumes after this chunk (ReadTranscriptRequest.cursor). Blank on the
-	// last chunk when nothing follows; set when `limit` cut entries off.
+	// Resumes after this chunk (ReadTranscriptRequest.cursor). On the last
+	// chunk: set exactly when more entries follow (cut off by `limit` or by
+	// the host's page cap), blank when the read reached the end.
 	NextCursor    string `protobuf:"bytes,2,opt,name=next_cursor,json=nextCursor,proto3" json:"next_cursor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
