@@ -101,8 +101,9 @@ impl ModelProvider for Offline {
         deltas: Option<mpsc::Sender<String>>,
         cancel: &CancellationToken,
     ) -> Result<ChatResponse, ModelError> {
-        let prompt = estimate::messages_tokens(&req.messages) + req.system.as_deref().map_or(0, estimate::text_tokens);
-        if prompt + req.max_tokens > self.context_window {
+        let prompt = estimate::messages_tokens(&req.messages)
+            .saturating_add(req.system.as_deref().map_or(0, estimate::text_tokens));
+        if prompt.saturating_add(req.max_tokens) > self.context_window {
             return Err(ModelError::ContextOverflow(format!(
                 "{prompt} prompt tokens + {} for the reply exceed the {}-token window",
                 req.max_tokens, self.context_window
@@ -146,7 +147,7 @@ impl ModelProvider for Offline {
             usage: Usage {
                 input_tokens: Some(prompt),
                 output_tokens: Some(output),
-                total_tokens: Some(prompt + output),
+                total_tokens: Some(prompt.saturating_add(output)),
                 ..Default::default()
             },
             tool_calls: Vec::new(),

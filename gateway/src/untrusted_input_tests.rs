@@ -37,8 +37,42 @@ fn message() -> impl Strategy<Value = AgentMessage> {
         })
 }
 
+pub(crate) fn usage_count() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        Just(u64::MAX),
+        Just(limits::MAX_USAGE_TOKENS),
+        Just(limits::MAX_USAGE_TOKENS + 1),
+        any::<u64>(),
+        0..10_000u64
+    ]
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// A peer's usage counts, u64::MAX among them, through every sum a turn
+    /// makes of them: validation refuses what is over the limit, the
+    /// estimate clamps, and no sum overflows (debug builds would panic) or
+    /// wraps below what a single message claims.
+    #[test]
+    fn usage_counts_never_overflow_a_sum(counts in proptest::collection::vec(usage_count(), 0..64)) {
+        let messages: Vec<AgentMessage> = counts
+            .iter()
+            .enumerate()
+            .map(|(i, n)| AgentMessage {
+                id: format!("m{i}"),
+                role: pb::Role::Assistant as i32,
+                usage: Some(pb::Usage { output_tokens: Some(*n), total_tokens: Some(*n), ..Default::default() }),
+                ..Default::default()
+            })
+            .collect();
+        for (m, n) in messages.iter().zip(&counts) {
+            prop_assert_eq!(validate::message(m, "m").is_ok(), *n <= limits::MAX_USAGE_TOKENS);
+        }
+        let total = ctxgate_proto::estimate::messages_tokens(&messages);
+        let largest = counts.iter().map(|n| (*n).min(limits::MAX_USAGE_TOKENS)).max().unwrap_or(0);
+        prop_assert!(total >= largest, "the total wrapped below one message's count");
+    }
 
     /// Engine replies and requests as raw bytes: decode, then validate.
     #[test]

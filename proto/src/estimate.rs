@@ -22,7 +22,8 @@ pub fn text_tokens(text: &str) -> u64 {
 /// reported one, else the estimate of its parts.
 pub fn message_tokens(message: &AgentMessage) -> u64 {
     if let Some(reported) = message.usage.as_ref().and_then(|u| u.output_tokens) {
-        return reported;
+        // Validation refuses more; clamped again so no path can overflow a sum.
+        return reported.min(crate::limits::MAX_USAGE_TOKENS);
     }
     message
         .content
@@ -35,12 +36,12 @@ pub fn message_tokens(message: &AgentMessage) -> u64 {
             Part::ToolCall(c) => text_tokens(&c.name) + text_tokens(&c.arguments_json),
             Part::ToolResult(r) => text_tokens(&r.text),
         })
-        .sum()
+        .fold(0, u64::saturating_add)
 }
 
 /// Estimated tokens of a list of messages.
 pub fn messages_tokens<'a>(messages: impl IntoIterator<Item = &'a AgentMessage>) -> u64 {
-    messages.into_iter().map(message_tokens).sum()
+    messages.into_iter().map(message_tokens).fold(0, u64::saturating_add)
 }
 
 fn is_cjk(c: char) -> bool {

@@ -21,6 +21,10 @@ pub const MAX_ID_BYTES: usize = 256;
 /// Most messages in one request or result.
 pub const MAX_MESSAGES: usize = 20_000;
 
+/// The largest token count a message's `usage` may report: more than any
+/// model's window (a peer's `u64::MAX` is refused, not summed).
+pub const MAX_USAGE_TOKENS: u64 = 1 << 32;
+
 /// Most tools one engine declares (`EngineInfo.tools`).
 pub const MAX_TOOLS: usize = 64;
 

@@ -105,6 +105,29 @@ impl Violation {
 /// The checks of one message with paths relative to it. Nothing is
 /// allocated unless something is wrong: this runs on every message of every
 /// request and reply.
+/// A message's usage: counts a model could report, a cost that is a number.
+fn usage(u: &crate::pb::Usage) -> Result {
+    let counts = [
+        ("input_tokens", u.input_tokens),
+        ("output_tokens", u.output_tokens),
+        ("cache_read_tokens", u.cache_read_tokens),
+        ("cache_write_tokens", u.cache_write_tokens),
+        ("total_tokens", u.total_tokens),
+    ];
+    for (name, n) in counts {
+        if let Some(n) = n.filter(|n| *n > crate::limits::MAX_USAGE_TOKENS) {
+            return Err(Violation::invalid(
+                format!("usage.{name}"),
+                format!("{n} is over {} tokens", crate::limits::MAX_USAGE_TOKENS),
+            ));
+        }
+    }
+    if u.cost_usd.is_some_and(|c| !c.is_finite() || c < 0.0) {
+        return Err(Violation::invalid("usage.cost_usd", "must be a finite, non-negative number"));
+    }
+    Ok(())
+}
+
 fn check_message(m: &AgentMessage) -> Result {
     id(&m.id, "id")?;
     match Role::try_from(m.role) {
@@ -141,6 +164,9 @@ fn check_message(m: &AgentMessage) -> Result {
             format!("[{k:.64}] is {} bytes, the limit is {MAX_METADATA_VALUE_BYTES}", v.len())
         };
         return Err(Violation::too_large("metadata", what));
+    }
+    if let Some(u) = &m.usage {
+        usage(u)?;
     }
     let size = content_bytes(m);
     if size > MAX_MESSAGE_CONTENT_BYTES {

@@ -370,6 +370,53 @@ async fn overflow_compacts_and_answers_a_new_context_then_fails_clearly() {
 }
 
 #[tokio::test]
+async fn a_peers_u64_max_usage_is_refused_and_a_huge_one_still_keeps_the_budget() {
+    let g = TestGateway::start(Config::default()).await;
+    let hc = client(&g.endpoint);
+    let with_usage = |t: &str, n: u64| {
+        let mut m = text(Role::Assistant, t);
+        m.usage = Some(ctxgate_proto::pb::Usage { output_tokens: Some(n), ..Default::default() });
+        m
+    };
+    // u64::MAX: refused with the field, nothing stored, the gateway up.
+    let mut d = Drive::admitted(&hc, begin("usage", "hi")).await;
+    let s = status_of(d.append(vec![with_usage("wrapped", u64::MAX)]).await);
+    assert_eq!(s.code(), Code::InvalidArgument);
+    assert!(s.message().starts_with("append.messages[0].usage.output_tokens: 18446744073709551615 is over"), "{s:?}");
+    assert!(shape(&g, "usage").await.iter().all(|(_, t)| t != "wrapped"), "refused input stored nothing");
+    // The largest count accepted, twice: the sums saturate rather than
+    // wrap, so the next turn sees a history far over its budget and
+    // compacts (or says it cannot), never a small wrapped total.
+    let mut d = Drive::admitted(&hc, begin("usage2", "hi")).await;
+    let big = ctxgate_proto::limits::MAX_USAGE_TOKENS;
+    d.append(vec![with_usage("huge one", big), with_usage("huge two", big)]).await.unwrap();
+    d.end(api::TurnOutcome::Accepted).await.unwrap();
+    let mut d = Drive::open(&hc, begin("usage2", "again")).await.unwrap();
+    let mut budget_held = false;
+    while let Ok(Some(e)) = d.next().await {
+        if let H::Context(c) = &e {
+            assert!(
+                c.estimated_tokens <= c.token_budget,
+                "a context over its budget reached the harness: {} > {}",
+                c.estimated_tokens,
+                c.token_budget
+            );
+            budget_held = true;
+            break;
+        }
+    }
+    assert!(
+        budget_held || d.seen.iter().any(|e| matches!(e, H::Failed(_))),
+        "neither a context nor a failure: {:?}",
+        d.seen
+    );
+    // And the gateway serves on.
+    let mut d = Drive::admitted(&hc, begin("after", "still here")).await;
+    d.end(api::TurnOutcome::Accepted).await.unwrap();
+    g.stop().await;
+}
+
+#[tokio::test]
 async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     let g = TestGateway::start(Config::default()).await;
     let hc = client(&g.endpoint);

@@ -40,7 +40,7 @@ pub fn fit_turns(mut messages: Vec<AgentMessage>, budget: u64) -> Vec<AgentMessa
     let tokens: Vec<u64> = messages.iter().map(estimate::message_tokens).collect();
     let mut suffix = vec![0u64; messages.len() + 1];
     for i in (0..messages.len()).rev() {
-        suffix[i] = suffix[i + 1] + tokens[i];
+        suffix[i] = suffix[i + 1].saturating_add(tokens[i]);
     }
     let starts = turn_starts(&messages);
     // The first turn start (oldest first) whose suffix fits; else the newest.

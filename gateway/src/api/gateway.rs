@@ -151,7 +151,7 @@ impl Gateway for Api {
         let mut stats = self.core.list_sessions(r.agent_id.as_deref(), r.include_archived, offset, limit + 1).await?;
         let more = stats.len() > limit as usize;
         stats.truncate(limit as usize);
-        let next_page_token = if more { (offset + u64::from(limit)).to_string() } else { String::new() };
+        let next_page_token = if more { offset.saturating_add(u64::from(limit)).to_string() } else { String::new() };
         let sessions = stats
             .into_iter()
             .map(|s| api::SessionInfo {

@@ -112,8 +112,8 @@ impl Core {
         let next = pb::HistoryCursor {
             message_id: last.id.clone(),
             seq,
-            message_count: base.message_count + messages.len() as u64,
-            tokens: base.tokens + messages.iter().map(|(_, m)| estimate::message_tokens(m)).sum::<u64>(),
+            message_count: base.message_count.saturating_add(messages.len() as u64),
+            tokens: base.tokens.saturating_add(estimate::messages_tokens(messages.iter().map(|(_, m)| *m))),
         };
         Ok(self.store.set_cursor(&session.session_id, &lease.key, Some(next)).await?)
     }

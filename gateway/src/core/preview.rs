@@ -94,8 +94,10 @@ impl Core {
             .into_iter()
             .map(|m| PreviewMessage { summary: is_summary(&m), tokens: estimate::message_tokens(&m), message: m })
             .collect();
-        let estimated_tokens =
-            messages.iter().map(|m| m.tokens).sum::<u64>() + addition.as_deref().map_or(0, estimate::text_tokens);
+        let estimated_tokens = messages
+            .iter()
+            .map(|m| m.tokens)
+            .fold(addition.as_deref().map_or(0, estimate::text_tokens), u64::saturating_add);
         let subagent = self.store.is_subagent(&session.agent_id, &session.session_key).await?;
         Ok(Preview {
             engine_id: lease.info.id.clone(),

@@ -10,6 +10,9 @@ use crate::core::{Core, CoreError, now_unix_ms};
 use crate::engines::{Call, EngineCallError};
 use crate::store::{NewEntry, Session, Subagent};
 
+/// The longest subagent ttl kept (a client's larger one is clamped to it).
+const MAX_SUBAGENT_TTL_MS: u64 = 365 * 24 * 3600 * 1000;
+
 impl Core {
     // --- subagents ------------------------------------------------------------
 
@@ -106,7 +109,8 @@ impl Core {
                 history.into_iter().map(|m| NewEntry { turn_id: "fork".into(), entry: Entry::Message(m) }).collect();
             self.store.append(&child.session_id, entries).await?;
         }
-        let expires_at_ms = ttl_ms.map(|t| now_unix_ms() + t as i64);
+        // A peer's ttl: at most a year, never an overflow.
+        let expires_at_ms = ttl_ms.map(|t| now_unix_ms().saturating_add(t.min(MAX_SUBAGENT_TTL_MS) as i64));
         self.store
             .add_subagent(Subagent {
                 agent_id: parent.agent_id.clone(),

@@ -40,7 +40,7 @@ impl Read {
 
     /// Tokens of the whole visible history, the engine's share included.
     pub(super) fn tokens(&self) -> u64 {
-        self.cursor().map_or(0, |c| c.tokens) + estimate::messages_tokens(self.messages())
+        self.cursor().map_or(0, |c| c.tokens).saturating_add(estimate::messages_tokens(self.messages()))
     }
 
     /// The messages, and the cursor they follow.
@@ -166,4 +166,32 @@ async fn read_delta(from: &Source<'_>) -> Result<Read, CoreError> {
         }
     }
     Ok(Read::Full(core.visible_messages(session).await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use ctxgate_proto::limits::MAX_USAGE_TOKENS;
+    use ctxgate_proto::pb::{self, AgentMessage};
+    use proptest::prelude::*;
+
+    use super::Read;
+    use crate::untrusted_input_tests::usage_count;
+
+    proptest! {
+        /// A DELTA read's tokens: the cursor's count (the store's, or an
+        /// engine's in a gap detail) plus the messages', saturating.
+        #[test]
+        fn a_delta_reads_tokens_saturate(cursor in usage_count(), counts in proptest::collection::vec(usage_count(), 0..8)) {
+            let after: Vec<AgentMessage> = counts
+                .iter()
+                .map(|n| AgentMessage {
+                    usage: Some(pb::Usage { output_tokens: Some(*n), ..Default::default() }),
+                    ..Default::default()
+                })
+                .collect();
+            let read = Read::Delta { cursor: pb::HistoryCursor { tokens: cursor, ..Default::default() }, after };
+            let want = counts.iter().fold(cursor, |t, n| t.saturating_add((*n).min(MAX_USAGE_TOKENS)));
+            prop_assert_eq!(read.tokens(), want);
+        }
+    }
 }
