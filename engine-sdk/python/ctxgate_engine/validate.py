@@ -354,11 +354,22 @@ def check_request(method: str, request: Any) -> None:
 
 # --- results: what a caller checks of an engine's answers ---------------------
 
+# Unicode category Cc, what Rust's `char::is_control` matches.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
 def result_info(i: pb.EngineInfo) -> None:
     if not i.id.strip():
         raise Violation("info.id", "is blank")
     if not i.name.strip():
         raise Violation("info.name", "is blank")
+    # They become log fields, metric labels and an audit caller.
+    for field, v in (("info.id", i.id), ("info.name", i.name), ("info.version", i.version)):
+        n = utf8_len(v)
+        if n > MAX_ID_BYTES:
+            raise Violation(field, f"is {n} bytes, the limit is {MAX_ID_BYTES}", too_large=True)
+        if _CONTROL.search(v):
+            raise Violation(field, "contains a control character")
     if i.contract_version.split(".")[0] != "1":
         raise Violation("info.contract_version", f"is {quoted(i.contract_version)}, this side speaks 1.x")
     listed = list(i.implemented_methods)
