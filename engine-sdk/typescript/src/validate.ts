@@ -303,11 +303,20 @@ export const request = {
 
 const enumIs = (v: unknown, name: string, num: number) => v === name || v === num;
 
+/** Unicode category Cc, what Rust's `char::is_control` matches. */
+const CONTROL = /[\u0000-\u001f\u007f-\u009f]/;
+
 /** Result checks a caller applies to what an engine answered. */
 export const result = {
   info(i: pb.EngineInfo): void {
     if (!i.id || i.id.trim() === "") throw invalid("info.id", "is blank");
     if (!i.name || i.name.trim() === "") throw invalid("info.name", "is blank");
+    // They become log fields, metric labels and an audit caller.
+    for (const [field, v] of [["info.id", i.id], ["info.name", i.name], ["info.version", i.version]] as const) {
+      const n = bytes(v);
+      if (n > L.MAX_ID_BYTES) throw tooLarge(field, `is ${n} bytes, the limit is ${L.MAX_ID_BYTES}`);
+      if (v && CONTROL.test(v)) throw invalid(field, "contains a control character");
+    }
     const major = (i.contractVersion ?? "").split(".")[0];
     if (major !== "1") {
       throw invalid("info.contract_version", `is ${JSON.stringify(i.contractVersion ?? "")}, this side speaks 1.x`);
