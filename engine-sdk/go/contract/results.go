@@ -3,6 +3,7 @@ package contract
 import (
 	"fmt"
 	"strings"
+	"unicode"
 
 	"github.com/ctxgate/ctxgate/engine-sdk/go/pb"
 )
@@ -17,6 +18,18 @@ func checkInfo(i *pb.EngineInfo) *Violation {
 	}
 	if strings.TrimSpace(i.GetName()) == "" {
 		return invalid("info.name", "is blank")
+	}
+	// They become log fields, metric labels and an audit caller.
+	for _, f := range [...]struct{ field, v string }{
+		{"info.id", i.GetId()}, {"info.name", i.GetName()}, {"info.version", i.GetVersion()},
+	} {
+		if len(f.v) > MaxIDBytes {
+			return tooLarge(f.field, fmt.Sprintf("is %d bytes, the limit is %d", len(f.v), MaxIDBytes))
+		}
+		// unicode.IsControl is category Cc, as Rust's char::is_control.
+		if strings.IndexFunc(f.v, unicode.IsControl) >= 0 {
+			return invalid(f.field, "contains a control character")
+		}
 	}
 	if major, _, _ := strings.Cut(i.GetContractVersion(), "."); major != "1" {
 		return invalid("info.contract_version", fmt.Sprintf("is %q, this side speaks 1.x", i.GetContractVersion()))
