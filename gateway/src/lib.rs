@@ -18,7 +18,8 @@
 //!   [`summarize`], [`transcript`] (what is visible), [`provider`] (the
 //!   model), [`grants`] (what an engine's callbacks may do).
 //! - Cross-cutting: [`config`] (read and validated before any port is
-//!   bound) and [`metrics`].
+//!   bound), [`metrics`], and [`peer_text`] (what a peer says, made safe
+//!   to log and to pass on).
 
 pub mod api;
 pub mod cli;
@@ -28,6 +29,7 @@ pub mod core;
 pub mod engines;
 pub mod grants;
 pub mod metrics;
+pub mod peer_text;
 pub mod provider;
 pub mod store;
 pub mod summarize;

@@ -49,6 +49,19 @@ pub enum ModelError {
     Cancelled,
 }
 
+impl ModelError {
+    /// What went wrong, in words that carry nothing of the provider's.
+    pub fn class(&self) -> String {
+        match self {
+            Self::ContextOverflow(_) => "the prompt does not fit the model's context window".into(),
+            Self::Timeout(after) => format!("the model did not answer within {after:?}"),
+            Self::Unavailable(_) => "the model provider is unavailable".into(),
+            Self::Rejected { status, .. } => format!("the model provider refused the request with HTTP {status}"),
+            Self::Cancelled => "the model call was cancelled".into(),
+        }
+    }
+}
+
 #[async_trait]
 pub trait ModelProvider: Send + Sync + 'static {
     /// "offline" or "openai".
@@ -238,7 +251,9 @@ impl OpenAi {
         if let Some(key) = &self.api_key {
             http = http.bearer_auth(key);
         }
-        let resp = http.send().await.map_err(|e| ModelError::Unavailable(e.to_string()))?;
+        // Without the URL: reqwest's text would carry models.baseUrl whole.
+        let unavailable = |e: reqwest::Error| ModelError::Unavailable(e.without_url().to_string());
+        let resp = http.send().await.map_err(unavailable)?;
         let status = resp.status();
         if !status.is_success() {
             let body = resp.text().await.unwrap_or_default();
@@ -249,7 +264,7 @@ impl OpenAi {
         let mut buf = Vec::new();
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
-            buf.extend_from_slice(&chunk.map_err(|e| ModelError::Unavailable(e.to_string()))?);
+            buf.extend_from_slice(&chunk.map_err(unavailable)?);
             while let Some(nl) = buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = buf.drain(..=nl).collect();
                 let line = String::from_utf8_lossy(&line);
@@ -387,7 +402,8 @@ fn classify(status: u16, body: &str) -> ModelError {
     let v: Value = serde_json::from_str(body).unwrap_or(Value::Null);
     let err = v.get("error").unwrap_or(&v);
     let code = err.get("code").and_then(Value::as_str).unwrap_or_default();
-    let message = err.get("message").and_then(Value::as_str).unwrap_or(body).to_owned();
+    // The provider's words, capped and escaped: they reach logs and clients.
+    let message = crate::peer_text::capped(err.get("message").and_then(Value::as_str).unwrap_or(body), 300);
     let lower = message.to_lowercase();
     let overflow = code == "context_length_exceeded"
         || ["context length", "context window", "maximum context", "too many tokens", "prompt is too long"]

@@ -387,6 +387,15 @@ pub mod result {
         if i.name.trim().is_empty() {
             return Err(Violation::invalid("info.name", "is blank"));
         }
+        // They become log fields, metric labels and an audit caller.
+        for (field, v) in [("info.id", &i.id), ("info.name", &i.name), ("info.version", &i.version)] {
+            if v.len() > MAX_ID_BYTES {
+                return Err(Violation::too_large(field, format!("is {} bytes, the limit is {MAX_ID_BYTES}", v.len())));
+            }
+            if v.chars().any(char::is_control) {
+                return Err(Violation::invalid(field, "contains a control character"));
+            }
+        }
         let major = i.contract_version.split('.').next().unwrap_or_default();
         if major != "1" {
             return Err(Violation::invalid(

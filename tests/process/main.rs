@@ -6,5 +6,6 @@
 
 mod cli;
 mod crash_recovery;
+mod error_sweep;
 mod harness_python;
 mod tls;

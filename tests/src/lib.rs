@@ -53,9 +53,13 @@ impl EngineProcess {
     }
 
     /// [`EngineProcess::start`] for a command with more set (environment).
-    pub async fn spawn(mut cmd: Command) -> std::io::Result<Self> {
-        let mut child =
-            cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit()).kill_on_drop(true).spawn()?;
+    pub async fn spawn(cmd: Command) -> std::io::Result<Self> {
+        Self::spawn_logging_to(cmd, Stdio::inherit()).await
+    }
+
+    /// [`EngineProcess::spawn`] with its stderr (its log) sent to `log`.
+    pub async fn spawn_logging_to(mut cmd: Command, log: Stdio) -> std::io::Result<Self> {
+        let mut child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(log).kill_on_drop(true).spawn()?;
         let stdout = child.stdout.take().expect("stdout is piped");
         let mut lines = BufReader::new(stdout).lines();
         let line = tokio::time::timeout(START_TIMEOUT, lines.next_line())

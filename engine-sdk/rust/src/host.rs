@@ -54,8 +54,19 @@ impl HostClient {
         let mut read = Read::default();
         let mut cursor = String::new();
         loop {
+            let before = read.entries.len();
             let next = self.read_page(ctx, visible_only, &cursor, 0, &mut read).await?;
             match next {
+                // A page that brought nothing, or the cursor it was given,
+                // would be read again for ever.
+                Some(c) if !c.is_empty() && (read.entries.len() == before || c == cursor) => {
+                    return Err(EngineError::Host {
+                        operation: "ReadTranscript",
+                        status: tonic::Status::unavailable(
+                            "the host sent a page with no new entries and a cursor to more; stopped rather than read the same page again",
+                        ),
+                    });
+                }
                 Some(c) if !c.is_empty() => cursor = c,
                 _ => return Ok(read.entries),
             }
@@ -310,6 +321,11 @@ impl HostPolicy {
     /// the peer and to somewhere else, or that changes after the check,
     /// cannot steer the engine elsewhere.
     pub async fn check(&self, endpoint: &str, peer: Peer, within: Duration) -> Result<Checked, Refused> {
+        // A request's endpoint is logged with every refusal: never a
+        // megabyte of it, never a forged log line.
+        if endpoint.len() > MAX_ENDPOINT_BYTES || endpoint.chars().any(char::is_control) {
+            return Err(Refused::Invalid(format!("({} bytes, or control characters)", endpoint.len())));
+        }
         let h: HostEndpoint = endpoint.parse().map_err(|_| Refused::Invalid(endpoint.into()))?;
         let checked = |dial: Endpoint| Checked { dial, https: h.https, server_name: h.host.clone() };
         if !self.allow.is_empty() {
@@ -340,6 +356,9 @@ impl HostPolicy {
         }
     }
 }
+
+/// The longest host endpoint a request may name.
+const MAX_ENDPOINT_BYTES: usize = 1024;
 
 /// Host endpoints remembered at most (channels to the hosts this engine
 /// serves; more means something sends many: start over).
@@ -449,6 +468,11 @@ mod tests {
         assert!(matches!(p.check_now("unix:///run/gw.sock", Peer::Local).await, Err(Refused::UnixSocket(_))));
         assert!(matches!(p.check_now("name.invalid:7300", ip("127.0.0.1")).await, Err(Refused::NotThePeer { .. })));
         assert!(matches!(p.check_now("not an endpoint", ip("127.0.0.1")).await, Err(Refused::Invalid(_))));
+        let huge = format!("http://127.0.0.1:7300/{}", "x".repeat(16 << 20));
+        let refused = p.check_now(&huge, ip("127.0.0.1")).await.unwrap_err();
+        assert!(refused.to_string().len() < 200, "a 16 MiB endpoint is not echoed");
+        let forged = p.check_now("127.0.0.1:7300\nERROR forged", ip("127.0.0.1")).await.unwrap_err();
+        assert!(!forged.to_string().contains('\n'), "{forged}");
         // A caller on the unix socket is local: loopback is its.
         assert!(p.check_now("127.0.0.1:7300", Peer::Local).await.is_ok());
         assert!(p.check_now("10.1.2.3:7300", Peer::Local).await.is_err());
@@ -471,21 +495,41 @@ mod tests {
         assert!(e.to_string().contains("--host-allow"), "{e}");
     }
 
-    /// A peer at the host endpoint that streams transcript chunks for ever.
-    struct Endless;
+    /// A peer at the host endpoint: one that streams transcript chunks for
+    /// ever, or one that pages as the gateway does (2,500 entries, 1,000 a
+    /// call).
+    #[derive(Clone, Copy)]
+    enum FakeHost {
+        Endless,
+        Paged,
+    }
 
     #[tonic::async_trait]
-    impl pb::host_server::Host for Endless {
+    impl pb::host_server::Host for FakeHost {
         type ReadTranscriptStream =
             std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::TranscriptChunk, tonic::Status>> + Send>>;
 
         async fn read_transcript(
             &self,
-            _: tonic::Request<pb::ReadTranscriptRequest>,
+            req: tonic::Request<pb::ReadTranscriptRequest>,
         ) -> Result<tonic::Response<Self::ReadTranscriptStream>, tonic::Status> {
-            let entry = pb::TranscriptEntry { id: "x".repeat(200), ..Default::default() };
-            let chunk = pb::TranscriptChunk { entries: vec![entry; 128], next_cursor: "more".into() };
-            Ok(tonic::Response::new(Box::pin(tokio_stream::iter(std::iter::repeat(chunk).map(Ok)))))
+            let entry = |id: String| pb::TranscriptEntry { id, ..Default::default() };
+            match self {
+                Self::Endless => {
+                    let chunk =
+                        pb::TranscriptChunk { entries: vec![entry("x".repeat(200)); 128], next_cursor: "more".into() };
+                    Ok(tonic::Response::new(Box::pin(tokio_stream::iter(std::iter::repeat(chunk).map(Ok)))))
+                }
+                Self::Paged => {
+                    let r = req.into_inner();
+                    let start = if r.cursor.is_empty() { 0 } else { r.cursor[1..].parse::<usize>().unwrap() + 1 };
+                    let end = (start + 1_000).min(2_500);
+                    let entries = (start..end).map(|i| entry(format!("e{i}"))).collect();
+                    let next_cursor = if end < 2_500 { format!("e{}", end - 1) } else { String::new() };
+                    let chunk = pb::TranscriptChunk { entries, next_cursor };
+                    Ok(tonic::Response::new(Box::pin(tokio_stream::iter([Ok(chunk)]))))
+                }
+            }
         }
 
         async fn llm_complete(
@@ -496,13 +540,13 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_host_that_streams_for_ever_is_cut_off_at_the_read_caps() {
+    /// A client with a read grant for `host`, served on loopback.
+    async fn client_of(host: FakeHost) -> HostClient {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(pb::host_server::HostServer::new(Endless))
+                .add_service(pb::host_server::HostServer::new(host))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         let grant = pb::Grant {
@@ -511,7 +555,12 @@ mod tests {
             operations: vec![READ_TRANSCRIPT.into()],
             expires_at_unix_ms: 0,
         };
-        let client = HostClient { client: RawHostClient::new(channel(&Endpoint::Tcp(addr))), grant };
+        HostClient { client: RawHostClient::new(channel(&Endpoint::Tcp(addr))), grant }
+    }
+
+    #[tokio::test]
+    async fn a_host_that_streams_for_ever_is_cut_off_at_the_read_caps() {
+        let client = client_of(FakeHost::Endless).await;
         let ctx = CallContext::detached();
         let started = std::time::Instant::now();
         let err = client.read_transcript(&ctx, false).await.unwrap_err();
@@ -521,5 +570,16 @@ mod tests {
         // A page is capped the same way: one stream that never ends.
         let err = client.read_transcript_page(&ctx, false, "", 10).await.unwrap_err();
         assert!(matches!(err, EngineError::OverLimit(_)), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn a_read_follows_the_hosts_pages_to_the_end_in_order() {
+        let client = client_of(FakeHost::Paged).await;
+        let ctx = CallContext::detached();
+        let all = client.read_transcript(&ctx, false).await.unwrap();
+        let ids: Vec<String> = all.iter().map(|e| e.id.clone()).collect();
+        assert_eq!(ids, (0..2_500).map(|i| format!("e{i}")).collect::<Vec<_>>());
+        let (page, next) = client.read_transcript_page(&ctx, false, "e999", 0).await.unwrap();
+        assert_eq!((page.len(), next.as_str()), (1_000, "e1999"));
     }
 }

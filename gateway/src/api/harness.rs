@@ -227,7 +227,7 @@ impl Drive {
                     Err(CoreError::Aborted) => return Err(aborted()),
                     Err(e) => {
                         let done =
-                            crate::core::types::CompactionDone { reason: Some(e.to_string()), ..Default::default() };
+                            crate::core::types::CompactionDone { reason: Some(e.for_client()), ..Default::default() };
                         self.out.answer(H::CompactionDone(compaction_done(done))).await?;
                     }
                 },

@@ -7,6 +7,7 @@
 //! proto mappings the two client services share; the core never sees a
 //! client proto.
 
+pub mod errors;
 pub mod gateway;
 pub mod harness;
 pub mod host;
@@ -48,22 +49,25 @@ impl From<CoreError> for Status {
             CoreError::EngineFailed(_) => Status::unavailable(e.to_string()),
             CoreError::Store(StoreError::NoSession(_)) => Status::not_found("the session no longer exists"),
             // Rolled back whole: nothing half-written; the operator must free space.
-            CoreError::Store(StoreError::Full(detail)) => {
-                tracing::error!(%detail, "the state storage is full");
-                Status::resource_exhausted("the gateway's state storage is full; nothing of this call was stored")
-            }
+            CoreError::Store(StoreError::Full(detail)) => errors::hidden(
+                Status::resource_exhausted("the gateway's state storage is full; nothing of this call was stored"),
+                "the state storage is full",
+                &detail,
+            ),
             // The turn's lease was taken over: nothing of the refused write
             // was stored; the session goes on at the gateway that holds it.
             CoreError::Store(e @ StoreError::Fenced(_)) => Status::aborted(e.to_string()),
-            CoreError::Store(StoreError::Unavailable(detail)) => {
-                tracing::warn!(%detail, "store unavailable");
-                Status::unavailable("the gateway's store is unavailable right now; retry shortly")
-            }
-            CoreError::Store(StoreError::Backend(detail)) => {
-                // Internal detail goes to the log, not to clients.
-                tracing::error!(%detail, "store failure");
-                Status::internal("the gateway's store failed; see the gateway log")
-            }
+            // Internal detail goes to the log, under the error id the client gets.
+            CoreError::Store(StoreError::Unavailable(detail)) => errors::hidden(
+                Status::unavailable("the gateway's store is unavailable right now; retry shortly"),
+                "store unavailable",
+                &detail,
+            ),
+            CoreError::Store(StoreError::Backend(detail)) => errors::hidden(
+                Status::internal("the gateway's store failed; the gateway log has the detail under this error id"),
+                "store failure",
+                &detail,
+            ),
         }
     }
 }

@@ -15,6 +15,7 @@ use tonic::{Request, Status};
 use tonic_health::ServingStatus;
 
 use crate::api::Api;
+use crate::api::errors::ErrorResponses;
 use crate::api::harness::HarnessApi;
 use crate::api::host::HostService;
 use crate::config::Config;
@@ -290,7 +291,7 @@ struct Serve<'a> {
     stop: tokio_util::sync::CancellationToken,
 }
 
-type Layered = tower::layer::util::Stack<OversizedIsResourceExhausted, tower::layer::util::Identity>;
+type Layered = tower::layer::util::Stack<ErrorResponses, tower::layer::util::Identity>;
 
 impl Serve<'_> {
     fn router(&self) -> tonic::transport::Server<Layered> {
@@ -299,7 +300,7 @@ impl Serve<'_> {
             .max_concurrent_streams(Some(l.max_concurrent_streams_per_connection))
             .http2_keepalive_interval(Some(Duration::from_secs(l.http2_keepalive_seconds)))
             .http2_keepalive_timeout(Some(Duration::from_secs(l.http2_keepalive_timeout_seconds)))
-            .layer(OversizedIsResourceExhausted)
+            .layer(ErrorResponses)
     }
 
     /// Serves `router` on `listener` (TLS when given), each connection
@@ -323,54 +324,4 @@ impl Serve<'_> {
             None => Box::pin(router.serve_with_incoming_shutdown(accept::plain(incoming, limits), stopped)),
         }
     }
-}
-
-/// tonic answers a request over the decode limit with OUT_OF_RANGE; the
-/// contract says RESOURCE_EXHAUSTED for every size limit. The gateway's own
-/// handlers never answer OUT_OF_RANGE, so the code alone identifies it; a
-/// request that cannot be decoded never reaches a handler, so its status is
-/// always in a trailers-only response's headers, which is where this looks.
-#[derive(Clone, Copy)]
-struct OversizedIsResourceExhausted;
-
-impl<S> tower::Layer<S> for OversizedIsResourceExhausted {
-    type Service = Oversized<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        Oversized(inner)
-    }
-}
-
-#[derive(Clone)]
-struct Oversized<S>(S);
-
-impl<S, Req, B> tower::Service<Req> for Oversized<S>
-where
-    S: tower::Service<Req, Response = tonic::codegen::http::Response<B>>,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = futures_util::future::MapOk<S::Future, fn(S::Response) -> S::Response>;
-
-    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: Req) -> Self::Future {
-        use futures_util::TryFutureExt;
-        self.0.call(req).map_ok(out_of_range_to_resource_exhausted::<B> as fn(_) -> _)
-    }
-}
-
-fn out_of_range_to_resource_exhausted<B>(
-    mut r: tonic::codegen::http::Response<B>,
-) -> tonic::codegen::http::Response<B> {
-    let code = tonic::Code::OutOfRange as i32;
-    if r.headers().get("grpc-status").is_some_and(|v| v.as_bytes() == code.to_string().as_bytes()) {
-        let exhausted = (tonic::Code::ResourceExhausted as i32).to_string();
-        if let Ok(v) = tonic::codegen::http::HeaderValue::from_str(&exhausted) {
-            r.headers_mut().insert("grpc-status", v);
-        }
-    }
-    r
 }

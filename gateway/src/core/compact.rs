@@ -99,7 +99,8 @@ impl Core {
                 self.metrics.compaction_finished(trigger.as_str(), outcome, started.elapsed(), None);
                 let done = CompactionDone {
                     compacted: r.ok && r.compacted,
-                    reason: r.reason,
+                    // The engine's words, capped: they reach the client.
+                    reason: r.reason.map(|r| crate::peer_text::capped(&r, 500)),
                     tokens_before: if r.tokens_before > 0 { r.tokens_before } else { tokens_before },
                     tokens_after: r.tokens_after.unwrap_or(tokens_before),
                     entry_id: None,

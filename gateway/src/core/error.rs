@@ -35,7 +35,28 @@ pub enum CoreError {
     Store(#[from] StoreError),
 }
 
+/// A fresh error id (16 hex digits): a client gets it with an error whose
+/// detail stays in the log, and the log line carries it.
+pub fn new_error_id() -> String {
+    let mut id = uuid::Uuid::new_v4().simple().to_string();
+    id.truncate(16);
+    id
+}
+
 impl CoreError {
+    /// The error as a client may read it inside a turn's events: a store's
+    /// internals are logged under an error id, and the client gets a
+    /// sentence with that id.
+    pub fn for_client(&self) -> String {
+        let hidden = match self {
+            Self::Store(StoreError::Backend(d) | StoreError::Unavailable(d) | StoreError::Full(d)) => d,
+            other => return other.to_string(),
+        };
+        let id = new_error_id();
+        tracing::error!(error_id = %id, detail = %crate::peer_text::capped(hidden, 2_000), "store failure");
+        format!("the gateway's store failed (error id {id}; the gateway log has the detail)")
+    }
+
     pub fn invalid(field: impl Into<String>, problem: impl Into<String>) -> Self {
         Self::Invalid { field: field.into(), problem: problem.into() }
     }

@@ -92,7 +92,9 @@ impl Core {
                         );
                         return o.remap;
                     }
-                    Ok(o) => tracing::debug!(reason = %o.reason, "maintenance rewrote nothing"),
+                    Ok(o) => {
+                        tracing::debug!(reason = %crate::peer_text::capped(&o.reason, 300), "maintenance rewrote nothing")
+                    }
                     Err(e) => tracing::warn!(error = %e, "applying maintenance rewrites failed"),
                 }
             }

@@ -210,9 +210,16 @@ impl Core {
                     }
                 }
                 Err(e) => {
+                    // The provider's words (capped, without the URL) stay in
+                    // the log, under the id the client gets.
+                    let id = crate::core::new_error_id();
+                    tracing::warn!(error_id = %id, error = %e, "the model call failed");
                     let f = Failure::new(
                         FailureReason::ModelError,
-                        format!("The model call failed: {e}. Check the gateway's model settings and try again."),
+                        format!(
+                            "The model call failed ({}; error id {id}). Check the gateway's model settings and try again.",
+                            e.class()
+                        ),
                     );
                     return fail(turn, f).await;
                 }
@@ -235,7 +242,10 @@ impl Core {
             AgentMessage { role: Role::Assistant as i32, content, usage: Some(reply.usage), ..Default::default() };
         m.metadata.insert("model".into(), self.provider.model().into());
         let refused = |e: CoreError| {
-            Failure::new(FailureReason::ModelError, format!("The model's tool call could not be recorded: {e}."))
+            Failure::new(
+                FailureReason::ModelError,
+                format!("The model's tool call could not be recorded: {}.", e.for_client()),
+            )
         };
         match turn.append(vec![m], "model.tool_calls").await {
             Ok(_) => {}

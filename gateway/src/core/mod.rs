@@ -38,7 +38,7 @@ use crate::summarize::{Extractive, ModelSummarizer, Summarizer};
 use crate::transcript::{self, Visible};
 
 use claims::Held;
-pub use error::CoreError;
+pub use error::{CoreError, new_error_id};
 pub use managed::{ManagedTurn, TurnEnd};
 pub use outbox::EngineState;
 pub use preview::{Preview, PreviewMessage, is_summary};
@@ -306,7 +306,7 @@ impl Core {
         mut chat: ChatRequest,
         cancel: &CancellationToken,
     ) -> Result<ChatResponse, ModelError> {
-        tracing::info!(engine = %scope.engine_id, session = %scope.session_id, purpose, "host model call for a context engine");
+        tracing::info!(engine = %scope.engine_id, session = %scope.session_id, purpose = ?purpose, "host model call for a context engine");
         self.metrics.host_llm_call(&scope.engine_id, purpose);
         chat.max_tokens = chat.max_tokens.min(self.config.models.max_output_tokens);
         self.provider.complete(chat, None, cancel).await

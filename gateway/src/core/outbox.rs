@@ -190,7 +190,7 @@ impl Core {
                     return Ok(Backlog { waiting: pending.len() - i, refused });
                 }
                 Err(e) => {
-                    tracing::warn!(session = session_id, key, error = %e, "commit not delivered; it stays queued");
+                    tracing::warn!(session = session_id, key = ?key, error = %e, "commit not delivered; it stays queued");
                     return Ok(Backlog::at(&pending[i..]));
                 }
             }

@@ -155,7 +155,7 @@ impl Core {
         };
         match lease.engine.on_subagent_ended(req, &Call::new(cancel)).await {
             Ok(_) | Err(EngineCallError::Unimplemented(_)) => {}
-            Err(e) => tracing::warn!(error = %e, child = child_key, "OnSubagentEnded failed"),
+            Err(e) => tracing::warn!(error = %e, child = ?child_key, "OnSubagentEnded failed"),
         }
         match r {
             pb::SubagentEndReason::Deleted => {

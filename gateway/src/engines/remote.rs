@@ -65,10 +65,7 @@ fn detail(s: &Status) -> String {
     capped(s.message(), 500)
 }
 
-/// At most `max` characters of an engine's text.
-fn capped(s: &str, max: usize) -> String {
-    s.chars().take(max).collect()
-}
+use crate::peer_text::capped;
 
 /// The engine client: every request carries the trace of the call it
 /// belongs to.

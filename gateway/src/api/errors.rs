@@ -1,0 +1,174 @@
+//! What every error response gets at the boundary, on both listeners:
+//!
+//! - RESOURCE_EXHAUSTED for a request over a decode limit (tonic answers
+//!   OUT_OF_RANGE; the contract says RESOURCE_EXHAUSTED for every size
+//!   limit);
+//! - an error id, as `ctxgate-error-id` metadata, and one log line with the
+//!   same id, the method, the code and the (escaped, capped) message — so a
+//!   client quoting the id finds the line. Where a mapping kept the detail
+//!   from the client (a store or model failure), it logged the detail under
+//!   an id first ([`hidden`]), and that id is the one the client gets.
+//!
+//! The gateway's own handlers never answer OUT_OF_RANGE, so the code alone
+//! identifies an oversized request. Errors before a stream's first message
+//! are in the headers of a trailers-only response; errors after it, in the
+//! trailers: both are tagged.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tonic::Status;
+use tonic::codegen::http::{self, HeaderMap, HeaderValue};
+
+/// The metadata key of an error id.
+pub const ERROR_ID: &str = "ctxgate-error-id";
+
+use crate::core::new_error_id as new_id;
+
+/// `status` for a client, its `detail` logged (at ERROR) under a fresh id
+/// the status carries: for failures whose detail must not reach the client.
+pub fn hidden(mut status: Status, what: &str, detail: &dyn std::fmt::Display) -> Status {
+    let id = new_id();
+    tracing::error!(error_id = %id, detail = %crate::peer_text::capped(&detail.to_string(), 2_000), "{what}");
+    if let Ok(v) = id.parse() {
+        status.metadata_mut().insert(ERROR_ID, v);
+    }
+    status
+}
+
+/// The layer: see the module docs.
+#[derive(Clone, Copy)]
+pub struct ErrorResponses;
+
+impl<S> tower::Layer<S> for ErrorResponses {
+    type Service = Tagging<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Tagging(inner)
+    }
+}
+
+#[derive(Clone)]
+pub struct Tagging<S>(S);
+
+type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
+
+impl<S, ReqBody> tower::Service<http::Request<ReqBody>> for Tagging<S>
+where
+    S: tower::Service<http::Request<ReqBody>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
+        let method: Arc<str> = Arc::from(crate::peer_text::capped(req.uri().path(), 128));
+        let answered = self.0.call(req);
+        Box::pin(async move {
+            let mut response = answered.await?;
+            oversized_is_resource_exhausted(response.headers_mut());
+            tag(response.headers_mut(), &method);
+            Ok(response.map(|body| tonic::body::Body::new(Trailers { inner: body, method })))
+        })
+    }
+}
+
+fn oversized_is_resource_exhausted(headers: &mut HeaderMap) {
+    let code = (tonic::Code::OutOfRange as i32).to_string();
+    if headers.get("grpc-status").is_some_and(|v| v.as_bytes() == code.as_bytes()) {
+        headers.insert("grpc-status", HeaderValue::from(tonic::Code::ResourceExhausted as i32));
+    }
+}
+
+/// An error status in `headers` gets an id (the one a mapping set, or a
+/// fresh one) and a log line.
+fn tag(headers: &mut HeaderMap, method: &str) {
+    let Some(code) = headers.get("grpc-status").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<i32>().ok())
+    else {
+        return;
+    };
+    let code = tonic::Code::from_i32(code);
+    if code == tonic::Code::Ok {
+        return;
+    }
+    let id = match headers.get(ERROR_ID).and_then(|v| v.to_str().ok()) {
+        Some(id) => id.to_owned(),
+        None => {
+            let id = new_id();
+            if let Ok(v) = HeaderValue::from_str(&id) {
+                headers.insert(ERROR_ID, v);
+            }
+            id
+        }
+    };
+    let message = headers.get("grpc-message").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+    let message = crate::peer_text::capped(&message.unwrap_or_default(), 300);
+    match code {
+        tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::DataLoss | tonic::Code::Unavailable => {
+            tracing::warn!(error_id = %id, method, ?code, message, "call failed")
+        }
+        _ => tracing::info!(error_id = %id, method, ?code, message, "call refused"),
+    }
+}
+
+/// A response body whose trailers (a stream's final status) get tagged.
+struct Trailers {
+    inner: tonic::body::Body,
+    method: Arc<str>,
+}
+
+impl http_body::Body for Trailers {
+    type Data = tonic::codegen::Bytes;
+    type Error = Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(mut frame))) = polled {
+            if let Some(trailers) = frame.trailers_mut() {
+                tag(trailers, &self.method);
+            }
+            return Poll::Ready(Some(Ok(frame)));
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_gets_an_id_once_and_an_oversized_request_resource_exhausted() {
+        let mut h = HeaderMap::new();
+        h.insert("grpc-status", HeaderValue::from(tonic::Code::OutOfRange as i32));
+        oversized_is_resource_exhausted(&mut h);
+        assert_eq!(h["grpc-status"], (tonic::Code::ResourceExhausted as i32).to_string().as_str());
+        tag(&mut h, "/m");
+        let id = h[ERROR_ID].to_str().unwrap().to_owned();
+        assert_eq!(id.len(), 16);
+        tag(&mut h, "/m");
+        assert_eq!(h[ERROR_ID], id.as_str(), "an id a mapping set is kept");
+        let mut ok = HeaderMap::new();
+        ok.insert("grpc-status", HeaderValue::from(0));
+        tag(&mut ok, "/m");
+        assert!(!ok.contains_key(ERROR_ID), "success has no error id");
+    }
+}
