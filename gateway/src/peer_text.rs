@@ -3,13 +3,14 @@
 //! escaped so a peer cannot forge log lines or repaint a terminal, and URLs
 //! stripped of credentials.
 
-/// At most `max` characters of `s`, control characters escaped (`\n`,
-/// `\u{1b}`), and `…` when it was cut.
+/// `s` in at most `max` bytes, control characters escaped (`\n`,
+/// `\u{1b}`), ending in `...` when it was cut.
 pub fn capped(s: &str, max: usize) -> String {
-    let mut out = String::with_capacity(s.len().min(max.saturating_mul(4)));
-    for (n, c) in s.chars().enumerate() {
-        if n == max {
-            out.push('…');
+    const CUT: &str = "...";
+    // Escaped, up to one character past the cap (enough to know it was cut).
+    let mut out = String::with_capacity(s.len().min(max + 16));
+    for c in s.chars() {
+        if out.len() > max {
             break;
         }
         if c.is_control() {
@@ -17,6 +18,17 @@ pub fn capped(s: &str, max: usize) -> String {
         } else {
             out.push(c);
         }
+    }
+    if out.len() <= max {
+        return out;
+    }
+    let mut end = max.saturating_sub(CUT.len());
+    while !out.is_char_boundary(end) {
+        end -= 1;
+    }
+    out.truncate(end);
+    if max >= CUT.len() {
+        out.push_str(CUT);
     }
     out
 }
@@ -43,8 +55,9 @@ mod tests {
     #[test]
     fn control_characters_are_escaped_and_long_text_cut() {
         assert_eq!(capped("ok\nFAKE LOG LINE\u{1b}[31m", 100), "ok\\nFAKE LOG LINE\\u{1b}[31m");
-        assert_eq!(capped("abcdef", 3), "abc…");
-        assert_eq!(capped("abc", 3), "abc");
+        assert_eq!(capped("abcdefgh", 6), "abc...");
+        assert_eq!(capped("abcdef", 6), "abcdef", "what fits is whole");
+        assert!(capped(&"é".repeat(100), 64).len() <= 64, "bytes, whatever the characters");
     }
 
     #[test]

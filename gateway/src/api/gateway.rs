@@ -15,7 +15,7 @@ use crate::core::{Core, CoreError, ManagedTurn, TurnEnd, session_ref};
 use crate::engines::Engine;
 use crate::engines::guarded::QuarantineRecord;
 use crate::engines::registry::Registry;
-use crate::store::{OutboxCounts, OutboxPage, Session};
+use crate::store::{OutboxCounts, OutboxPage, PageOutcome, PageRequest, Session};
 
 /// The `ctxgate.v1.Gateway` service.
 pub struct Api {
@@ -25,6 +25,9 @@ pub struct Api {
 /// Page sizes: the default and the most one page holds.
 const MAX_SESSIONS_PAGE: u32 = 1000;
 const MAX_TRANSCRIPT_PAGE: u32 = 5000;
+/// Stored bytes one GetTranscript page holds at most (about; one larger
+/// entry is sent alone): a page always fits the client's 16 MiB decode limit.
+const MAX_TRANSCRIPT_PAGE_BYTES: usize = 4 * 1024 * 1024;
 
 fn page_size(asked: u32, max: u32) -> u32 {
     if asked == 0 { max } else { asked.min(max) }
@@ -179,20 +182,21 @@ impl Gateway for Api {
     ) -> Result<Response<api::GetTranscriptResult>, Status> {
         let r = req.into_inner();
         let s = self.session(r.session.as_ref()).await?;
-        let mut entries = self.core.transcript(&s.session_id, r.visible_only).await?;
-        if !r.page_token.is_empty() {
-            let after = entries
-                .iter()
-                .position(|e| e.id == r.page_token)
-                .ok_or_else(|| CoreError::invalid("page_token", "names no entry of this transcript"))?;
-            entries.drain(..=after);
-        }
         let limit = page_size(r.page_size, MAX_TRANSCRIPT_PAGE) as usize;
-        let next_page_token = if entries.len() > limit {
-            entries.truncate(limit);
-            entries.last().map(|e| e.id.clone()).unwrap_or_default()
-        } else {
-            String::new()
+        let page = PageRequest {
+            after: Some(r.page_token).filter(|t| !t.is_empty()),
+            until: None,
+            limit,
+            max_bytes: MAX_TRANSCRIPT_PAGE_BYTES,
+        };
+        let (entries, next_page_token) = match self.core.transcript_page(&s.session_id, r.visible_only, page).await? {
+            PageOutcome::Page { entries, more } => {
+                let next = if more { entries.last().map(|e| e.id.clone()).unwrap_or_default() } else { String::new() };
+                (entries, next)
+            }
+            PageOutcome::UnknownAfter | PageOutcome::UnknownUntil => {
+                return Err(CoreError::invalid("page_token", "names no entry of this transcript").into());
+            }
         };
         Ok(Response::new(api::GetTranscriptResult {
             session: Some(self.session_info(&s).await?),

@@ -152,6 +152,13 @@ impl Config {
             if let Err(e) = url.parse::<tokio_postgres::Config>() {
                 return Err(invalid("store.url", format!("not a PostgreSQL URL: {e}")));
             }
+            if url.contains("sslmode=prefer") {
+                return Err(invalid(
+                    "store.url",
+                    "sslmode=prefer falls back to plaintext and cannot be verified: use sslmode=require (TLS, \
+                     verified against store.caFile or the public roots), or sslmode=disable where the network is trusted",
+                ));
+            }
         }
         if let Some(tls) = &self.gateway.tls {
             tls.live()?;

@@ -154,3 +154,11 @@ fn the_host_listener_is_its_own() {
     let bound = "0.0.0.0:7301".parse().unwrap();
     assert_eq!(c.host_endpoint(bound), "http://127.0.0.1:7301");
 }
+
+#[test]
+fn postgres_sslmode_prefer_is_refused_with_what_to_use() {
+    let e = load_str("{ store: { url: 'postgres://u@db.example.com/ctx?sslmode=prefer' } }").unwrap_err().to_string();
+    assert!(e.contains("store.url") && e.contains("sslmode=require") && e.contains("sslmode=disable"), "{e}");
+    assert!(load_str("{ store: { url: 'postgres://u@db.example.com/ctx?sslmode=require' } }").is_ok());
+    assert!(load_str("{ store: { url: 'postgres://u@db.example.com/ctx' } }").is_ok(), "unset: plaintext, warned");
+}

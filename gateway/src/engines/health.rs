@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use ctxgate_engine_sdk::AbortOnDrop;
 use ctxgate_proto::ENGINE_SERVICE;
-use tokio::sync::mpsc;
+use tokio::sync::watch;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tonic::Code;
@@ -44,7 +44,10 @@ enum WatchEnd {
 }
 
 /// One Watch call, forwarding every status it reports to `seen`.
-async fn watch(channel: Channel, seen: mpsc::UnboundedSender<Health>) -> WatchEnd {
+/// Sends each status the engine reports to `seen`, which keeps only the
+/// latest: an engine streaming statuses as fast as it can costs one slot,
+/// and the monitor acts on where health is now.
+async fn watch(channel: Channel, seen: watch::Sender<Option<Health>>) -> WatchEnd {
     let req = HealthCheckRequest { service: ENGINE_SERVICE.into() };
     let mut stream = match HealthClient::new(channel).watch(req).await {
         Ok(s) => s.into_inner(),
@@ -55,7 +58,7 @@ async fn watch(channel: Channel, seen: mpsc::UnboundedSender<Health>) -> WatchEn
     loop {
         match stream.next().await {
             Some(Ok(r)) => {
-                let _ = seen.send(status_health(r.status));
+                seen.send_replace(Some(status_health(r.status)));
             }
             Some(Err(s)) if s.code() == Code::NotFound => return WatchEnd::NotFound,
             // A broken stream may be a blip: reconnect first; only a failed
@@ -123,23 +126,29 @@ async fn readmit_if_due(engine: &Guarded, stop: &CancellationToken) {
 pub async fn monitor(engine: Arc<Guarded>, stop: CancellationToken) {
     let mut backoff = BACKOFF_START;
     while !stop.is_cancelled() {
-        let (seen_tx, mut seen) = mpsc::unbounded_channel();
+        let (seen_tx, mut seen) = watch::channel(None);
         let session = tokio::spawn(watch(engine.remote.channel(), seen_tx));
         let _abort = AbortOnDrop(session.abort_handle());
         let mut session = Box::pin(session);
         let end = loop {
             tokio::select! {
-                Some(h) = seen.recv() => {
-                    backoff = BACKOFF_START;
-                    engine.set_health(h);
+                Ok(()) = seen.changed() => {
+                    if let Some(h) = *seen.borrow_and_update() {
+                        backoff = BACKOFF_START;
+                        engine.set_health(h);
+                    }
                 }
                 end = &mut session => break end.unwrap_or(WatchEnd::Broken),
                 () = readmit_if_due(&engine, &stop) => {}
                 () = stop.cancelled() => return,
             }
         };
-        // Statuses the session sent just before it ended.
-        while let Ok(h) = seen.try_recv() {
+        // The status the session sent just before it ended.
+        let last = {
+            let r = seen.borrow_and_update();
+            if r.has_changed() { *r } else { None }
+        };
+        if let Some(h) = last {
             engine.set_health(h);
         }
         match end {

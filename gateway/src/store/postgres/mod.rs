@@ -163,6 +163,16 @@ fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
     OpenError::Other { file: at, detail: format!("cannot connect to PostgreSQL: {detail}") }
 }
 
+/// Whether every host of `config` is this machine (loopback or a unix
+/// socket): plaintext there crosses no network.
+fn local_only(config: &tokio_postgres::Config) -> bool {
+    use tokio_postgres::config::Host;
+    config.get_hosts().iter().all(|h| match h {
+        Host::Tcp(name) => name == "localhost" || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()),
+        Host::Unix(_) => true,
+    })
+}
+
 impl PostgresStore {
     /// Connects to `url`, migrates the schema and checks it is not newer
     /// than this build; fails with a sentence (before any port is bound).
@@ -177,8 +187,16 @@ impl PostgresStore {
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(Duration::from_secs(5));
         }
+        // Unset reads as `prefer` (explicit `prefer` is refused with the
+        // config): plaintext, said once unless the server is on this host.
         if config.get_ssl_mode() == SslMode::Prefer {
             config.ssl_mode(SslMode::Disable);
+        }
+        if config.get_ssl_mode() == SslMode::Disable && !local_only(&config) {
+            tracing::warn!(
+                store = %redacted(url),
+                "the connection to PostgreSQL is plaintext (no sslmode=require in store.url): passwords and transcripts cross the network readable"
+            );
         }
         // No lock or open transaction outlives a lease: a gateway paused
         // or cut off inside a write would otherwise hold the lease row (and
