@@ -510,3 +510,48 @@ async fn sighup_replaces_the_certificates_of_the_gateway_and_of_an_sdk_engine() 
     hup_until(engine.pid(), "the engine serving the new certificate", async || healthy(&new_pem).await).await;
     assert!(!healthy(&old_pem).await, "new connections no longer get the old certificate");
 }
+
+/// One managed turn on a client of its own that connects now: how long
+/// from the first connect to the turn's end.
+async fn first_turn(url: &str, ca: &str, key: &str) -> std::time::Duration {
+    use tokio_stream::StreamExt;
+    let started = std::time::Instant::now();
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(ca))
+        .domain_name("localhost");
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned()).unwrap().tls_config(tls).unwrap();
+    let mut client = ctxgate_proto::gateway::gateway_client::GatewayClient::new(channel.connect().await.unwrap());
+    let req = ctxgate_proto::gateway::RunTurnRequest {
+        session: Some(ctxgate_proto::gateway::SessionRef { agent_id: String::new(), session_key: key.into() }),
+        message: "hello".into(),
+        ..Default::default()
+    };
+    let mut events = client.run_turn(req).await.unwrap().into_inner();
+    while let Some(e) = events.next().await {
+        e.unwrap();
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn two_thousand_idle_connects_do_not_delay_a_new_clients_first_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new("idle CA");
+    let (crt, key) = ca.leaf_files(d, "gateway", &["localhost", "127.0.0.1"], true, false);
+    let g = serve(d, "idle", &format!("cert: '{}', key: '{}'", crt.display(), key.display())).await;
+    let url = https(&g);
+    let addr = g.endpoint.trim_start_matches("http://").to_owned();
+    let unloaded = first_turn(&url, &ca.pem, "before").await;
+    // Connect and say nothing: no TLS handshake, ever.
+    let mut idle = Vec::with_capacity(2_000);
+    for _ in 0..2_000 {
+        idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
+    }
+    let loaded = first_turn(&url, &ca.pem, "during").await;
+    assert!(
+        loaded < unloaded + std::time::Duration::from_secs(1),
+        "2,000 idle connects delayed a new client's first turn: {loaded:?} (unloaded {unloaded:?})"
+    );
+    drop(idle);
+}
