@@ -16,6 +16,11 @@
 //!   p99, RSS / idle RSS, quarantines).
 //! - `soak --minutes 30`: `closed` for S, then `open` at half of S for the
 //!   whole time; RSS at the start and the end, and every error.
+//! - `hostile --engine fault-flood`: `open` at `--rate` over calm sessions,
+//!   alone and then while `--flooders` sessions' turns each have the
+//!   engine flood the Host service with its grant for a second
+//!   (ReadTranscript and LlmComplete from 16 tasks); the calm turns' p99
+//!   side by side (the issue asks for within 2×).
 //!
 //! The gateway's RSS (from /proc) is sampled every 100 ms: idle (after the
 //! warm-up), peak and at the end.
@@ -25,6 +30,7 @@
 //! target/release/loadgen overload --engine legacy
 //! target/release/loadgen overload --engine window
 //! target/release/loadgen soak --minutes 30
+//! target/release/loadgen hostile --engine fault-flood
 //! ```
 
 use std::path::Path;
@@ -108,12 +114,34 @@ enum Run {
         #[arg(long, default_value_t = 64)]
         sessions: usize,
     },
+    Hostile {
+        #[arg(long, default_value_t = 100.0)]
+        rate: f64,
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        #[arg(long, default_value_t = 4)]
+        flooders: usize,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
 enum EngineKind {
     Legacy,
     Window,
+    /// The fault fixture with `--fault flood`: turns of sessions named
+    /// `flood-…` flood the Host service; the others are plain.
+    FaultFlood,
+}
+
+impl EngineKind {
+    /// The engine's id in the gateway's config (none: legacy).
+    fn id(self) -> Option<&'static str> {
+        match self {
+            Self::Legacy => None,
+            Self::Window => Some("window"),
+            Self::FaultFlood => Some("fault"),
+        }
+    }
 }
 
 /// What a run saw.
@@ -207,13 +235,17 @@ impl Stack {
                 let args = ["--listen", "127.0.0.1:0", "--state-dir", state.as_str()];
                 Some(EngineProcess::start(bin("ctxgate-engine-window"), &args).await.map_err(|e| e.to_string())?)
             }
+            EngineKind::FaultFlood => {
+                let args = ["--listen", "127.0.0.1:0", "--fault", "flood"];
+                Some(EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.map_err(|e| e.to_string())?)
+            }
         };
-        let plugins = match &engine_process {
-            None => String::new(),
-            Some(e) => format!(
-                "plugins: {{ slots: {{ contextEngine: 'window' }}, entries: {{ window: {{ endpoint: '{}' }} }} }},",
+        let plugins = match (&engine_process, engine.id()) {
+            (Some(e), Some(id)) => format!(
+                "plugins: {{ slots: {{ contextEngine: '{id}' }}, entries: {{ {id}: {{ endpoint: '{}' }} }} }},",
                 e.endpoint
             ),
+            _ => String::new(),
         };
         if args.gateways > 1 && args.store != StoreKind::Postgres {
             return Err("several gateways need one shared store: add --store postgres".into());
@@ -250,8 +282,8 @@ impl Stack {
         let gateway = gateways.remove(0);
         let stack =
             Self { channels, gateway, _more: gateways, _engine: engine_process, _postgres: postgres, _dir: dir };
-        if engine == EngineKind::Window {
-            stack.wait_attached().await?;
+        if let Some(id) = engine.id() {
+            stack.wait_attached(id).await?;
         }
         Ok(stack)
     }
@@ -260,15 +292,15 @@ impl Stack {
         GatewayClient::new(self.channels[i % self.channels.len()].clone())
     }
 
-    async fn wait_attached(&self) -> Result<(), String> {
+    async fn wait_attached(&self, id: &str) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(15);
         loop {
             let s = self.client(0).get_status(api::StatusRequest {}).await.map_err(|e| e.to_string())?.into_inner();
-            if s.engines.iter().any(|e| e.id == "window" && e.quarantine.is_none() && !e.name.is_empty()) {
+            if s.engines.iter().any(|e| e.id == id && e.quarantine.is_none() && !e.name.is_empty()) {
                 return Ok(());
             }
             if Instant::now() > deadline {
-                return Err("the window engine never attached".into());
+                return Err(format!("the engine {id:?} never attached"));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -358,9 +390,13 @@ fn key(i: usize) -> String {
     format!("load-{i}")
 }
 
-async fn one_turn(mut c: GatewayClient<Channel>, session: usize) -> Outcome {
+async fn one_turn(c: GatewayClient<Channel>, session: usize) -> Outcome {
+    turn_on(c, key(session)).await
+}
+
+async fn turn_on(mut c: GatewayClient<Channel>, session_key: String) -> Outcome {
     let req = api::RunTurnRequest {
-        session: Some(api::SessionRef { agent_id: String::new(), session_key: key(session) }),
+        session: Some(api::SessionRef { agent_id: String::new(), session_key }),
         message: "How is the build going today?".into(),
         ..Default::default()
     };
@@ -456,10 +492,7 @@ fn mib(kib: u64) -> f64 {
 
 async fn run(args: Args) -> Result<bool, String> {
     let stack = Stack::start(&args).await?;
-    let engine = match args.engine {
-        EngineKind::Legacy => "legacy",
-        EngineKind::Window => "window",
-    };
+    let engine = args.engine.id().unwrap_or("legacy");
     let mut ok = true;
     match args.run {
         Run::Closed { sessions, seconds } => {
@@ -524,6 +557,44 @@ async fn run(args: Args) -> Result<bool, String> {
                 t.errors
             );
             ok &= t.errors == 0 && t.shed == 0 && growth < 5.0;
+        }
+        Run::Hostile { rate, seconds, flooders } => {
+            if args.engine != EngineKind::FaultFlood {
+                return Err("hostile needs --engine fault-flood".into());
+            }
+            stack.warm_up(256).await?;
+            let (calm, e) = open(&stack, rate, seconds, 256).await;
+            calm.report(&format!("open loop, {rate:.0}/s, no flood"), e);
+            // The flooding sessions' turns, back to back, meanwhile.
+            let stop = tokio_util::sync::CancellationToken::new();
+            let floods: Vec<_> = (0..flooders)
+                .map(|i| {
+                    let (c, stop) = (stack.client(i), stop.clone());
+                    tokio::spawn(async move {
+                        let mut n = 0u64;
+                        while !stop.is_cancelled() {
+                            if matches!(turn_on(c.clone(), format!("flood-{i}")).await, Outcome::Completed) {
+                                n += 1;
+                            }
+                        }
+                        n
+                    })
+                })
+                .collect();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let (loaded, e) = open(&stack, rate, seconds, 256).await;
+            stop.cancel();
+            let mut flood_turns = 0;
+            for f in floods {
+                flood_turns += f.await.unwrap_or(0);
+            }
+            loaded.report(&format!("open loop, {rate:.0}/s, {flooders} sessions flooding the Host service"), e);
+            let p99 = ms(loaded.percentile(0.99)) / ms(calm.percentile(0.99)).max(1e-3);
+            let quarantined = stack.quarantined().await?;
+            println!(
+                "hostile verdict: calm p99 with the flood / without = {p99:.2} (≤ 2); {flood_turns} flooding turns completed; quarantined: {quarantined:?}"
+            );
+            ok &= loaded.errors == 0 && calm.errors == 0 && p99 <= 2.0;
         }
     }
     Ok(ok)

@@ -38,20 +38,56 @@ pub fn hidden(mut status: Status, what: &str, detail: &dyn std::fmt::Display) ->
     status
 }
 
-/// The layer: see the module docs.
-#[derive(Clone, Copy)]
-pub struct ErrorResponses;
+/// The layer: see the module docs. Its log lines are budgeted: a peer
+/// that sends thousands of refused calls a second costs a line a call only
+/// up to [`LINES_PER_SECOND`]; the rest are counted, and the next line
+/// says how many went unlogged.
+#[derive(Clone, Default)]
+pub struct ErrorResponses {
+    lines: Arc<std::sync::Mutex<LogBudget>>,
+}
+
+/// Error lines logged one by one per second, at most.
+pub const LINES_PER_SECOND: u32 = 100;
+
+#[derive(Default)]
+struct LogBudget {
+    second: Option<tokio::time::Instant>,
+    logged: u32,
+    unlogged: u64,
+}
+
+impl LogBudget {
+    /// Whether to log one more line now, and how many went unlogged
+    /// before it.
+    fn take(&mut self) -> Option<u64> {
+        let now = tokio::time::Instant::now();
+        if self.second.is_none_or(|s| now.duration_since(s) >= std::time::Duration::from_secs(1)) {
+            self.second = Some(now);
+            self.logged = 0;
+        }
+        if self.logged >= LINES_PER_SECOND {
+            self.unlogged += 1;
+            return None;
+        }
+        self.logged += 1;
+        Some(std::mem::take(&mut self.unlogged))
+    }
+}
 
 impl<S> tower::Layer<S> for ErrorResponses {
     type Service = Tagging<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Tagging(inner)
+        Tagging { inner, lines: self.lines.clone() }
     }
 }
 
 #[derive(Clone)]
-pub struct Tagging<S>(S);
+pub struct Tagging<S> {
+    inner: S,
+    lines: Arc<std::sync::Mutex<LogBudget>>,
+}
 
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
 
@@ -65,17 +101,18 @@ where
     type Future = BoxFuture<Self::Response, Self::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.0.poll_ready(cx)
+        self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
-        let method: Arc<str> = Arc::from(crate::peer_text::capped(req.uri().path(), 128));
-        let answered = self.0.call(req);
+        let call =
+            Call { method: Arc::from(crate::peer_text::capped(req.uri().path(), 128)), lines: self.lines.clone() };
+        let answered = self.inner.call(req);
         Box::pin(async move {
             let mut response = answered.await?;
             oversized_is_resource_exhausted(response.headers_mut());
-            tag(response.headers_mut(), &method);
-            Ok(response.map(|body| tonic::body::Body::new(Trailers { inner: body, method })))
+            call.tag(response.headers_mut());
+            Ok(response.map(|body| tonic::body::Body::new(Trailers { inner: body, call })))
         })
     }
 }
@@ -87,41 +124,46 @@ fn oversized_is_resource_exhausted(headers: &mut HeaderMap) {
     }
 }
 
-/// An error status in `headers` gets an id (the one a mapping set, or a
-/// fresh one) and a log line.
-fn tag(headers: &mut HeaderMap, method: &str) {
-    let Some(code) = headers.get("grpc-status").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<i32>().ok())
-    else {
-        return;
-    };
-    let code = tonic::Code::from_i32(code);
-    if code == tonic::Code::Ok {
-        return;
-    }
-    let id = match headers.get(ERROR_ID).and_then(|v| v.to_str().ok()) {
-        Some(id) => id.to_owned(),
-        None => {
-            let id = new_id();
-            if let Ok(v) = HeaderValue::from_str(&id) {
-                headers.insert(ERROR_ID, v);
+/// The call a response answers, for its log line.
+struct Call {
+    method: Arc<str>,
+    lines: Arc<std::sync::Mutex<LogBudget>>,
+}
+
+impl Call {
+    /// An error status in `headers` gets an id (the one a mapping set, or
+    /// a fresh one) and, within the budget, a log line.
+    fn tag(&self, headers: &mut HeaderMap) {
+        let Some(status) = Status::from_header_map(headers) else { return };
+        if status.code() == tonic::Code::Ok {
+            return;
+        }
+        let id = match headers.get(ERROR_ID).and_then(|v| v.to_str().ok()) {
+            Some(id) => id.to_owned(),
+            None => {
+                let id = new_id();
+                if let Ok(v) = HeaderValue::from_str(&id) {
+                    headers.insert(ERROR_ID, v);
+                }
+                id
             }
-            id
+        };
+        let Some(unlogged) = self.lines.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        let (code, method) = (status.code(), &*self.method);
+        let message = crate::peer_text::capped(status.message(), 300);
+        match code {
+            tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::DataLoss | tonic::Code::Unavailable => {
+                tracing::warn!(error_id = %id, method, ?code, message, unlogged, "call failed")
+            }
+            _ => tracing::info!(error_id = %id, method, ?code, message, unlogged, "call refused"),
         }
-    };
-    let message = headers.get("grpc-message").map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-    let message = crate::peer_text::capped(&message.unwrap_or_default(), 300);
-    match code {
-        tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::DataLoss | tonic::Code::Unavailable => {
-            tracing::warn!(error_id = %id, method, ?code, message, "call failed")
-        }
-        _ => tracing::info!(error_id = %id, method, ?code, message, "call refused"),
     }
 }
 
 /// A response body whose trailers (a stream's final status) get tagged.
 struct Trailers {
     inner: tonic::body::Body,
-    method: Arc<str>,
+    call: Call,
 }
 
 impl http_body::Body for Trailers {
@@ -135,7 +177,7 @@ impl http_body::Body for Trailers {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(mut frame))) = polled {
             if let Some(trailers) = frame.trailers_mut() {
-                tag(trailers, &self.method);
+                self.call.tag(trailers);
             }
             return Poll::Ready(Some(Ok(frame)));
         }
@@ -161,14 +203,25 @@ mod tests {
         h.insert("grpc-status", HeaderValue::from(tonic::Code::OutOfRange as i32));
         oversized_is_resource_exhausted(&mut h);
         assert_eq!(h["grpc-status"], (tonic::Code::ResourceExhausted as i32).to_string().as_str());
-        tag(&mut h, "/m");
+        let call = Call { method: Arc::from("/m"), lines: Arc::default() };
+        call.tag(&mut h);
         let id = h[ERROR_ID].to_str().unwrap().to_owned();
         assert_eq!(id.len(), 16);
-        tag(&mut h, "/m");
+        call.tag(&mut h);
         assert_eq!(h[ERROR_ID], id.as_str(), "an id a mapping set is kept");
         let mut ok = HeaderMap::new();
         ok.insert("grpc-status", HeaderValue::from(0));
-        tag(&mut ok, "/m");
+        call.tag(&mut ok);
         assert!(!ok.contains_key(ERROR_ID), "success has no error id");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_errors_costs_a_bounded_number_of_lines_and_says_how_many_it_skipped() {
+        let mut budget = LogBudget::default();
+        let logged = (0..1_000).filter(|_| budget.take().is_some()).count();
+        assert_eq!(logged, LINES_PER_SECOND as usize);
+        tokio::time::advance(std::time::Duration::from_secs(1)).await;
+        assert_eq!(budget.take(), Some(1_000 - u64::from(LINES_PER_SECOND)), "the next line counts the skipped");
+        assert_eq!(budget.take(), Some(0));
     }
 }

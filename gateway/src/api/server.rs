@@ -249,7 +249,7 @@ pub async fn run_with_reloads(
     });
 
     let stop = tokio_util::sync::CancellationToken::new();
-    let serve = Serve { limits, stop: stop.clone() };
+    let serve = Serve { limits, stop: stop.clone(), errors: ErrorResponses::default() };
     let client_api = serve.router().add_service(health).add_service(reflection).add_service(api).add_service(harness);
     // Engines call back with grants; nothing else is served there.
     let host_api = serve.router().add_service(
@@ -289,6 +289,8 @@ pub async fn run_with_reloads(
 struct Serve<'a> {
     limits: &'a crate::config::LimitsSection,
     stop: tokio_util::sync::CancellationToken,
+    /// One log budget for both listeners' error lines.
+    errors: ErrorResponses,
 }
 
 type Layered = tower::layer::util::Stack<ErrorResponses, tower::layer::util::Identity>;
@@ -300,7 +302,7 @@ impl Serve<'_> {
             .max_concurrent_streams(Some(l.max_concurrent_streams_per_connection))
             .http2_keepalive_interval(Some(Duration::from_secs(l.http2_keepalive_seconds)))
             .http2_keepalive_timeout(Some(Duration::from_secs(l.http2_keepalive_timeout_seconds)))
-            .layer(ErrorResponses)
+            .layer(self.errors.clone())
     }
 
     /// Serves `router` on `listener` (TLS when given), each connection
