@@ -197,11 +197,11 @@ impl Drive {
         }
         loop {
             // The harness closing its side before `end` is an abort.
-            let asked = std::time::Instant::now();
-            let next = self.next().await;
             // The harness's own model and tools run while the gateway waits:
-            // not the gateway's latency (nor is a wait that ended in an error).
-            turn.outside_gateway(asked.elapsed());
+            // not the gateway's work (nor is a wait that ended in an error).
+            turn.outside_gateway();
+            let next = self.next().await;
+            turn.back_in_gateway();
             let Some(request) = next? else { return Err(aborted()) };
             match request {
                 R::Begin(_) => return Err(Status::failed_precondition("begin: this turn has begun already")),

@@ -207,9 +207,8 @@ impl Config {
             return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
         }
         let a = &l.adaptive_concurrency;
-        if a.min_limit == 0 || a.initial_limit == 0 {
-            let key = if a.min_limit == 0 { "minLimit" } else { "initialLimit" };
-            return Err(invalid(&format!("gateway.limits.adaptiveConcurrency.{key}"), "must be positive"));
+        if a.min_limit == 0 {
+            return Err(invalid("gateway.limits.adaptiveConcurrency.minLimit", "must be positive"));
         }
         if !(1.1..=10.0).contains(&a.tolerance) {
             return Err(invalid("gateway.limits.adaptiveConcurrency.tolerance", "must be between 1.1 and 10"));

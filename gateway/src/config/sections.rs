@@ -196,14 +196,13 @@ impl Connections {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct AdaptiveConcurrency {
-    /// `false`: the limit is `maxConcurrentTurns`, fixed.
+    /// `false`: only `maxConcurrentTurns` bounds turns.
     pub enabled: bool,
-    /// The limit at start (within minLimit..=maxConcurrentTurns).
-    pub initial_limit: usize,
-    /// The limit never goes below this (nor above maxConcurrentTurns).
+    /// The limit never goes below this; a slowdown with no more work than
+    /// this is not load (`core::admission`).
     pub min_limit: usize,
-    /// How much slower than the best seen a window's p90 gateway latency
-    /// may be before the limit shrinks (1.1–10).
+    /// How much slower than the baseline a window's p90 gateway latency
+    /// may be before the gateway starts limiting (1.1–10).
     pub tolerance: f64,
 }
 
@@ -214,7 +213,7 @@ impl Default for AdaptiveConcurrency {
         // 1.9× (window engine) of unloaded; 4 let the window engine's reach
         // 4×. 4 keeps more closed-loop throughput (legacy 1058 vs 863
         // turns/s at 64 sessions): a choice for operators who prefer it.
-        Self { enabled: true, initial_limit: 32, min_limit: 4, tolerance: 2.0 }
+        Self { enabled: true, min_limit: 4, tolerance: 2.0 }
     }
 }
 

@@ -1,38 +1,36 @@
-//! Admission control for turns: a limit on turns in flight that follows
-//! measured latency (a gradient limiter, after Envoy's adaptive concurrency
-//! filter and Netflix's Gradient), so admitted turns stay fast under any
-//! offered load and the excess is shed at once instead of queued.
+//! Admission control: the gateway sheds a new turn at once (with a retry
+//! pushback) only when its own work has slowed down with load — never
+//! because turns are merely open.
 //!
-//! Each turn's *gateway latency* is a sample: its time from admission to
-//! release, minus the time it spent waiting on things the gateway does not
-//! control (the model's answer in a managed turn, the client's next step in
-//! a harness turn).
+//! What counts is *work*: a turn is working while the gateway (its store,
+//! its engines, its compaction, the engines' host callbacks) acts for it,
+//! and away while it waits on things the gateway does not control — the
+//! model's answer in a managed turn, the client's next step in a harness
+//! turn ([`Permit::away`], [`Permit::back`]). A thousand turns waiting on
+//! their models cost memory (bounded by `maxConcurrentTurns`), not work.
 //!
-//! A turn counts from the moment it holds its session (waiting behind the
-//! session's running turn is that turn's time, not the gateway's); a turn
-//! refused before that (busy, no session, unmet host requirements) is no
-//! sample at all.
+//! Each turn's *gateway latency* — admission to release, minus its time
+//! away — is a sample; samples close a window (≥ 100 ms and ≥ 10 samples,
+//! or 1 s). The baseline is what the gateway's work takes when it is not
+//! congested, learned from traffic as it comes: the first window sets it,
+//! a faster full window lowers it at once, a slower healthy one raises it
+//! a little (so histories that grow longer are not mistaken for load).
 //!
-//! The baseline is the p90 latency at low concurrency, measured by a probe
-//! (as Envoy's filter measures its minRTT): at start, and every 30 s while
-//! the last window was over tolerance, the limit drops to `minLimit` until
-//! 20 turns admitted under it have ended or 2 s passed (whichever comes
-//! first; without samples the old baseline stays), their p90 becomes the
-//! baseline and the limit is restored. A baseline taken while the gateway
-//! is congested would make the congestion look normal; re-measuring only
-//! when congested means a gateway whose turns hold permits for a long time
-//! (slow models) is not squeezed to `minLimit` every 30 s for nothing.
-//! Between probes, every window (≥ 100 ms and ≥ 10 samples, or 1 s)
-//! compares its p90 with the baseline (and lowers the baseline when a full
-//! window was faster):
+//! - **Open** (the start, and normal service): nothing is shed below
+//!   `maxConcurrentTurns`. A window whose p90 exceeds tolerance × baseline
+//!   while more than `minLimit` turns were working — the latency rose with
+//!   load — starts limiting at that work times tolerance × baseline / p90
+//!   (at most halving it): never a probe below the work already in flight.
+//!   The same slowness with little work is not load: the baseline moves.
+//! - **Limiting** (real overload): a new turn is shed while the working
+//!   turns reach the limit. An over-tolerance window cuts the limit again;
+//!   a healthy one whose limit was used grows it by √limit; when the limit
+//!   passes `maxConcurrentTurns`, or healthy windows find demand under half
+//!   of it for a second, the gateway is Open again. The baseline does not
+//!   rise while limiting.
 //!
-//! - p90 ≤ tolerance × baseline, and the limit was used (at least half of
-//!   it in flight): the limit grows by √limit;
-//! - p90 above it: the limit shrinks by tolerance × baseline / p90 (at
-//!   most halving it).
-//!
-//! The limit stays between `minLimit` and `maxConcurrentTurns`. With
-//! `adaptiveConcurrency.enabled: false` the limit is `maxConcurrentTurns`.
+//! With `adaptiveConcurrency.enabled: false` only `maxConcurrentTurns`
+//! bounds turns.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -48,46 +46,39 @@ const MIN_SAMPLES: usize = 10;
 const MAX_WINDOW: Duration = Duration::from_secs(1);
 /// Samples kept per window (more are dropped: the p90 of 1024 is enough).
 const MAX_SAMPLES: usize = 1024;
-/// How often the baseline is measured again, and with how many turns (or
-/// for how long at most).
-const PROBE_EVERY: Duration = Duration::from_secs(30);
-const PROBE_SAMPLES: usize = 20;
-const PROBE_MAX: Duration = Duration::from_secs(2);
+/// How far a healthy, slower window moves the baseline up (of the gap).
+const DRIFT: f64 = 0.05;
+/// Healthy windows with demand under half the limit before it is lifted.
+const CALM_WINDOWS: u32 = 10;
 
-#[derive(Debug)]
-enum Phase {
-    /// Measuring the baseline at `min`; `restore` is the limit after.
-    Probe {
-        restore: f64,
-        since: Option<Instant>,
-    },
-    Normal {
-        next_probe: Instant,
+/// Whether the gateway sheds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    Open,
+    /// Turns working at once, at most; `calm` counts healthy windows whose
+    /// demand stayed under half of it.
+    Limiting {
+        limit: f64,
+        calm: u32,
     },
 }
 
 /// The limiter's arithmetic, clock passed in (unit-tested without one).
 #[derive(Debug)]
 pub struct Gradient {
-    limit: f64,
+    mode: Mode,
     min: f64,
     max: f64,
     tolerance: f64,
     adaptive: bool,
-    phase: Phase,
-    /// Counts probes: only turns admitted during the current probe are
-    /// its samples.
-    epoch: u64,
-    /// p90 gateway latency at low concurrency (µs).
+    /// p90 gateway latency when not congested (µs).
     baseline: Option<f64>,
     samples: Vec<u64>,
     window_start: Option<Instant>,
-    /// Most turns in flight during the window.
+    /// Most turns working during the window.
     peak: usize,
     /// The last window's p90 (µs).
     last_p90: Option<f64>,
-    /// The last window was over tolerance (the next probe is due then).
-    congested: bool,
 }
 
 fn p90(samples: &mut [u64]) -> f64 {
@@ -101,125 +92,101 @@ impl Gradient {
     pub fn new(l: &LimitsSection) -> Self {
         let a = &l.adaptive_concurrency;
         let max = l.max_concurrent_turns as f64;
-        let min = (a.min_limit as f64).min(max);
-        let initial = (a.initial_limit as f64).clamp(min, max);
         Self {
-            limit: if a.enabled { min } else { max },
-            min,
+            mode: Mode::Open,
+            min: (a.min_limit as f64).min(max),
             max,
             tolerance: a.tolerance,
             adaptive: a.enabled,
-            phase: Phase::Probe { restore: initial, since: None },
-            epoch: 0,
             baseline: None,
             samples: Vec::new(),
             window_start: None,
             peak: 0,
             last_p90: None,
-            congested: false,
         }
     }
 
-    /// Turns that may be in flight now.
+    /// Turns that may work at once now (`maxConcurrentTurns` when open).
     pub fn limit(&self) -> usize {
-        self.limit as usize
-    }
-
-    /// Whether the baseline is being measured (the limit is `minLimit`).
-    pub fn probing(&self) -> bool {
-        self.adaptive && matches!(self.phase, Phase::Probe { .. })
-    }
-
-    /// The probe a turn admitted now belongs to.
-    fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    /// Notes that `in_flight` turns run now.
-    fn busy(&mut self, in_flight: usize) {
-        self.peak = self.peak.max(in_flight);
-    }
-
-    /// Ends a probe that has run its time (called on every admission and
-    /// sample, so a probe ends even when no turn does).
-    fn tick(&mut self, now: Instant, in_flight: usize) {
-        if let Phase::Probe { restore, since } = self.phase {
-            let since = since.unwrap_or(now);
-            self.phase = Phase::Probe { restore, since: Some(since) };
-            if self.samples.len() >= PROBE_SAMPLES || now.saturating_duration_since(since) >= PROBE_MAX {
-                if !self.samples.is_empty() {
-                    self.baseline = Some(p90(&mut self.samples));
-                }
-                self.samples.clear();
-                self.limit = restore;
-                self.congested = false;
-                self.phase = Phase::Normal { next_probe: now + PROBE_EVERY };
-                self.window_start = Some(now);
-                self.peak = in_flight;
-            }
+        match self.mode {
+            Mode::Limiting { limit, .. } if self.adaptive => limit as usize,
+            _ => self.max as usize,
         }
     }
 
-    /// Adds the gateway latency of one turn admitted in probe `epoch`; may
-    /// end a probe or a window.
-    pub fn sample(&mut self, latency: Duration, now: Instant, in_flight: usize, epoch: u64) {
+    /// Whether the gateway sheds below `maxConcurrentTurns` now.
+    pub fn limiting(&self) -> bool {
+        self.adaptive && matches!(self.mode, Mode::Limiting { .. })
+    }
+
+    /// Notes that `working` turns work now.
+    fn busy(&mut self, working: usize) {
+        self.peak = self.peak.max(working);
+    }
+
+    /// Adds the gateway latency of one turn; may close a window.
+    pub fn sample(&mut self, latency: Duration, now: Instant, working: usize) {
         if !self.adaptive {
             return;
         }
-        match self.phase {
-            Phase::Probe { .. } => {
-                // Turns admitted before the probe ran at the old limit.
-                if epoch == self.epoch {
-                    self.samples.push(latency.as_micros() as u64);
-                }
-                self.tick(now, in_flight);
-            }
-            Phase::Normal { next_probe } => {
-                let start = *self.window_start.get_or_insert(now);
-                if self.samples.len() < MAX_SAMPLES {
-                    self.samples.push(latency.as_micros() as u64);
-                }
-                self.busy(in_flight);
-                let age = now.saturating_duration_since(start);
-                if (age >= WINDOW && self.samples.len() >= MIN_SAMPLES) || age >= MAX_WINDOW {
-                    self.close_window(in_flight);
-                    self.window_start = Some(now);
-                }
-                if now >= next_probe && self.congested {
-                    self.epoch += 1;
-                    self.samples.clear();
-                    self.phase = Phase::Probe { restore: self.limit, since: Some(now) };
-                    self.limit = self.min;
-                }
-            }
+        let start = *self.window_start.get_or_insert(now);
+        if self.samples.len() < MAX_SAMPLES {
+            self.samples.push(latency.as_micros() as u64);
+        }
+        self.busy(working);
+        let age = now.saturating_duration_since(start);
+        if (age >= WINDOW && self.samples.len() >= MIN_SAMPLES) || age >= MAX_WINDOW {
+            self.close_window(working);
+            self.window_start = Some(now);
         }
     }
 
-    fn close_window(&mut self, in_flight: usize) {
+    fn close_window(&mut self, working: usize) {
         let full = self.samples.len() >= MIN_SAMPLES;
         let p90 = p90(&mut self.samples);
-        // A full window faster than the probe saw: the baseline follows it
-        // down (a window of one or two samples says too little).
-        let baseline = match self.baseline {
-            Some(b) if full => b.min(p90),
-            Some(b) => b,
-            None => p90,
-        };
-        self.baseline = Some(baseline);
-        self.last_p90 = Some(p90);
-        self.congested = p90 > self.tolerance * baseline;
-        if !self.congested {
-            // Grow only a limit that was used: an idle gateway's limit
-            // says nothing about what it can take.
-            if self.peak as f64 >= self.limit / 2.0 {
-                self.limit += self.limit.sqrt().max(1.0);
-            }
-        } else {
-            self.limit *= (self.tolerance * baseline / p90).max(0.5);
-        }
-        self.limit = self.limit.clamp(self.min, self.max);
         self.samples.clear();
-        self.peak = in_flight;
+        self.last_p90 = Some(p90);
+        let peak = self.peak as f64;
+        self.peak = working;
+        let Some(baseline) = self.baseline else {
+            self.baseline = Some(p90);
+            return;
+        };
+        let over = p90 > self.tolerance * baseline;
+        let cut = (self.tolerance * baseline / p90).max(0.5);
+        self.mode = match self.mode {
+            Mode::Open if over && peak > self.min => Mode::Limiting { limit: (peak * cut).max(self.min), calm: 0 },
+            Mode::Open => {
+                // Healthy (or slow with little work: not load): the baseline
+                // follows — down at once, up a little.
+                self.baseline = Some(if over {
+                    p90
+                } else if p90 < baseline {
+                    if full { p90 } else { baseline }
+                } else {
+                    baseline + DRIFT * (p90 - baseline)
+                });
+                Mode::Open
+            }
+            Mode::Limiting { limit, .. } if over => {
+                if limit <= self.min && peak <= self.min {
+                    // As slow at the floor as above it: the work got slower,
+                    // not the gateway busier.
+                    self.baseline = Some(p90);
+                    Mode::Open
+                } else {
+                    Mode::Limiting { limit: (limit.min(peak.max(self.min)) * cut).max(self.min), calm: 0 }
+                }
+            }
+            Mode::Limiting { limit, calm } => {
+                if full && p90 < baseline {
+                    self.baseline = Some(p90);
+                }
+                let used = peak >= limit / 2.0;
+                let (limit, calm) = if used { (limit + limit.sqrt().max(1.0), 0) } else { (limit, calm + 1) };
+                if limit >= self.max || calm >= CALM_WINDOWS { Mode::Open } else { Mode::Limiting { limit, calm } }
+            }
+        };
     }
 
     /// How long a shed client should wait before retrying: about one
@@ -230,14 +197,17 @@ impl Gradient {
     }
 }
 
-/// Turns in flight and their limit.
+/// Turns open and working, and the limiter.
 pub struct Admission {
     state: Mutex<State>,
 }
 
 struct State {
     gradient: Gradient,
-    in_flight: usize,
+    /// Turns holding a permit (at most `maxConcurrentTurns`).
+    open: usize,
+    /// Of those, the ones not away (see [`Permit::away`]).
+    working: usize,
 }
 
 /// Why a turn was not admitted.
@@ -249,42 +219,41 @@ pub struct Shed {
 
 impl Admission {
     pub fn new(l: &LimitsSection) -> Self {
-        Self { state: Mutex::new(State { gradient: Gradient::new(l), in_flight: 0 }) }
+        Self { state: Mutex::new(State { gradient: Gradient::new(l), open: 0, working: 0 }) }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A permit, or `Shed` at once when the limit is reached.
+    /// A permit, or `Shed` at once: at `maxConcurrentTurns` open turns, or
+    /// while limiting with the limit's worth of turns working.
     pub fn try_admit(self: &Arc<Self>) -> Result<Permit, Shed> {
         let mut s = self.state();
-        let n = s.in_flight;
-        if s.gradient.adaptive {
-            s.gradient.tick(Instant::now(), n);
-        }
+        let max = s.gradient.max as usize;
         let limit = s.gradient.limit();
-        if s.in_flight >= limit {
+        if s.open >= max || (s.gradient.limiting() && s.working >= limit) {
+            let limit = if s.open >= max { max } else { limit };
             return Err(Shed { limit, retry_after: s.gradient.pushback() });
         }
-        s.in_flight += 1;
-        let n = s.in_flight;
+        s.open += 1;
+        s.working += 1;
+        let n = s.working;
         s.gradient.busy(n);
-        let epoch = s.gradient.epoch();
         Ok(Permit {
             admission: self.clone(),
             started: Instant::now(),
             outside: Duration::ZERO,
+            away_since: None,
             limit,
-            epoch,
             counts: false,
         })
     }
 
-    /// (turns in flight, current limit).
+    /// (turns working, current limit).
     pub fn load(&self) -> (usize, usize) {
         let s = self.state();
-        (s.in_flight, s.gradient.limit())
+        (s.working, s.gradient.limit())
     }
 }
 
@@ -292,9 +261,10 @@ impl Admission {
 pub struct Permit {
     admission: Arc<Admission>,
     started: Instant,
+    /// Time away so far (not the gateway's latency).
     outside: Duration,
+    away_since: Option<Instant>,
     limit: usize,
-    epoch: u64,
     /// Whether its release is a sample (see [`Permit::admitted`]).
     counts: bool,
 }
@@ -313,22 +283,43 @@ impl Permit {
         self.counts = true;
     }
 
-    /// Time the turn waited on something outside the gateway (the model,
-    /// the client): not part of its sample.
-    pub fn outside(&mut self, waited: Duration) {
-        self.outside += waited;
+    /// The turn waits on something outside the gateway (the model, the
+    /// client) until [`Permit::back`]: it is not working meanwhile, and
+    /// the wait is not part of its sample.
+    pub fn away(&mut self) {
+        if self.away_since.is_none() {
+            self.away_since = Some(Instant::now());
+            let mut s = self.admission.state();
+            s.working = s.working.saturating_sub(1);
+        }
+    }
+
+    /// The wait ended: the turn works again (never shed: it was admitted).
+    pub fn back(&mut self) {
+        if let Some(since) = self.away_since.take() {
+            self.outside += since.elapsed();
+            let mut s = self.admission.state();
+            s.working += 1;
+            let n = s.working;
+            s.gradient.busy(n);
+        }
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
         let now = Instant::now();
-        let latency = now.saturating_duration_since(self.started).saturating_sub(self.outside);
+        let away = self.away_since.take();
+        let outside = self.outside + away.map_or(Duration::ZERO, |a| now.saturating_duration_since(a));
+        let latency = now.saturating_duration_since(self.started).saturating_sub(outside);
         let mut s = self.admission.state();
-        s.in_flight = s.in_flight.saturating_sub(1);
-        let n = s.in_flight;
+        s.open = s.open.saturating_sub(1);
+        if away.is_none() {
+            s.working = s.working.saturating_sub(1);
+        }
+        let n = s.working;
         if self.counts {
-            s.gradient.sample(latency, now, n, self.epoch);
+            s.gradient.sample(latency, now, n);
         }
     }
 }
@@ -340,7 +331,7 @@ mod tests {
 
     use tokio::time::Instant;
 
-    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, PROBE_SAMPLES, WINDOW};
+    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, WINDOW};
     use crate::config::AdaptiveConcurrency;
 
     fn limits(enabled: bool) -> LimitsSection {
@@ -351,30 +342,31 @@ mod tests {
         }
     }
 
-    /// A gateway that serves `knee` turns at once in `service` each and
-    /// queues the rest: latency grows with concurrency past the knee.
-    fn latency(in_flight: f64, knee: f64, service: Duration) -> Duration {
-        service.mul_f64((in_flight / knee).max(1.0))
+    /// A gateway that works `knee` turns at once in `service` each and
+    /// queues the rest: latency grows with the work past the knee.
+    fn latency(working: f64, knee: f64, service: Duration) -> Duration {
+        service.mul_f64((working / knee).max(1.0))
     }
 
-    /// Offered far more than it can take, for `windows` windows: every
-    /// window runs at the limit.
-    fn overload(g: &mut Gradient, now: &mut Instant, windows: usize, knee: f64) -> Vec<usize> {
-        let mut limits = Vec::new();
-        for _ in 0..windows {
-            let inflight = g.limit();
-            let l = latency(inflight as f64, knee, Duration::from_millis(2));
-            for _ in 0..PROBE_SAMPLES {
-                g.sample(l, *now, inflight, g.epoch());
-            }
-            *now += WINDOW;
-            g.sample(l, *now, inflight, g.epoch());
-            // The steady limit (a probe's is minLimit by design).
-            if !g.probing() {
-                limits.push(g.limit());
-            }
+    /// One window of samples at `working` turns.
+    fn window(g: &mut Gradient, now: &mut Instant, working: usize, l: Duration) {
+        for _ in 0..MIN_SAMPLES {
+            g.sample(l, *now, working);
         }
-        limits
+        *now += WINDOW;
+        g.sample(l, *now, working);
+    }
+
+    /// `offered` turns want to work at once for `windows` windows: as many
+    /// work as the gateway lets in. The limit after each window.
+    fn load(g: &mut Gradient, now: &mut Instant, windows: usize, offered: usize, knee: f64) -> Vec<usize> {
+        (0..windows)
+            .map(|_| {
+                let working = offered.min(g.limit());
+                window(g, now, working, latency(working as f64, knee, Duration::from_millis(2)));
+                g.limit()
+            })
+            .collect()
     }
 
     #[test]
@@ -382,8 +374,11 @@ mod tests {
         for tolerance in [2.0, 4.0] {
             let mut l = limits(true);
             l.adaptive_concurrency.tolerance = tolerance;
-            let mut g = Gradient::new(&l);
-            let seen = overload(&mut g, &mut Instant::now(), 1000, 16.0);
+            let (mut g, mut now) = (Gradient::new(&l), Instant::now());
+            // Unloaded first (the baseline), then 4× what the gateway takes.
+            load(&mut g, &mut now, 20, 8, 16.0);
+            assert!(!g.limiting(), "below the knee nothing is limited");
+            let seen = load(&mut g, &mut now, 1000, 64 * 16, 16.0);
             let tail = &seen[200..];
             let (lo, hi) = (*tail.iter().min().unwrap(), *tail.iter().max().unwrap());
             let ceiling = (1.5 * tolerance * 16.0) as usize;
@@ -395,32 +390,56 @@ mod tests {
     }
 
     #[test]
-    fn a_limit_that_is_not_used_does_not_grow() {
-        let mut g = Gradient::new(&limits(true));
-        let mut now = Instant::now();
-        for _ in 0..PROBE_SAMPLES {
-            g.sample(Duration::from_millis(1), now, 2, 0);
-        }
-        let start = g.limit();
-        assert!(!g.probing());
-        for _ in 0..100 {
-            for _ in 0..=MIN_SAMPLES {
-                g.sample(Duration::from_millis(1), now, 2, g.epoch());
-            }
-            now += WINDOW;
-        }
-        assert_eq!(g.limit(), start, "two turns in flight say nothing about a limit of {start}");
+    fn a_fresh_gateway_takes_a_burst_without_shedding() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        let permits: Vec<_> = (0..64).map(|_| a.try_admit()).collect();
+        assert!(permits.iter().all(Result::is_ok), "a burst of 64 at a fresh gateway was shed");
     }
 
     #[test]
-    fn a_slow_start_is_followed_down_and_a_fast_one_up() {
+    fn healthy_traffic_at_any_concurrency_is_never_limited() {
         let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
-        // Knee far above the initial limit: it grows towards it.
-        let up = overload(&mut g, &mut now, 60, 400.0);
-        assert!(*up.last().unwrap() > 300, "{up:?}");
-        // The same gateway takes 40× fewer turns at once (knee 10): it comes down.
-        let down = overload(&mut g, &mut now, 200, 10.0);
-        assert!(*down.last().unwrap() <= 60, "{down:?}");
+        // 200 turns working at once, all as fast as one: no congestion.
+        let seen = load(&mut g, &mut now, 200, 200, 1_000.0);
+        assert!(!g.limiting() && seen.iter().all(|l| *l == 1024), "{seen:?}");
+    }
+
+    #[test]
+    fn slower_work_without_load_moves_the_baseline_instead_of_shedding() {
+        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
+        window(&mut g, &mut now, 2, Duration::from_millis(2));
+        // Three turns working, each 5× slower (longer histories, a slower engine): not load.
+        for _ in 0..20 {
+            window(&mut g, &mut now, 3, Duration::from_millis(10));
+        }
+        assert!(!g.limiting());
+        // Growing histories: 1 % slower each window (7× in 20 s), healthy each time.
+        let mut l = Duration::from_millis(10);
+        for _ in 0..200 {
+            l = l.mul_f64(1.01);
+            window(&mut g, &mut now, 50, l);
+        }
+        assert!(!g.limiting(), "a baseline that drifts with the work: {g:?}");
+    }
+
+    #[test]
+    fn an_engine_slowed_tenfold_under_load_drives_shedding() {
+        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
+        load(&mut g, &mut now, 20, 64, 128.0);
+        assert!(!g.limiting());
+        // The same offered load; the engine now takes 10× fewer at once.
+        load(&mut g, &mut now, 20, 64, 12.8);
+        assert!(g.limiting() && g.limit() < 64, "{g:?}");
+    }
+
+    #[test]
+    fn limiting_ends_when_demand_falls() {
+        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
+        load(&mut g, &mut now, 10, 8, 16.0);
+        load(&mut g, &mut now, 50, 1024, 16.0);
+        assert!(g.limiting());
+        load(&mut g, &mut now, 20, 2, 16.0);
+        assert!(!g.limiting(), "two turns working for two seconds: {g:?}");
     }
 
     #[test]
@@ -438,47 +457,45 @@ mod tests {
         assert!(a.try_admit().is_ok(), "a released permit admits again");
     }
 
-    /// Rounds of turns at the limit whose model time grows 25 % a round
-    /// (5 ms to 4 s) while the gateway's own part stays 1 ms; the final limit.
-    async fn slowing_model(exclude: bool) -> usize {
-        let mut l = limits(true);
-        l.adaptive_concurrency.initial_limit = 4;
-        l.adaptive_concurrency.min_limit = 4;
-        let a = Arc::new(Admission::new(&l));
-        for round in 0..30 {
-            let model = Duration::from_millis(5).mul_f64(1.25f64.powi(round));
-            let mut permits: Vec<_> = (0..a.load().1)
-                .map(|_| {
-                    let mut p = a.try_admit().unwrap();
-                    p.admitted();
-                    p
-                })
-                .collect();
-            tokio::time::advance(model + Duration::from_millis(1)).await;
-            if exclude {
-                permits.iter_mut().for_each(|p| p.outside(model));
-            }
-            drop(permits);
-        }
-        a.load().1
-    }
-
     #[tokio::test(start_paused = true)]
-    async fn time_spent_outside_the_gateway_is_not_sampled() {
-        let (excluded, sampled) = (slowing_model(true).await, slowing_model(false).await);
-        assert!(excluded > 100, "with the model's time excluded the limit grows: {excluded}");
-        assert!(sampled < excluded / 4, "sampled, the slowing model would hold it down: {sampled} vs {excluded}");
+    async fn turns_waiting_on_their_model_are_not_work_and_their_wait_is_not_sampled() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        // 1000 turns each waiting on its model.
+        let mut waiting: Vec<_> = (0..1000)
+            .map(|_| {
+                let mut p = a.try_admit().unwrap();
+                p.admitted();
+                p.away();
+                p
+            })
+            .collect();
+        assert_eq!(a.load().0, 0, "a turn waiting on its model is not working");
+        // Quick turns meanwhile: 1 ms of work each, never shed.
+        for _ in 0..200 {
+            let mut p = a.try_admit().expect("a quick turn beside 1000 waiting ones");
+            p.admitted();
+            tokio::time::advance(Duration::from_millis(1)).await;
+        }
+        // The waits end after 10 s; each turn then works 1 ms more.
+        tokio::time::advance(Duration::from_secs(10)).await;
+        for p in &mut waiting {
+            p.back();
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
+        drop(waiting);
+        let s = a.state();
+        let p90 = s.gradient.last_p90.or(s.gradient.baseline).unwrap();
+        assert!(p90 < 50_000.0, "the 10 s wait was sampled: p90 {p90} µs");
+        assert!(!s.gradient.limiting());
     }
 
     #[test]
     fn a_turn_refused_before_it_holds_its_session_is_no_sample() {
-        let mut l = limits(true);
-        l.adaptive_concurrency.initial_limit = 8;
-        let a = Arc::new(Admission::new(&l));
-        for _ in 0..(PROBE_SAMPLES * 5) {
+        let a = Arc::new(Admission::new(&limits(true)));
+        for _ in 0..100 {
             drop(a.try_admit().unwrap());
         }
         let s = a.state();
-        assert!(s.gradient.probing() && s.gradient.samples.is_empty(), "{:?}", s.gradient);
+        assert!(s.gradient.samples.is_empty() && s.gradient.baseline.is_none(), "{:?}", s.gradient);
     }
 }

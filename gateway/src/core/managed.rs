@@ -137,12 +137,12 @@ impl Core {
             let result = if precheck && checked > ctx.budget {
                 Err(ModelError::ContextOverflow(format!("the prompt is {checked} tokens, the budget {}", ctx.budget)))
             } else {
-                let asked = std::time::Instant::now();
                 let tools = ctx.engine_tools;
+                // The model's time is not the gateway's work: admission
+                // control neither counts nor samples it.
+                turn.outside_gateway();
                 let r = self.call_model(system.as_deref(), messages, tools, &events, turn.cancel()).await;
-                // The model's time is not the gateway's: admission control
-                // samples only the rest.
-                turn.outside_gateway(asked.elapsed());
+                turn.back_in_gateway();
                 r
             };
             match result {

@@ -263,10 +263,14 @@ impl Turn {
         &self.turn_id
     }
 
-    /// Time the turn waited on the model or the client (admission control
-    /// does not count it as the gateway's latency).
-    pub fn outside_gateway(&mut self, waited: std::time::Duration) {
-        self.admission.outside(waited);
+    /// The turn waits on the model or the client until
+    /// [`Turn::back_in_gateway`]: not the gateway's work (admission).
+    pub fn outside_gateway(&mut self) {
+        self.admission.away();
+    }
+
+    pub fn back_in_gateway(&mut self) {
+        self.admission.back();
     }
 
     pub fn cancel(&self) -> &CancellationToken {
