@@ -50,14 +50,17 @@ async fn a_reply_with_megabytes_of_metadata_is_a_contract_violation_and_the_turn
 }
 
 #[tokio::test]
-async fn a_16_mib_purpose_is_refused_and_the_gateway_keeps_serving() {
+async fn an_llm_complete_over_its_caps_is_refused_and_the_gateway_keeps_serving() {
     let (engine, g) = fault_gateway_with("huge-purpose", &[("assemble", 30.0)]).await;
     let events = run_turn(&g, "p", "hello").await;
     assert!(completed(&events), "{events:?}");
     assert_eq!(selected(&events).engine_id, "fault");
     let line = engine.wait_line("event purpose", Duration::from_secs(10)).await.unwrap();
     let codes = line.split_whitespace().nth(2).unwrap();
-    assert_eq!(codes, "ResourceExhausted,ResourceExhausted", "{line}");
+    assert_eq!(
+        codes, "ResourceExhausted,ResourceExhausted,ResourceExhausted,ResourceExhausted,ok",
+        "a purpose of 16 MiB and of 1 MiB, 1025 messages and 4.8 MiB of content are refused; 1024 messages are not: {line}"
+    );
     assert!(completed(&run_turn(&g, "p", "still here?").await));
     g.stop().await;
 }

@@ -1,5 +1,6 @@
 //! The client API's bounds: a request over `gateway.limits.maxRequestBytes`
-//! is RESOURCE_EXHAUSTED (tonic alone says OUT_OF_RANGE), one under it runs;
+//! is RESOURCE_EXHAUSTED (tonic alone says OUT_OF_RANGE), one under it runs,
+//! and a DriveTurn message over the decode limit ends its stream so;
 //! ListSessions and GetTranscript answer in bounded pages; turns over the
 //! admission limit are shed with a pushback; a connection's streams over
 //! its limit wait at the client.
@@ -34,6 +35,25 @@ async fn a_request_over_max_request_bytes_is_resource_exhausted_and_one_under_it
         last = e.unwrap().event;
     }
     assert!(matches!(last, Some(api::turn_event::Event::Completed(_))), "{last:?}");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_drive_turn_message_over_the_decode_limit_ends_its_stream_resource_exhausted() {
+    use ctxgate_proto::gateway::harness_request::Request as R;
+    use ctxgate_tests::harness::{Drive, begin, client, text};
+    let g = limited_gateway(|_| {}).await;
+    let hc = client(&g.endpoint);
+    let mut d = Drive::admitted(&hc, begin("big", "hello")).await;
+    // 20 MiB: over the harness service's 16 MiB decode limit.
+    let huge = text(ctxgate_proto::pb::Role::Assistant, &"x".repeat(20 * 1024 * 1024));
+    d.send(R::Append(api::Append { messages: vec![huge] })).await;
+    let status = d.status().await;
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    // The turn was lost, nothing else: the session takes the next one.
+    let mut next = Drive::admitted(&hc, begin("big", "again")).await;
+    next.append(vec![text(ctxgate_proto::pb::Role::Assistant, "a normal answer")]).await.unwrap();
+    next.end(api::TurnOutcome::Accepted).await.unwrap();
     g.stop().await;
 }
 

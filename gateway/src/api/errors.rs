@@ -11,8 +11,9 @@
 //!
 //! The gateway's own handlers never answer OUT_OF_RANGE, so the code alone
 //! identifies an oversized request. Errors before a stream's first message
-//! are in the headers of a trailers-only response; errors after it, in the
-//! trailers: both are tagged.
+//! are in the headers of a trailers-only response; errors after it (a
+//! DriveTurn message over the limit), in the trailers: both are rewritten
+//! and tagged.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -177,6 +178,8 @@ impl http_body::Body for Trailers {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         if let Poll::Ready(Some(Ok(mut frame))) = polled {
             if let Some(trailers) = frame.trailers_mut() {
+                // A stream's request message over the limit ends it here.
+                oversized_is_resource_exhausted(trailers);
                 self.call.tag(trailers);
             }
             return Poll::Ready(Some(Ok(frame)));

@@ -18,10 +18,15 @@
 //!
 //! - **Open** (the start, and normal service): nothing is shed below
 //!   `maxConcurrentTurns`. A window whose p90 exceeds tolerance × baseline
-//!   while more than `minLimit` turns were working — the latency rose with
-//!   load — starts limiting at that work times tolerance × baseline / p90
-//!   (at most halving it): never a probe below the work already in flight.
-//!   The same slowness with little work is not load: the baseline moves.
+//!   while more than `minLimit` turns were working *and* two windows in a
+//!   row ended with more work than the one before ever had (by `minLimit`)
+//!   — latency rising because arrivals outrun the gateway, a queue that
+//!   would grow without bound — starts limiting at that work times
+//!   tolerance × baseline / p90 (the work it does within tolerance, by
+//!   Little's law), at least `minLimit`. Slowness with a steady
+//!   amount of work (a closed loop of clients, however many: each waits for
+//!   its answer before it asks again) is not shed; with little work it is
+//!   not load at all, and the baseline moves.
 //! - **Limiting** (real overload): a new turn is shed while the working
 //!   turns reach the limit. An over-tolerance window cuts the limit again;
 //!   a healthy one whose limit was used grows it by √limit; when the limit
@@ -48,6 +53,8 @@ const MAX_WINDOW: Duration = Duration::from_secs(1);
 const MAX_SAMPLES: usize = 1024;
 /// How far a healthy, slower window moves the baseline up (of the gap).
 const DRIFT: f64 = 0.05;
+/// Windows in a row whose work grew before the gateway starts limiting.
+const GROWING_WINDOWS: u32 = 2;
 /// Healthy windows with demand under half the limit before it is lifted.
 const CALM_WINDOWS: u32 = 10;
 
@@ -77,6 +84,10 @@ pub struct Gradient {
     window_start: Option<Instant>,
     /// Most turns working during the window.
     peak: usize,
+    /// The last window's peak, and how many windows in a row ended with
+    /// more work than the one before ever had (see [`Gradient::close_window`]).
+    last_peak: usize,
+    growing_for: u32,
     /// The last window's p90 (µs).
     last_p90: Option<f64>,
 }
@@ -102,6 +113,8 @@ impl Gradient {
             samples: Vec::new(),
             window_start: None,
             peak: 0,
+            last_peak: 0,
+            growing_for: 0,
             last_p90: None,
         }
     }
@@ -148,6 +161,14 @@ impl Gradient {
         self.last_p90 = Some(p90);
         let peak = self.peak as f64;
         self.peak = working;
+        // A queue that grows: each window ends with more turns working than
+        // the one before ever had (by minLimit), GROWING_WINDOWS in a row —
+        // arrivals outrun completions. A closed loop of clients, however
+        // many, never does: their work stops where the clients are.
+        let grew = working as f64 >= self.last_peak as f64 + self.min;
+        self.growing_for = if grew { self.growing_for + 1 } else { 0 };
+        self.last_peak = peak as usize;
+        let growing = self.growing_for >= GROWING_WINDOWS;
         let Some(baseline) = self.baseline else {
             self.baseline = Some(p90);
             return;
@@ -155,7 +176,16 @@ impl Gradient {
         let over = p90 > self.tolerance * baseline;
         let cut = (self.tolerance * baseline / p90).max(0.5);
         self.mode = match self.mode {
-            Mode::Open if over && peak > self.min => Mode::Limiting { limit: (peak * cut).max(self.min), calm: 0 },
+            // The work the gateway does within tolerance, by Little's law
+            // (the whole ratio: a queue is growing, there is no time to
+            // approach it by halves).
+            Mode::Open if over && growing && peak > self.min => {
+                Mode::Limiting { limit: (peak * self.tolerance * baseline / p90).max(self.min), calm: 0 }
+            }
+            // Slower with as many turns working as before: the clients wait
+            // their turn (a saturated closed loop), nothing to shed; the
+            // baseline stays what the gateway does when it is not busy.
+            Mode::Open if over && peak > self.min => Mode::Open,
             Mode::Open => {
                 // Healthy (or slow with little work: not load): the baseline
                 // follows — down at once, up a little.
@@ -357,8 +387,9 @@ mod tests {
         g.sample(l, *now, working);
     }
 
-    /// `offered` turns want to work at once for `windows` windows: as many
-    /// work as the gateway lets in. The limit after each window.
+    /// A closed loop: `offered` turns want to work at once for `windows`
+    /// windows (each client asks again when answered); as many work as the
+    /// gateway lets in. The limit after each window.
     fn load(g: &mut Gradient, now: &mut Instant, windows: usize, offered: usize, knee: f64) -> Vec<usize> {
         (0..windows)
             .map(|_| {
@@ -369,16 +400,40 @@ mod tests {
             .collect()
     }
 
+    /// An open loop: `arrivals` new turns each window, whatever happened to
+    /// the last ones; the gateway admits what its limit lets in and ends
+    /// `capacity` turns a window, the rest wait (latency grows with the
+    /// queue). `working` carries over between calls. The limit after each
+    /// window.
+    fn open_load(
+        g: &mut Gradient,
+        now: &mut Instant,
+        working: &mut usize,
+        windows: usize,
+        arrivals: usize,
+        capacity: usize,
+    ) -> Vec<usize> {
+        (0..windows)
+            .map(|_| {
+                *working -= (*working).min(capacity);
+                *working += arrivals.min(g.limit().saturating_sub(*working));
+                let l = latency(*working as f64, capacity as f64, Duration::from_millis(2));
+                window(g, now, *working, l);
+                g.limit()
+            })
+            .collect()
+    }
+
     #[test]
     fn under_overload_the_limit_settles_near_the_knee_and_latency_within_tolerance() {
         for tolerance in [2.0, 4.0] {
             let mut l = limits(true);
             l.adaptive_concurrency.tolerance = tolerance;
-            let (mut g, mut now) = (Gradient::new(&l), Instant::now());
-            // Unloaded first (the baseline), then 4× what the gateway takes.
-            load(&mut g, &mut now, 20, 8, 16.0);
+            let (mut g, mut now, mut working) = (Gradient::new(&l), Instant::now(), 0);
+            // Unloaded first (the baseline), then 4× what the gateway ends.
+            open_load(&mut g, &mut now, &mut working, 20, 8, 16);
             assert!(!g.limiting(), "below the knee nothing is limited");
-            let seen = load(&mut g, &mut now, 1000, 64 * 16, 16.0);
+            let seen = open_load(&mut g, &mut now, &mut working, 1000, 64, 16);
             let tail = &seen[200..];
             let (lo, hi) = (*tail.iter().min().unwrap(), *tail.iter().max().unwrap());
             let ceiling = (1.5 * tolerance * 16.0) as usize;
@@ -405,6 +460,16 @@ mod tests {
     }
 
     #[test]
+    fn a_saturated_closed_loop_is_never_shed() {
+        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
+        load(&mut g, &mut now, 10, 2, 2.0);
+        // 64 clients, then 256, on a gateway that works 2 turns at once:
+        // each waits 32 (then 128) turns' time, and none is ever refused.
+        let seen = [load(&mut g, &mut now, 100, 64, 2.0), load(&mut g, &mut now, 100, 256, 2.0)].concat();
+        assert!(!g.limiting() && seen.iter().all(|l| *l == 1024), "{g:?}");
+    }
+
+    #[test]
     fn slower_work_without_load_moves_the_baseline_instead_of_shedding() {
         let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
         window(&mut g, &mut now, 2, Duration::from_millis(2));
@@ -424,22 +489,24 @@ mod tests {
 
     #[test]
     fn an_engine_slowed_tenfold_under_load_drives_shedding() {
-        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
-        load(&mut g, &mut now, 20, 64, 128.0);
+        let (mut g, mut now, mut working) = (Gradient::new(&limits(true)), Instant::now(), 0);
+        // 64 turns arrive a window; the gateway ends 128.
+        open_load(&mut g, &mut now, &mut working, 20, 64, 128);
         assert!(!g.limiting());
-        // The same offered load; the engine now takes 10× fewer at once.
-        load(&mut g, &mut now, 20, 64, 12.8);
+        // The same arrivals; the engine now lets 10× fewer end.
+        let seen = open_load(&mut g, &mut now, &mut working, 50, 64, 12);
         assert!(g.limiting() && g.limit() < 64, "{g:?}");
+        assert!(seen.iter().all(|l| *l <= 1024) && working < 128, "the queue is bounded: {working} working");
     }
 
     #[test]
     fn limiting_ends_when_demand_falls() {
-        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
-        load(&mut g, &mut now, 10, 8, 16.0);
-        load(&mut g, &mut now, 50, 1024, 16.0);
+        let (mut g, mut now, mut working) = (Gradient::new(&limits(true)), Instant::now(), 0);
+        open_load(&mut g, &mut now, &mut working, 10, 8, 16);
+        open_load(&mut g, &mut now, &mut working, 50, 64, 16);
         assert!(g.limiting());
-        load(&mut g, &mut now, 20, 2, 16.0);
-        assert!(!g.limiting(), "two turns working for two seconds: {g:?}");
+        open_load(&mut g, &mut now, &mut working, 20, 2, 16);
+        assert!(!g.limiting(), "two turns a window for two seconds: {g:?}");
     }
 
     #[test]

@@ -194,7 +194,9 @@ impl Core {
             operations.push(HostOperation::LlmComplete);
         }
         let scope = Scope {
-            engine_id: lease.info.id.clone(),
+            // The config entry, not the id the engine declares: its model
+            // slots and audit name are the operator's, not the peer's.
+            engine_id: lease.key.clone(),
             session_id: session.session_id.clone(),
             session_key: session.session_key.clone(),
             operations,
