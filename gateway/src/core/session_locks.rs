@@ -264,4 +264,63 @@ mod tests {
         assert!(!locks.is_busy("s"), "the guard was dropped with the task");
         assert!(locks.slots.lock().unwrap().is_empty(), "idle sessions are forgotten");
     }
+
+    /// Polls `f` once, without a runtime's help: it registers as a waiter
+    /// (or finishes) and hands back what it left pending.
+    fn poll_once<F: std::future::Future>(f: &mut std::pin::Pin<Box<F>>) -> std::task::Poll<F::Output> {
+        f.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    }
+
+    #[tokio::test]
+    async fn a_free_session_is_taken_at_once_under_every_policy() {
+        let locks = Arc::new(SessionLocks::default());
+        for policy in [BusyPolicy::Reject, BusyPolicy::Enqueue, BusyPolicy::Interrupt] {
+            let t = CancellationToken::new();
+            let guard = soon("a free session entering", locks.enter("s", &t, policy, Some(1))).await;
+            assert!(guard.is_ok(), "{policy:?} on a free session: {:?}", guard.err());
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_waiter_that_gives_up_as_the_holder_leaves_lets_nobody_in_beside_and_leaves_nothing() {
+        let locks = Arc::new(SessionLocks::default());
+        let (first, next, late) = (CancellationToken::new(), CancellationToken::new(), CancellationToken::new());
+        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(8)).await.unwrap();
+        let mut waiting = Box::pin(locks.enter("s", &next, BusyPolicy::Enqueue, Some(8)));
+        let mut leaving = Box::pin(locks.enter("s", &late, BusyPolicy::Enqueue, Some(8)));
+        assert!(poll_once(&mut waiting).is_pending() && poll_once(&mut leaving).is_pending());
+        // The holder leaves and, before the next waiter runs, another gives up.
+        drop(running);
+        drop(leaving);
+        // The session is still spoken for: a newcomer is refused, not let in
+        // beside the waiter about to enter.
+        let t = CancellationToken::new();
+        let e = soon("reject answering", locks.enter("s", &t, BusyPolicy::Reject, Some(8))).await.err();
+        assert_eq!(e, Some(BusyError::Busy), "a second turn got the session while one was entering");
+        drop(soon("the waiter entering", waiting).await.unwrap());
+        // The last waiter giving up just after the holder left: nothing of
+        // the idle session stays in memory.
+        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(8)).await.unwrap();
+        let mut giving_up = Box::pin(locks.enter("s", &late, BusyPolicy::Enqueue, Some(8)));
+        assert!(poll_once(&mut giving_up).is_pending());
+        drop(running);
+        drop(giving_up);
+        assert!(locks.slots.lock().unwrap().is_empty(), "an idle session stayed in the map");
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_interrupt_withdrawn_between_two_holders_interrupts_nobody() {
+        let locks = Arc::new(SessionLocks::default());
+        let (first, next, impatient) = (CancellationToken::new(), CancellationToken::new(), CancellationToken::new());
+        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(8)).await.unwrap();
+        let mut waiting = Box::pin(locks.enter("s", &next, BusyPolicy::Enqueue, Some(8)));
+        assert!(poll_once(&mut waiting).is_pending());
+        drop(running);
+        // Between the two holders an interrupt arrives, then is withdrawn.
+        let mut interrupting = Box::pin(locks.enter("s", &impatient, BusyPolicy::Interrupt, Some(8)));
+        assert!(poll_once(&mut interrupting).is_pending());
+        drop(interrupting);
+        let entered = soon("the waiter entering", waiting).await;
+        assert!(entered.is_ok(), "the waiter paid for an interrupt nobody made: {:?}", entered.err());
+    }
 }
