@@ -323,4 +323,21 @@ mod tests {
         let entered = soon("the waiter entering", waiting).await;
         assert!(entered.is_ok(), "the waiter paid for an interrupt nobody made: {:?}", entered.err());
     }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_interrupt_between_two_holders_cancels_the_next_waiter_and_gets_in() {
+        let locks = Arc::new(SessionLocks::default());
+        let (first, next, urgent) = (CancellationToken::new(), CancellationToken::new(), CancellationToken::new());
+        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(8)).await.unwrap();
+        let mut waiting = Box::pin(locks.enter("s", &next, BusyPolicy::Enqueue, Some(8)));
+        assert!(poll_once(&mut waiting).is_pending());
+        drop(running);
+        // Nothing runs to be interrupted: the turn about to enter is the one.
+        let mut interrupting = Box::pin(locks.enter("s", &urgent, BusyPolicy::Interrupt, Some(8)));
+        assert!(poll_once(&mut interrupting).is_pending());
+        let waited = soon("the waiter", waiting).await;
+        assert_eq!(waited.err(), Some(BusyError::Cancelled), "the waiter queued before the interrupt is its victim");
+        let interrupted = soon("the interrupt", interrupting).await;
+        assert!(interrupted.is_ok(), "the interrupting turn runs: {:?}", interrupted.err());
+    }
 }
