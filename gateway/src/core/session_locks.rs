@@ -340,4 +340,20 @@ mod tests {
         let interrupted = soon("the interrupt", interrupting).await;
         assert!(interrupted.is_ok(), "the interrupting turn runs: {:?}", interrupted.err());
     }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_interrupt_whose_victim_gave_up_gets_in_itself() {
+        let locks = Arc::new(SessionLocks::default());
+        let (first, next, urgent) = (CancellationToken::new(), CancellationToken::new(), CancellationToken::new());
+        let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(8)).await.unwrap();
+        let mut waiting = Box::pin(locks.enter("s", &next, BusyPolicy::Enqueue, Some(8)));
+        assert!(poll_once(&mut waiting).is_pending());
+        drop(running);
+        let mut interrupting = Box::pin(locks.enter("s", &urgent, BusyPolicy::Interrupt, Some(8)));
+        assert!(poll_once(&mut interrupting).is_pending());
+        // The waiter it would have interrupted leaves first.
+        drop(waiting);
+        let interrupted = soon("the interrupt", interrupting).await;
+        assert!(interrupted.is_ok(), "the interrupting turn interrupted itself: {:?}", interrupted.err());
+    }
 }
