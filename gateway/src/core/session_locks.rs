@@ -229,6 +229,7 @@ mod tests {
         let first = CancellationToken::new();
         let running = locks.enter("s", &first, BusyPolicy::Enqueue, Some(1)).await.unwrap();
         assert!(locks.is_busy("s"));
+        assert_eq!((locks.running(), locks.queued()), (1, 0), "what `status` shows as running and queued");
         // Refused at once: a refusal that waits for the holder is a broken
         // policy, and must fail here, not hang.
         let other = CancellationToken::new();
@@ -246,6 +247,7 @@ mod tests {
             }
         })
         .await;
+        assert_eq!((locks.running(), locks.queued()), (1, 1));
         let full = locks.enter("s", &other, BusyPolicy::Enqueue, Some(1));
         let e = soon("a full queue answering", full).await.err();
         assert_eq!(e, Some(BusyError::QueueFull(1)));
