@@ -306,4 +306,22 @@ mod tests {
         drop(a);
         assert!(grants.llm_slot("e").is_ok(), "a finished call frees its slot");
     }
+
+    #[test]
+    fn the_engines_slot_map_stays_bounded_and_keeps_the_slots_in_use() {
+        let grants = Grants::new(HostCallbacks { llm_concurrent_per_engine: 1, ..HostCallbacks::default() });
+        let busy = grants.llm_slot("busy").unwrap();
+        // Engine ids come from the config, but a bound must not rest on that.
+        for i in 0..2 * MAX_LLM_ENGINES {
+            drop(grants.llm_slot(&format!("engine-{i}")).unwrap());
+        }
+        let kept = grants.llm.lock().unwrap().len();
+        assert!(kept <= MAX_LLM_ENGINES, "{kept} engines' slots kept");
+        assert!(
+            matches!(grants.llm_slot("busy"), Err(GrantError::OverLimit(Limit::LlmConcurrent(1)))),
+            "a slot in use was forgotten, and its engine got a fresh one"
+        );
+        drop(busy);
+        assert!(grants.llm_slot("busy").is_ok());
+    }
 }
