@@ -9,8 +9,8 @@
 //!   from the client (a store or model failure), it logged the detail under
 //!   an id first ([`hidden`]), and that id is the one the client gets.
 //!
-//! The gateway's own handlers never answer OUT_OF_RANGE, so the code alone
-//! identifies an oversized request. Errors before a stream's first message
+//! Only tonic's decode-limit error is rewritten (matched by its message): a
+//! reply over the encode limit stays OUT_OF_RANGE, the gateway's fault. Errors before a stream's first message
 //! are in the headers of a trailers-only response; errors after it (a
 //! DriveTurn message over the limit), in the trailers: both are rewritten
 //! and tagged.
@@ -22,6 +22,9 @@ use std::task::{Context, Poll};
 
 use tonic::Status;
 use tonic::codegen::http::{self, HeaderMap, HeaderValue};
+
+/// How tonic's decoder words a request message over the limit.
+const DECODE_LIMIT: &str = "decoded message length too large";
 
 /// The metadata key of an error id.
 pub const ERROR_ID: &str = "ctxgate-error-id";
@@ -119,8 +122,11 @@ where
 }
 
 fn oversized_is_resource_exhausted(headers: &mut HeaderMap) {
-    let code = (tonic::Code::OutOfRange as i32).to_string();
-    if headers.get("grpc-status").is_some_and(|v| v.as_bytes() == code.as_bytes()) {
+    // A request over the decode limit only: tonic answers a reply over its
+    // encode limit OUT_OF_RANGE too, and that is no client's excess.
+    let over = Status::from_header_map(headers)
+        .is_some_and(|s| s.code() == tonic::Code::OutOfRange && s.message().contains(DECODE_LIMIT));
+    if over {
         headers.insert("grpc-status", HeaderValue::from(tonic::Code::ResourceExhausted as i32));
     }
 }
@@ -202,9 +208,17 @@ mod tests {
 
     #[test]
     fn an_error_gets_an_id_once_and_an_oversized_request_resource_exhausted() {
-        let mut h = HeaderMap::new();
-        h.insert("grpc-status", HeaderValue::from(tonic::Code::OutOfRange as i32));
-        oversized_is_resource_exhausted(&mut h);
+        let status = |m: &str| {
+            let mut h = HeaderMap::new();
+            Status::out_of_range(m).add_header(&mut h).unwrap();
+            oversized_is_resource_exhausted(&mut h);
+            h
+        };
+        // A reply over the encode limit is the gateway's, not the client's.
+        let mut h =
+            status("Error, encoded message length too large: found 17000000 bytes, the limit is: 16777216 bytes");
+        assert_eq!(h["grpc-status"], (tonic::Code::OutOfRange as i32).to_string().as_str());
+        h = status("Error, decoded message length too large: found 20971542 bytes, the limit is: 16777216 bytes");
         assert_eq!(h["grpc-status"], (tonic::Code::ResourceExhausted as i32).to_string().as_str());
         let call = Call { method: Arc::from("/m"), lines: Arc::default() };
         call.tag(&mut h);

@@ -6,7 +6,8 @@
 //! its engines, its compaction, the engines' host callbacks) acts for it,
 //! and away while it waits on things the gateway does not control — the
 //! model's answer in a managed turn, the client's next step in a harness
-//! turn ([`Permit::away`], [`Permit::back`]). A thousand turns waiting on
+//! turn, or behind its session's running turn ([`Permit::away`],
+//! [`Permit::back`]). A thousand turns waiting on
 //! their models cost memory (bounded by `maxConcurrentTurns`), not work.
 //!
 //! Each turn's *gateway latency* — admission to release, minus its time
@@ -25,14 +26,18 @@
 //!   tolerance × baseline / p90 (the work it does within tolerance, by
 //!   Little's law), at least `minLimit`. Slowness with a steady
 //!   amount of work (a closed loop of clients, however many: each waits for
-//!   its answer before it asks again) is not shed; with little work it is
-//!   not load at all, and the baseline moves.
+//!   its answer before it asks again) is not shed once the loop has
+//!   arrived (clients that keep joining over several slow windows look like
+//!   growth); with little work it is not load at all, and the baseline
+//!   moves. A queue growing by less than `minLimit` a window is not seen:
+//!   `maxConcurrentTurns` bounds it.
 //! - **Limiting** (real overload): a new turn is shed while the working
 //!   turns reach the limit. An over-tolerance window cuts the limit again;
 //!   a healthy one whose limit was used grows it by √limit; when the limit
-//!   passes `maxConcurrentTurns`, or healthy windows find demand under half
-//!   of it for a second, the gateway is Open again. The baseline does not
-//!   rise while limiting.
+//!   passes `maxConcurrentTurns`, or ten healthy windows find demand under
+//!   half of it, or no turn ends for ten seconds, the gateway is Open
+//!   again. The baseline does not rise while limiting, except when the
+//!   floor itself is as slow (the work got slower, not the gateway busier).
 //!
 //! With `adaptiveConcurrency.enabled: false` only `maxConcurrentTurns`
 //! bounds turns.
@@ -130,6 +135,15 @@ impl Gradient {
     /// Whether the gateway sheds below `maxConcurrentTurns` now.
     pub fn limiting(&self) -> bool {
         self.adaptive && matches!(self.mode, Mode::Limiting { .. })
+    }
+
+    /// Windows close only when turns end: after a silence longer than the
+    /// calm windows would take, a limit measured then says nothing about now.
+    fn quiet(&mut self, now: Instant) {
+        let silent = self.window_start.is_some_and(|w| now.saturating_duration_since(w) >= MAX_WINDOW * CALM_WINDOWS);
+        if silent && self.limiting() {
+            self.mode = Mode::Open;
+        }
     }
 
     /// Notes that `working` turns work now.
@@ -260,6 +274,7 @@ impl Admission {
     /// while limiting with the limit's worth of turns working.
     pub fn try_admit(self: &Arc<Self>) -> Result<Permit, Shed> {
         let mut s = self.state();
+        s.gradient.quiet(Instant::now());
         let max = s.gradient.max as usize;
         let limit = s.gradient.limit();
         if s.open >= max || (s.gradient.limiting() && s.working >= limit) {
@@ -564,5 +579,16 @@ mod tests {
         }
         let s = a.state();
         assert!(s.gradient.samples.is_empty() && s.gradient.baseline.is_none(), "{:?}", s.gradient);
+    }
+
+    #[test]
+    fn a_limit_outlives_no_silence() {
+        let (mut g, mut now, mut working) = (Gradient::new(&limits(true)), Instant::now(), 0);
+        open_load(&mut g, &mut now, &mut working, 10, 8, 16);
+        open_load(&mut g, &mut now, &mut working, 50, 64, 16);
+        assert!(g.limiting());
+        // Nothing ends for ten seconds (no window closes): the next burst finds the gateway open.
+        g.quiet(now + super::MAX_WINDOW * super::CALM_WINDOWS);
+        assert!(!g.limiting(), "{g:?}");
     }
 }

@@ -137,7 +137,12 @@ impl Core {
             .await?
             .ok_or_else(|| CoreError::NoSession(spec.session_key.clone()))?;
         let limit = self.config.gateway.limits.queued_turns_per_session;
-        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
+        // Waiting behind the session's running turn is not the gateway's
+        // work (admission counts the turn that holds the session).
+        admission.away();
+        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await;
+        admission.back();
+        let guard = guard?;
         let unmet = match spec.driver {
             Driver::Managed => Unmet::Degrade,
             Driver::Harness => Unmet::FailClosed,
