@@ -265,6 +265,7 @@ mod tests {
         assert!(soon("the interrupting turn entering", interrupting).await.unwrap());
         assert!(!locks.is_busy("s"), "the guard was dropped with the task");
         assert!(locks.slots.lock().unwrap().is_empty(), "idle sessions are forgotten");
+        assert_eq!((locks.running(), locks.queued()), (0, 0), "status shows nothing running");
     }
 
     /// Polls `f` once, without a runtime's help: it registers as a waiter
