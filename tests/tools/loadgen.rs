@@ -691,7 +691,11 @@ async fn run(args: Args) -> Result<bool, String> {
                 failures.len(),
                 failures.first().map(|f| format!(" (first: {f})")).unwrap_or_default()
             );
-            ok &= refused.is_empty() && failures.is_empty() && busy.errors == 0 && busy.shed + idle.shed == 0 && p99 <= 2.0;
+            ok &= refused.is_empty()
+                && failures.is_empty()
+                && busy.errors == 0
+                && busy.shed + idle.shed == 0
+                && p99 <= 2.0;
         }
         Run::Hostile { rate, seconds, flooders } => {
             if args.engine != EngineKind::FaultFlood {
