@@ -9,7 +9,7 @@ import type { CompactOutcome, ContextEngine, Progress } from "./engine.js";
 import { EngineError } from "./errors.js";
 import type * as pb from "./gen/pb.js";
 import { type HostChannels, peerOf } from "./host.js";
-import { type Method, methodKey } from "./method.js";
+import { METHODS, type Method, methodKey } from "./method.js";
 import type { Exporter } from "./otlp.js";
 import { ENGINE_SERVICE } from "./proto.js";
 import { TRACE_HEADER, TraceParent } from "./trace.js";
@@ -316,22 +316,8 @@ function compactHandler(state: ServiceState): grpc.handleServerStreamingCall<unk
 /** Every handler of the ContextEngine service. */
 export function handlers(state: ServiceState): grpc.UntypedServiceImplementation {
   const out: grpc.UntypedServiceImplementation = {};
-  const unary: Method[] = [
-    "GetInfo",
-    "Bootstrap",
-    "Ingest",
-    "IngestBatch",
-    "Assemble",
-    "AfterTurn",
-    "CommitTurn",
-    "Maintain",
-    "PrepareSubagentSpawn",
-    "RollbackSubagentSpawn",
-    "OnSubagentEnded",
-    "Dispose",
-    "ForgetSession",
-    "CallTool",
-  ];
+  // Every method but Compact, the one server-streaming call.
+  const unary = METHODS.filter((m) => m !== "Compact");
   for (const m of unary) out[m] = unaryHandler(state, m);
   out["Compact"] = compactHandler(state);
   return out;
