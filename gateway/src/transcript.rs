@@ -15,26 +15,42 @@ pub struct Visible {
 
 /// The visible history of a branch (oldest first).
 pub fn visible(branch: &[pb::TranscriptEntry]) -> Visible {
+    let (summary, parts) = split(branch);
+    Visible {
+        summary: summary.map(|(id, c)| (id.to_owned(), c.clone())),
+        messages: messages_in(parts).cloned().collect(),
+    }
+}
+
+/// The visible history as the model sees it, straight from the branch:
+/// `visible(branch).render()` with one copy of each message, not two (a
+/// turn renders its whole history this way).
+pub fn visible_messages(branch: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
+    let (summary, parts) = split(branch);
+    let mut out = Vec::with_capacity(parts[0].len() + parts[1].len() + 1);
+    out.extend(summary.map(|(id, c)| summary_message(id, c)));
+    out.extend(messages_in(parts).cloned());
+    out
+}
+
+/// The latest compaction (its entry id and content), and the two runs of
+/// entries visible with it: the kept ones before it and all after it.
+type Split<'a> = (Option<(&'a str, &'a CompactionEntry)>, [&'a [pb::TranscriptEntry]; 2]);
+
+fn split(branch: &[pb::TranscriptEntry]) -> Split<'_> {
     let latest = branch.iter().rposition(|e| matches!(e.entry, Some(Entry::Compaction(_))));
-    let Some(ci) = latest else {
-        return Visible { summary: None, messages: messages_of(branch) };
-    };
+    let Some(ci) = latest else { return (None, [branch, &[]]) };
     let Some(Entry::Compaction(c)) = &branch[ci].entry else { unreachable!("rposition matched a compaction") };
     // Kept entries sit before the compaction entry, from first_kept onwards.
     let kept_from = branch[..ci].iter().position(|e| e.id == c.first_kept_entry_id).unwrap_or(ci);
-    let mut messages = messages_of(&branch[kept_from..ci]);
-    messages.extend(messages_of(&branch[ci + 1..]));
-    Visible { summary: Some((branch[ci].id.clone(), c.clone())), messages }
+    (Some((&branch[ci].id, c)), [&branch[kept_from..ci], &branch[ci + 1..]])
 }
 
-fn messages_of(entries: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
-    entries
-        .iter()
-        .filter_map(|e| match &e.entry {
-            Some(Entry::Message(m)) => Some(m.clone()),
-            _ => None,
-        })
-        .collect()
+fn messages_in(parts: [&[pb::TranscriptEntry]; 2]) -> impl Iterator<Item = &AgentMessage> {
+    parts.into_iter().flatten().filter_map(|e| match &e.entry {
+        Some(Entry::Message(m)) => Some(m),
+        _ => None,
+    })
 }
 
 /// A summary as the user message a model is shown (its id is the
@@ -119,19 +135,22 @@ mod tests {
         }
     }
 
-    fn ids(v: &Visible) -> Vec<String> {
-        v.render().into_iter().map(|m| m.id).collect()
+    /// The visible ids, checking that both renderings agree.
+    fn ids(branch: &[pb::TranscriptEntry]) -> Vec<String> {
+        let rendered = visible_messages(branch);
+        assert_eq!(rendered, visible(branch).render());
+        rendered.into_iter().map(|m| m.id).collect()
     }
 
     #[test]
     fn visible_is_latest_summary_plus_kept_plus_later() {
         let b =
             [msg("a"), msg("b"), msg("c"), compaction("s1", "b"), msg("d"), msg("e"), compaction("s2", "e"), msg("f")];
-        assert_eq!(ids(&visible(&b)), ["s2", "e", "f"]);
-        assert_eq!(ids(&visible(&b[..6])), ["s1", "b", "c", "d", "e"]);
-        assert_eq!(ids(&visible(&b[..3])), ["a", "b", "c"]);
+        assert_eq!(ids(&b), ["s2", "e", "f"]);
+        assert_eq!(ids(&b[..6]), ["s1", "b", "c", "d", "e"]);
+        assert_eq!(ids(&b[..3]), ["a", "b", "c"]);
         // Everything summarised: only what came after.
         let all = [msg("a"), compaction("s", ""), msg("z")];
-        assert_eq!(ids(&visible(&all)), ["s", "z"]);
+        assert_eq!(ids(&all), ["s", "z"]);
     }
 }

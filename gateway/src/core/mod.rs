@@ -285,7 +285,7 @@ impl Core {
 
     /// The session's visible history, rendered as the model sees it.
     async fn visible_messages(&self, session: &Session) -> Result<Vec<AgentMessage>, CoreError> {
-        Ok(self.visible(&session.session_id).await?.render())
+        Ok(transcript::visible_messages(&self.store.visible_tail(&session.session_id).await?))
     }
 
     /// A host callback under its grant's budget.

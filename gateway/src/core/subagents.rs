@@ -104,7 +104,7 @@ impl Core {
             .ok_or(CoreError::NoSession(child_key.into()))?;
         if mode == pb::SubagentContextMode::Fork {
             // The child starts from what the parent's model sees.
-            let history = self.visible(&parent.session_id).await?.render();
+            let history = self.visible_messages(parent).await?;
             let entries =
                 history.into_iter().map(|m| NewEntry { turn_id: "fork".into(), entry: Entry::Message(m) }).collect();
             self.store.append(&child.session_id, entries).await?;

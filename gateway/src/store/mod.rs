@@ -11,6 +11,7 @@
 //! method is one transaction, so a crash at any point leaves each session
 //! readable and consistent: an append is either all there or not at all.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -144,8 +145,9 @@ pub trait Transcript: Send + Sync + 'static {
     /// the latest compaction's first kept entry onwards (the whole branch
     /// if it was never compacted). `transcript::visible` of it equals that
     /// of the whole branch, at a cost bounded by the context window rather
-    /// than the session's age.
-    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// than the session's age. Shared, not copied: a store may keep it
+    /// cached, and a long session's tail is most of a turn's bytes.
+    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Vec<pb::TranscriptEntry>>, StoreError>;
     /// Applies transcript replacements (message id → new message) as a new
     /// branch from the parent of the first replaced entry; the old branch
     /// stays for audit. One transaction.

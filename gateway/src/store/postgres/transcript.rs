@@ -3,6 +3,8 @@
 //! leaf), turns (open, accepted with their queued commit, or rewound) and
 //! DELTA engines' cursors. Every write is fenced by the session's lease.
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use deadpool_postgres::{GenericClient, Transaction};
@@ -187,7 +189,7 @@ impl Transcript for PostgresStore {
         Ok(PageOutcome::Page { entries: order_page(&ids, bodies)?, more })
     }
 
-    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Vec<pb::TranscriptEntry>>, StoreError> {
         // From the leaf back to the latest compaction's first kept entry (or
         // to that compaction, when it keeps nothing), as SQLite walks it: a
         // cost bounded by the context window, not by the session's age.
@@ -210,7 +212,7 @@ impl Transcript for PostgresStore {
         {
             return Err(StoreError::NoSession(session_id.to_owned()));
         }
-        rows.iter().map(|r| decode_entry(r.get(0))).collect()
+        rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<_, _>>().map(Arc::new)
     }
 
     async fn rewrite(

@@ -45,7 +45,7 @@ impl Tails {
         Some(tail.entries)
     }
 
-    pub(super) fn put(&mut self, session_id: &str, entries: Vec<pb::TranscriptEntry>) {
+    pub(super) fn put(&mut self, session_id: &str, entries: Arc<Vec<pb::TranscriptEntry>>) {
         let bytes: usize = entries.iter().map(|e| e.encoded_len()).sum();
         self.take(session_id);
         if bytes > MAX_BYTES / 4 {
@@ -59,7 +59,7 @@ impl Tails {
         }
         self.clock += 1;
         self.bytes += bytes;
-        self.by_session.insert(session_id.to_owned(), Tail { entries: Arc::new(entries), bytes, stored: self.clock });
+        self.by_session.insert(session_id.to_owned(), Tail { entries, bytes, stored: self.clock });
         self.order.push_back((session_id.to_owned(), self.clock));
         // Stale pairs are bounded by the live ones.
         if self.order.len() > 2 * self.by_session.len() + 64 {
@@ -85,8 +85,8 @@ impl Tails {
 mod tests {
     use super::*;
 
-    fn tail(bytes: usize) -> Vec<pb::TranscriptEntry> {
-        vec![pb::TranscriptEntry { id: "x".repeat(bytes), ..Default::default() }]
+    fn tail(bytes: usize) -> Arc<Vec<pb::TranscriptEntry>> {
+        Arc::new(vec![pb::TranscriptEntry { id: "x".repeat(bytes), ..Default::default() }])
     }
 
     #[test]

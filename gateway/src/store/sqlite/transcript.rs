@@ -203,13 +203,13 @@ impl Transcript for SqliteStore {
             .await
     }
 
-    async fn visible_tail(&self, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Vec<pb::TranscriptEntry>>, StoreError> {
         let session_id = session_id.to_owned();
         let tails = self.tails.clone();
         let cached = tails.lock().map(|mut t| t.take(&session_id)).unwrap_or(None);
         self.db
             .read(move |c| {
-                let Some(mut next) = leaf_of(c, &session_id)? else { return Ok(Vec::new()) };
+                let Some(mut next) = leaf_of(c, &session_id)? else { return Ok(Arc::default()) };
                 let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
                 let mut out = Vec::new();
                 // Walk from the leaf towards the root; stop once the latest
@@ -240,19 +240,18 @@ impl Transcript for SqliteStore {
                 }
                 out.reverse();
                 let tail = match spliced {
-                    // Ours alone (taken from the cache): extended in place.
-                    Some(older) => {
-                        let mut all = Arc::try_unwrap(older).unwrap_or_else(|shared| (*shared).clone());
-                        all.extend(out);
-                        all
+                    // Extended in place when the last reader has let go of
+                    // it (copied only while a reader still holds it).
+                    Some(mut older) => {
+                        Arc::make_mut(&mut older).extend(out);
+                        older
                     }
-                    None => out,
+                    None => Arc::new(out),
                 };
-                let answer = tail.clone();
                 if let Ok(mut t) = tails.lock() {
-                    t.put(&session_id, tail);
+                    t.put(&session_id, tail.clone());
                 }
-                Ok(answer)
+                Ok(tail)
             })
             .await
     }
