@@ -20,6 +20,33 @@ use prost::Message as _;
 /// Encoded bytes of cached entries, all sessions together.
 const MAX_BYTES: usize = 16 * 1024 * 1024;
 
+/// A session's tail as the cache hands it out and takes it back.
+pub(super) struct Cached {
+    pub entries: Arc<Vec<pb::TranscriptEntry>>,
+    /// Their encoded size: a reader that extends a tail adds the new
+    /// entries' sizes (measuring the whole tail on every put cost a long
+    /// session's turn more than the walk it saves).
+    pub bytes: usize,
+}
+
+impl Cached {
+    /// Entries read fresh, measured.
+    pub(super) fn measure(entries: Vec<pb::TranscriptEntry>) -> Self {
+        Self { bytes: encoded_size(&entries), entries: Arc::new(entries) }
+    }
+
+    /// Extends the tail in place (copied only while another reader still
+    /// holds it).
+    pub(super) fn extend(&mut self, newer: Vec<pb::TranscriptEntry>) {
+        self.bytes += encoded_size(&newer);
+        Arc::make_mut(&mut self.entries).extend(newer);
+    }
+}
+
+fn encoded_size(entries: &[pb::TranscriptEntry]) -> usize {
+    entries.iter().map(|e| e.encoded_len()).sum()
+}
+
 struct Tail {
     entries: Arc<Vec<pb::TranscriptEntry>>,
     bytes: usize,
@@ -39,14 +66,14 @@ pub(super) struct Tails {
 impl Tails {
     /// Takes the session's cached tail (oldest entry first), if any: the
     /// reader extends it in place and puts it back.
-    pub(super) fn take(&mut self, session_id: &str) -> Option<Arc<Vec<pb::TranscriptEntry>>> {
+    pub(super) fn take(&mut self, session_id: &str) -> Option<Cached> {
         let tail = self.by_session.remove(session_id)?;
         self.bytes -= tail.bytes;
-        Some(tail.entries)
+        Some(Cached { entries: tail.entries, bytes: tail.bytes })
     }
 
-    pub(super) fn put(&mut self, session_id: &str, entries: Arc<Vec<pb::TranscriptEntry>>) {
-        let bytes: usize = entries.iter().map(|e| e.encoded_len()).sum();
+    pub(super) fn put(&mut self, session_id: &str, tail: Cached) {
+        let Cached { entries, bytes } = tail;
         self.take(session_id);
         if bytes > MAX_BYTES / 4 {
             return;
@@ -85,8 +112,8 @@ impl Tails {
 mod tests {
     use super::*;
 
-    fn tail(bytes: usize) -> Arc<Vec<pb::TranscriptEntry>> {
-        Arc::new(vec![pb::TranscriptEntry { id: "x".repeat(bytes), ..Default::default() }])
+    fn tail(bytes: usize) -> Cached {
+        Cached::measure(vec![pb::TranscriptEntry { id: "x".repeat(bytes), ..Default::default() }])
     }
 
     #[test]
@@ -105,5 +132,13 @@ mod tests {
         t.forget(&["gone".to_owned()]);
         assert!(t.take("gone").is_none());
         assert!(t.len() <= 4 && t.order.len() <= 2 * t.len() + 64);
+    }
+
+    #[test]
+    fn an_extended_tail_counts_what_it_holds_and_leaves_a_shared_one_alone() {
+        let mut t = tail(10);
+        let reader = t.entries.clone();
+        t.extend(tail(20).entries.to_vec());
+        assert_eq!((t.bytes, t.entries.len(), reader.len()), (encoded_size(&t.entries), 2, 1));
     }
 }

@@ -11,6 +11,7 @@ use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::SqliteStore;
+use super::tails::Cached;
 use crate::store::shared::{
     Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
@@ -219,7 +220,9 @@ impl Transcript for SqliteStore {
                 loop {
                     // The cached tail's leaf, with no newer summary on the
                     // way: the rest of the walk is that tail.
-                    if stop_at.is_none() && cached.as_ref().is_some_and(|t| t.last().is_some_and(|l| l.id == next)) {
+                    if stop_at.is_none()
+                        && cached.as_ref().is_some_and(|t| t.entries.last().is_some_and(|l| l.id == next))
+                    {
                         spliced = cached;
                         break;
                     }
@@ -240,18 +243,17 @@ impl Transcript for SqliteStore {
                 }
                 out.reverse();
                 let tail = match spliced {
-                    // Extended in place when the last reader has let go of
-                    // it (copied only while a reader still holds it).
                     Some(mut older) => {
-                        Arc::make_mut(&mut older).extend(out);
+                        older.extend(out);
                         older
                     }
-                    None => Arc::new(out),
+                    None => Cached::measure(out),
                 };
+                let answer = tail.entries.clone();
                 if let Ok(mut t) = tails.lock() {
-                    t.put(&session_id, tail.clone());
+                    t.put(&session_id, tail);
                 }
-                Ok(tail)
+                Ok(answer)
             })
             .await
     }
