@@ -141,6 +141,8 @@ impl Postgres {
             .args(["-D", &data_arg, "-p", &port.to_string(), "-k", &sock])
             .args(["-c", "listen_addresses=127.0.0.1", "-c", &format!("fsync={sync}")])
             .args(["-c", &format!("synchronous_commit={sync}"), "-c", "max_connections=300"])
+            // Benchmarks count what a turn costs the server (`work`).
+            .args(if durable { &["-c", "shared_preload_libraries=pg_stat_statements"][..] } else { &[] })
             .args(&ssl)
             .stdout(Stdio::null())
             .stderr(log)
@@ -184,6 +186,25 @@ impl Postgres {
         let _ = conn.await;
     }
 
+    /// What the server has done so far for database `db` (a durable
+    /// cluster's only: it needs `pg_stat_statements`): statements run,
+    /// transactions committed, and WAL flushes (cluster-wide). PostgreSQL
+    /// publishes the last two about once a second, so a caller waits that
+    /// long after the work it measures.
+    pub async fn work(&self, db: &str) -> Work {
+        self.sql(db, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements").await;
+        let count = |sql: String| async move { self.count(db, &sql).await };
+        Work {
+            statements: count(format!(
+                "SELECT COALESCE(sum(s.calls), 0)::bigint FROM pg_stat_statements s
+                   JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = '{db}'"
+            ))
+            .await,
+            commits: count(format!("SELECT xact_commit FROM pg_stat_database WHERE datname = '{db}'")).await,
+            wal_flushes: count("SELECT wal_sync FROM pg_stat_wal".into()).await,
+        }
+    }
+
     /// The first column of the first row of `sql` in database `db`, as i64.
     pub async fn count(&self, db: &str, sql: &str) -> i64 {
         let (client, conn) = tokio_postgres::connect(&self.url(db), tokio_postgres::NoTls).await.expect("connect");
@@ -192,6 +213,26 @@ impl Postgres {
         drop(client);
         let _ = conn.await;
         n
+    }
+}
+
+/// Counters of a server's work ([`Postgres::work`]); subtract two to get
+/// what happened between them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Work {
+    pub statements: i64,
+    pub commits: i64,
+    pub wal_flushes: i64,
+}
+
+impl std::ops::Sub for Work {
+    type Output = Self;
+    fn sub(self, o: Self) -> Self {
+        Self {
+            statements: self.statements - o.statements,
+            commits: self.commits - o.commits,
+            wal_flushes: self.wal_flushes - o.wal_flushes,
+        }
     }
 }
 

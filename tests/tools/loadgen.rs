@@ -243,7 +243,7 @@ struct Stack {
     gateway: EngineProcess,
     _more: Vec<EngineProcess>,
     _engine: Option<EngineProcess>,
-    _postgres: Option<ctxgate_tests::postgres::Postgres>,
+    postgres: Option<ctxgate_tests::postgres::Postgres>,
     _dir: tempfile::TempDir,
 }
 
@@ -306,12 +306,19 @@ impl Stack {
             }
         }
         let gateway = gateways.remove(0);
-        let stack =
-            Self { channels, gateway, _more: gateways, _engine: engine_process, _postgres: postgres, _dir: dir };
+        let stack = Self { channels, gateway, _more: gateways, _engine: engine_process, postgres, _dir: dir };
         if let Some(id) = engine.id() {
             stack.wait_attached(id).await?;
         }
         Ok(stack)
+    }
+
+    /// The PostgreSQL server's counters, once the last second's are
+    /// published (None on SQLite).
+    async fn store_work(&self) -> Option<ctxgate_tests::postgres::Work> {
+        let pg = self.postgres.as_ref()?;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Some(pg.work("loadgen").await)
     }
 
     fn client(&self, i: usize) -> GatewayClient<Channel> {
@@ -523,8 +530,18 @@ async fn run(args: Args) -> Result<bool, String> {
     match args.run {
         Run::Closed { sessions, seconds } => {
             stack.warm_up(sessions).await?;
+            let before = stack.store_work().await;
             let (t, e) = closed(&stack, sessions, seconds).await;
             t.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
+            if let (Some(before), Some(after)) = (before, stack.store_work().await) {
+                let (w, turns) = (after - before, t.latencies.len().max(1) as f64);
+                println!(
+                    "  PostgreSQL per turn: {:.1} statements, {:.2} commits, {:.2} WAL flushes",
+                    w.statements as f64 / turns,
+                    w.commits as f64 / turns,
+                    w.wal_flushes as f64 / turns
+                );
+            }
             ok &= t.errors == 0;
         }
         Run::Open { rate, seconds, sessions } => {
