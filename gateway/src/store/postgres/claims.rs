@@ -113,7 +113,7 @@ impl Claims for PostgresStore {
                 held.remove(&claim.session_id);
             }
         }
-        let c = self.client().await?;
+        let c = self.renewals.get().await?;
         exec(
             &c,
             "UPDATE session_leases SET owner = NULL, interrupt = false, expires_at = clock_timestamp()

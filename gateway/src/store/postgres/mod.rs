@@ -99,7 +99,7 @@ impl From<deadpool_postgres::PoolError> for StoreError {
 /// The PostgreSQL store.
 pub struct PostgresStore {
     pool: Pool,
-    /// Lease renewals only.
+    /// Lease renewals and releases only (commits not flushed: see `open`).
     renewals: Pool,
     /// This gateway's name in lease rows (host, process, a random part).
     owner: String,
@@ -207,15 +207,17 @@ impl PostgresStore {
             " -c lock_timeout={lease_ms} -c idle_in_transaction_session_timeout={lease_ms} -c statement_timeout={}",
             lease_ms.max(30_000)
         ));
-        config.options(options.trim());
+        let options = options.trim().to_owned();
+        config.options(&options);
         let tls = tls_connector(opts.ca_file.as_deref())
             .map_err(|detail| OpenError::Other { file: redacted(url), detail })?;
-        let pool = |size: usize| {
-            let manager = Manager::from_config(
-                config.clone(),
-                tls.clone(),
-                ManagerConfig { recycling_method: RecyclingMethod::Fast },
-            );
+        let pool = |size: usize, unflushed: bool| {
+            let mut config = config.clone();
+            if unflushed {
+                config.options(format!("{options} -c synchronous_commit=off").trim());
+            }
+            let manager =
+                Manager::from_config(config, tls.clone(), ManagerConfig { recycling_method: RecyclingMethod::Fast });
             Pool::builder(manager)
                 .max_size(size)
                 .runtime(deadpool_postgres::Runtime::Tokio1)
@@ -224,9 +226,13 @@ impl PostgresStore {
                 .build()
                 .map_err(|e| OpenError::Other { file: redacted(url), detail: e.to_string() })
         };
-        // Renewals get connections of their own: a busy pool must not let
-        // leases lapse under the turns that hold them.
-        let (main, renewals) = (pool(opts.pool_size.max(1))?, pool(2)?);
+        // Renewals and releases get connections of their own: a busy pool
+        // must not let leases lapse under the turns that hold them. Their
+        // commits skip the WAL flush (one fewer per turn): a renewal or
+        // release lost in a server crash costs liveness only — a lease
+        // that lapses early or lingers to its expiry — never safety, which
+        // the fencing token keeps; other gateways see them at once.
+        let (main, renewals) = (pool(opts.pool_size.max(1), false)?, pool(4, true)?);
         let mut client = main.get().await.map_err(|e| match e {
             deadpool_postgres::PoolError::Backend(e) => connect_error(url, &e),
             other => OpenError::Other { file: redacted(url), detail: format!("cannot connect to PostgreSQL: {other}") },
