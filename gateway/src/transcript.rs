@@ -33,6 +33,16 @@ pub fn visible_messages(branch: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
     out
 }
 
+/// The index in the visible history (as rendered: a summary first) of the
+/// first message `pick` chooses, else the history's length.
+pub fn visible_index(branch: &[pb::TranscriptEntry], pick: impl Fn(&AgentMessage) -> bool) -> usize {
+    let (summary, parts) = split(branch);
+    let before = usize::from(summary.is_some());
+    let mut shown = messages_in(parts);
+    let at = shown.by_ref().position(pick);
+    before + at.unwrap_or_else(|| messages_in(parts).count())
+}
+
 /// The latest compaction (its entry id and content), and the two runs of
 /// entries visible with it: the kept ones before it and all after it.
 type Split<'a> = (Option<(&'a str, &'a CompactionEntry)>, [&'a [pb::TranscriptEntry]; 2]);
@@ -149,6 +159,10 @@ mod tests {
         assert_eq!(ids(&b), ["s2", "e", "f"]);
         assert_eq!(ids(&b[..6]), ["s1", "b", "c", "d", "e"]);
         assert_eq!(ids(&b[..3]), ["a", "b", "c"]);
+        // Indices as rendered: the summary counts.
+        assert_eq!(visible_index(&b, |m| m.id == "f"), 2);
+        assert_eq!(visible_index(&b[..6], |m| m.id == "b"), 1);
+        assert_eq!(visible_index(&b, |m| m.id == "a"), 3, "not visible: the length");
         // Everything summarised: only what came after.
         let all = [msg("a"), compaction("s", ""), msg("z")];
         assert_eq!(ids(&all), ["s", "z"]);

@@ -2,13 +2,21 @@
 //! gets only what is new each turn, resyncs through `history_gap` after
 //! losing its state (no quarantine, no failed turn), keeps a summary with
 //! the safeguard headings when the host's model is offline; the Python
-//! engine keeps its state across a restart.
+//! engine keeps its state across a restart; a durable DELTA engine's
+//! commits place each turn at its visible index, aborted turns between.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use ctxgate_engine_sdk::extractive::HEADINGS;
+use ctxgate_engine_sdk::pb;
+use ctxgate_engine_sdk::testkit::{TestEngine, msg};
+use ctxgate_engine_sdk::{CallContext, CompactOutcome, ContextEngine, EngineError, Progress};
+use ctxgate_proto::gateway as api;
+use ctxgate_proto::pb::Role;
+use ctxgate_tests::harness::{Drive, begin, client, text};
 use ctxgate_tests::hosting::*;
 use ctxgate_tests::{EngineProcess, TestGateway, counter, metrics_text, start_python, start_window};
 
@@ -159,4 +167,94 @@ async fn a_resync_after_maintenance_rewrites_delivers_the_rewritten_messages_too
     let db = dir.path().join("window.sqlite");
     assert_eq!(rows(&db, "SELECT COUNT(*) FROM messages") as usize, messages(&g, "tools").await.len());
     g.stop().await;
+}
+
+/// A durable DELTA engine that keeps only what its commits say: each
+/// turn's first message text and `active_message_position`.
+struct Positions {
+    commits: Arc<Mutex<Vec<(String, u64)>>>,
+}
+
+impl ContextEngine for Positions {
+    async fn get_info(&self, _: &CallContext) -> Result<pb::EngineInfo, EngineError> {
+        use ctxgate_proto::Method;
+        let methods = [Method::GetInfo, Method::Ingest, Method::IngestBatch, Method::Assemble, Method::Compact];
+        Ok(pb::EngineInfo {
+            id: "positions".into(),
+            name: "positions".into(),
+            version: "1".into(),
+            contract_version: ctxgate_proto::CONTRACT_VERSION.into(),
+            transcript_semantics: Some(pb::TranscriptSemantics {
+                current_turn_fence: pb::CurrentTurnFence::BeforeCurrentTurnEntryV1 as i32,
+                turn_advancement_idempotency: pb::TurnAdvancementIdempotency::AtomicIdempotentV1 as i32,
+            }),
+            implemented_methods: methods.iter().chain([&Method::CommitTurn]).map(|m| m.name().to_owned()).collect(),
+            history_delivery: pb::HistoryDelivery::Delta as i32,
+            ..Default::default()
+        })
+    }
+
+    async fn ingest(&self, _: &CallContext, _: pb::IngestRequest) -> Result<pb::IngestResult, EngineError> {
+        Ok(pb::IngestResult { ingested: true })
+    }
+
+    async fn ingest_batch(
+        &self,
+        _: &CallContext,
+        req: pb::IngestBatchRequest,
+    ) -> Result<pb::IngestBatchResult, EngineError> {
+        Ok(pb::IngestBatchResult { ingested_count: req.messages.len() as u64 })
+    }
+
+    async fn assemble(&self, _: &CallContext, req: pb::AssembleRequest) -> Result<pb::AssembleResult, EngineError> {
+        Ok(pb::AssembleResult { estimated_tokens: 1, messages: req.messages, ..Default::default() })
+    }
+
+    async fn compact(
+        &self,
+        _: &CallContext,
+        _: pb::CompactRequest,
+        _: Progress,
+    ) -> Result<CompactOutcome, EngineError> {
+        Ok(CompactOutcome::DelegateToHost(pb::DelegateToHost::default()))
+    }
+
+    async fn commit_turn(
+        &self,
+        _: &CallContext,
+        req: pb::CommitTurnRequest,
+    ) -> Result<pb::CommitTurnResult, EngineError> {
+        let first = req.messages.first().map(msg::text_of).unwrap_or_default();
+        let position = req.admission.and_then(|a| a.anchor).map_or(u64::MAX, |a| a.active_message_position);
+        self.commits.lock().unwrap().push((first, position));
+        Ok(pb::CommitTurnResult { status: pb::CommitStatus::Committed as i32 })
+    }
+}
+
+#[tokio::test]
+async fn a_delta_commits_position_is_the_visible_index_with_an_aborted_turn_before_it() {
+    let commits = Arc::new(Mutex::new(Vec::new()));
+    let engine = TestEngine::start(Positions { commits: commits.clone() }).await.unwrap();
+    let g = attached_gateway("positions", &engine.endpoint, &[]).await;
+    let hc = client(&g.endpoint);
+    let turn = |user: &'static str| {
+        let hc = hc.clone();
+        async move {
+            let mut d = Drive::admitted(&hc, begin("pos", user)).await;
+            d.append(vec![text(Role::Assistant, &format!("reply to {user}"))]).await.unwrap();
+            d.end(api::TurnOutcome::Accepted).await.unwrap();
+        }
+    };
+    turn("u1").await;
+    // Aborted: its user message stays visible, and is never committed.
+    drop(Drive::admitted(&hc, begin("pos", "u2")).await);
+    turn("u3").await;
+    turn("u4").await;
+    let visible = messages(&g, "pos").await;
+    let index = |text: &str| visible.iter().position(|m| m == text).unwrap() as u64;
+    let want: Vec<(String, u64)> = ["u1", "u3", "u4"].iter().map(|u| (u.to_string(), index(u))).collect();
+    assert_eq!(want.iter().map(|w| w.1).collect::<Vec<_>>(), [0, 3, 5], "the transcript: {visible:?}");
+    assert_eq!(*commits.lock().unwrap(), want, "each commit's position is its visible index");
+    g.stop().await;
+    engine.stop().await;
 }

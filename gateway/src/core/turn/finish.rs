@@ -13,6 +13,7 @@ use crate::core::engine_lease::session_target;
 use crate::core::types::{Capability, Outcome, TurnEvent};
 use crate::engines::EngineCallError;
 use crate::store::{NewEntry, TurnClose};
+use crate::transcript;
 
 /// A closed turn.
 #[derive(Debug)]
@@ -83,11 +84,21 @@ impl Turn {
         let from = Source { core: &core, lease: &lease, session: &session, fence: &fence, call: &self.call };
         let (mut history, cursor) = self.view.take(&from).await?.into_parts();
         // Queued for the durable engine even when legacy served the turn.
-        let commit = lease.record.as_deref().map(|engine| {
-            let held = cursor.as_ref().map_or(0, |c| c.message_count as usize);
-            let position = held + self.ledger.position_in(&history);
-            core.commit_draft(engine, &session, &self.turn_id, &self.admitted[0], position as u64)
-        });
+        let commit = match lease.record.as_deref() {
+            None => None,
+            Some(engine) => {
+                let position = match &cursor {
+                    None => self.ledger.position_in(&history),
+                    // A delta holds only what follows the cursor, and the
+                    // cursor counts what the engine holds — not an aborted
+                    // turn's user message left before it, which is visible.
+                    Some(_) => transcript::visible_index(&core.store.visible_tail(&session.session_id).await?, |m| {
+                        self.ledger.is_own(m)
+                    }),
+                };
+                Some(core.commit_draft(engine, &session, &self.turn_id, &self.admitted[0], position as u64))
+            }
+        };
         let entries =
             last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
         let stored = core.store.close_turn(&session.session_id, TurnClose::Accept { entries, commit }).await?;

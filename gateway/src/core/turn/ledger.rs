@@ -170,7 +170,11 @@ impl Ledger {
     /// still visible (a compaction mid-turn may have summarised the first
     /// ones), else the end.
     pub(super) fn position_in(&self, history: &[AgentMessage]) -> usize {
-        history.iter().position(|m| self.own.contains(&m.id)).unwrap_or(history.len())
+        history.iter().position(|m| self.is_own(m)).unwrap_or(history.len())
+    }
+
+    pub(super) fn is_own(&self, m: &AgentMessage) -> bool {
+        self.own.contains(&m.id)
     }
 }
 
