@@ -397,6 +397,12 @@ async fn refusals_back_off_drops_are_audited_and_deletes_leave_forgets(fx: &Fx) 
     assert_eq!(store.outbox_counts().await.unwrap(), (2, 1));
     let rows = store.outbox_of_key("main", "k").await.unwrap();
     assert_eq!((rows[0].attempts, rows[0].last_error.as_deref()), (1, Some("poison")));
+    // Failures (not refusals) are counted per row, in a row.
+    assert_eq!(store.fail_commit(&id, "t2").await.unwrap(), 1);
+    assert_eq!(store.fail_commit(&id, "t2").await.unwrap(), 2);
+    assert_eq!(store.fail_commit(&id, "t1").await.unwrap(), 1, "each row its own count");
+    assert_eq!(store.fail_commit(&id, "gone").await.unwrap(), 0, "no such row: nothing counted");
+    assert_eq!(store.outbox_counts().await.unwrap(), (2, 1), "a failure alone blocks nothing");
 
     store.retry_outbox("main", "k").await.unwrap();
     assert_eq!(store.due_commits(0, &["e".to_owned()]).await.unwrap().len(), 1, "retry makes it due now");
@@ -500,6 +506,7 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     fenced(a.set_cursor(&id, "e", None).await, "set_cursor");
     fenced(a.complete_commit(&id, "t1", None).await, "complete_commit");
     fenced(a.refuse_commit(&id, "t1", "no", 0).await, "refuse_commit");
+    fenced(a.fail_commit(&id, "t1").await.map(drop), "fail_commit");
     fenced(a.record_projection(&id, "h", "e", "f").await.map(drop), "record_projection");
     fenced(a.delete_sessions("main", "k").await.map(drop), "delete_sessions");
     assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Lost);

@@ -347,3 +347,57 @@ async fn a_commit_lost_in_transport_quarantines_stays_queued_and_is_delivered_on
     }
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_commit_the_engine_fails_on_every_time_is_held_after_three_and_blocks_only_its_session() {
+    let (engine, g) = fault_gateway("durable,fail-crash").await;
+    let first = run_turn(&g, "crash-a", "crash me").await;
+    assert!(completed(&first) && warned(&first, "stays queued"), "{first:?}");
+    // Each failure quarantines the engine; back in service, the outbox sends
+    // the row again — three times in all, then it is held.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    let row = loop {
+        let rows = outbox_rows(&g).await;
+        assert_eq!(rows.len(), 1, "{rows:?}");
+        if rows[0]["blocked"].as_bool() == Some(true) {
+            break rows[0].clone();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the row was never held: {rows:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(row["advancement_key"], turn_id(&first).as_str());
+    assert!(row["last_error"].as_str().unwrap().contains("failed on it 3 times in a row"), "{row}");
+    assert_eq!(engine.lines_starting("event commit-failed").len(), 3);
+
+    // Held: the engine comes back and stays in service; the row is not sent.
+    wait_engine(&g, "fault", "in service", |e| e.quarantine.is_none()).await;
+    let good = run_turn(&g, "good", "fine").await;
+    assert_eq!(selected(&good).engine_id, "fault", "{good:?}");
+    let line = engine.wait_line(&format!("event commit {}", turn_id(&good)), Duration::from_secs(5)).await;
+    assert!(line.is_some(), "other sessions commit to the engine");
+    tokio::time::sleep(Duration::from_secs(2)).await; // four outbox passes
+    assert_eq!(engine.lines_starting("event commit-failed").len(), 3, "a held row is not sent again on its own");
+    assert!(engine_status(&g, "fault").await.quarantine.is_none());
+
+    // The session's next turn waits, and says why and what to do.
+    let blocked = run_turn(&g, "crash-a", "second").await;
+    let f = failure(&blocked).expect("the next turn is blocked");
+    assert_eq!(f.reason, "engine_backlog");
+    assert!(f.message.contains("failed on an earlier turn") && f.message.contains("retry|drop"), "{}", f.message);
+
+    // `retry` sends it once more (it fails, and is held again at once).
+    let (code, out) = ctxgate(&["outbox", "retry", "crash-a", "--gateway", &g.endpoint]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.starts_with("0 queued commit(s) of \"crash-a\" delivered, 1 still waiting."), "{out}");
+    assert_eq!(engine.lines_starting("event commit-failed").len(), 4);
+    assert_eq!(outbox_rows(&g).await[0]["blocked"].as_bool(), Some(true));
+    // `drop` lets the session's turns reach the engine again.
+    wait_engine(&g, "fault", "in service", |e| e.quarantine.is_none()).await;
+    let (code, out) = ctxgate(&["outbox", "drop", "crash-a", "--gateway", &g.endpoint]).await;
+    assert_eq!(code, Some(0), "{out}");
+    let third = run_turn(&g, "crash-a", "third").await;
+    assert_eq!(selected(&third).engine_id, "fault", "{third:?}");
+    let line = engine.wait_line(&format!("event commit {}", turn_id(&third)), Duration::from_secs(5)).await;
+    assert!(line.is_some(), "the session commits again after the drop");
+    g.stop().await;
+}

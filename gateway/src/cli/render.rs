@@ -12,7 +12,12 @@ pub(super) fn outbox_json(r: &api::OutboxRow) -> serde_json::Value {
 }
 
 pub(super) fn print_outbox_row(r: &api::OutboxRow) {
-    let state = if r.blocked { format!("BLOCKED after {} attempt(s)", r.attempts) } else { "queued".into() };
+    let state = match (r.blocked, r.next_attempt_unix_ms == crate::core::HELD) {
+        // The engine failed on it again and again: only an operator sends it.
+        (true, true) => format!("HELD after {} attempt(s): retry or drop it", r.attempts),
+        (true, false) => format!("BLOCKED after {} attempt(s)", r.attempts),
+        _ => "queued".into(),
+    };
     println!(
         "{:<12} {:<24} {:<34} {:<16} {state} (engine {})",
         r.agent_id, r.session_key, r.advancement_key, r.engine_id, r.engine_state

@@ -252,11 +252,16 @@ pub struct StoreSection {
     /// PEM certificates to trust for the server when the URL asks for TLS
     /// (`sslmode=require`); default: the public web roots.
     pub ca_file: Option<PathBuf>,
+    /// A queued commit the engine fails on this many times in a row (it
+    /// crashes, answers UNAVAILABLE or UNKNOWN, times out) is held as refused:
+    /// it blocks its session only, until `ctxgate outbox retry|drop`,
+    /// instead of quarantining the engine at every retry.
+    pub hold_commit_after_failures: u32,
 }
 
 impl Default for StoreSection {
     fn default() -> Self {
-        Self { url: None, lease_seconds: 10.0, pool_size: 16, ca_file: None }
+        Self { url: None, lease_seconds: 10.0, pool_size: 16, ca_file: None, hold_commit_after_failures: 3 }
     }
 }
 

@@ -40,7 +40,7 @@ use crate::transcript::{self, Visible};
 use claims::Held;
 pub use error::{CoreError, new_error_id};
 pub use managed::{ManagedTurn, TurnEnd};
-pub use outbox::EngineState;
+pub use outbox::{EngineState, HELD};
 pub use preview::{Preview, PreviewMessage, is_summary};
 pub use session_locks::BusyError;
 use session_locks::SessionLocks;

@@ -24,6 +24,10 @@ use crate::store::{
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const MAX_RETRY: Duration = Duration::from_secs(300);
 
+/// `next_attempt_ms` of a row held after repeated failures: never retried
+/// on its own, only by `ctxgate outbox retry` (one attempt each time).
+pub const HELD: i64 = i64::MAX;
+
 /// When to retry after `attempts` refusals.
 fn retry_after(attempts: u32) -> Duration {
     FIRST_RETRY.saturating_mul(1 << attempts.saturating_sub(1).min(16)).min(MAX_RETRY)
@@ -71,6 +75,10 @@ impl Backlog {
     pub(super) fn reason(&self, engine: &str) -> String {
         let Self { waiting, refused } = self;
         match refused {
+            Some(r) if r.next_attempt_ms == HELD => format!(
+                "The context engine \"{engine}\" failed on an earlier turn of this session every time it was sent ({}); that turn is held and this session's turns on it wait until it is retried or dropped (`ctxgate outbox retry|drop <session>`).",
+                r.error
+            ),
             Some(r) => {
                 let wait = (r.next_attempt_ms - now_unix_ms()).max(0) as f64 / 1000.0;
                 format!(
@@ -187,6 +195,31 @@ impl Core {
                     );
                     self.store.refuse_commit(session_id, key, &error, next_attempt_ms).await?;
                     let refused = Some(Refusal { attempts, error, next_attempt_ms });
+                    return Ok(Backlog { waiting: pending.len() - i, refused });
+                }
+                // The engine broke on this row (the call quarantined it):
+                // after a few times in a row the row is the likelier cause,
+                // and is held rather than sent to break the engine again.
+                Err(
+                    e @ (EngineCallError::Failed { .. }
+                    | EngineCallError::DeadlineExceeded { .. }
+                    | EngineCallError::ContractViolation { .. }),
+                ) => {
+                    let failures = self.store.fail_commit(session_id, key).await?;
+                    let hold_after = self.config.store.hold_commit_after_failures;
+                    if failures < hold_after {
+                        tracing::warn!(session = session_id, key, failures, error = %e, "commit not delivered; it stays queued");
+                        return Ok(Backlog::at(&pending[i..]));
+                    }
+                    let error = format!("the engine failed on it {failures} times in a row, last: {e}");
+                    tracing::error!(
+                        session = session_id,
+                        key,
+                        error,
+                        "a commit is held: this session's turns on the engine wait for `ctxgate outbox retry|drop`"
+                    );
+                    self.store.refuse_commit(session_id, key, &error, HELD).await?;
+                    let refused = Some(Refusal { attempts: p.attempts + 1, error, next_attempt_ms: HELD });
                     return Ok(Backlog { waiting: pending.len() - i, refused });
                 }
                 Err(e) => {

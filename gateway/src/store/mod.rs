@@ -234,6 +234,10 @@ pub trait Outbox: Send + Sync + 'static {
         error: &str,
         next_attempt_ms: i64,
     ) -> Result<(), StoreError>;
+    /// Counts a failure of the engine on a commit (it crashed, answered
+    /// UNAVAILABLE or UNKNOWN, timed out or broke the contract on it) rather
+    /// than a refusal: how many there have been in a row.
+    async fn fail_commit(&self, session_id: &str, advancement_key: &str) -> Result<u32, StoreError>;
     /// Queued commits with their sessions, oldest first, at most `limit`;
     /// and how many more there are.
     async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<OutboxPage, StoreError>;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio_postgres::Row;
 
-use super::{PostgresStore, exec, millis, q, q_one};
+use super::{PostgresStore, exec, millis, q, q_one, q_opt};
 use crate::store::shared::{OUTBOX_COLS, decode_commit, now_ms};
 use crate::store::{
     Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, StoreError,
@@ -142,6 +142,21 @@ impl Outbox for PostgresStore {
         )
         .await?;
         self.commit(tx).await
+    }
+
+    async fn fail_commit(&self, session_id: &str, advancement_key: &str) -> Result<u32, StoreError> {
+        let mut c = self.client().await?;
+        let tx = self.fenced(&mut c, session_id).await?;
+        let n = q_opt(
+            &tx,
+            "UPDATE outbox SET failures = failures + 1 WHERE session_id = $1 AND advancement_key = $2
+             RETURNING failures",
+            &[&session_id, &advancement_key],
+        )
+        .await?
+        .map_or(0, |r| r.get::<_, i32>(0));
+        self.commit(tx).await?;
+        Ok(n.max(0) as u32)
     }
 
     async fn list_outbox(&self, agent: Option<&str>, limit: u32) -> Result<OutboxPage, StoreError> {

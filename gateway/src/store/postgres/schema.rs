@@ -6,7 +6,11 @@ use super::redacted;
 use crate::store::{OpenError, StoreError};
 
 /// Migrations in order; `ctxgate_schema.version` is how many ran.
-const MIGRATIONS: &[&str] = &[SCHEMA_V1];
+const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2];
+
+/// Failures of the engine on a queued commit, in a row (a poison row is
+/// held after a few: `store.holdCommitAfterFailures`).
+const SCHEMA_V2: &str = "ALTER TABLE outbox ADD COLUMN failures INTEGER NOT NULL DEFAULT 0;";
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 /// Serializes migrations of gateways starting together (any constant).
 const MIGRATION_LOCK: i64 = 0x6374_7867_6174_6501;

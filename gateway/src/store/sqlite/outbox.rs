@@ -4,7 +4,7 @@
 //! ForgetSession calls owed).
 
 use async_trait::async_trait;
-use rusqlite::params;
+use rusqlite::{OptionalExtension, params};
 
 use super::SqliteStore;
 use crate::store::shared::{OUTBOX_COLS, decode_commit, now_ms};
@@ -133,6 +133,22 @@ impl Outbox for SqliteStore {
                 )?
                 .execute(params![s, k, e, next_attempt_ms])?;
                 Ok(())
+            })
+            .await
+    }
+
+    async fn fail_commit(&self, session_id: &str, advancement_key: &str) -> Result<u32, StoreError> {
+        let (s, k) = (session_id.to_owned(), advancement_key.to_owned());
+        self.db
+            .write(move |c| {
+                let n: Option<i64> = c
+                    .prepare_cached(
+                        "UPDATE outbox SET failures = failures + 1 WHERE session_id = ?1 AND advancement_key = ?2
+                         RETURNING failures",
+                    )?
+                    .query_row(params![s, k], |r| r.get(0))
+                    .optional()?;
+                Ok(n.unwrap_or(0).clamp(0, u32::MAX as i64) as u32)
             })
             .await
     }

@@ -12,7 +12,7 @@ use crate::store::OpenError;
 /// Schema migrations in order; `PRAGMA user_version` is how many have been
 /// applied. A database from before versioning (version 0) already has the
 /// first one's tables, which it creates only if missing.
-pub(super) const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4];
+pub(super) const MIGRATIONS: &[&str] = &[SCHEMA_V1, SCHEMA_V2, SCHEMA_V3, SCHEMA_V4, SCHEMA_V5];
 /// The schema version this build writes (`PRAGMA user_version`).
 pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
 
@@ -69,6 +69,12 @@ CREATE TABLE IF NOT EXISTS subagents (
 
 /// Engines known to be durable, remembered across restarts: a turn served
 /// by legacy before such an engine's first attach is still queued for it.
+/// Failures of the engine on a queued commit, in a row (a poison row is
+/// held after a few: `store.holdCommitAfterFailures`).
+const SCHEMA_V5: &str = "
+ALTER TABLE outbox ADD COLUMN failures INTEGER NOT NULL DEFAULT 0;
+";
+
 const SCHEMA_V4: &str = "
 CREATE TABLE durable_engines (engine_id TEXT PRIMARY KEY) WITHOUT ROWID;
 ";
