@@ -1,14 +1,16 @@
 //! Subagents: a fork starts from the parent's history through the window
 //! engine, children end once and are swept after their ttl; a spawn that
-//! fails after the engine prepared it is rolled back.
+//! fails after the engine prepared it is rolled back; deleting a parent
+//! ends its subagents and keeps their sessions.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::time::{Duration, Instant};
 
+use ctxgate::config::Config;
 use ctxgate_proto::gateway as api;
 use ctxgate_tests::hosting::*;
-use ctxgate_tests::start_window;
+use ctxgate_tests::{TestGateway, start_window};
 use tonic::Code;
 
 #[tokio::test]
@@ -88,5 +90,33 @@ async fn a_spawn_that_fails_after_preparation_is_rolled_back() {
         engine.wait_line("event rollback tok-kid", Duration::from_secs(5)).await.is_some(),
         "the preparation was rolled back"
     );
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn deleting_a_parent_ends_its_subagents_and_keeps_their_sessions() {
+    let g = TestGateway::start(Config::default()).await;
+    let mut c = g.client.clone();
+    let spawn = |parent: &str, child: &str| api::SpawnSubagentRequest {
+        parent: Some(sref(parent)),
+        child_session_key: child.into(),
+        context_mode: "fork".into(),
+        ttl_ms: None,
+    };
+    for parent in ["mom", "dad"] {
+        assert!(completed(&run_turn(&g, parent, &format!("{parent} speaks")).await));
+    }
+    for (parent, child) in [("mom", "kid-1"), ("mom", "kid-2"), ("dad", "kid-3")] {
+        c.spawn_subagent(spawn(parent, child)).await.unwrap();
+    }
+    c.delete_session(sref("mom")).await.unwrap();
+    let end = |key: &str| api::EndSubagentRequest { child: Some(sref(key)), reason: "completed".into() };
+    for kid in ["kid-1", "kid-2"] {
+        let e = c.end_subagent(end(kid)).await.unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{kid}'s subagent record ended with its parent: {e:?}");
+        let kept = messages(&g, kid).await;
+        assert_eq!(kept.first().map(String::as_str), Some("mom speaks"), "{kid} keeps its transcript: {kept:?}");
+    }
+    assert!(c.end_subagent(end("kid-3")).await.unwrap().into_inner().ended, "another parent's subagent lives on");
     g.stop().await;
 }

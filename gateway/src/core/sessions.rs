@@ -88,6 +88,7 @@ impl Core {
         // Under every session's lock: no turn or delivery of the key runs
         // while its rows go, so nothing reaches an engine after its forget.
         let ids = self.store.session_ids(&agent, &key).await?;
+        let children = self.store.children_of(&agent, &key).await?;
         let mut guards = Vec::new();
         for session_id in &ids {
             guards.push(self.enter(session_id, &cancel, false).await?);
@@ -96,6 +97,14 @@ impl Core {
         drop(guards);
         if deleted == 0 {
             return Err(CoreError::NoSession(key));
+        }
+        // Its subagents end with it ("released": the engine hears of each),
+        // and stay sessions of their own: deleting one key never deletes
+        // another's transcript; each child can be deleted by its key.
+        for child in children.iter().filter(|c| c.child_key != key) {
+            if let Err(e) = self.end_subagent(&agent, &child.child_key, "released", cancel.clone()).await {
+                tracing::warn!(child = %child.child_key, error = %e, "ending a deleted parent's subagent failed; its ttl ends it");
+            }
         }
         // This delete's forgets, best effort now (others' wait for the
         // background pass, which also retries these).

@@ -286,6 +286,8 @@ pub trait Subagents: Send + Sync + 'static {
     async fn is_subagent(&self, agent: &str, child_key: &str) -> Result<bool, StoreError>;
     /// Subagents whose ttl ended before `now_ms`.
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError>;
+    /// The live subagents a parent key spawned.
+    async fn children_of(&self, agent: &str, parent_key: &str) -> Result<Vec<Subagent>, StoreError>;
 }
 
 /// Sessions shared by several gateways.

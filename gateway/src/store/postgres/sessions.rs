@@ -198,4 +198,11 @@ impl Subagents for PostgresStore {
         let rows = q(&c, &sql, &[&now_ms]).await?;
         Ok(rows.iter().map(read_subagent).collect())
     }
+
+    async fn children_of(&self, agent: &str, parent_key: &str) -> Result<Vec<Subagent>, StoreError> {
+        let c = self.client().await?;
+        let sql = format!("SELECT {SUBAGENT_COLS} FROM subagents WHERE agent_id = $1 AND parent_key = $2");
+        let rows = q(&c, &sql, &[&agent, &parent_key]).await?;
+        Ok(rows.iter().map(read_subagent).collect())
+    }
 }

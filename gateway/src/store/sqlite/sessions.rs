@@ -143,7 +143,8 @@ impl Sessions for SqliteStore {
                         .execute(params![agent, key])?;
                 }
                 // The key's own subagent record (it was a child); a parent's
-                // children stay sessions of their own.
+                // children stay sessions of their own (the core ends their
+                // records as "released").
                 tx.prepare_cached("DELETE FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?
                     .execute(params![agent, key])?;
                 let n = tx
@@ -230,6 +231,19 @@ impl Subagents for SqliteStore {
                     "SELECT {SUBAGENT_COLS} FROM subagents WHERE expires_at_ms IS NOT NULL AND expires_at_ms <= ?1"
                 ))?;
                 let rows = stmt.query_map([now_ms], read_subagent)?;
+                Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
+    }
+
+    async fn children_of(&self, agent: &str, parent_key: &str) -> Result<Vec<Subagent>, StoreError> {
+        let (agent, parent) = (agent.to_owned(), parent_key.to_owned());
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare(&format!(
+                    "SELECT {SUBAGENT_COLS} FROM subagents WHERE agent_id = ?1 AND parent_key = ?2"
+                ))?;
+                let rows = stmt.query_map(params![agent, parent], read_subagent)?;
                 Ok(rows.collect::<rusqlite::Result<_>>()?)
             })
             .await
