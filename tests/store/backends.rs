@@ -419,6 +419,30 @@ async fn refusals_back_off_drops_are_audited_and_deletes_leave_forgets(fx: &Fx) 
     assert!(store.pending_forgets(9, &["e".to_owned()]).await.unwrap().is_empty());
     store.settle_forget(&id, "e", None).await.unwrap();
     assert!(store.pending_forgets(i64::MAX, &["e".to_owned()]).await.unwrap().is_empty());
+
+    // Owed forgets are listed, and dropped (audited) per engine.
+    let s2 = store.session("main", "k2", true).await.unwrap().unwrap();
+    store.note_engine_session(&s2.session_id, "gone").await.unwrap();
+    store.delete_sessions("main", "k2").await.unwrap();
+    store.settle_forget(&s2.session_id, "gone", Some((10, "unreachable"))).await.unwrap();
+    let (owed, more) = store.list_forgets(10).await.unwrap();
+    assert_eq!((owed.len(), more, owed[0].engine_id.as_str()), (1, 0, "gone"));
+    assert_eq!(
+        (owed[0].attempts, owed[0].last_error.as_deref(), owed[0].next_attempt_ms),
+        (1, Some("unreachable"), 10)
+    );
+    assert_eq!(store.list_forgets(0).await.unwrap().1, 1, "the count beyond the limit");
+    assert!(store.drop_forgets("other").await.unwrap().is_empty());
+    assert_eq!(store.drop_forgets("gone").await.unwrap(), owed);
+    assert!(store.list_forgets(10).await.unwrap().0.is_empty());
+    let (drops, _) = store.list_drops(10).await.unwrap();
+    assert_eq!(drops.len(), 3, "two commits and a forget: {drops:?}");
+    assert!(drops.iter().any(|d| d.advancement_key.is_empty() && d.session_key == "k2" && d.engine_id == "gone"));
+    assert_eq!((store.list_drops(1).await.unwrap().0.len(), store.list_drops(1).await.unwrap().1), (1, 2));
+    // Pruned by age.
+    assert_eq!(store.prune_drops(0).await.unwrap(), 0, "nothing older than the epoch");
+    assert_eq!(store.prune_drops(i64::MAX).await.unwrap(), 3);
+    assert!(store.list_drops(10).await.unwrap().0.is_empty());
 }
 
 async fn branch_after_reads_back_to_the_cursor_and_follows_rewrites(fx: &Fx) {

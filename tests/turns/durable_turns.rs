@@ -401,3 +401,58 @@ async fn a_commit_the_engine_fails_on_every_time_is_held_after_three_and_blocks_
     assert!(line.is_some(), "the session commits again after the drop");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn forgets_owed_to_a_removed_engine_are_listed_dropped_and_audited() {
+    let a = fault_engine("durable").await;
+    let b = fault_engine("durable").await;
+    let g = attached_gateway("a", &a.endpoint, &[]).await;
+    assert!(completed(&run_turn(&g, "old", "seen by a").await));
+    // Engine a leaves the config; then the session it saw is deleted.
+    g.reload(hosting("b", &b.endpoint, &[])).await;
+    g.wait_attached("b").await;
+    delete(&g, "old").await;
+
+    let ls = |args: &'static [&'static str]| {
+        let endpoint = g.endpoint.clone();
+        async move {
+            let mut all = vec!["outbox"];
+            all.extend_from_slice(args);
+            all.extend(["--gateway", endpoint.as_str()]);
+            ctxgate(&all).await
+        }
+    };
+    let (code, out) = ls(&["ls", "--json"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let forgets = v["forgets"].as_array().unwrap();
+    assert_eq!(forgets.len(), 1, "{v}");
+    assert_eq!((forgets[0]["session_key"].as_str(), forgets[0]["engine_id"].as_str()), (Some("old"), Some("a")));
+    assert_eq!(forgets[0]["engine_state"], "not-configured");
+    let (_, text) = ls(&["ls"]).await;
+    assert!(text.contains("ForgetSession calls owed") && text.contains("not-configured"), "{text}");
+
+    // A configured engine's forgets are delivered, never dropped.
+    let refused = tokio::process::Command::new(ctxgate_tests::bin("ctxgate"))
+        .args(["outbox", "drop-forgets", "b", "--gateway", &g.endpoint])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success() && err.contains("is configured"), "{err}");
+    let (code, out) = ls(&["drop-forgets", "a"]).await;
+    assert_eq!((code, out.trim()), (Some(0), "1 owed ForgetSession call(s) to \"a\" dropped."));
+    let (_, out) = ls(&["ls", "--json"]).await;
+    assert!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["forgets"].as_array().unwrap().is_empty());
+
+    // The drop is in the audit.
+    let (code, out) = ls(&["drops", "--json"]).await;
+    assert_eq!(code, Some(0), "{out}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let drops = v["drops"].as_array().unwrap();
+    assert_eq!(drops.len(), 1, "{v}");
+    assert_eq!((drops[0]["kind"].as_str(), drops[0]["session_key"].as_str()), (Some("forget"), Some("old")));
+    let (_, text) = ls(&["drops"]).await;
+    assert!(text.contains("(ForgetSession)") && text.contains("old"), "{text}");
+    g.stop().await;
+}

@@ -260,7 +260,21 @@ impl Gateway for Api {
         let limit = if r.limit == 0 { MAX_OUTBOX_ROWS } else { r.limit.min(MAX_OUTBOX_ROWS) };
         let OutboxPage { rows, more } = self.core.list_outbox(r.agent_id.as_deref(), limit).await?;
         let rows = rows.iter().map(|row| self.outbox_row(row)).collect();
-        Ok(Response::new(api::ListOutboxResult { rows, more }))
+        let (forgets, more_forgets) = self.core.list_forgets(limit).await?;
+        let forgets = forgets
+            .into_iter()
+            .map(|f| api::OwedForget {
+                engine_state: self.core.engine_state(&f.engine_id).as_str().into(),
+                agent_id: f.agent_id,
+                session_key: f.session_key,
+                session_id: f.session_id,
+                engine_id: f.engine_id,
+                attempts: f.attempts,
+                last_error: f.last_error,
+                next_attempt_unix_ms: f.next_attempt_ms,
+            })
+            .collect();
+        Ok(Response::new(api::ListOutboxResult { rows, more, forgets, more_forgets }))
     }
 
     async fn retry_outbox(&self, req: Request<api::SessionRef>) -> Result<Response<api::OutboxActionResult>, Status> {
@@ -278,6 +292,41 @@ impl Gateway for Api {
         let _guard = cancel.clone().drop_guard();
         let dropped = self.core.drop_outbox(&r.agent_id, &r.session_key, cancel).await?;
         Ok(Response::new(api::OutboxActionResult { done: dropped.len() as u32, remaining: Vec::new() }))
+    }
+
+    async fn drop_forgets(
+        &self,
+        req: Request<api::DropForgetsRequest>,
+    ) -> Result<Response<api::OutboxActionResult>, Status> {
+        let engine = req.into_inner().engine_id;
+        if engine.is_empty() {
+            return Err(CoreError::invalid("engine_id", "must name the engine whose forgets to drop").into());
+        }
+        let dropped = self.core.drop_forgets(&engine).await?;
+        Ok(Response::new(api::OutboxActionResult { done: dropped.len() as u32, remaining: Vec::new() }))
+    }
+
+    async fn list_outbox_drops(
+        &self,
+        req: Request<api::ListOutboxDropsRequest>,
+    ) -> Result<Response<api::ListOutboxDropsResult>, Status> {
+        let limit = req.into_inner().limit;
+        let limit = if limit == 0 { MAX_OUTBOX_ROWS } else { limit.min(MAX_OUTBOX_ROWS) };
+        let (drops, more) = self.core.list_drops(limit).await?;
+        let drops = drops
+            .into_iter()
+            .map(|d| api::OutboxDrop {
+                agent_id: d.agent_id,
+                session_key: d.session_key,
+                session_id: d.session_id,
+                advancement_key: d.advancement_key,
+                engine_id: d.engine_id,
+                attempts: d.attempts,
+                last_error: d.last_error,
+                dropped_at_unix_ms: d.dropped_at_ms,
+            })
+            .collect();
+        Ok(Response::new(api::ListOutboxDropsResult { drops, more }))
     }
 
     async fn spawn_subagent(

@@ -204,8 +204,18 @@ pub async fn run_with_reloads(
         let core = core.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(500));
+            // The drop audit is pruned at start and hourly.
+            let mut pruned: Option<tokio::time::Instant> = None;
             loop {
                 tick.tick().await;
+                if pruned.is_none_or(|at| at.elapsed() >= Duration::from_secs(3600)) {
+                    pruned = Some(tokio::time::Instant::now());
+                    match core.prune_audit().await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(drops = n, "audited outbox drops past store.auditRetentionDays pruned"),
+                        Err(e) => tracing::warn!(error = %e, "pruning the outbox drop audit failed"),
+                    }
+                }
                 if let Err(e) = core.sweep_subagents().await {
                     tracing::warn!(error = %e, "subagent sweep failed");
                 }

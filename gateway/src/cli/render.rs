@@ -27,6 +27,67 @@ pub(super) fn print_outbox_row(r: &api::OutboxRow) {
     }
 }
 
+pub(super) fn forget_json(f: &api::OwedForget) -> serde_json::Value {
+    json!({"agent_id": f.agent_id, "session_key": f.session_key, "session_id": f.session_id,
+        "engine_id": f.engine_id, "engine_state": f.engine_state, "attempts": f.attempts,
+        "last_error": f.last_error, "next_attempt_unix_ms": f.next_attempt_unix_ms})
+}
+
+pub(super) fn print_forget(f: &api::OwedForget) {
+    let state = if f.attempts > 0 { format!("failed {} time(s)", f.attempts) } else { "queued".into() };
+    println!(
+        "{:<12} {:<24} {:<34} {:<16} {state} (engine {})",
+        f.agent_id, f.session_key, f.session_id, f.engine_id, f.engine_state
+    );
+    if let Some(e) = &f.last_error {
+        println!("{:<12} last error: {e}", "");
+    }
+}
+
+pub(super) fn drop_json(d: &api::OutboxDrop) -> serde_json::Value {
+    let kind = if d.advancement_key.is_empty() { "forget" } else { "commit" };
+    json!({"kind": kind, "agent_id": d.agent_id, "session_key": d.session_key, "session_id": d.session_id,
+        "advancement_key": d.advancement_key, "engine_id": d.engine_id, "attempts": d.attempts,
+        "last_error": d.last_error, "dropped_at_unix_ms": d.dropped_at_unix_ms})
+}
+
+pub(super) fn print_drop(d: &api::OutboxDrop) {
+    let what = if d.advancement_key.is_empty() { "(ForgetSession)" } else { d.advancement_key.as_str() };
+    println!(
+        "{:<17} {:<12} {:<24} {:<34} {}",
+        utc_minute(d.dropped_at_unix_ms),
+        d.agent_id,
+        d.session_key,
+        what,
+        d.engine_id
+    );
+}
+
+/// `YYYY-MM-DD HH:MM` (UTC) of a unix time in ms: the civil date from the
+/// day count (H. Hinnant's `civil_from_days`), no time-zone crate for one column.
+fn utc_minute(unix_ms: i64) -> String {
+    let secs = unix_ms.div_euclid(1000);
+    let (days, rest) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}", rest / 3600, rest % 3600 / 60)
+}
+
+#[cfg(test)]
+#[test]
+fn utc_minutes_are_civil_dates() {
+    assert_eq!(utc_minute(0), "1970-01-01 00:00");
+    assert_eq!(utc_minute(951_782_400_000), "2000-02-29 00:00");
+    assert_eq!(utc_minute(1_796_180_520_000), "2026-12-02 03:02");
+}
+
 fn quarantine_json(q: &api::Quarantine) -> serde_json::Value {
     json!({"operation": q.operation, "reason": q.reason, "since_unix_ms": q.since_unix_ms})
 }

@@ -179,6 +179,10 @@ impl Config {
         if !(lease.is_finite() && (1.0..=3600.0).contains(&lease)) {
             return Err(invalid("store.leaseSeconds", format!("{lease} is outside 1–3600")));
         }
+        let days = self.store.audit_retention_days;
+        if !(1..=36_500).contains(&days) {
+            return Err(invalid("store.auditRetentionDays", format!("{days} is outside 1–36500")));
+        }
         let hold = self.store.hold_commit_after_failures;
         if !(1..=100).contains(&hold) {
             return Err(invalid("store.holdCommitAfterFailures", format!("{hold} is outside 1–100")));

@@ -257,11 +257,21 @@ pub struct StoreSection {
     /// it blocks its session only, until `ctxgate outbox retry|drop`,
     /// instead of quarantining the engine at every retry.
     pub hold_commit_after_failures: u32,
+    /// Days the audit of dropped commits and forgets (`ctxgate outbox
+    /// drops`) is kept.
+    pub audit_retention_days: u32,
 }
 
 impl Default for StoreSection {
     fn default() -> Self {
-        Self { url: None, lease_seconds: 10.0, pool_size: 16, ca_file: None, hold_commit_after_failures: 3 }
+        Self {
+            url: None,
+            lease_seconds: 10.0,
+            pool_size: 16,
+            ca_file: None,
+            hold_commit_after_failures: 3,
+            audit_retention_days: 90,
+        }
     }
 }
 

@@ -170,3 +170,10 @@ fn a_commit_is_held_after_at_least_one_failure() {
     let e = load_str("{ store: { holdCommitAfterFailures: 0 } }").unwrap_err().to_string();
     assert!(e.contains("store.holdCommitAfterFailures"), "{e}");
 }
+
+#[test]
+fn the_drop_audit_is_kept_at_least_a_day() {
+    assert_eq!(Config::load(None, |_| None).unwrap().store.audit_retention_days, 90);
+    let e = load_str("{ store: { auditRetentionDays: 0 } }").unwrap_err().to_string();
+    assert!(e.contains("store.auditRetentionDays"), "{e}");
+}

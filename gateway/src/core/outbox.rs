@@ -17,7 +17,7 @@ use crate::core::types::BusyPolicy;
 use crate::core::{Core, CoreError, now_unix_ms, session_ref};
 use crate::engines::{Call, Engine, EngineCallError};
 use crate::store::{
-    Advance, CommitDraft, DueQueue, Forget, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, Session,
+    Advance, CommitDraft, DueQueue, Forget, OutboxCounts, OutboxDrop, OutboxPage, OutboxRow, PendingCommit, Session,
 };
 
 /// The first retry of a refused commit; doubled per refusal up to the cap.
@@ -287,7 +287,7 @@ impl Core {
         let registry = self.registry();
         let due = self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?;
         let wanted = |f: &Forget| only.is_none_or(|ids| ids.contains(&f.session_id));
-        for Forget { session_id, engine_id, agent_id, session_key, attempts } in due.into_iter().filter(wanted) {
+        for Forget { session_id, engine_id, agent_id, session_key, attempts, .. } in due.into_iter().filter(wanted) {
             let Some(engine) = registry.get(&engine_id).filter(|g| !g.is_quarantined()) else { continue };
             let req = pb::ForgetSessionRequest {
                 session_id: session_id.clone(),
@@ -375,6 +375,42 @@ impl Core {
             );
         }
         Ok(dropped)
+    }
+
+    /// Owed ForgetSession calls, oldest first, at most `limit`; and how
+    /// many more.
+    pub async fn list_forgets(&self, limit: u32) -> Result<(Vec<Forget>, u32), CoreError> {
+        Ok(self.store.list_forgets(limit).await?)
+    }
+
+    /// Drops the forgets owed to an engine gone from the config (a
+    /// configured one's are delivered: refused), audited.
+    pub async fn drop_forgets(&self, engine_id: &str) -> Result<Vec<Forget>, CoreError> {
+        if self.engine_state(engine_id) != EngineState::NotConfigured {
+            return Err(CoreError::Precondition(format!(
+                "the engine {engine_id:?} is configured: its forgets are delivered, not dropped (remove it from the config first)"
+            )));
+        }
+        let dropped = self.store.drop_forgets(engine_id).await?;
+        for f in &dropped {
+            tracing::warn!(
+                session = f.session_id,
+                engine = f.engine_id,
+                "owed ForgetSession dropped by the operator: the engine is never told to forget this session"
+            );
+        }
+        Ok(dropped)
+    }
+
+    /// The audited drops, newest first.
+    pub async fn list_drops(&self, limit: u32) -> Result<(Vec<OutboxDrop>, u32), CoreError> {
+        Ok(self.store.list_drops(limit).await?)
+    }
+
+    /// Forgets audited drops older than `store.auditRetentionDays`.
+    pub async fn prune_audit(&self) -> Result<u32, CoreError> {
+        let days = i64::from(self.config.store.audit_retention_days);
+        Ok(self.store.prune_drops(now_unix_ms().saturating_sub(days * 86_400_000)).await?)
     }
 }
 

@@ -250,6 +250,10 @@ pub trait Outbox: Send + Sync + 'static {
     async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError>;
     /// Queued and refused (blocked) commits.
     async fn outbox_counts(&self) -> Result<OutboxCounts, StoreError>;
+    /// The audited drops, newest first, at most `limit`; and how many more.
+    async fn list_drops(&self, limit: u32) -> Result<(Vec<OutboxDrop>, u32), StoreError>;
+    /// Forgets the audited drops made before `before_ms`; how many.
+    async fn prune_drops(&self, before_ms: i64) -> Result<u32, StoreError>;
 }
 
 /// What the store remembers about engines: which declared durable turns,
@@ -265,6 +269,12 @@ pub trait EngineRecords: Send + Sync + 'static {
     async fn note_engine_session(&self, session_id: &str, engine_id: &str) -> Result<(), StoreError>;
     /// ForgetSession calls due at `now_ms` to one of `engines`.
     async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError>;
+    /// Every owed ForgetSession, oldest first, at most `limit`; and how
+    /// many more.
+    async fn list_forgets(&self, limit: u32) -> Result<(Vec<Forget>, u32), StoreError>;
+    /// Drops the ForgetSession calls owed to `engine_id`, each recorded in
+    /// `outbox_drops` (empty advancement key), in one transaction.
+    async fn drop_forgets(&self, engine_id: &str) -> Result<Vec<Forget>, StoreError>;
     /// Removes a delivered forget, or (`retry_at`) records a failed one.
     async fn settle_forget(
         &self,
@@ -473,6 +483,23 @@ pub struct Forget {
     pub agent_id: String,
     pub session_key: String,
     pub attempts: u32,
+    pub last_error: Option<String>,
+    /// Not retried before this time (unix ms; 0 = now).
+    pub next_attempt_ms: i64,
+}
+
+/// An audited drop of a queued call (`ctxgate outbox drops`): a commit,
+/// or — with an empty `advancement_key` — a ForgetSession.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxDrop {
+    pub session_id: String,
+    pub agent_id: String,
+    pub session_key: String,
+    pub advancement_key: String,
+    pub engine_id: String,
+    pub attempts: u32,
+    pub last_error: Option<String>,
+    pub dropped_at_ms: i64,
 }
 
 /// A live subagent.

@@ -12,8 +12,38 @@ use tokio_postgres::Row;
 use super::{PostgresStore, exec, millis, q, q_one, q_opt};
 use crate::store::shared::{OUTBOX_COLS, decode_commit, now_ms};
 use crate::store::{
-    Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, StoreError,
+    Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxDrop, OutboxPage, OutboxRow, PendingCommit,
+    StoreError,
 };
+
+const FORGET_COLS: &str = "session_id, engine_id, agent_id, session_key, attempts, last_error, next_attempt_ms";
+const DROP_COLS: &str =
+    "session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms";
+
+fn read_forget(r: &Row) -> Forget {
+    Forget {
+        session_id: r.get(0),
+        engine_id: r.get(1),
+        agent_id: r.get(2),
+        session_key: r.get(3),
+        attempts: r.get::<_, i32>(4).max(0) as u32,
+        last_error: r.get(5),
+        next_attempt_ms: r.get(6),
+    }
+}
+
+fn read_drop(r: &Row) -> OutboxDrop {
+    OutboxDrop {
+        session_id: r.get(0),
+        agent_id: r.get(1),
+        session_key: r.get(2),
+        advancement_key: r.get(3),
+        engine_id: r.get(4),
+        attempts: r.get::<_, i32>(5).max(0) as u32,
+        last_error: r.get(6),
+        dropped_at_ms: r.get(7),
+    }
+}
 
 /// How long an outbox pass keeps the rows it claimed from other gateways'
 /// passes (then they are anyone's again, should this gateway have died).
@@ -225,6 +255,20 @@ impl Outbox for PostgresStore {
         Ok(rows)
     }
 
+    async fn list_drops(&self, limit: u32) -> Result<(Vec<OutboxDrop>, u32), StoreError> {
+        let c = self.client().await?;
+        let sql = format!("SELECT {DROP_COLS} FROM outbox_drops ORDER BY dropped_at_ms DESC LIMIT $1");
+        let rows: Vec<OutboxDrop> = q(&c, &sql, &[&i64::from(limit)]).await?.iter().map(read_drop).collect();
+        let total: i64 = q_one(&c, "SELECT COUNT(*) FROM outbox_drops", &[]).await?.get(0);
+        let more = (total.max(0) as u32).saturating_sub(rows.len() as u32);
+        Ok((rows, more))
+    }
+
+    async fn prune_drops(&self, before_ms: i64) -> Result<u32, StoreError> {
+        let c = self.client().await?;
+        Ok(exec(&c, "DELETE FROM outbox_drops WHERE dropped_at_ms < $1", &[&before_ms]).await? as u32)
+    }
+
     async fn outbox_counts(&self) -> Result<OutboxCounts, StoreError> {
         let c = self.client().await?;
         let r = q_one(&c, "SELECT COUNT(*), COUNT(*) FILTER (WHERE attempts > 0) FROM outbox", &[]).await?;
@@ -263,23 +307,41 @@ impl EngineRecords for PostgresStore {
 
     async fn pending_forgets(&self, now_ms: i64, engines: &[String]) -> Result<Vec<Forget>, StoreError> {
         let c = self.client().await?;
-        let rows = q(
-            &c,
-            "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
-                 WHERE next_attempt_ms <= $1 AND engine_id = ANY($2) ORDER BY ord LIMIT 256",
-            &[&now_ms, &engines],
-        )
-        .await?;
-        Ok(rows
-            .iter()
-            .map(|r| Forget {
-                session_id: r.get(0),
-                engine_id: r.get(1),
-                agent_id: r.get(2),
-                session_key: r.get(3),
-                attempts: r.get::<_, i32>(4) as u32,
-            })
-            .collect())
+        let sql = format!(
+            "SELECT {FORGET_COLS} FROM forgets WHERE next_attempt_ms <= $1 AND engine_id = ANY($2) ORDER BY ord LIMIT 256"
+        );
+        Ok(q(&c, &sql, &[&now_ms, &engines]).await?.iter().map(read_forget).collect())
+    }
+
+    async fn list_forgets(&self, limit: u32) -> Result<(Vec<Forget>, u32), StoreError> {
+        let c = self.client().await?;
+        let sql = format!("SELECT {FORGET_COLS} FROM forgets ORDER BY ord LIMIT $1");
+        let rows: Vec<Forget> = q(&c, &sql, &[&i64::from(limit)]).await?.iter().map(read_forget).collect();
+        let total: i64 = q_one(&c, "SELECT COUNT(*) FROM forgets", &[]).await?.get(0);
+        let more = (total.max(0) as u32).saturating_sub(rows.len() as u32);
+        Ok((rows, more))
+    }
+
+    async fn drop_forgets(&self, engine_id: &str) -> Result<Vec<Forget>, StoreError> {
+        let mut c = self.client().await?;
+        let tx = c.transaction().await?;
+        // RETURNING has no order: `ord` (the last column) restores it.
+        let sql = format!("DELETE FROM forgets WHERE engine_id = $1 RETURNING {FORGET_COLS}, ord");
+        let mut rows: Vec<(i64, Forget)> =
+            q(&tx, &sql, &[&engine_id]).await?.iter().map(|r| (r.get(7), read_forget(r))).collect();
+        rows.sort_by_key(|(ord, _)| *ord);
+        let at = now_ms();
+        for (_, f) in &rows {
+            exec(
+                &tx,
+                "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
+                 VALUES ($1, $2, $3, '', $4, $5, $6, $7)",
+                &[&f.session_id, &f.agent_id, &f.session_key, &f.engine_id, &(f.attempts as i32), &f.last_error, &at],
+            )
+            .await?;
+        }
+        self.commit(tx).await?;
+        Ok(rows.into_iter().map(|(_, f)| f).collect())
     }
 
     async fn settle_forget(

@@ -9,11 +9,41 @@ use rusqlite::{OptionalExtension, params};
 use super::SqliteStore;
 use crate::store::shared::{OUTBOX_COLS, decode_commit, now_ms};
 use crate::store::{
-    Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxPage, OutboxRow, PendingCommit, StoreError,
+    Advance, DueQueue, EngineRecords, Forget, Outbox, OutboxCounts, OutboxDrop, OutboxPage, OutboxRow, PendingCommit,
+    StoreError,
 };
 
 /// `?N, ?N+1, …` for `n` values starting at `?first` (`NULL` for none, which
 /// matches nothing in `IN (…)`).
+const FORGET_COLS: &str = "session_id, engine_id, agent_id, session_key, attempts, last_error, next_attempt_ms";
+const DROP_COLS: &str =
+    "session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms";
+
+fn read_forget(r: &rusqlite::Row<'_>) -> rusqlite::Result<Forget> {
+    Ok(Forget {
+        session_id: r.get(0)?,
+        engine_id: r.get(1)?,
+        agent_id: r.get(2)?,
+        session_key: r.get(3)?,
+        attempts: r.get(4)?,
+        last_error: r.get(5)?,
+        next_attempt_ms: r.get(6)?,
+    })
+}
+
+fn read_drop(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxDrop> {
+    Ok(OutboxDrop {
+        session_id: r.get(0)?,
+        agent_id: r.get(1)?,
+        session_key: r.get(2)?,
+        advancement_key: r.get(3)?,
+        engine_id: r.get(4)?,
+        attempts: r.get(5)?,
+        last_error: r.get(6)?,
+        dropped_at_ms: r.get(7)?,
+    })
+}
+
 fn placeholders(n: usize, first: usize) -> String {
     if n == 0 {
         return "NULL".into();
@@ -202,6 +232,29 @@ impl Outbox for SqliteStore {
         .await
     }
 
+    async fn list_drops(&self, limit: u32) -> Result<(Vec<OutboxDrop>, u32), StoreError> {
+        self.db
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(&format!(
+                    "SELECT {DROP_COLS} FROM outbox_drops ORDER BY dropped_at_ms DESC, rowid DESC LIMIT ?1"
+                ))?;
+                let rows: Vec<OutboxDrop> = stmt.query_map([limit], read_drop)?.collect::<rusqlite::Result<_>>()?;
+                let total: u32 = c.prepare_cached("SELECT COUNT(*) FROM outbox_drops")?.query_row([], |r| r.get(0))?;
+                let more = total.saturating_sub(rows.len() as u32);
+                Ok((rows, more))
+            })
+            .await
+    }
+
+    async fn prune_drops(&self, before_ms: i64) -> Result<u32, StoreError> {
+        self.db
+            .write(move |c| {
+                let n = c.prepare_cached("DELETE FROM outbox_drops WHERE dropped_at_ms < ?1")?.execute([before_ms])?;
+                Ok(n as u32)
+            })
+            .await
+    }
+
     async fn outbox_counts(&self) -> Result<OutboxCounts, StoreError> {
         self.db
             .read(|c| {
@@ -254,22 +307,49 @@ impl EngineRecords for SqliteStore {
         self.db
             .read(move |c| {
                 let mut stmt = c.prepare_cached(&format!(
-                    "SELECT session_id, engine_id, agent_id, session_key, attempts FROM forgets
+                    "SELECT {FORGET_COLS} FROM forgets
                  WHERE next_attempt_ms <= ?1 AND engine_id IN ({}) ORDER BY rowid LIMIT 256",
                     placeholders(engines.len(), 2)
                 ))?;
                 let args =
                     std::iter::once(rusqlite::types::Value::from(now_ms)).chain(engines.into_iter().map(Into::into));
-                let rows = stmt.query_map(rusqlite::params_from_iter(args), |r| {
-                    Ok(Forget {
-                        session_id: r.get(0)?,
-                        engine_id: r.get(1)?,
-                        agent_id: r.get(2)?,
-                        session_key: r.get(3)?,
-                        attempts: r.get(4)?,
-                    })
-                })?;
+                let rows = stmt.query_map(rusqlite::params_from_iter(args), read_forget)?;
                 Ok(rows.collect::<rusqlite::Result<_>>()?)
+            })
+            .await
+    }
+
+    async fn list_forgets(&self, limit: u32) -> Result<(Vec<Forget>, u32), StoreError> {
+        self.db
+            .read(move |c| {
+                let mut stmt =
+                    c.prepare_cached(&format!("SELECT {FORGET_COLS} FROM forgets ORDER BY rowid LIMIT ?1"))?;
+                let rows: Vec<Forget> = stmt.query_map([limit], read_forget)?.collect::<rusqlite::Result<_>>()?;
+                let total: u32 = c.prepare_cached("SELECT COUNT(*) FROM forgets")?.query_row([], |r| r.get(0))?;
+                let more = total.saturating_sub(rows.len() as u32);
+                Ok((rows, more))
+            })
+            .await
+    }
+
+    async fn drop_forgets(&self, engine_id: &str) -> Result<Vec<Forget>, StoreError> {
+        let engine = engine_id.to_owned();
+        self.db
+            .write(move |tx| {
+                let rows: Vec<Forget> = tx
+                    .prepare_cached(&format!("SELECT {FORGET_COLS} FROM forgets WHERE engine_id = ?1 ORDER BY rowid"))?
+                    .query_map([&engine], read_forget)?
+                    .collect::<rusqlite::Result<_>>()?;
+                let at = now_ms();
+                for f in &rows {
+                    tx.prepare_cached(
+                        "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
+                         VALUES (?1, ?2, ?3, '', ?4, ?5, ?6, ?7)",
+                    )?
+                    .execute(params![f.session_id, f.agent_id, f.session_key, f.engine_id, f.attempts, f.last_error, at])?;
+                }
+                tx.prepare_cached("DELETE FROM forgets WHERE engine_id = ?1")?.execute([&engine])?;
+                Ok(rows)
             })
             .await
     }
