@@ -4,7 +4,8 @@
 //! session to another once its lease lapses, its turn rewound as an abort,
 //! and the durable engine's record has each accepted turn once; a store
 //! URL that is wrong, unreachable or newer stops `serve` with a sentence
-//! before it binds anything.
+//! before it binds anything; a reset waits for the turn another gateway
+//! runs on the session.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -290,4 +291,35 @@ async fn a_wrong_unreachable_or_newer_store_stops_serve_with_a_sentence_before_b
     pg.sql("newer", "UPDATE ctxgate_schema SET version = version + 1").await;
     let e = serve(&newer).await;
     assert!(e.contains("newer ctxgate") && e.contains("upgrade ctxgate"), "{e}");
+}
+
+#[tokio::test]
+async fn a_reset_on_one_gateway_waits_for_the_turn_another_runs_and_archives_it_whole() {
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{open_tool_turn, text};
+    let store = SharedStore::start("reset").await;
+    let a = store.gateway("a").await;
+    let b = store.gateway("b").await;
+
+    // A turn open on gateway a (its harness is mid tool loop): a holds the lease.
+    let mut d = open_tool_turn(&a.endpoint, "busy", "run the tools").await;
+    let mut cb = gateway_client(&b.endpoint);
+    let reset = tokio::spawn(async move { cb.reset_session(ctxgate_tests::hosting::sref("busy")).await });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!reset.is_finished(), "the reset waits for the turn another gateway runs: {:?}", reset.await);
+
+    d.append(vec![text(Role::Assistant, "the answer is 42")]).await.unwrap();
+    d.end(api::TurnOutcome::Accepted).await.unwrap();
+    let fresh = tokio::time::timeout(Duration::from_secs(20), reset).await.unwrap().unwrap().unwrap().into_inner();
+    let all = gateway_client(&a.endpoint)
+        .list_sessions(api::ListSessionsRequest { include_archived: true, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner()
+        .sessions;
+    let archived: Vec<_> = all.iter().filter(|s| s.session_key == "busy" && s.state == "archived").collect();
+    assert_eq!(archived.len(), 1, "{all:?}");
+    assert_eq!(archived[0].entries, 4, "the whole turn went with the archived session: {:?}", archived[0]);
+    assert_eq!((fresh.state.as_str(), fresh.entries), ("active", 0), "{fresh:?}");
+    assert!(transcript(&b.endpoint, "busy").await.is_empty(), "the new session starts empty");
 }

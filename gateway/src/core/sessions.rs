@@ -73,9 +73,18 @@ impl Core {
         Ok(self.store.list_sessions(agent, include_archived, offset, limit).await?)
     }
 
-    /// `/new` (archive = false) or `/reset` (archive = true).
+    /// `/new` (archive = false) or `/reset` (archive = true), under the
+    /// active session's lock and, on a shared store, its lease: a turn
+    /// running on any gateway ends first (the reset waits in the session's
+    /// queue, as a turn would), so the session put away is final, and the
+    /// write is fenced like every other write of the session.
     pub async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, CoreError> {
         let (agent, key) = session_ref(agent, key)?;
+        let cancel = self.call_token();
+        let _guard = match self.store.session(&agent, &key, false).await? {
+            Some(active) => Some(self.enter(&active.session_id, &cancel, true).await?),
+            None => None,
+        };
         Ok(self.store.replace_session(&agent, &key, archive).await?)
     }
 

@@ -66,6 +66,15 @@ impl Sessions for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         let state = if archive { "archived" } else { "inactive" };
+        let active = q(
+            &tx,
+            "SELECT session_id FROM sessions WHERE agent_id = $1 AND session_key = $2 AND state = 'active' FOR UPDATE",
+            &[&agent, &key],
+        )
+        .await?;
+        for r in &active {
+            self.fence(&tx, r.get(0)).await?;
+        }
         exec(
             &tx,
             "UPDATE sessions SET state = $3 WHERE agent_id = $1 AND session_key = $2 AND state = 'active'",
