@@ -15,7 +15,7 @@ use super::{PostgresStore, exec, millis, q, q_opt};
 use crate::store::{Claim, Claimed, Claims, Renewal, StoreError, Transcript, TurnClose};
 
 impl PostgresStore {
-    fn held_token(&self, session_id: &str) -> Option<i64> {
+    pub(super) fn held_token(&self, session_id: &str) -> Option<i64> {
         self.held.lock().unwrap_or_else(|e| e.into_inner()).get(session_id).copied()
     }
 

@@ -19,12 +19,46 @@ use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
 
-/// The session's (leaf, next seq), locking its row for this transaction.
-async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<(Option<String>, i64), StoreError> {
+/// A session's (leaf, next seq) as a write found it, its row locked for
+/// the write's transaction.
+type Head = (Option<String>, i64);
+
+async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError> {
     let row = q_opt(tx, "SELECT leaf_id, next_seq FROM sessions WHERE session_id = $1 FOR UPDATE", &[&session_id])
         .await?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
     Ok((row.get(0), row.get(1)))
+}
+
+impl PostgresStore {
+    /// A write's transaction and the session's head, with the fencing check
+    /// ([`fence`](Self::fence): the same share lock on the lease row) in
+    /// the head's statement: one round trip where the two took two. The
+    /// check may come after nothing else has been written, so a refused
+    /// write still stores nothing.
+    async fn fenced_head<'c>(
+        &self,
+        c: &'c mut deadpool_postgres::Object,
+        session_id: &str,
+    ) -> Result<(Transaction<'c>, Head), StoreError> {
+        let tx = c.transaction().await?;
+        let Some(token) = self.held_token(session_id) else {
+            let at = head(&tx, session_id).await?;
+            return Ok((tx, at));
+        };
+        let row = q_opt(
+            &tx,
+            "SELECT leaf_id, next_seq, (SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE)
+               FROM sessions WHERE session_id = $1 FOR UPDATE",
+            &[&session_id],
+        )
+        .await?
+        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
+        if row.get::<_, Option<i64>>(2) != Some(token) {
+            return Err(StoreError::Fenced(session_id.into()));
+        }
+        Ok((tx, (row.get(0), row.get(1))))
+    }
 }
 
 async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
@@ -53,7 +87,17 @@ async fn append_in(
     session_id: &str,
     entries: Vec<NewEntry>,
 ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
-    let (leaf, seq) = head(tx, session_id).await?;
+    let at = head(tx, session_id).await?;
+    append_at(tx, session_id, at, entries).await
+}
+
+/// Appends after the head the transaction read.
+async fn append_at(
+    tx: &Transaction<'_>,
+    session_id: &str,
+    (leaf, seq): Head,
+    entries: Vec<NewEntry>,
+) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
     let Placed { entries, leaf, next_seq } = place(entries, leaf, seq);
     for e in &entries {
         insert_entry(tx, session_id, e).await?;
@@ -109,21 +153,22 @@ async fn branch_back_to(
     rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>().map(Some)
 }
 
-async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
+/// Rewinds the session's open turn, if any; whether the head moved.
+async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<bool, StoreError> {
     let anchor: Option<String> =
         q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
             .await?
             .map(|r| r.get(0));
-    let Some(anchor) = anchor else { return Ok(()) };
+    let Some(anchor) = anchor else { return Ok(false) };
     let Some(tail) = branch_back_to(tx, session_id, &anchor).await? else {
         tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
-        return Ok(());
+        return Ok(false);
     };
-    let Some(carried) = rewind_carries(tail) else { return Ok(()) };
+    let Some(carried) = rewind_carries(tail) else { return Ok(false) };
     let (_, seq) = head(tx, session_id).await?;
     set_head(tx, session_id, Some(&anchor), seq).await?;
     append_in(tx, session_id, carried).await?;
-    Ok(())
+    Ok(true)
 }
 
 async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
@@ -148,8 +193,8 @@ async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft
 impl Transcript for PostgresStore {
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        let out = append_in(&tx, session_id, entries).await?;
+        let (tx, at) = self.fenced_head(&mut c, session_id).await?;
+        let out = append_at(&tx, session_id, at, entries).await?;
         self.commit(tx).await?;
         Ok(out)
     }
@@ -257,9 +302,11 @@ impl Transcript for PostgresStore {
         seen_by: Option<&str>,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        rewind_in(&tx, session_id).await?;
-        let out = append_in(&tx, session_id, entries).await?;
+        let (tx, mut at) = self.fenced_head(&mut c, session_id).await?;
+        if rewind_in(&tx, session_id).await? {
+            at = head(&tx, session_id).await?;
+        }
+        let out = append_at(&tx, session_id, at, entries).await?;
         let (Some(first), Some(last)) = (out.first(), out.last()) else {
             return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
         };
@@ -283,14 +330,14 @@ impl Transcript for PostgresStore {
 
     async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
+        let (tx, at) = self.fenced_head(&mut c, session_id).await?;
         let out = match close {
             TurnClose::Rewind => {
                 rewind_in(&tx, session_id).await?;
                 Vec::new()
             }
             TurnClose::Accept { entries, commit } => {
-                let out = append_in(&tx, session_id, entries).await?;
+                let out = append_at(&tx, session_id, at, entries).await?;
                 if let Some(draft) = commit {
                     queue_commit(&tx, session_id, draft).await?;
                 }
