@@ -258,3 +258,34 @@ async fn a_delta_commits_position_is_the_visible_index_with_an_aborted_turn_befo
     g.stop().await;
     engine.stop().await;
 }
+
+#[tokio::test]
+async fn an_engines_first_contact_imports_the_history_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = start_window(dir.path(), &[]).await;
+    // The session's history is made before the engine is configured.
+    let mut config = ctxgate::config::Config::default();
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    let g = TestGateway::start(config).await;
+    for i in 0..5 {
+        assert!(completed(&run_turn(&g, "older", &format!("before the engine, turn {i}")).await));
+    }
+    let mut with_engine = hosting("window", &engine.endpoint, &[]);
+    with_engine.gateway.metrics_listen = "127.0.0.1:0".into();
+    g.reload(with_engine).await;
+    g.wait_attached("window").await;
+
+    let first = run_turn(&g, "older", "the engine's first turn").await;
+    assert!(completed(&first) && selected(&first).engine_id == "window", "{first:?}");
+    // Bootstrap imported the ten messages through the Host service; no
+    // IngestBatch sent them again.
+    assert_eq!(sent(&g, "window", "IngestBatch").await, 0, "the history was sent twice");
+    let db = dir.path().join("window.sqlite");
+    assert_eq!(rows(&db, "SELECT COUNT(*) FROM messages"), 12, "ten imported, then the turn's two");
+    // The next turn is a delta after the adopted cursor.
+    let before = sent(&g, "window", "Assemble").await;
+    assert!(completed(&run_turn(&g, "older", "and the next").await));
+    let delta = sent(&g, "window", "Assemble").await - before;
+    assert!(delta < 2_000, "the next Assemble is a delta: {delta} bytes");
+    g.stop().await;
+}

@@ -32,28 +32,7 @@ impl Core {
         fence: &str,
         call: &Call,
     ) -> Result<Option<pb::HistoryCursor>, CoreError> {
-        let tail = self.store.visible_tail(&session.session_id).await?;
-        let mut entries = transcript::visible_entries(&tail);
-        let is_fence = |e: &pb::TranscriptEntry| matches!(&e.entry, Some(Entry::Message(m)) if m.id == fence);
-        entries.truncate(entries.iter().position(is_fence).unwrap_or(entries.len()));
-        let messages = transcript::render_entries(&entries);
-        // The cursor names the last of them in *branch* order (a summary
-        // is shown first but its compaction entry follows the kept
-        // messages): a message by its id, a summary by its entry id. What
-        // follows it on the branch is then exactly the turn.
-        let sent: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
-        let cursor = match tail.iter().rev().find(|e| sent.contains(e.id.as_str())) {
-            None => pb::HistoryCursor::default(),
-            Some(last) => pb::HistoryCursor {
-                message_id: match &last.entry {
-                    Some(Entry::Message(m)) => m.id.clone(),
-                    _ => last.id.clone(),
-                },
-                seq: last.seq,
-                message_count: messages.len() as u64,
-                tokens: estimate::messages_tokens(&messages),
-            },
-        };
+        let (messages, cursor) = self.before_fence(session, fence).await?;
         let mut chunk: Vec<AgentMessage> = Vec::new();
         let mut bytes = 0;
         let mut rest = messages.into_iter().peekable();
@@ -84,6 +63,63 @@ impl Core {
         }
         self.store.set_cursor(&session.session_id, &lease.key, Some(cursor.clone())).await?;
         Ok(Some(cursor))
+    }
+
+    /// The visible history before the turn's first message (by its message
+    /// id, which rewrites keep), and the cursor of an engine that holds
+    /// exactly that.
+    async fn before_fence(
+        &self,
+        session: &Session,
+        fence: &str,
+    ) -> Result<(Vec<AgentMessage>, pb::HistoryCursor), CoreError> {
+        let tail = self.store.visible_tail(&session.session_id).await?;
+        let mut entries = transcript::visible_entries(&tail);
+        let is_fence = |e: &pb::TranscriptEntry| matches!(&e.entry, Some(Entry::Message(m)) if m.id == fence);
+        entries.truncate(entries.iter().position(is_fence).unwrap_or(entries.len()));
+        let messages = transcript::render_entries(&entries);
+        // The cursor names the last of them in *branch* order (a summary
+        // is shown first but its compaction entry follows the kept
+        // messages): a message by its id, a summary by its entry id. What
+        // follows it on the branch is then exactly the turn.
+        let sent: HashSet<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+        let cursor = match tail.iter().rev().find(|e| sent.contains(e.id.as_str())) {
+            None => pb::HistoryCursor::default(),
+            Some(last) => pb::HistoryCursor {
+                message_id: match &last.entry {
+                    Some(Entry::Message(m)) => m.id.clone(),
+                    _ => last.id.clone(),
+                },
+                seq: last.seq,
+                message_count: messages.len() as u64,
+                tokens: estimate::messages_tokens(&messages),
+            },
+        };
+        Ok((messages, cursor))
+    }
+
+    /// After a Bootstrap in which a DELTA engine imported the session's
+    /// history itself (through the Host service, up to the turn's fence):
+    /// when it took as many messages as are visible before the turn, it
+    /// holds what a resync would send, so its cursor is recorded instead
+    /// of sending the history a second time. Otherwise (a summary in the
+    /// history, a count that differs) the first Assemble resyncs as usual.
+    pub(super) async fn adopt_import(
+        &self,
+        lease: &EngineLease,
+        session: &Session,
+        fence: &str,
+        imported: u64,
+    ) -> Result<bool, CoreError> {
+        if self.store.cursor(&session.session_id, &lease.key).await?.is_some() {
+            return Ok(false);
+        }
+        let (messages, cursor) = self.before_fence(session, fence).await?;
+        if messages.len() as u64 != imported {
+            return Ok(false);
+        }
+        self.store.set_cursor(&session.session_id, &lease.key, Some(cursor)).await?;
+        Ok(true)
     }
 
     /// Forgets a DELTA engine's cursor after it reported a gap: the next

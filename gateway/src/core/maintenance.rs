@@ -44,6 +44,12 @@ impl Core {
         };
         match lease.engine.bootstrap(req, call).await {
             Ok(r) if r.bootstrapped => {
+                // A DELTA engine that imported the history holds it: no resync.
+                if let Some(n) = r.imported_messages.filter(|_| crate::engines::delta(&lease.info))
+                    && let Err(e) = self.adopt_import(lease, session, fence, n).await
+                {
+                    tracing::warn!(error = %e, "recording the bootstrapped engine's cursor failed; it is resynced");
+                }
                 return self.maintain(lease, session, pb::MaintainReason::Bootstrap, budget, call).await;
             }
             Ok(_) | Err(EngineCallError::Unimplemented(_)) => {}
