@@ -206,3 +206,69 @@ async fn a_dns_name_is_resolved_to_its_replicas_and_an_unknown_name_degrades_to_
     assert_eq!(selected(&events).engine_id, "legacy");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn killing_one_of_three_replicas_under_load_leaves_no_turn_to_legacy() {
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mut engines = Vec::new();
+    for d in &dirs {
+        engines.push(start_window(d.path(), &[]).await);
+    }
+    let list: Vec<String> = engines.iter().map(addr).collect();
+    let (g, _) = gateway_over("window", &list).await;
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(4);
+    let clients: Vec<_> = (0..8)
+        .map(|c| {
+            let client = g.client.clone();
+            tokio::spawn(async move {
+                let mut served = Vec::new();
+                let mut i = 0;
+                while tokio::time::Instant::now() < until {
+                    let events = run_turn_on(&client, &format!("load-{c}"), &format!("turn {i}")).await;
+                    assert!(completed(&events), "{events:?}");
+                    served.push(selected(&events).engine_id.clone());
+                    i += 1;
+                }
+                served
+            })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    engines.remove(0).signal_and_wait("KILL").await.unwrap();
+    let mut served = Vec::new();
+    for c in clients {
+        served.extend(c.await.unwrap());
+    }
+    let legacy = served.iter().filter(|e| *e != "window").count();
+    let m = metrics_text(g.metrics.unwrap()).await;
+    let fallbacks: Vec<&str> = m
+        .lines()
+        .filter(|l| l.starts_with("ctxgate_engine_fallbacks_total{engine=\"window\"") && !l.ends_with(" 0"))
+        .collect();
+    assert_eq!((legacy, fallbacks.len()), (0, 0), "{} turns; answered by legacy: {fallbacks:?}", served.len());
+    assert!(served.len() >= 16, "the clients kept turning: {}", served.len());
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_replica_that_dies_inside_a_call_is_replaced_by_another_not_by_legacy() {
+    // Replica 0 exits in the middle of its first Assemble; the others serve.
+    let mut engines = vec![fault_engine("crash-on-assemble").await];
+    for _ in 0..2 {
+        engines.push(fault_engine("").await);
+    }
+    let list: Vec<String> = engines.iter().map(addr).collect();
+    let (g, _) = gateway_over("fault", &list).await;
+    let dead = list[0].clone();
+    let mut turns = 0;
+    while !engine_status(&g, "fault").await.replicas.iter().any(|r| r.address == dead && r.quarantine.is_some()) {
+        assert!(turns < 200, "no turn reached replica 0 in {turns} turns");
+        served_by(&g, "fault", &format!("s{turns}"), "hello").await;
+        turns += 1;
+    }
+    let m = metrics_text(g.metrics.unwrap()).await;
+    let assembles = |what: &str| counter(&m, what, "engine=\"fault\",method=\"Assemble\"");
+    assert_eq!(assembles("ctxgate_engine_fallbacks_total"), 0, "the dying replica's Assemble was answered by legacy");
+    assert!(engine_status(&g, "fault").await.quarantine.is_none(), "two replicas serve");
+    g.stop().await;
+}

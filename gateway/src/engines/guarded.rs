@@ -432,7 +432,7 @@ impl Engine for Guarded {
         let n = req.encoded_len();
         self.guard(
             Method::Bootstrap,
-            false,
+            call.surface_failures,
             n,
             self.remote.bootstrap(req.clone(), call),
             self.legacy.bootstrap(req, call),
@@ -461,8 +461,15 @@ impl Engine for Guarded {
             let no_fallback = async { Err(EngineCallError::Quarantined) };
             return self.guard(Method::Assemble, true, n, self.remote.assemble(req, call), no_fallback).await;
         }
-        self.guard(Method::Assemble, false, n, self.remote.assemble(req.clone(), call), self.legacy.assemble(req, call))
-            .await
+        let surfaces = call.surface_failures;
+        self.guard(
+            Method::Assemble,
+            surfaces,
+            n,
+            self.remote.assemble(req.clone(), call),
+            self.legacy.assemble(req, call),
+        )
+        .await
     }
 
     async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply> {
@@ -499,8 +506,15 @@ impl Engine for Guarded {
 
     async fn maintain(&self, req: pb::MaintainRequest, call: &Call) -> R<pb::MaintainResult> {
         let n = req.encoded_len();
-        self.guard(Method::Maintain, false, n, self.remote.maintain(req.clone(), call), self.legacy.maintain(req, call))
-            .await
+        let surfaces = call.surface_failures;
+        self.guard(
+            Method::Maintain,
+            surfaces,
+            n,
+            self.remote.maintain(req.clone(), call),
+            self.legacy.maintain(req, call),
+        )
+        .await
     }
 
     async fn prepare_subagent_spawn(

@@ -28,11 +28,19 @@ pub struct Call {
     pub deadline: Option<Instant>,
     /// The trace the call continues (sent as `traceparent`).
     pub trace: Option<ctxgate_proto::trace::TraceParent>,
+    /// The caller has somewhere else to ask (another replica): a failure
+    /// is returned, not answered by legacy.
+    pub surface_failures: bool,
 }
 
 impl Call {
     pub fn new(cancel: CancellationToken) -> Self {
-        Self { cancel, deadline: None, trace: None }
+        Self { cancel, deadline: None, trace: None, surface_failures: false }
+    }
+
+    /// This call, with failures returned rather than answered by legacy.
+    pub fn surfacing_failures(&self) -> Self {
+        Self { surface_failures: true, ..self.clone() }
     }
 
     pub fn traced(mut self, trace: Option<ctxgate_proto::trace::TraceParent>) -> Self {

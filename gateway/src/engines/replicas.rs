@@ -248,6 +248,11 @@ impl Replicas {
         chosen.guarded.clone()
     }
 
+    /// Whether a replica other than `this` is in service.
+    fn another_in_service(&self, this: &Arc<Guarded>) -> bool {
+        self.replicas().iter().any(|r| r.in_service() && !Arc::ptr_eq(&r.guarded, this))
+    }
+
     /// Every replica's answer to a call that concerns them all: the first
     /// failure is the answer (a queued call stays queued until every one
     /// took it), else the first reply. `quarantined`: send to those too
@@ -421,7 +426,7 @@ type R<T> = Result<T, EngineCallError>;
 /// one macro around the whole impl, since `#[async_trait]` must see the
 /// methods' `async fn`s.
 macro_rules! routed {
-    ($($name:ident($Req:ty) -> $Res:ty;)*) => {
+    ($($name:ident($Req:ty) -> $Res:ty, retried: $retried:literal;)*) => {
         #[async_trait]
         impl Engine for Replicas {
             /// A replica in service speaks for the engine; legacy's info when none is.
@@ -433,7 +438,19 @@ macro_rules! routed {
 
             $(async fn $name(&self, req: $Req, call: &Call) -> R<$Res> {
                 let replica = self.pick(req.session());
-                replica.$name(req, call).await
+                if !$retried || !self.another_in_service(&replica) {
+                    return replica.$name(req, call).await;
+                }
+                // Idempotent: a replica that fails it (dead before the
+                // health monitor noticed; quarantined by this call) is
+                // replaced once by another in service, not by legacy.
+                match replica.$name(req.clone(), &call.surfacing_failures()).await {
+                    Err(e) if replica.is_quarantined() && !matches!(e, EngineCallError::Cancelled) => {
+                        tracing::info!(engine = %self.id, error = %e, "a replica failed; asking another");
+                        self.pick(req.session()).$name(req, call).await
+                    }
+                    r => r,
+                }
             })*
 
             async fn compact(&self, req: pb::CompactRequest, call: &Call, progress: &ProgressFn<'_>) -> R<CompactReply> {
@@ -476,16 +493,20 @@ macro_rules! routed {
     };
 }
 
+// `retried`: idempotent for the engine (a read, or a write by message id
+// or session that a second replica can repeat), so a dead replica's call
+// goes to another before legacy answers it. The request is cloned for it
+// only while another replica is in service.
 routed! {
-    bootstrap(pb::BootstrapRequest) -> pb::BootstrapResult;
-    ingest(pb::IngestRequest) -> pb::IngestResult;
-    ingest_batch(pb::IngestBatchRequest) -> pb::IngestBatchResult;
-    assemble(pb::AssembleRequest) -> pb::AssembleResult;
-    after_turn(pb::AfterTurnRequest) -> pb::AfterTurnResult;
-    commit_turn(pb::CommitTurnRequest) -> pb::CommitTurnResult;
-    maintain(pb::MaintainRequest) -> pb::MaintainResult;
-    prepare_subagent_spawn(pb::PrepareSubagentSpawnRequest) -> pb::PrepareSubagentSpawnResult;
-    call_tool(pb::CallToolRequest) -> pb::CallToolResult;
+    bootstrap(pb::BootstrapRequest) -> pb::BootstrapResult, retried: true;
+    ingest(pb::IngestRequest) -> pb::IngestResult, retried: false;
+    ingest_batch(pb::IngestBatchRequest) -> pb::IngestBatchResult, retried: true;
+    assemble(pb::AssembleRequest) -> pb::AssembleResult, retried: true;
+    after_turn(pb::AfterTurnRequest) -> pb::AfterTurnResult, retried: false;
+    commit_turn(pb::CommitTurnRequest) -> pb::CommitTurnResult, retried: false;
+    maintain(pb::MaintainRequest) -> pb::MaintainResult, retried: true;
+    prepare_subagent_spawn(pb::PrepareSubagentSpawnRequest) -> pb::PrepareSubagentSpawnResult, retried: false;
+    call_tool(pb::CallToolRequest) -> pb::CallToolResult, retried: false;
 }
 
 #[cfg(test)]
