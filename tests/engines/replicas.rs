@@ -2,7 +2,9 @@
 //! by a static `ipv4:` list or a `dns:///` name): a session stays on one
 //! replica of an engine that keeps session state and moves, resynced, when
 //! that replica dies; a stateless engine's calls spread over all; the
-//! engine is out of service only when every replica is.
+//! engine is out of service only when every replica is; a dying replica's
+//! idempotent calls go to another, not to legacy; a subagent spawned on
+//! the parent's replica and ended on all leaves nothing behind.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -270,5 +272,56 @@ async fn a_replica_that_dies_inside_a_call_is_replaced_by_another_not_by_legacy(
     let assembles = |what: &str| counter(&m, what, "engine=\"fault\",method=\"Assemble\"");
     assert_eq!(assembles("ctxgate_engine_fallbacks_total"), 0, "the dying replica's Assemble was answered by legacy");
     assert!(engine_status(&g, "fault").await.quarantine.is_none(), "two replicas serve");
+    g.stop().await;
+}
+
+/// Rows of `sql` (one `?1`: the value) summed over the replicas' stores.
+fn rows_everywhere(dirs: &[tempfile::TempDir], sql: &str, value: &str) -> i64 {
+    dirs.iter()
+        .map(|d| {
+            let flags = rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY;
+            let c = rusqlite::Connection::open_with_flags(d.path().join("window.sqlite"), flags).unwrap();
+            c.query_row(sql, [value], |r| r.get::<_, i64>(0)).unwrap()
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn a_subagent_spawned_and_ended_across_replicas_leaves_nothing_behind() {
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mut engines = Vec::new();
+    for d in &dirs {
+        engines.push(start_window(d.path(), &[]).await);
+    }
+    let list: Vec<String> = engines.iter().map(addr).collect();
+    let (g, _) = gateway_over("window", &list).await;
+    for i in 0..3 {
+        served_by(&g, "window", "mom", &format!("parent turn {i}")).await;
+    }
+    let mut c = g.client.clone();
+    let spawn = api::SpawnSubagentRequest {
+        parent: Some(sref("mom")),
+        child_session_key: "kid".into(),
+        context_mode: "fork".into(),
+        ttl_ms: None,
+    };
+    // Prepared on the parent's replica (it holds the parent's state).
+    assert!(c.spawn_subagent(spawn).await.unwrap().into_inner().engine_prepared);
+    assert_eq!(rows_everywhere(&dirs, "SELECT COUNT(*) FROM sessions WHERE session_key = ?1", "kid"), 1);
+    assert_eq!(rows_everywhere(&dirs, "SELECT COUNT(*) FROM spawns WHERE ?1 != ''", "x"), 1);
+    // The child's turns run on its own replica (resynced there if it is another).
+    for i in 0..2 {
+        served_by(&g, "window", "kid", &format!("child turn {i}")).await;
+    }
+    assert!(rows_everywhere(&dirs, "SELECT COUNT(*) FROM sessions WHERE session_key = ?1", "kid") >= 1);
+    // Ended as deleted: every replica hears it, whichever holds the child.
+    let end = api::EndSubagentRequest { child: Some(sref("kid")), reason: "deleted".into() };
+    assert!(c.end_subagent(end).await.unwrap().into_inner().ended);
+    assert_eq!(rows_everywhere(&dirs, "SELECT COUNT(*) FROM sessions WHERE session_key = ?1", "kid"), 0);
+    assert_eq!(rows_everywhere(&dirs, "SELECT COUNT(*) FROM spawns WHERE ?1 != ''", "x"), 0);
+    assert!(
+        rows_everywhere(&dirs, "SELECT COUNT(*) FROM sessions WHERE session_key = ?1", "mom") >= 1,
+        "the parent stays"
+    );
     g.stop().await;
 }
