@@ -35,6 +35,19 @@ async fn gateway_over(id: &str, list: &[String]) -> (TestGateway, api::EngineSta
     (g, e)
 }
 
+/// Three window engine replicas (each with its state dir) behind one
+/// gateway, all in service.
+async fn three_windows() -> (Vec<tempfile::TempDir>, Vec<EngineProcess>, TestGateway) {
+    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let mut engines = Vec::new();
+    for d in &dirs {
+        engines.push(start_window(d.path(), &[]).await);
+    }
+    let list: Vec<String> = engines.iter().map(addr).collect();
+    let (g, _) = gateway_over("window", &list).await;
+    (dirs, engines, g)
+}
+
 fn in_service(r: &api::ReplicaStatus) -> bool {
     r.quarantine.is_none() && r.health == "SERVING"
 }
@@ -58,13 +71,10 @@ async fn restart_window(at: &str, dir: &Path) -> EngineProcess {
 
 #[tokio::test]
 async fn a_session_stays_on_one_replica_and_moves_resynced_when_it_dies() {
-    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let mut engines = Vec::new();
-    for d in &dirs {
-        engines.push(Some(start_window(d.path(), &[]).await));
-    }
-    let list: Vec<String> = engines.iter().map(|e| addr(e.as_ref().unwrap())).collect();
-    let (g, e) = gateway_over("window", &list).await;
+    let (dirs, engines, g) = three_windows().await;
+    let list: Vec<String> = engines.iter().map(addr).collect();
+    let mut engines: Vec<Option<EngineProcess>> = engines.into_iter().map(Some).collect();
+    let e = engine_status(&g, "window").await;
     assert_eq!(e.affinity, "session", "the window engine declares session affinity: {e:?}");
 
     for i in 0..4 {
@@ -211,13 +221,7 @@ async fn a_dns_name_is_resolved_to_its_replicas_and_an_unknown_name_degrades_to_
 
 #[tokio::test]
 async fn killing_one_of_three_replicas_under_load_leaves_no_turn_to_legacy() {
-    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let mut engines = Vec::new();
-    for d in &dirs {
-        engines.push(start_window(d.path(), &[]).await);
-    }
-    let list: Vec<String> = engines.iter().map(addr).collect();
-    let (g, _) = gateway_over("window", &list).await;
+    let (_dirs, mut engines, g) = three_windows().await;
     let until = tokio::time::Instant::now() + std::time::Duration::from_secs(4);
     let clients: Vec<_> = (0..8)
         .map(|c| {
@@ -288,13 +292,7 @@ fn rows_everywhere(dirs: &[tempfile::TempDir], sql: &str, value: &str) -> i64 {
 
 #[tokio::test]
 async fn a_subagent_spawned_and_ended_across_replicas_leaves_nothing_behind() {
-    let dirs: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
-    let mut engines = Vec::new();
-    for d in &dirs {
-        engines.push(start_window(d.path(), &[]).await);
-    }
-    let list: Vec<String> = engines.iter().map(addr).collect();
-    let (g, _) = gateway_over("window", &list).await;
+    let (dirs, _engines, g) = three_windows().await;
     for i in 0..3 {
         served_by(&g, "window", "mom", &format!("parent turn {i}")).await;
     }
