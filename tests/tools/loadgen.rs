@@ -131,6 +131,14 @@ enum Run {
         #[arg(long, default_value_t = 3)]
         turns: usize,
     },
+    /// One turn on each of `sessions` sessions at `rate` (peak RSS), then
+    /// the gateway restarted over what it stored (RSS once it serves).
+    Memory {
+        #[arg(long, default_value_t = 100_000)]
+        sessions: usize,
+        #[arg(long, default_value_t = 1500.0)]
+        rate: f64,
+    },
     Held {
         #[arg(long, default_value_t = 1000)]
         held: usize,
@@ -239,8 +247,11 @@ enum Outcome {
 struct Stack {
     /// Connection-major: channel `j` goes to gateway `j % gateways`.
     channels: Vec<Channel>,
-    /// The first gateway (its RSS is what is reported).
-    gateway: EngineProcess,
+    /// The first gateway (its RSS is what is reported); `None` only while
+    /// it restarts.
+    gateway: Option<EngineProcess>,
+    /// How the first gateway was started (program, arguments).
+    first_gateway: (std::path::PathBuf, Vec<String>),
     _more: Vec<EngineProcess>,
     _engine: Option<EngineProcess>,
     postgres: Option<ctxgate_tests::postgres::Postgres>,
@@ -306,7 +317,27 @@ impl Stack {
             }
         }
         let gateway = gateways.remove(0);
-        let stack = Self { channels, gateway, _more: gateways, _engine: engine_process, postgres, _dir: dir };
+        let first_gateway = (
+            program,
+            vec![
+                "serve".to_owned(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--state-dir".into(),
+                path("gateway-0")?,
+                "--config".into(),
+                config_path,
+            ],
+        );
+        let stack = Self {
+            channels,
+            gateway: Some(gateway),
+            first_gateway,
+            _more: gateways,
+            _engine: engine_process,
+            postgres,
+            _dir: dir,
+        };
         if let Some(id) = engine.id() {
             stack.wait_attached(id).await?;
         }
@@ -345,8 +376,24 @@ impl Stack {
         Ok(s.engines.iter().filter_map(|e| e.quarantine.as_ref().map(|q| format!("{}: {q:?}", e.id))).collect())
     }
 
+    fn gateway(&self) -> &EngineProcess {
+        self.gateway.as_ref().expect("the first gateway runs (it is missing only inside restart)")
+    }
+
+    /// Stops the first gateway (SIGTERM: a clean shutdown) and starts it
+    /// again over the same state and config.
+    async fn restart(&mut self) -> Result<(), String> {
+        if let Some(g) = self.gateway.take() {
+            g.signal_and_wait("TERM").await.map_err(|e| e.to_string())?;
+        }
+        let (program, args) = &self.first_gateway;
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.gateway = Some(EngineProcess::start(program, &args).await.map_err(|e| e.to_string())?);
+        Ok(())
+    }
+
     fn rss_kib(&self) -> u64 {
-        rss_kib(self.gateway.pid())
+        rss_kib(self.gateway().pid())
     }
 
     /// One warm-up turn per session (creating a session is not a steady
@@ -547,7 +594,7 @@ async fn run(args: Args) -> Result<bool, String> {
         Run::Open { rate, seconds, sessions } => {
             stack.warm_up(sessions).await?;
             let idle = stack.rss_kib();
-            let watch = RssWatch::start(stack.gateway.pid());
+            let watch = RssWatch::start(stack.gateway().pid());
             let (t, e) = open(&stack, rate, seconds, sessions).await;
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered"), e);
             println!("gateway RSS: idle {:.1} MiB, peak {:.1} MiB", mib(idle), mib(watch.peak()));
@@ -564,7 +611,7 @@ async fn run(args: Args) -> Result<bool, String> {
             calm.report(&format!("open loop, {engine}, {:.0}/s offered (unloaded: ½ saturation)", saturation / 2.0), e);
             let rate = saturation * factor;
             let idle = stack.rss_kib();
-            let watch = RssWatch::start(stack.gateway.pid());
+            let watch = RssWatch::start(stack.gateway().pid());
             let (t, e) = open(&stack, rate, seconds / 2.0, 4096).await;
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
             let quarantined = stack.quarantined().await?;
@@ -586,7 +633,7 @@ async fn run(args: Args) -> Result<bool, String> {
             let rate = base.latencies.len() as f64 / e.as_secs_f64() / 2.0;
             stack.warm_up(1024).await?;
             let start = stack.rss_kib();
-            let watch = RssWatch::start(stack.gateway.pid());
+            let watch = RssWatch::start(stack.gateway().pid());
             let (t, e) = open(&stack, rate, minutes * 60.0, 1024).await;
             let end = stack.rss_kib();
             t.report(&format!("soak, {engine}, {rate:.0}/s for {minutes} min"), e);
@@ -640,6 +687,37 @@ async fn run(args: Args) -> Result<bool, String> {
             println!("burst verdict: {} shed (0 asked)", t.shed);
             ok &= t.errors == 0 && t.shed == 0;
         }
+        Run::Memory { sessions, rate } => {
+            let watch = RssWatch::start(stack.gateway().pid());
+            let (t, e) = open(&stack, rate, sessions as f64 / rate, sessions).await;
+            t.report(&format!("open loop, {engine}, one turn on each of {sessions} sessions"), e);
+            let peak = watch.peak();
+            drop(watch);
+            let mut stack = stack;
+            stack.restart().await?;
+            // Serving again: a status call, then a turn on a stored session.
+            let mut c = GatewayClient::new(
+                tonic::transport::Endpoint::from_shared(stack.gateway().endpoint.clone())
+                    .map_err(|e| e.to_string())?
+                    .connect()
+                    .await
+                    .map_err(|e| e.to_string())?,
+            );
+            c.get_status(api::StatusRequest {}).await.map_err(|e| e.to_string())?;
+            let after = one_turn(c, 0).await;
+            println!(
+                "gateway RSS: peak {:.1} MiB while serving; {:.1} MiB after a restart over the {sessions} stored sessions ({})",
+                mib(peak),
+                mib(stack.rss_kib()),
+                if matches!(after, Outcome::Completed) {
+                    "a stored session's turn completed"
+                } else {
+                    "a stored session's turn FAILED"
+                }
+            );
+            ok &= t.errors == 0 && matches!(after, Outcome::Completed);
+            return Ok(ok);
+        }
         Run::Held { held, quick, seconds } => {
             stack.warm_up(quick).await?;
             let (idle, e) = closed(&stack, quick, seconds).await;
@@ -647,7 +725,7 @@ async fn run(args: Args) -> Result<bool, String> {
             // Held turns on connections of their own (at most 200 streams
             // each, under the per-connection limit).
             let endpoint =
-                tonic::transport::Endpoint::from_shared(stack.gateway.endpoint.clone()).map_err(|e| e.to_string())?;
+                tonic::transport::Endpoint::from_shared(stack.gateway().endpoint.clone()).map_err(|e| e.to_string())?;
             let mut channels = Vec::new();
             for _ in 0..held.div_ceil(200) {
                 channels.push(endpoint.clone().connect().await.map_err(|e| e.to_string())?);

@@ -7,23 +7,65 @@
 //! cached tail is valid for as long as its leaf is an ancestor of the
 //! session's leaf; the walk splices it in when it meets that leaf, and
 //! otherwise (a rewind, a rewrite, a compaction in the new part) simply
-//! reads on as it would without a cache. Bounded by encoded bytes; the
-//! least recently stored tails go first. A deleted session's tail is
-//! dropped with it.
+//! reads on as it would without a cache. Bounded by what the decoded
+//! entries cost on the heap (estimated: a short message decoded costs
+//! several times its encoded size, and a bound in encoded bytes let 76k
+//! sessions' tails take ~160 MiB); the least recently stored tails go
+//! first. A deleted session's tail is dropped with it.
 
 use std::collections::{HashMap, VecDeque};
+use std::mem::size_of;
 use std::sync::Arc;
 
-use ctxgate_proto::pb;
-use prost::Message as _;
+use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
 
-/// Encoded bytes of cached entries, all sessions together.
-const MAX_BYTES: usize = 16 * 1024 * 1024;
+/// Estimated heap bytes of cached entries, all sessions together: 64
+/// sessions with a full context window's history (~400 KiB each decoded)
+/// fit.
+const MAX_BYTES: usize = 32 * 1024 * 1024;
+
+/// What the allocator adds to each allocation (glibc: a 16-byte header
+/// and rounding to 16).
+const PER_ALLOCATION: usize = 16;
+
+fn string(capacity: usize) -> usize {
+    if capacity == 0 { 0 } else { capacity.next_multiple_of(16) + PER_ALLOCATION }
+}
+
+/// An entry's heap cost once decoded: the struct in the tail's buffer and
+/// every string, list and map it owns (at their capacity).
+pub(super) fn heap_size(e: &pb::TranscriptEntry) -> usize {
+    let s = |x: &String| string(x.capacity());
+    let own = size_of::<pb::TranscriptEntry>() + s(&e.id) + s(&e.turn_id) + e.parent_id.as_ref().map_or(0, s);
+    own + match &e.entry {
+        Some(Entry::Message(m)) => {
+            let parts = m.content.iter().map(|p| match &p.part {
+                Some(Part::Text(t)) => s(t),
+                Some(Part::Thinking(t)) => s(&t.text) + s(&t.signature),
+                Some(Part::Image(i)) => s(&i.uri) + s(&i.mime_type),
+                Some(Part::ToolCall(c)) => s(&c.id) + s(&c.name) + s(&c.arguments_json),
+                Some(Part::ToolResult(r)) => s(&r.tool_call_id) + s(&r.tool_name) + s(&r.text),
+                None => 0,
+            });
+            let content = m.content.capacity() * size_of::<pb::ContentPart>() + PER_ALLOCATION;
+            // hashbrown: a slot and a control byte per bucket (buckets ≥ capacity).
+            let table = m.metadata.capacity().next_power_of_two() * (size_of::<(String, String)>() + 1);
+            let metadata = if m.metadata.is_empty() { 0 } else { table + PER_ALLOCATION };
+            s(&m.id)
+                + content
+                + parts.sum::<usize>()
+                + metadata
+                + m.metadata.iter().map(|(k, v)| s(k) + s(v)).sum::<usize>()
+        }
+        Some(Entry::Compaction(c)) => s(&c.summary) + s(&c.first_kept_entry_id),
+        None => 0,
+    }
+}
 
 /// A session's tail as the cache hands it out and takes it back.
 pub(super) struct Cached {
     pub entries: Arc<Vec<pb::TranscriptEntry>>,
-    /// Their encoded size: a reader that extends a tail adds the new
+    /// Their estimated heap size: a reader that extends a tail adds the new
     /// entries' sizes (measuring the whole tail on every put cost a long
     /// session's turn more than the walk it saves).
     pub bytes: usize,
@@ -32,19 +74,25 @@ pub(super) struct Cached {
 impl Cached {
     /// Entries read fresh, measured.
     pub(super) fn measure(entries: Vec<pb::TranscriptEntry>) -> Self {
-        Self { bytes: encoded_size(&entries), entries: Arc::new(entries) }
+        Self { bytes: heap_cost(&entries), entries: Arc::new(entries) }
     }
 
     /// Extends the tail in place (copied only while another reader still
     /// holds it).
     pub(super) fn extend(&mut self, newer: Vec<pb::TranscriptEntry>) {
-        self.bytes += encoded_size(&newer);
+        self.bytes += heap_cost(&newer);
         Arc::make_mut(&mut self.entries).extend(newer);
     }
 }
 
-fn encoded_size(entries: &[pb::TranscriptEntry]) -> usize {
-    entries.iter().map(|e| e.encoded_len()).sum()
+/// What caching a session's tail costs besides its entries: its map and
+/// order slots with their two copies of the id, the shared vector's header.
+fn bookkeeping(session_id: &str) -> usize {
+    size_of::<(String, Tail)>() + size_of::<(String, u64)>() + 2 * string(session_id.len()) + 64
+}
+
+fn heap_cost(entries: &[pb::TranscriptEntry]) -> usize {
+    entries.iter().map(heap_size).sum()
 }
 
 struct Tail {
@@ -68,24 +116,25 @@ impl Tails {
     /// reader extends it in place and puts it back.
     pub(super) fn take(&mut self, session_id: &str) -> Option<Cached> {
         let tail = self.by_session.remove(session_id)?;
-        self.bytes -= tail.bytes;
+        self.bytes -= tail.bytes + bookkeeping(session_id);
         Some(Cached { entries: tail.entries, bytes: tail.bytes })
     }
 
     pub(super) fn put(&mut self, session_id: &str, tail: Cached) {
         let Cached { entries, bytes } = tail;
         self.take(session_id);
-        if bytes > MAX_BYTES / 4 {
+        let cost = bytes + bookkeeping(session_id);
+        if cost > MAX_BYTES / 4 {
             return;
         }
-        while self.bytes + bytes > MAX_BYTES {
+        while self.bytes + cost > MAX_BYTES {
             let Some((oldest, stored)) = self.order.pop_front() else { break };
             if self.by_session.get(&oldest).is_some_and(|t| t.stored == stored) {
                 self.take(&oldest);
             }
         }
         self.clock += 1;
-        self.bytes += bytes;
+        self.bytes += cost;
         self.by_session.insert(session_id.to_owned(), Tail { entries, bytes, stored: self.clock });
         self.order.push_back((session_id.to_owned(), self.clock));
         // Stale pairs are bounded by the live ones.
@@ -119,7 +168,7 @@ mod tests {
     #[test]
     fn the_least_recently_stored_tails_go_first_and_a_fresh_one_stays() {
         let mut t = Tails::default();
-        let quarter = MAX_BYTES / 4 - 16;
+        let quarter = MAX_BYTES / 4 - 1024;
         for round in 0..5 {
             // "hot" is stored again every round; the others once each.
             t.put("hot", tail(quarter));
@@ -139,6 +188,26 @@ mod tests {
         let mut t = tail(10);
         let reader = t.entries.clone();
         t.extend(tail(20).entries.to_vec());
-        assert_eq!((t.bytes, t.entries.len(), reader.len()), (encoded_size(&t.entries), 2, 1));
+        assert_eq!((t.bytes, t.entries.len(), reader.len()), (heap_cost(&t.entries), 2, 1));
+    }
+
+    #[test]
+    fn a_short_message_costs_several_times_its_encoding_and_a_long_one_its_text() {
+        use prost::Message as _;
+        let msg = |text: &str| pb::TranscriptEntry {
+            id: "e".repeat(32),
+            turn_id: "t".repeat(32),
+            entry: Some(Entry::Message(pb::AgentMessage {
+                id: "m".repeat(32),
+                content: vec![pb::ContentPart { part: Some(Part::Text(text.into())) }],
+                metadata: [("k".to_owned(), "v".to_owned())].into(),
+                ..Default::default()
+            })),
+            ..Default::default()
+        };
+        let short = msg("hi");
+        assert!(heap_size(&short) > 3 * short.encoded_len(), "{} vs {}", heap_size(&short), short.encoded_len());
+        let long = msg(&"x".repeat(100_000));
+        assert!((100_000..101_500).contains(&heap_size(&long)), "{}", heap_size(&long));
     }
 }
