@@ -82,7 +82,14 @@ impl Turn {
         // The turn is closing: its history is taken, not copied.
         let fence = self.fence();
         let from = Source { core: &core, lease: &lease, session: &session, fence: &fence, call: &self.call };
-        let (mut history, cursor) = self.view.take(&from).await?.into_parts();
+        // Only a durable record (its position) and a remote after-turn read
+        // the history here: legacy's turn does not read it again.
+        let after_turn = lease.remote && lease.host.has(Capability::AfterTurn);
+        let (mut history, cursor) = if lease.record.is_some() || after_turn {
+            self.view.take(&from).await?.into_parts()
+        } else {
+            (Vec::new(), None)
+        };
         // Queued for the durable engine even when legacy served the turn.
         let commit = match lease.record.as_deref() {
             None => None,
@@ -124,7 +131,7 @@ impl Turn {
                 ));
             }
             waiting == 0
-        } else if lease.remote && lease.host.has(Capability::AfterTurn) {
+        } else if after_turn {
             // Legacy keeps nothing of its own: no after-turn to build.
             self.after_turn(history, cursor, budget).await
         } else {

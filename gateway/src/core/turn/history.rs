@@ -100,6 +100,19 @@ impl HistoryView {
         Ok(self.read.take().unwrap_or(Read::Full(Vec::new())))
     }
 
+    /// Moves a whole-history read out (into an engine request): the next
+    /// use reads it again, from the store's cached tail. A delta is left
+    /// in place (it is small, and a failed delta call falls back from it).
+    pub(super) fn take_full(&mut self) -> Option<Vec<AgentMessage>> {
+        match self.read.take() {
+            Some(Read::Full(m)) => Some(m),
+            other => {
+                self.read = other;
+                None
+            }
+        }
+    }
+
     /// The branch changed (a compaction, a resync): read it again.
     pub(super) fn forget(&mut self) {
         self.read = None;

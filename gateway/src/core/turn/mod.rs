@@ -361,8 +361,14 @@ impl Turn {
                 return Err(self.aborted());
             }
             let history = self.history().await?;
-            let (messages, cursor, pre_assembly_tokens) =
-                (history.messages().to_vec(), history.cursor().cloned(), history.tokens());
+            let (cursor, pre_assembly_tokens) = (history.cursor().cloned(), history.tokens());
+            // The whole history is moved, not copied (one copy of it per
+            // turn is the legacy turn's largest cost); a delta is copied.
+            let delta = cursor.is_some().then(|| history.messages().to_vec());
+            let messages = match delta {
+                Some(m) => m,
+                None => self.view.take_full().unwrap_or_default(),
+            };
             let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
             let request = pb::AssembleRequest {
                 session_id: self.session.session_id.clone(),
