@@ -11,7 +11,7 @@ use ctxgate::config::{Config, ProviderKind};
 use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::transcript_entry::Entry;
 use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
-use ctxgate_tests::hosting::{attached, engine_status, fault_engine, hosting, session, turn_request, wait_engine};
+use ctxgate_tests::hosting::{attached, engine_status, fault_engine, hosting, session, turn_request};
 use ctxgate_tests::{PATIENCE, TestGateway, metrics_text, within};
 use tokio_stream::StreamExt;
 use tonic::Code;
@@ -109,7 +109,9 @@ async fn abort_stops_a_running_turn_without_blaming_anyone() {
     let g = TestGateway::start(openai_hosting(&fake, "fault", &engine.endpoint)).await;
     attached(&g, "fault").await;
     let mut stream = g.client.clone().run_turn(turn_request("a", "long task")).await.unwrap().into_inner();
-    wait_engine(&g, "fault", "holding the turn's Assemble", |e| e.replicas.iter().any(|r| r.in_flight > 0)).await;
+    // The engine itself holds the call (the gateway counting it in flight
+    // is not enough: an abort before the request arrives is no cancel there).
+    assert!(engine.wait_line("event assemble", PATIENCE).await.is_some(), "the engine got the turn's Assemble");
     let aborted = g.client.clone().abort(api::AbortRequest { session: session("a") }).await.unwrap().into_inner();
     assert!(aborted.aborted);
     let last = within(PATIENCE, "the aborted turn's stream ending", async {

@@ -321,14 +321,35 @@ impl Replicas {
     }
 }
 
+/// A name lookup on a blocking thread (the system resolver, as the rest of
+/// the process sees names).
+type Lookup = tokio::task::JoinHandle<std::io::Result<Vec<SocketAddr>>>;
+
+fn system_lookup(host: &str, port: u16) -> Lookup {
+    let host = host.to_owned();
+    tokio::task::spawn_blocking(move || {
+        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port)).map(Vec::from_iter)
+    })
+}
+
 /// The replicas' addresses now: every A/AAAA record, sorted, at most
-/// [`MAX_REPLICAS`].
-async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
-    let found = tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port)))
-        .await
-        .map_err(|_| format!("resolving {host} took over {RESOLVE_TIMEOUT:?}"))?
-        .map_err(|e| format!("resolving {host}: {e}"))?;
-    let mut addrs: Vec<SocketAddr> = found.collect();
+/// [`MAX_REPLICAS`]. One lookup per engine at a time: a timeout abandons
+/// the wait, not the blocking thread, so a lookup still running (`pending`)
+/// is waited for again next time rather than joined by another — a hung
+/// resolver holds one thread per engine, not one more every pass.
+async fn resolve(
+    pending: &mut Option<Lookup>,
+    host: &str,
+    port: u16,
+    lookup: impl FnOnce(&str, u16) -> Lookup,
+) -> Result<Vec<SocketAddr>, String> {
+    let running = pending.get_or_insert_with(|| lookup(host, port));
+    let Ok(joined) = tokio::time::timeout(RESOLVE_TIMEOUT, running).await else {
+        return Err(format!("resolving {host} took over {RESOLVE_TIMEOUT:?}; still waiting for that lookup"));
+    };
+    *pending = None;
+    let mut addrs =
+        joined.map_err(|e| format!("resolving {host}: {e}"))?.map_err(|e| format!("resolving {host}: {e}"))?;
     addrs.sort();
     addrs.dedup();
     addrs.truncate(MAX_REPLICAS);
@@ -339,11 +360,11 @@ async fn resolve(host: &str, port: u16) -> Result<Vec<SocketAddr>, String> {
 /// failed or empty resolution keeps the replicas there are (a DNS blip is
 /// not an outage).
 async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: CancellationToken) {
-    let mut failing = false;
+    let (mut failing, mut pending) = (false, None);
     loop {
         let Some(set) = replicas.upgrade() else { return };
         let found = tokio::select! {
-            r = resolve(&host, port) => r,
+            r = resolve(&mut pending, &host, port, system_lookup) => r,
             () = stop.cancelled() => return,
         };
         match found {
@@ -512,6 +533,38 @@ routed! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lookup that outlives its timeout is waited for again, never
+    /// joined by a second one; once it answers, the next pass starts anew.
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_lookup_is_awaited_again_not_joined_by_another() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let started = Arc::new(AtomicUsize::new(0));
+        let slow = |answer_after: Duration| {
+            let started = started.clone();
+            move |_: &str, port: u16| -> Lookup {
+                started.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    tokio::time::sleep(answer_after).await;
+                    Ok(vec![SocketAddr::from(([10, 0, 0, 2], port)), SocketAddr::from(([10, 0, 0, 1], port))])
+                })
+            }
+        };
+        let mut pending = None;
+        for _ in 0..3 {
+            let r = resolve(&mut pending, "engines", 7401, slow(RESOLVE_TIMEOUT * 10)).await;
+            assert!(r.unwrap_err().contains("still waiting"));
+        }
+        assert_eq!(started.load(Ordering::SeqCst), 1, "one lookup in flight, however many passes time out");
+        // It answers at last: the next pass takes its answer.
+        tokio::time::sleep(RESOLVE_TIMEOUT * 10).await;
+        let addrs = resolve(&mut pending, "engines", 7401, slow(Duration::ZERO)).await.unwrap();
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        assert_eq!(addrs, [SocketAddr::from(([10, 0, 0, 1], 7401)), SocketAddr::from(([10, 0, 0, 2], 7401))]);
+        assert!(pending.is_none());
+        resolve(&mut pending, "engines", 7401, slow(Duration::ZERO)).await.unwrap();
+        assert_eq!(started.load(Ordering::SeqCst), 2, "answered: the next pass looks up anew");
+    }
 
     #[test]
     fn rendezvous_moves_only_a_departed_replicas_sessions() {
