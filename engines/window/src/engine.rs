@@ -478,11 +478,18 @@ impl ContextEngine for WindowEngine {
         self.store
             .run(move |c| {
                 let tx = c.transaction()?;
-                let child = store::session_by_key(&tx, &req.child_session_key)?
-                    .unwrap_or_else(|| req.child_session_key.clone());
-                store::drop_spawns_of(&tx, &child)?;
-                if forget {
-                    store::delete_session(&tx, &child)?;
+                // A spawn prepared before the child had a session id keeps
+                // the child under its key; its turns then add a session
+                // with the real id. Both are the child.
+                let mut children = store::sessions_by_key(&tx, &req.child_session_key)?;
+                if !children.contains(&req.child_session_key) {
+                    children.push(req.child_session_key.clone());
+                }
+                for child in &children {
+                    store::drop_spawns_of(&tx, child)?;
+                    if forget {
+                        store::delete_session(&tx, child)?;
+                    }
                 }
                 tx.commit()
             })

@@ -334,6 +334,12 @@ pub fn session_by_key(c: &Connection, key: &str) -> rusqlite::Result<Option<Stri
     .optional()
 }
 
+/// Every session recorded under `key`, newest first.
+pub fn sessions_by_key(c: &Connection, key: &str) -> rusqlite::Result<Vec<String>> {
+    let mut stmt = c.prepare_cached("SELECT session_id FROM sessions WHERE session_key = ?1 ORDER BY rowid DESC")?;
+    stmt.query_map([key], |r| r.get(0))?.collect()
+}
+
 /// Ids of the session's messages that the summary covers.
 pub fn covered_ids(
     c: &Connection,
