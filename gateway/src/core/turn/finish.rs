@@ -109,10 +109,13 @@ impl Turn {
         let entries =
             last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
         let stored = core.store.close_turn(&session.session_id, TurnClose::Accept { entries, commit }).await?;
-        history.extend(stored.iter().filter_map(|e| match &e.entry {
-            Some(Entry::Message(m)) => Some(m.clone()),
-            _ => None,
-        }));
+        // The after-turn request carries the turn's last messages too.
+        if after_turn {
+            history.extend(stored.iter().filter_map(|e| match &e.entry {
+                Some(Entry::Message(m)) => Some(m.clone()),
+                _ => None,
+            }));
+        }
         let budget = self.budget(0);
         let engine_committed = if let Some(engine) = lease.record.as_deref() {
             // The engine gets no after-turn or ingest for a durable turn. The
