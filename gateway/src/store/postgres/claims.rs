@@ -25,10 +25,7 @@ impl PostgresStore {
     pub(super) async fn fence(&self, tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
         let Some(token) = self.held_token(session_id) else { return Ok(()) };
         let row = q_opt(tx, "SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE", &[&session_id]).await?;
-        match row.map(|r| r.get::<_, i64>(0)) {
-            Some(t) if t == token => Ok(()),
-            _ => Err(StoreError::Fenced(session_id.into())),
-        }
+        still_held(session_id, token, row.map(|r| r.get::<_, i64>(0)))
     }
 
     /// A transaction on `c` for a write to `session_id`, its fencing check
@@ -39,6 +36,12 @@ impl PostgresStore {
         self.fence(&tx, session_id).await?;
         Ok(tx)
     }
+}
+
+/// The fencing verdict: the lease's token (`found`, read under a share
+/// lock) must still be the one this gateway was handed.
+pub(super) fn still_held(session_id: &str, held: i64, found: Option<i64>) -> Result<(), StoreError> {
+    if found == Some(held) { Ok(()) } else { Err(StoreError::Fenced(session_id.into())) }
 }
 
 /// The claim statement: takes a free, expired or own (an earlier turn of

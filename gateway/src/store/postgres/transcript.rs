@@ -33,9 +33,8 @@ async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError
 impl PostgresStore {
     /// A write's transaction and the session's head, with the fencing check
     /// ([`fence`](Self::fence): the same share lock on the lease row) in
-    /// the head's statement: one round trip where the two took two. The
-    /// check may come after nothing else has been written, so a refused
-    /// write still stores nothing.
+    /// the head's statement — one round trip instead of two. It is the
+    /// transaction's first statement, so a refused write stores nothing.
     async fn fenced_head<'c>(
         &self,
         c: &'c mut deadpool_postgres::Object,
@@ -54,9 +53,7 @@ impl PostgresStore {
         )
         .await?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
-        if row.get::<_, Option<i64>>(2) != Some(token) {
-            return Err(StoreError::Fenced(session_id.into()));
-        }
+        super::claims::still_held(session_id, token, row.get(2))?;
         Ok((tx, (row.get(0), row.get(1))))
     }
 }
