@@ -502,6 +502,34 @@ pub struct OutboxDrop {
     pub dropped_at_ms: i64,
 }
 
+impl OutboxDrop {
+    pub(crate) fn of_commit(r: &OutboxRow, at_ms: i64) -> Self {
+        Self {
+            session_id: r.session_id.clone(),
+            agent_id: r.agent_id.clone(),
+            session_key: r.session_key.clone(),
+            advancement_key: r.advancement_key.clone(),
+            engine_id: r.engine_id.clone(),
+            attempts: r.attempts,
+            last_error: r.last_error.clone(),
+            dropped_at_ms: at_ms,
+        }
+    }
+
+    pub(crate) fn of_forget(f: &Forget, at_ms: i64) -> Self {
+        Self {
+            session_id: f.session_id.clone(),
+            agent_id: f.agent_id.clone(),
+            session_key: f.session_key.clone(),
+            advancement_key: String::new(),
+            engine_id: f.engine_id.clone(),
+            attempts: f.attempts,
+            last_error: f.last_error.clone(),
+            dropped_at_ms: at_ms,
+        }
+    }
+}
+
 /// A live subagent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Subagent {

@@ -45,6 +45,24 @@ fn read_drop(r: &Row) -> OutboxDrop {
     }
 }
 
+/// The audit row of a dropped commit or forget.
+async fn record_drop(tx: &deadpool_postgres::Transaction<'_>, d: &OutboxDrop) -> Result<(), StoreError> {
+    let sql = format!("INSERT INTO outbox_drops ({DROP_COLS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)");
+    let attempts = i32::try_from(d.attempts).unwrap_or(i32::MAX);
+    let args: [&(dyn tokio_postgres::types::ToSql + Sync); 8] = [
+        &d.session_id,
+        &d.agent_id,
+        &d.session_key,
+        &d.advancement_key,
+        &d.engine_id,
+        &attempts,
+        &d.last_error,
+        &d.dropped_at_ms,
+    ];
+    exec(tx, &sql, &args).await?;
+    Ok(())
+}
+
 /// How long an outbox pass keeps the rows it claimed from other gateways'
 /// passes (then they are anyone's again, should this gateway have died).
 const PASS_PICK: Duration = Duration::from_secs(5);
@@ -237,13 +255,7 @@ impl Outbox for PostgresStore {
         let at = now_ms();
         for r in &rows {
             self.fence(&tx, &r.session_id).await?;
-            let attempts = r.attempts as i32;
-            exec(&tx,
-                "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-                &[&r.session_id, &r.agent_id, &r.session_key, &r.advancement_key, &r.engine_id, &attempts, &r.last_error, &at],
-            )
-            .await?;
+            record_drop(&tx, &OutboxDrop::of_commit(r, at)).await?;
             exec(
                 &tx,
                 "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
@@ -332,13 +344,7 @@ impl EngineRecords for PostgresStore {
         rows.sort_by_key(|(ord, _)| *ord);
         let at = now_ms();
         for (_, f) in &rows {
-            exec(
-                &tx,
-                "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
-                 VALUES ($1, $2, $3, '', $4, $5, $6, $7)",
-                &[&f.session_id, &f.agent_id, &f.session_key, &f.engine_id, &(f.attempts as i32), &f.last_error, &at],
-            )
-            .await?;
+            record_drop(&tx, &OutboxDrop::of_forget(f, at)).await?;
         }
         self.commit(tx).await?;
         Ok(rows.into_iter().map(|(_, f)| f).collect())

@@ -44,6 +44,22 @@ fn read_drop(r: &rusqlite::Row<'_>) -> rusqlite::Result<OutboxDrop> {
     })
 }
 
+/// The audit row of a dropped commit or forget.
+fn record_drop(tx: &rusqlite::Connection, d: &OutboxDrop) -> rusqlite::Result<()> {
+    tx.prepare_cached(&format!("INSERT INTO outbox_drops ({DROP_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)"))?
+        .execute(params![
+            d.session_id,
+            d.agent_id,
+            d.session_key,
+            d.advancement_key,
+            d.engine_id,
+            d.attempts,
+            d.last_error,
+            d.dropped_at_ms
+        ])?;
+    Ok(())
+}
+
 fn placeholders(n: usize, first: usize) -> String {
     if n == 0 {
         return "NULL".into();
@@ -219,17 +235,18 @@ impl Outbox for SqliteStore {
 
     async fn drop_outbox(&self, agent: &str, key: &str) -> Result<Vec<OutboxRow>, StoreError> {
         let (agent, key) = (agent.to_owned(), key.to_owned());
-        self.db.write(move |tx| {
-            let rows = query_outbox(tx, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX)?;
-            let at = now_ms();
-            for r in &rows {
-                tx.prepare_cached("INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)")?.execute(params![r.session_id, r.agent_id, r.session_key, r.advancement_key, r.engine_id, r.attempts, r.last_error, at])?;
-                tx.prepare_cached("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2")?.execute(params![r.session_id, r.advancement_key])?;
-            }
-            Ok(rows)
-        })
-        .await
+        self.db
+            .write(move |tx| {
+                let rows = query_outbox(tx, "s.agent_id = ?1 AND s.session_key = ?2", params![agent, key], u32::MAX)?;
+                let at = now_ms();
+                for r in &rows {
+                    record_drop(tx, &OutboxDrop::of_commit(r, at))?;
+                    tx.prepare_cached("DELETE FROM outbox WHERE session_id = ?1 AND advancement_key = ?2")?
+                        .execute(params![r.session_id, r.advancement_key])?;
+                }
+                Ok(rows)
+            })
+            .await
     }
 
     async fn list_drops(&self, limit: u32) -> Result<(Vec<OutboxDrop>, u32), StoreError> {
@@ -342,11 +359,7 @@ impl EngineRecords for SqliteStore {
                     .collect::<rusqlite::Result<_>>()?;
                 let at = now_ms();
                 for f in &rows {
-                    tx.prepare_cached(
-                        "INSERT INTO outbox_drops (session_id, agent_id, session_key, advancement_key, engine_id, attempts, last_error, dropped_at_ms)
-                         VALUES (?1, ?2, ?3, '', ?4, ?5, ?6, ?7)",
-                    )?
-                    .execute(params![f.session_id, f.agent_id, f.session_key, f.engine_id, f.attempts, f.last_error, at])?;
+                    record_drop(tx, &OutboxDrop::of_forget(f, at))?;
                 }
                 tx.prepare_cached("DELETE FROM forgets WHERE engine_id = ?1")?.execute([&engine])?;
                 Ok(rows)
