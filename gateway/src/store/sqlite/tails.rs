@@ -9,8 +9,9 @@
 //! otherwise (a rewind, a rewrite, a compaction in the new part) simply
 //! reads on as it would without a cache. Bounded by what the decoded
 //! entries cost on the heap (estimated: a short message decoded costs
-//! several times its encoded size: a bound of 16 MiB in encoded bytes let
-//! 100k sessions' tails take ~190 MiB); the least recently stored tails go
+//! several times its encoded size: under a bound of 16 MiB in encoded bytes
+//! a gateway that served 100k sessions peaked at 215 MiB, under this one at
+//! 89 MiB); the least recently stored tails go
 //! first. A deleted session's tail is dropped with it.
 
 use std::collections::{HashMap, VecDeque};
