@@ -20,13 +20,15 @@
 //!   and a subagent's rollback and end to every replica in service.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use ctxgate_engine_sdk::Endpoint;
 use ctxgate_proto::{Method, pb};
+use hickory_resolver::TokioResolver;
+use hickory_resolver::config::LookupIpStrategy;
 use tokio_util::sync::CancellationToken;
 
 use super::guarded::{Guarded, Health, MethodStats, QuarantineRecord};
@@ -321,35 +323,44 @@ impl Replicas {
     }
 }
 
-/// A name lookup on a blocking thread (the system resolver, as the rest of
-/// the process sees names).
-type Lookup = tokio::task::JoinHandle<std::io::Result<Vec<SocketAddr>>>;
+/// The system's stub resolver on the runtime: hickory over the system's
+/// resolv.conf (search domains, ndots) and hosts file, so a lookup is a
+/// future on the runtime — cancelled when its timeout ends it — not a
+/// blocking thread that getaddrinfo holds for as long as the resolver
+/// hangs. Both families, as getaddrinfo gives them.
+fn system_resolver() -> Result<TokioResolver, String> {
+    let mut builder =
+        TokioResolver::builder_tokio().map_err(|e| format!("reading the system's resolver configuration: {e}"))?;
+    let opts = builder.options_mut();
+    opts.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
+    // Two tries inside the pass's own bound.
+    opts.timeout = RESOLVE_TIMEOUT / 2;
+    opts.attempts = 1;
+    builder.build().map_err(|e| format!("building the resolver: {e}"))
+}
 
-fn system_lookup(host: &str, port: u16) -> Lookup {
-    let host = host.to_owned();
-    tokio::task::spawn_blocking(move || {
-        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port)).map(Vec::from_iter)
-    })
+/// Every address of `host` now, asked afresh: a replica set must follow
+/// the records as they are, so nothing is answered from the cache (a
+/// headless Service's 30 s TTL would hide a new pod for that long).
+async fn system_lookup(resolver: &TokioResolver, host: &str) -> Result<Vec<IpAddr>, String> {
+    resolver.clear_cache();
+    let found = resolver.lookup_ip(host).await.map_err(|e| e.to_string())?;
+    Ok(found.iter().collect())
 }
 
 /// The replicas' addresses now: every A/AAAA record, sorted, at most
-/// [`MAX_REPLICAS`]. One lookup per engine at a time: a timeout abandons
-/// the wait, not the blocking thread, so a lookup still running (`pending`)
-/// is waited for again next time rather than joined by another — a hung
-/// resolver holds one thread per engine, not one more every pass.
+/// [`MAX_REPLICAS`]. A lookup that outlives [`RESOLVE_TIMEOUT`] is dropped,
+/// which cancels it: nothing of it is left running.
 async fn resolve(
-    pending: &mut Option<Lookup>,
     host: &str,
     port: u16,
-    lookup: impl FnOnce(&str, u16) -> Lookup,
+    lookup: impl Future<Output = Result<Vec<IpAddr>, String>>,
 ) -> Result<Vec<SocketAddr>, String> {
-    let running = pending.get_or_insert_with(|| lookup(host, port));
-    let Ok(joined) = tokio::time::timeout(RESOLVE_TIMEOUT, running).await else {
-        return Err(format!("resolving {host} took over {RESOLVE_TIMEOUT:?}; still waiting for that lookup"));
-    };
-    *pending = None;
-    let mut addrs =
-        joined.map_err(|e| format!("resolving {host}: {e}"))?.map_err(|e| format!("resolving {host}: {e}"))?;
+    let found = tokio::time::timeout(RESOLVE_TIMEOUT, lookup)
+        .await
+        .map_err(|_| format!("resolving {host} took over {RESOLVE_TIMEOUT:?}"))?
+        .map_err(|e| format!("resolving {host}: {e}"))?;
+    let mut addrs: Vec<SocketAddr> = found.into_iter().map(|ip| SocketAddr::new(ip, port)).collect();
     addrs.sort();
     addrs.dedup();
     addrs.truncate(MAX_REPLICAS);
@@ -360,12 +371,19 @@ async fn resolve(
 /// failed or empty resolution keeps the replicas there are (a DNS blip is
 /// not an outage).
 async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: CancellationToken) {
-    let (mut failing, mut pending) = (false, None);
+    let (mut resolver, mut failing) = (system_resolver(), false);
     loop {
         let Some(set) = replicas.upgrade() else { return };
-        let found = tokio::select! {
-            r = resolve(&mut pending, &host, port, system_lookup) => r,
-            () = stop.cancelled() => return,
+        if resolver.is_err() {
+            // A resolv.conf that could not be read may be there now.
+            resolver = system_resolver();
+        }
+        let found = match &resolver {
+            Ok(resolver) => tokio::select! {
+                r = resolve(&host, port, system_lookup(resolver, &host)) => r,
+                () = stop.cancelled() => return,
+            },
+            Err(e) => Err(e.clone()),
         };
         match found {
             Ok(addrs) if !addrs.is_empty() => {
@@ -534,36 +552,53 @@ routed! {
 mod tests {
     use super::*;
 
-    /// A lookup that outlives its timeout is waited for again, never
-    /// joined by a second one; once it answers, the next pass starts anew.
+    /// A lookup that outlives its timeout is cancelled, not left running;
+    /// the next pass asks anew.
     #[tokio::test(start_paused = true)]
-    async fn a_hung_lookup_is_awaited_again_not_joined_by_another() {
-        use std::sync::atomic::{AtomicUsize, Ordering};
-        let started = Arc::new(AtomicUsize::new(0));
-        let slow = |answer_after: Duration| {
-            let started = started.clone();
-            move |_: &str, port: u16| -> Lookup {
-                started.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    tokio::time::sleep(answer_after).await;
-                    Ok(vec![SocketAddr::from(([10, 0, 0, 2], port)), SocketAddr::from(([10, 0, 0, 1], port))])
-                })
+    async fn a_hung_lookup_is_cancelled_at_its_timeout() {
+        struct Running(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Running {
+            fn drop(&mut self) {
+                self.0.store(false, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let running = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let hung = {
+            let guard = Running(running.clone());
+            async move {
+                let _guard = guard;
+                std::future::pending::<Result<Vec<IpAddr>, String>>().await
             }
         };
-        let mut pending = None;
-        for _ in 0..3 {
-            let r = resolve(&mut pending, "engines", 7401, slow(RESOLVE_TIMEOUT * 10)).await;
-            assert!(r.unwrap_err().contains("still waiting"));
-        }
-        assert_eq!(started.load(Ordering::SeqCst), 1, "one lookup in flight, however many passes time out");
-        // It answers at last: the next pass takes its answer.
-        tokio::time::sleep(RESOLVE_TIMEOUT * 10).await;
-        let addrs = resolve(&mut pending, "engines", 7401, slow(Duration::ZERO)).await.unwrap();
-        assert_eq!(started.load(Ordering::SeqCst), 1);
+        let err = resolve("engines", 7401, hung).await.unwrap_err();
+        assert!(err.contains("took over"), "{err}");
+        assert!(!running.load(std::sync::atomic::Ordering::SeqCst), "the lookup was dropped with its wait");
+        let answer =
+            async { Ok(vec![IpAddr::from([10, 0, 0, 2]), IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 1])]) };
+        let addrs = resolve("engines", 7401, answer).await.unwrap();
         assert_eq!(addrs, [SocketAddr::from(([10, 0, 0, 1], 7401)), SocketAddr::from(([10, 0, 0, 2], 7401))]);
-        assert!(pending.is_none());
-        resolve(&mut pending, "engines", 7401, slow(Duration::ZERO)).await.unwrap();
-        assert_eq!(started.load(Ordering::SeqCst), 2, "answered: the next pass looks up anew");
+    }
+
+    /// Lookups need no blocking thread: with the runtime's only one held
+    /// (as a hung getaddrinfo would hold it), a name still resolves.
+    #[test]
+    fn a_lookup_runs_on_the_runtime_not_on_a_blocking_thread() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .max_blocking_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let (held, release) = std::sync::mpsc::channel::<()>();
+            let blocker = tokio::task::spawn_blocking(move || release.recv());
+            let resolver = system_resolver().unwrap();
+            let addrs = resolve("localhost", 7401, system_lookup(&resolver, "localhost")).await;
+            drop(held);
+            blocker.await.unwrap().unwrap_err();
+            let addrs = addrs.unwrap();
+            assert!(addrs.contains(&SocketAddr::from(([127, 0, 0, 1], 7401))), "{addrs:?}");
+        });
     }
 
     #[test]
