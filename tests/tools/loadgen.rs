@@ -41,6 +41,7 @@
 //! target/release/loadgen held --held 1000 --quick 8
 //! ```
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -187,6 +188,8 @@ struct Tally {
     /// Other errors, with the first few messages.
     errors: u64,
     samples: Vec<String>,
+    /// Open loop only: (arrival since the start, latency if completed).
+    timeline: Vec<(Duration, Option<Duration>)>,
 }
 
 impl Tally {
@@ -229,6 +232,28 @@ impl Tally {
         for s in &self.samples {
             println!("  error: {s}");
         }
+    }
+
+    /// Admitted turns and their p99 by when they arrived (an open loop's
+    /// overload onset against its steady state).
+    fn report_timeline(&self, slice: Duration) {
+        let mut slices: BTreeMap<u64, (Vec<u64>, u64)> = BTreeMap::new();
+        for (at, latency) in &self.timeline {
+            let e = slices.entry((at.as_millis() / slice.as_millis().max(1)) as u64).or_default();
+            match latency {
+                Some(l) => e.0.push(l.as_micros() as u64),
+                None => e.1 += 1,
+            }
+        }
+        let line: Vec<String> = slices
+            .into_iter()
+            .map(|(k, (mut l, shed))| {
+                l.sort_unstable();
+                let p99 = l.get((l.len() * 99).div_ceil(100).saturating_sub(1)).map_or(0.0, |us| *us as f64 / 1e3);
+                format!("{:.1}s: {} done, {shed} not, p99 {p99:.0} ms", (k * slice.as_millis() as u64) as f64 / 1e3, l.len())
+            })
+            .collect();
+        println!("  by arrival: {}", line.join(" | "));
     }
 }
 
@@ -554,7 +579,11 @@ async fn open(stack: &Stack, rate: f64, seconds: f64, sessions: usize) -> (Tally
         let (c, tally) = (stack.client(k as usize), tally.clone());
         tasks.spawn(async move {
             let outcome = one_turn(c, session).await;
-            tally.lock().unwrap_or_else(|e| e.into_inner()).add(outcome, scheduled.elapsed());
+            let latency = scheduled.elapsed();
+            let completed = matches!(outcome, Outcome::Completed).then_some(latency);
+            let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
+            t.timeline.push((scheduled - started, completed));
+            t.add(outcome, latency);
         });
     }
     while tasks.join_next().await.is_some() {}
@@ -614,6 +643,7 @@ async fn run(args: Args) -> Result<bool, String> {
             let watch = RssWatch::start(stack.gateway().pid());
             let (t, e) = open(&stack, rate, seconds / 2.0, 4096).await;
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
+            t.report_timeline(Duration::from_millis(500));
             let quarantined = stack.quarantined().await?;
             let p99 = ms(t.percentile(0.99)) / ms(calm.percentile(0.99)).max(1e-3);
             let rss = mib(watch.peak()) / mib(idle).max(1e-3);
