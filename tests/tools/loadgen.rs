@@ -250,7 +250,11 @@ impl Tally {
             .map(|(k, (mut l, shed))| {
                 l.sort_unstable();
                 let p99 = l.get((l.len() * 99).div_ceil(100).saturating_sub(1)).map_or(0.0, |us| *us as f64 / 1e3);
-                format!("{:.1}s: {} done, {shed} not, p99 {p99:.0} ms", (k * slice.as_millis() as u64) as f64 / 1e3, l.len())
+                format!(
+                    "{:.1}s: {} done, {shed} not, p99 {p99:.0} ms",
+                    (k * slice.as_millis() as u64) as f64 / 1e3,
+                    l.len()
+                )
             })
             .collect();
         println!("  by arrival: {}", line.join(" | "));
