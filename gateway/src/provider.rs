@@ -14,12 +14,14 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ModelsSection, ProviderKind};
+use crate::transcript::Messages;
 
 /// One chat completion.
 #[derive(Debug, Clone, Default)]
 pub struct ChatRequest {
     pub system: Option<String>,
-    pub messages: Vec<AgentMessage>,
+    /// Shared with the store's tail when the engine passed it through.
+    pub messages: Messages,
     pub max_tokens: u64,
     /// Tools the model may call (the context engine's); none: a plain reply.
     pub tools: Vec<pb::ToolDefinition>,
@@ -114,7 +116,7 @@ impl ModelProvider for Offline {
         deltas: Option<mpsc::Sender<String>>,
         cancel: &CancellationToken,
     ) -> Result<ChatResponse, ModelError> {
-        let prompt = estimate::messages_tokens(&req.messages)
+        let prompt = estimate::messages_tokens(req.messages.iter())
             .saturating_add(req.system.as_deref().map_or(0, estimate::text_tokens));
         if prompt.saturating_add(req.max_tokens) > self.context_window {
             return Err(ModelError::ContextOverflow(format!(
@@ -230,7 +232,7 @@ impl OpenAi {
         if let Some(s) = &req.system {
             messages.push(json!({"role": "system", "content": s}));
         }
-        for m in &req.messages {
+        for m in req.messages.iter() {
             openai_messages(m, &mut messages);
         }
         let mut body = json!({

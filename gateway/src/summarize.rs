@@ -67,7 +67,7 @@ impl Summarizer for ModelSummarizer {
         };
         let req = ChatRequest {
             system: Some(SYSTEM.into()),
-            messages: vec![message],
+            messages: vec![message].into(),
             max_tokens: self.max_tokens,
             tools: Vec::new(),
         };

@@ -2,6 +2,8 @@
 //! summary + the entries it kept + everything after it) and how it is shown
 //! to an engine.
 
+use std::sync::Arc;
+
 use ctxgate_proto::pb::{self, AgentMessage, CompactionEntry, transcript_entry::Entry};
 
 /// What the model may see of a session.
@@ -33,6 +35,125 @@ pub fn visible_messages(branch: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
     out
 }
 
+/// The visible history read in place: its messages stay the branch's (an
+/// `Arc` of the store's cached tail), found by index. A turn reads its
+/// whole history every turn, and copying it into the turn was half of a
+/// legacy turn's CPU (docs/benchmarks.md).
+#[derive(Debug, Clone)]
+pub struct SharedHistory {
+    branch: Arc<Vec<pb::TranscriptEntry>>,
+    summary: Option<Box<AgentMessage>>,
+    /// Where the messages shown after the summary sit in `branch`.
+    shown: Vec<usize>,
+}
+
+impl SharedHistory {
+    pub fn new(branch: Arc<Vec<pb::TranscriptEntry>>) -> Self {
+        let (summary, ranges) = split_at(&branch);
+        let summary = summary.and_then(|ci| match &branch[ci].entry {
+            Some(Entry::Compaction(c)) => Some(Box::new(summary_message(&branch[ci].id, c))),
+            _ => None,
+        });
+        let shown =
+            ranges.into_iter().flatten().filter(|&i| matches!(branch[i].entry, Some(Entry::Message(_)))).collect();
+        Self { branch, summary, shown }
+    }
+
+    fn len(&self) -> usize {
+        usize::from(self.summary.is_some()) + self.shown.len()
+    }
+
+    fn iter(&self) -> impl DoubleEndedIterator<Item = &AgentMessage> {
+        let shown = self.shown.iter().filter_map(|&i| match &self.branch[i].entry {
+            Some(Entry::Message(m)) => Some(m),
+            _ => None,
+        });
+        self.summary.as_deref().into_iter().chain(shown)
+    }
+
+    /// Drops the first `n` messages (the summary first).
+    fn skip_first(&mut self, mut n: usize) {
+        if n > 0 && self.summary.take().is_some() {
+            n -= 1;
+        }
+        self.shown.drain(..n.min(self.shown.len()));
+    }
+}
+
+/// A history a model is shown: shared with the store's cached tail, or the
+/// turn's own (an engine's answer, or a shared one this prompt changes).
+#[derive(Debug, Clone)]
+pub enum Messages {
+    Shared(SharedHistory),
+    Owned(Vec<AgentMessage>),
+}
+
+impl Default for Messages {
+    fn default() -> Self {
+        Self::Owned(Vec::new())
+    }
+}
+
+impl From<Vec<AgentMessage>> for Messages {
+    fn from(v: Vec<AgentMessage>) -> Self {
+        Self::Owned(v)
+    }
+}
+
+impl Messages {
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Shared(s) => s.len(),
+            Self::Owned(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = &AgentMessage> {
+        let (shared, owned) = match self {
+            Self::Shared(s) => (Some(s.iter()), None),
+            Self::Owned(v) => (None, Some(v.iter())),
+        };
+        shared.into_iter().flatten().chain(owned.into_iter().flatten())
+    }
+
+    pub fn last(&self) -> Option<&AgentMessage> {
+        self.iter().next_back()
+    }
+
+    /// The messages to change: a shared history is copied first.
+    pub fn to_mut(&mut self) -> &mut Vec<AgentMessage> {
+        if let Self::Shared(s) = self {
+            *self = Self::Owned(s.iter().cloned().collect());
+        }
+        match self {
+            Self::Owned(v) => v,
+            Self::Shared(_) => unreachable!("made owned above"),
+        }
+    }
+
+    /// The messages as a list of their own (a copy, if shared).
+    pub fn into_vec(self) -> Vec<AgentMessage> {
+        match self {
+            Self::Shared(s) => s.iter().cloned().collect(),
+            Self::Owned(v) => v,
+        }
+    }
+
+    /// Drops the first `n` messages.
+    pub fn skip_first(&mut self, n: usize) {
+        match self {
+            Self::Shared(s) => s.skip_first(n),
+            Self::Owned(v) => {
+                v.drain(..n.min(v.len()));
+            }
+        }
+    }
+}
+
 /// The index in the visible history (as rendered: a summary first) of the
 /// first message `pick` chooses, else the history's length.
 pub fn visible_index(branch: &[pb::TranscriptEntry], pick: impl Fn(&AgentMessage) -> bool) -> usize {
@@ -48,12 +169,23 @@ pub fn visible_index(branch: &[pb::TranscriptEntry], pick: impl Fn(&AgentMessage
 type Split<'a> = (Option<(&'a str, &'a CompactionEntry)>, [&'a [pb::TranscriptEntry]; 2]);
 
 fn split(branch: &[pb::TranscriptEntry]) -> Split<'_> {
+    let (summary, [kept, after]) = split_at(branch);
+    let summary = summary.and_then(|ci| match &branch[ci].entry {
+        Some(Entry::Compaction(c)) => Some((branch[ci].id.as_str(), c)),
+        _ => None,
+    });
+    (summary, [&branch[kept], &branch[after]])
+}
+
+/// [`split`] as positions: the latest compaction entry's, and the ranges of
+/// the kept entries before it and of all after it.
+fn split_at(branch: &[pb::TranscriptEntry]) -> (Option<usize>, [std::ops::Range<usize>; 2]) {
     let latest = branch.iter().rposition(|e| matches!(e.entry, Some(Entry::Compaction(_))));
-    let Some(ci) = latest else { return (None, [branch, &[]]) };
+    let Some(ci) = latest else { return (None, [0..branch.len(), 0..0]) };
     let Some(Entry::Compaction(c)) = &branch[ci].entry else { unreachable!("rposition matched a compaction") };
     // Kept entries sit before the compaction entry, from first_kept onwards.
     let kept_from = branch[..ci].iter().position(|e| e.id == c.first_kept_entry_id).unwrap_or(ci);
-    (Some((&branch[ci].id, c)), [&branch[kept_from..ci], &branch[ci + 1..]])
+    (Some(ci), [kept_from..ci, ci + 1..branch.len()])
 }
 
 fn messages_in(parts: [&[pb::TranscriptEntry]; 2]) -> impl Iterator<Item = &AgentMessage> {
@@ -145,11 +277,35 @@ mod tests {
         }
     }
 
-    /// The visible ids, checking that both renderings agree.
+    /// The visible ids, checking that the three renderings agree (the
+    /// shared one reads the same messages in place).
     fn ids(branch: &[pb::TranscriptEntry]) -> Vec<String> {
         let rendered = visible_messages(branch);
         assert_eq!(rendered, visible(branch).render());
+        let shared = Messages::Shared(SharedHistory::new(Arc::new(branch.to_vec())));
+        assert_eq!(shared.len(), rendered.len());
+        assert_eq!(shared.clone().into_vec(), rendered);
+        assert_eq!(shared.last(), rendered.last());
         rendered.into_iter().map(|m| m.id).collect()
+    }
+
+    /// A shared history drops its first messages (the summary first) and
+    /// is copied only when changed — the branch it reads stays as it was.
+    #[test]
+    fn a_shared_history_skips_and_copies_on_change_only() {
+        let branch = Arc::new(vec![msg("a"), msg("b"), compaction("s", "b"), msg("c"), msg("d")]);
+        let ids = |m: &Messages| m.iter().map(|m| m.id.clone()).collect::<Vec<_>>();
+        let mut m = Messages::Shared(SharedHistory::new(branch.clone()));
+        assert_eq!(ids(&m), ["s", "b", "c", "d"]);
+        m.skip_first(2);
+        assert_eq!(ids(&m), ["c", "d"]);
+        assert!(matches!(m, Messages::Shared(_)), "skipping copies nothing");
+        m.to_mut().push(AgentMessage { id: "e".into(), ..Default::default() });
+        assert_eq!(ids(&m), ["c", "d", "e"]);
+        assert_eq!(branch.len(), 5, "the branch is not changed");
+        let mut owned = Messages::from(vec![AgentMessage { id: "x".into(), ..Default::default() }]);
+        owned.skip_first(5);
+        assert!(owned.is_empty());
     }
 
     #[test]

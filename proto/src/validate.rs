@@ -186,11 +186,16 @@ pub fn message(m: &AgentMessage, field: &str) -> Result {
 
 /// A list of well-formed messages with unique ids, at most [`MAX_MESSAGES`].
 pub fn messages(list: &[AgentMessage], field: &str) -> Result {
-    if list.len() > MAX_MESSAGES {
-        return Err(Violation::too_large(field, format!("has {} messages, the limit is {MAX_MESSAGES}", list.len())));
+    message_list(list.len(), list, field)
+}
+
+/// [`messages`] over `len` messages read in place (not a slice).
+pub fn message_list<'a>(len: usize, list: impl IntoIterator<Item = &'a AgentMessage>, field: &str) -> Result {
+    if len > MAX_MESSAGES {
+        return Err(Violation::too_large(field, format!("has {len} messages, the limit is {MAX_MESSAGES}")));
     }
-    let mut seen = HashSet::with_capacity(list.len());
-    for (i, m) in list.iter().enumerate() {
+    let mut seen = HashSet::with_capacity(len);
+    for (i, m) in list.into_iter().enumerate() {
         check_message(m).map_err(|v| v.under(&format!("{field}[{i}]")))?;
         if !seen.insert(m.id.as_str()) {
             return Err(Violation::invalid(format!("{field}[{i}].id"), format!("duplicates message id {:?}", m.id)));
@@ -201,9 +206,9 @@ pub fn messages(list: &[AgentMessage], field: &str) -> Result {
 
 /// The first tool result in `list` (message index, part index) whose tool
 /// call does not precede it in `list`.
-pub fn first_orphan_result(list: &[AgentMessage]) -> Option<(usize, usize)> {
+pub fn first_orphan_result<'a>(list: impl IntoIterator<Item = &'a AgentMessage>) -> Option<(usize, usize)> {
     let mut calls = HashSet::new();
-    for (i, m) in list.iter().enumerate() {
+    for (i, m) in list.into_iter().enumerate() {
         for (j, p) in m.content.iter().enumerate() {
             match &p.part {
                 Some(Part::ToolCall(c)) => {

@@ -427,7 +427,7 @@ fn user_messages(list: Vec<pb::AgentMessage>) -> Result<Vec<pb::AgentMessage>, C
 
 fn context(c: Context) -> api::Context {
     api::Context {
-        messages: c.messages,
+        messages: c.messages.into_vec(),
         system_prompt_addition: c.system_prompt_addition,
         estimated_tokens: c.estimated_tokens,
         token_budget: c.budget,

@@ -165,7 +165,7 @@ impl Host for HostService {
         }
         let chat = ChatRequest {
             system: r.system_prompt.clone(),
-            messages,
+            messages: messages.into(),
             max_tokens: r.max_tokens.map_or(u64::MAX, u64::from),
             tools: Vec::new(),
         };

@@ -17,6 +17,7 @@ use crate::core::types::{
 };
 use crate::core::{Core, CoreError, session_ref, text_message};
 use crate::provider::{ChatRequest, ChatResponse, ModelError};
+use crate::transcript::Messages;
 
 const MAX_TIMEOUT_COMPACTIONS: u32 = 2;
 /// Timeout recovery only compacts when the prompt is above this share of the budget.
@@ -117,12 +118,12 @@ impl Core {
             };
             let mut messages = ctx.messages;
             if let Some(addition) = ctx.system_prompt_addition {
-                messages.insert(0, text_message(Role::System, addition));
+                messages.to_mut().insert(0, text_message(Role::System, addition));
             }
             if truncated {
-                truncate_tool_results(&mut messages);
+                truncate_tool_results(messages.to_mut());
             }
-            let estimated = estimate::messages_tokens(&messages);
+            let estimated = estimate::messages_tokens(messages.iter());
             events(TurnEvent::Assembled {
                 messages: messages.len() as u32,
                 estimated_tokens: estimated,
@@ -281,7 +282,7 @@ impl Core {
     async fn call_model(
         &self,
         system: Option<&str>,
-        messages: Vec<AgentMessage>,
+        messages: Messages,
         tools: Vec<pb::ToolDefinition>,
         events: &EventSink,
         cancel: &CancellationToken,

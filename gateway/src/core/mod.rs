@@ -288,6 +288,12 @@ impl Core {
         Ok(transcript::visible_messages(&self.store.visible_tail(&session.session_id).await?))
     }
 
+    /// The visible history read in place, shared with the store's tail.
+    async fn visible_shared(&self, session: &Session) -> Result<transcript::Messages, CoreError> {
+        let tail = self.store.visible_tail(&session.session_id).await?;
+        Ok(transcript::Messages::Shared(transcript::SharedHistory::new(tail)))
+    }
+
     /// A host callback under its grant's budget.
     pub fn authorise(&self, token: &str, session_id: Option<&str>, op: HostOperation) -> Result<Callback, GrantError> {
         self.grants.authorise(token, session_id, op)

@@ -329,8 +329,9 @@ pub struct Projection {
 /// An assembled context, before a model call.
 #[derive(Debug, Clone, Default)]
 pub struct Context {
-    /// The engine's messages (the history the model sees).
-    pub messages: Vec<pb::AgentMessage>,
+    /// The engine's messages (the history the model sees), shared with the
+    /// store's tail when the engine passed the history through.
+    pub messages: crate::transcript::Messages,
     pub system_prompt_addition: Option<String>,
     /// The gateway's estimate of `messages` (the one token estimate).
     pub estimated_tokens: u64,

@@ -8,6 +8,7 @@ use ctxgate_proto::pb;
 use ctxgate_proto::{Method, estimate, validate};
 
 use super::{Call, CompactReply, Engine, EngineCallError, ProgressFn};
+use crate::transcript::Messages;
 
 /// The core-owned fallback engine: ingest is a no-op, assemble passes the
 /// visible history through (sanitised, validated, limited), compaction is
@@ -63,6 +64,19 @@ pub fn sanitise(messages: Vec<pb::AgentMessage>) -> Vec<pb::AgentMessage> {
     out
 }
 
+/// Legacy's assembly: the history sanitised, its last `MAX_MESSAGES`,
+/// validated. A history that needs no sanitising is not copied: a turn on
+/// legacy hands the store's shared tail to the model request.
+pub fn assemble(messages: Messages) -> Result<Messages, EngineCallError> {
+    let clean =
+        messages.iter().all(|m| !m.content.is_empty()) && validate::first_orphan_result(messages.iter()).is_none();
+    let mut messages = if clean { messages } else { Messages::Owned(sanitise(messages.into_vec())) };
+    messages.skip_first(messages.len().saturating_sub(ctxgate_proto::limits::MAX_MESSAGES));
+    validate::message_list(messages.len(), messages.iter(), "messages")
+        .map_err(|v| EngineCallError::ContractViolation { method: Method::Assemble, detail: v.to_string() })?;
+    Ok(messages)
+}
+
 const DOWNGRADED: &str = "context engine downgraded to legacy";
 
 #[async_trait]
@@ -92,11 +106,7 @@ impl Engine for Legacy {
     }
 
     async fn assemble(&self, req: pb::AssembleRequest, _call: &Call) -> Result<pb::AssembleResult, EngineCallError> {
-        let mut messages = sanitise(req.messages);
-        let over = messages.len().saturating_sub(ctxgate_proto::limits::MAX_MESSAGES);
-        messages.drain(..over);
-        validate::messages(&messages, "messages")
-            .map_err(|v| EngineCallError::ContractViolation { method: Method::Assemble, detail: v.to_string() })?;
+        let messages = assemble(req.messages.into())?.into_vec();
         Ok(pb::AssembleResult {
             estimated_tokens: estimate::messages_tokens(&messages),
             messages,
@@ -172,5 +182,36 @@ impl Engine for Legacy {
     /// Legacy offers no tools.
     async fn call_tool(&self, _req: pb::CallToolRequest, _call: &Call) -> Result<pb::CallToolResult, EngineCallError> {
         Err(EngineCallError::Unimplemented(Method::CallTool))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
+
+    use super::assemble;
+    use crate::transcript::{Messages, SharedHistory};
+
+    fn entry(id: &str, part: Part) -> pb::TranscriptEntry {
+        let content = vec![pb::ContentPart { part: Some(part) }];
+        let m = pb::AgentMessage { id: id.into(), role: pb::Role::User as i32, content, ..Default::default() };
+        pb::TranscriptEntry { id: id.into(), entry: Some(Entry::Message(m)), ..Default::default() }
+    }
+
+    /// A clean history is passed through shared (no copy); one that needs
+    /// sanitising (a result whose call is not before it) is copied and
+    /// sanitised, as the owned path always was.
+    #[test]
+    fn a_clean_history_stays_shared_and_a_broken_one_is_sanitised() {
+        let hello = entry("a", Part::Text("hello".into()));
+        let shared = |b: Vec<pb::TranscriptEntry>| Messages::Shared(SharedHistory::new(Arc::new(b)));
+        let clean = assemble(shared(vec![hello.clone()])).unwrap();
+        assert!(matches!(clean, Messages::Shared(_)) && clean.len() == 1);
+        let orphan = pb::ToolResult { tool_call_id: "call-1".into(), text: "42".into(), ..Default::default() };
+        let broken = assemble(shared(vec![entry("r", Part::ToolResult(orphan)), hello])).unwrap();
+        assert!(matches!(broken, Messages::Owned(_)));
+        assert_eq!(broken.iter().map(|m| m.id.as_str()).collect::<Vec<_>>(), ["a"], "the orphan's message is dropped");
     }
 }

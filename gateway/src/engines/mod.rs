@@ -7,7 +7,7 @@
 
 pub mod guarded;
 pub mod health;
-mod legacy;
+pub(crate) mod legacy;
 pub mod registry;
 pub mod remote;
 pub mod replicas;

@@ -14,20 +14,23 @@ use crate::core::engine_lease::EngineLease;
 use crate::core::{Core, CoreError};
 use crate::engines::Call;
 use crate::store::Session;
+use crate::transcript::Messages;
 
 /// What a turn read for its engine.
 #[derive(Debug)]
 pub(super) enum Read {
-    /// The whole visible history.
-    Full(Vec<AgentMessage>),
+    /// The whole visible history (shared with the store's cached tail).
+    Full(Messages),
     /// What follows the engine's cursor; the engine holds what precedes it.
     Delta { cursor: pb::HistoryCursor, after: Vec<AgentMessage> },
 }
 
 impl Read {
-    pub(super) fn messages(&self) -> &[AgentMessage] {
+    /// What follows the cursor, for a delta read.
+    pub(super) fn delta(&self) -> Option<&[AgentMessage]> {
         match self {
-            Self::Full(m) | Self::Delta { after: m, .. } => m,
+            Self::Full(_) => None,
+            Self::Delta { after, .. } => Some(after),
         }
     }
 
@@ -40,13 +43,16 @@ impl Read {
 
     /// Tokens of the whole visible history, the engine's share included.
     pub(super) fn tokens(&self) -> u64 {
-        self.cursor().map_or(0, |c| c.tokens).saturating_add(estimate::messages_tokens(self.messages()))
+        match self {
+            Self::Full(m) => estimate::messages_tokens(m.iter()),
+            Self::Delta { cursor, after } => cursor.tokens.saturating_add(estimate::messages_tokens(after)),
+        }
     }
 
-    /// The messages, and the cursor they follow.
+    /// The messages (a copy, if shared), and the cursor they follow.
     pub(super) fn into_parts(self) -> (Vec<AgentMessage>, Option<pb::HistoryCursor>) {
         match self {
-            Self::Full(m) => (m, None),
+            Self::Full(m) => (m.into_vec(), None),
             Self::Delta { cursor, after } => (after, Some(cursor)),
         }
     }
@@ -87,23 +93,23 @@ impl HistoryView {
             let read = if self.delta {
                 read_delta(from).await?
             } else {
-                Read::Full(from.core.visible_messages(from.session).await?)
+                Read::Full(from.core.visible_shared(from.session).await?)
             };
             self.read = Some(read);
         }
-        Ok(self.read.get_or_insert(Read::Full(Vec::new())))
+        Ok(self.read.get_or_insert(Read::Full(Messages::default())))
     }
 
     /// Takes the history (the turn is closing: not copied).
     pub(super) async fn take(&mut self, from: &Source<'_>) -> Result<Read, CoreError> {
         self.get(from).await?;
-        Ok(self.read.take().unwrap_or(Read::Full(Vec::new())))
+        Ok(self.read.take().unwrap_or(Read::Full(Messages::default())))
     }
 
     /// Moves a whole-history read out (into an engine request): the next
     /// use reads it again, from the store's cached tail. A delta is left
     /// in place (it is small, and a failed delta call falls back from it).
-    pub(super) fn take_full(&mut self) -> Option<Vec<AgentMessage>> {
+    pub(super) fn take_full(&mut self) -> Option<Messages> {
         match self.read.take() {
             Some(Read::Full(m)) => Some(m),
             other => {
@@ -141,13 +147,18 @@ impl HistoryView {
     }
 
     /// Extends what was read with entries the turn just stored.
+    /// A history shared with the store's tail is read again instead: the
+    /// tail has them, and extending it would copy it.
     pub(super) fn remember(&mut self, stored: &[pb::TranscriptEntry]) {
-        if let Some(Read::Full(m) | Read::Delta { after: m, .. }) = &mut self.read {
-            m.extend(stored.iter().filter_map(|e| match &e.entry {
-                Some(Entry::Message(m)) => Some(m.clone()),
-                _ => None,
-            }));
-        }
+        let m = match &mut self.read {
+            Some(Read::Full(Messages::Shared(_))) => return self.forget(),
+            Some(Read::Full(Messages::Owned(m)) | Read::Delta { after: m, .. }) => m,
+            None => return,
+        };
+        m.extend(stored.iter().filter_map(|e| match &e.entry {
+            Some(Entry::Message(m)) => Some(m.clone()),
+            _ => None,
+        }));
     }
 }
 
@@ -178,7 +189,7 @@ async fn read_delta(from: &Source<'_>) -> Result<Read, CoreError> {
             break;
         }
     }
-    Ok(Read::Full(core.visible_messages(session).await?))
+    Ok(Read::Full(core.visible_shared(session).await?))
 }
 
 #[cfg(test)]

@@ -31,8 +31,9 @@ use crate::core::types::{
     Trigger, TurnEvent, TurnSpec,
 };
 use crate::core::{Core, CoreError, now_unix_ms};
-use crate::engines::{Call, EngineCallError};
+use crate::engines::{Call, EngineCallError, legacy};
 use crate::store::{NewEntry, Session, StoreError};
+use crate::transcript::Messages;
 pub use finish::Finished;
 use history::{HistoryView, Read, Source};
 use ledger::Ledger;
@@ -362,52 +363,61 @@ impl Turn {
             }
             let history = self.history().await?;
             let (cursor, pre_assembly_tokens) = (history.cursor().cloned(), history.tokens());
-            // The whole history is moved, not copied (one copy of it per
-            // turn is the legacy turn's largest cost); a delta is copied.
-            let delta = cursor.is_some().then(|| history.messages().to_vec());
-            let messages = match delta {
-                Some(m) => m,
-                None => self.view.take_full().unwrap_or_default(),
-            };
-            let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
-            let request = pb::AssembleRequest {
-                session_id: self.session.session_id.clone(),
-                session_key: Some(self.session.session_key.clone()),
-                messages,
-                token_budget: Some(budget),
-                available_tools: self.tool_names(),
-                prompt: Some(self.prompt.clone()),
-                model: Some(self.lease.model.id.clone()),
-                runtime_settings: Some(self.lease.runtime_settings(budget, self.degraded)),
-                runtime_context: Some(self.lease.runtime_context(&self.session, budget, pre_assembly_tokens)),
-                host: grant.as_ref().map(|g| g.access.clone()),
-                cursor,
-                ..Default::default()
-            };
-            let assembled = self.lease.engine.assemble(request, &self.call).await;
-            drop(grant);
-            let assembled = match assembled {
-                Ok(a) => a,
-                Err(EngineCallError::Cancelled) => return Err(self.aborted()),
-                // The engine lost what the cursor says it holds: resync
-                // once (the next history read), then assemble again.
-                Err(EngineCallError::HistoryGap { .. }) if self.view.resync_after_gap() => {
-                    self.core.drop_cursor(&self.lease, &self.session).await?;
-                    continue;
+            let delta = history.delta().map(<[AgentMessage]>::to_vec);
+            let assembled = match delta {
+                // Legacy passes the history through: the model is shown the
+                // store's shared tail itself, never a copy of it.
+                None if !self.lease.remote => {
+                    let shared = self.view.take_full().unwrap_or_default();
+                    let messages = legacy::assemble(shared).map_err(|e| self.assemble_failed(e))?;
+                    Assembled { messages, addition: None, may_overflow: false, projection: None }
                 }
-                // Shed, failed or quarantined on a delta: once more with the
-                // whole history, which legacy can answer.
-                Err(_) if self.view.fall_back_to_full() => continue,
-                Err(e) => {
-                    return Err(StepError::Failed(Failure::new(
-                        FailureReason::EngineError,
-                        format!("The context engine \"{}\" could not assemble the prompt: {e}.", self.lease.info.id),
-                    )));
+                delta => {
+                    // The whole history is moved into the request, a delta copied.
+                    let messages = match delta {
+                        Some(m) => m,
+                        None => self.view.take_full().unwrap_or_default().into_vec(),
+                    };
+                    let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
+                    let request = pb::AssembleRequest {
+                        session_id: self.session.session_id.clone(),
+                        session_key: Some(self.session.session_key.clone()),
+                        messages,
+                        token_budget: Some(budget),
+                        available_tools: self.tool_names(),
+                        prompt: Some(self.prompt.clone()),
+                        model: Some(self.lease.model.id.clone()),
+                        runtime_settings: Some(self.lease.runtime_settings(budget, self.degraded)),
+                        runtime_context: Some(self.lease.runtime_context(&self.session, budget, pre_assembly_tokens)),
+                        host: grant.as_ref().map(|g| g.access.clone()),
+                        cursor,
+                        ..Default::default()
+                    };
+                    let assembled = self.lease.engine.assemble(request, &self.call).await;
+                    drop(grant);
+                    match assembled {
+                        Ok(a) => Assembled {
+                            may_overflow: a.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32,
+                            addition: a.system_prompt_addition.filter(|a| !a.trim().is_empty()),
+                            messages: a.messages.into(),
+                            projection: a.projection,
+                        },
+                        Err(EngineCallError::Cancelled) => return Err(self.aborted()),
+                        // The engine lost what the cursor says it holds: resync
+                        // once (the next history read), then assemble again.
+                        Err(EngineCallError::HistoryGap { .. }) if self.view.resync_after_gap() => {
+                            self.core.drop_cursor(&self.lease, &self.session).await?;
+                            continue;
+                        }
+                        // Shed, failed or quarantined on a delta: once more with the
+                        // whole history, which legacy can answer.
+                        Err(_) if self.view.fall_back_to_full() => continue,
+                        Err(e) => return Err(self.assemble_failed(e)),
+                    }
                 }
             };
-            let addition = assembled.system_prompt_addition.filter(|a| !a.trim().is_empty());
-            let estimated_tokens =
-                estimate::messages_tokens(&assembled.messages) + addition.as_deref().map_or(0, estimate::text_tokens);
+            let estimated_tokens = estimate::messages_tokens(assembled.messages.iter())
+                + assembled.addition.as_deref().map_or(0, estimate::text_tokens);
             if self.lease.info.owns_compaction && !self.proactive_done && estimated_tokens >= self.threshold() {
                 self.proactive_done = true;
                 self.recover(Trigger::Proactive).await.map_err(StepError::Failed)?;
@@ -417,16 +427,23 @@ impl Turn {
             self.contexts += 1;
             return Ok(Context {
                 messages: assembled.messages,
-                system_prompt_addition: addition,
+                system_prompt_addition: assembled.addition,
                 estimated_tokens,
                 pre_assembly_tokens,
-                may_overflow: assembled.prompt_authority == pb::PromptAuthority::PreassemblyMayOverflow as i32,
+                may_overflow: assembled.may_overflow,
                 budget,
                 projection,
                 sequence: self.contexts,
                 engine_tools: self.engine_tools.clone(),
             });
         }
+    }
+
+    fn assemble_failed(&self, e: EngineCallError) -> StepError {
+        StepError::Failed(Failure::new(
+            FailureReason::EngineError,
+            format!("The context engine \"{}\" could not assemble the prompt: {e}.", self.lease.info.id),
+        ))
     }
 
     /// A thread-bootstrap projection, for hosts that keep threads: the
@@ -545,4 +562,12 @@ impl Turn {
         let span = self.trace.span.clone();
         self.close(outcome, last).instrument(span).await
     }
+}
+
+/// An engine's answer to Assemble, as the turn uses it.
+struct Assembled {
+    messages: Messages,
+    addition: Option<String>,
+    may_overflow: bool,
+    projection: Option<pb::ContextProjection>,
 }
