@@ -102,6 +102,10 @@ enum Run {
         sessions: usize,
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
+        /// Runs over the same sessions, one after the other (their
+        /// histories grow: the second shows what that costs).
+        #[arg(long, default_value_t = 1)]
+        rounds: usize,
     },
     Open {
         #[arg(long)]
@@ -608,21 +612,23 @@ async fn run(args: Args) -> Result<bool, String> {
     let engine = args.engine.id().unwrap_or("legacy");
     let mut ok = true;
     match args.run {
-        Run::Closed { sessions, seconds } => {
+        Run::Closed { sessions, seconds, rounds } => {
             stack.warm_up(sessions).await?;
-            let before = stack.store_work().await;
-            let (t, e) = closed(&stack, sessions, seconds).await;
-            t.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
-            if let (Some(before), Some(after)) = (before, stack.store_work().await) {
-                let (w, turns) = (after - before, t.latencies.len().max(1) as f64);
-                println!(
-                    "  PostgreSQL per turn: {:.1} statements, {:.2} commits, {:.2} WAL flushes",
-                    w.statements as f64 / turns,
-                    w.commits as f64 / turns,
-                    w.wal_flushes as f64 / turns
-                );
+            for round in 1..=rounds {
+                let before = stack.store_work().await;
+                let (t, e) = closed(&stack, sessions, seconds).await;
+                t.report(&format!("closed loop, {engine}, {sessions} sessions, round {round}"), e);
+                if let (Some(before), Some(after)) = (before, stack.store_work().await) {
+                    let (w, turns) = (after - before, t.latencies.len().max(1) as f64);
+                    println!(
+                        "  PostgreSQL per turn: {:.1} statements, {:.2} commits, {:.2} WAL flushes",
+                        w.statements as f64 / turns,
+                        w.commits as f64 / turns,
+                        w.wal_flushes as f64 / turns
+                    );
+                }
+                ok &= t.errors == 0;
             }
-            ok &= t.errors == 0;
         }
         Run::Open { rate, seconds, sessions } => {
             stack.warm_up(sessions).await?;
