@@ -72,6 +72,10 @@ struct Args {
     /// Extra JSON5 lines inside the gateway config's `gateway: { limits: { … } }`.
     #[arg(long, default_value = "", global = true)]
     limits: String,
+    /// SQLite's cache of visible tails (`store.tailCacheMiB`; unset: the
+    /// gateway's default).
+    #[arg(long, global = true)]
+    tail_cache_mib: Option<u32>,
     /// The gateway binary (default: the `ctxgate` built next to this one),
     /// to compare builds side by side.
     #[arg(long, global = true)]
@@ -325,7 +329,7 @@ impl Stack {
             StoreKind::Postgres => Some(ctxgate_tests::postgres::Postgres::start(true).await),
         };
         let store = match &postgres {
-            None => String::new(),
+            None => args.tail_cache_mib.map_or(String::new(), |m| format!("store: {{ tailCacheMiB: {m} }},")),
             Some(pg) => {
                 format!("store: {{ url: '{}', poolSize: {} }},", pg.database("loadgen").await, args.pool_size)
             }

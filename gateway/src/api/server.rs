@@ -112,7 +112,7 @@ pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
             OpenedStore { counters: pg.counters(), store: Arc::new(pg) }
         }
         None => {
-            let sqlite = SqliteStore::open(&config.state_dir)?;
+            let sqlite = SqliteStore::open(&config.state_dir)?.with_tail_cache(config.store.tail_cache_mib);
             OpenedStore { counters: sqlite.counters(), store: Arc::new(sqlite) }
         }
     })

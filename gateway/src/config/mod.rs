@@ -183,6 +183,10 @@ impl Config {
         if !(1..=36_500).contains(&days) {
             return Err(invalid("store.auditRetentionDays", format!("{days} is outside 1–36500")));
         }
+        let tails = self.store.tail_cache_mib;
+        if !(1..=65_536).contains(&tails) {
+            return Err(invalid("store.tailCacheMiB", format!("{tails} is outside 1–65536")));
+        }
         let hold = self.store.hold_commit_after_failures;
         if !(1..=100).contains(&hold) {
             return Err(invalid("store.holdCommitAfterFailures", format!("{hold} is outside 1–100")));

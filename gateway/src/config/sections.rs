@@ -260,6 +260,11 @@ pub struct StoreSection {
     /// Days the audit of dropped commits and forgets (`ctxgate outbox
     /// drops`) is kept.
     pub audit_retention_days: u32,
+    /// MiB of estimated heap for SQLite's cache of visible tails (see
+    /// docs/operations.md: sessions whose histories do not fit are read
+    /// from the file every turn).
+    #[serde(rename = "tailCacheMiB")]
+    pub tail_cache_mib: u32,
 }
 
 impl Default for StoreSection {
@@ -271,6 +276,7 @@ impl Default for StoreSection {
             ca_file: None,
             hold_commit_after_failures: 3,
             audit_retention_days: 90,
+            tail_cache_mib: 32,
         }
     }
 }

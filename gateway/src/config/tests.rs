@@ -166,6 +166,10 @@ fn postgres_sslmode_prefer_is_refused_with_what_to_use() {
 #[test]
 fn a_commit_is_held_after_at_least_one_failure() {
     assert_eq!(Config::load(None, |_| None).unwrap().store.hold_commit_after_failures, 3);
+    assert_eq!(Config::load(None, |_| None).unwrap().store.tail_cache_mib, 32);
+    assert_eq!(load_str("{ store: { tailCacheMiB: 256 } }").unwrap().store.tail_cache_mib, 256);
+    let e = load_str("{ store: { tailCacheMiB: 0 } }").unwrap_err().to_string();
+    assert!(e.contains("store.tailCacheMiB"), "{e}");
     assert_eq!(load_str("{ store: { holdCommitAfterFailures: 1 } }").unwrap().store.hold_commit_after_failures, 1);
     let e = load_str("{ store: { holdCommitAfterFailures: 0 } }").unwrap_err().to_string();
     assert!(e.contains("store.holdCommitAfterFailures"), "{e}");

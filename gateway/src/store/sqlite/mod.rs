@@ -131,6 +131,14 @@ impl SqliteStore {
         Ok(Self { db: Arc::new(worker), tails: Arc::default() })
     }
 
+    /// Bounds the cache of visible tails to `mib` MiB of estimated heap
+    /// (`store.tailCacheMiB`): sessions whose tails do not fit are read
+    /// from the file each turn.
+    pub fn with_tail_cache(self, mib: u32) -> Self {
+        let bytes = (mib as usize).saturating_mul(1024 * 1024);
+        Self { tails: Arc::new(std::sync::Mutex::new(tails::Tails::new(bytes))), ..self }
+    }
+
     /// Batches committed and the writes they held, since the store opened
     /// (more writes than batches: group commit at work).
     pub fn commit_counts(&self) -> (u64, u64) {

@@ -20,10 +20,10 @@ use std::sync::Arc;
 
 use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
 
-/// Estimated heap bytes of cached entries, all sessions together: 64
-/// sessions with a full context window's history (~400 KiB each decoded)
-/// fit.
-const MAX_BYTES: usize = 32 * 1024 * 1024;
+/// Estimated heap bytes of cached entries, all sessions together, unless
+/// configured (`store.tailCacheMiB`): 64 sessions with a full context
+/// window's history (~400 KiB each decoded) fit.
+const DEFAULT_MAX_BYTES: usize = 32 * 1024 * 1024;
 
 /// What the allocator adds to each allocation (glibc: a 16-byte header
 /// and rounding to 16).
@@ -103,8 +103,9 @@ struct Tail {
     stored: u64,
 }
 
-#[derive(Default)]
 pub(super) struct Tails {
+    /// The bound on `bytes`; a single tail over a quarter of it is not kept.
+    max_bytes: usize,
     by_session: HashMap<String, Tail>,
     /// (session, when stored), oldest first; stale pairs are skipped.
     order: VecDeque<(String, u64)>,
@@ -112,7 +113,17 @@ pub(super) struct Tails {
     clock: u64,
 }
 
+impl Default for Tails {
+    fn default() -> Self {
+        Self::new(DEFAULT_MAX_BYTES)
+    }
+}
+
 impl Tails {
+    pub(super) fn new(max_bytes: usize) -> Self {
+        Self { max_bytes, by_session: HashMap::new(), order: VecDeque::new(), bytes: 0, clock: 0 }
+    }
+
     /// Takes the session's cached tail (oldest entry first), if any: the
     /// reader extends it in place and puts it back.
     pub(super) fn take(&mut self, session_id: &str) -> Option<Cached> {
@@ -125,10 +136,10 @@ impl Tails {
         let Cached { entries, bytes } = tail;
         self.take(session_id);
         let cost = bytes + bookkeeping(session_id);
-        if cost > MAX_BYTES / 4 {
+        if cost > self.max_bytes / 4 {
             return;
         }
-        while self.bytes + cost > MAX_BYTES {
+        while self.bytes + cost > self.max_bytes {
             let Some((oldest, stored)) = self.order.pop_front() else { break };
             if self.by_session.get(&oldest).is_some_and(|t| t.stored == stored) {
                 self.take(&oldest);
@@ -169,7 +180,7 @@ mod tests {
     #[test]
     fn the_least_recently_stored_tails_go_first_and_a_fresh_one_stays() {
         let mut t = Tails::default();
-        let quarter = MAX_BYTES / 4 - 1024;
+        let quarter = DEFAULT_MAX_BYTES / 4 - 1024;
         for round in 0..5 {
             // "hot" is stored again every round; the others once each.
             t.put("hot", tail(quarter));
@@ -177,7 +188,7 @@ mod tests {
         }
         assert!(t.take("hot").is_some(), "the most recently stored tail was evicted");
         assert!(t.take("cold-0").is_none() && t.take("cold-4").is_some());
-        assert!(t.bytes <= MAX_BYTES);
+        assert!(t.bytes <= DEFAULT_MAX_BYTES);
         t.put("gone", tail(10));
         t.forget(&["gone".to_owned()]);
         assert!(t.take("gone").is_none());
