@@ -120,10 +120,14 @@ impl Core {
             if let Some(addition) = ctx.system_prompt_addition {
                 messages.to_mut().insert(0, text_message(Role::System, addition));
             }
-            if truncated {
+            // The context's estimate counts the addition as this message;
+            // only truncated results change it.
+            let estimated = if truncated {
                 truncate_tool_results(messages.to_mut());
-            }
-            let estimated = estimate::messages_tokens(messages.iter());
+                estimate::messages_tokens(messages.iter())
+            } else {
+                ctx.estimated_tokens
+            };
             events(TurnEvent::Assembled {
                 messages: messages.len() as u32,
                 estimated_tokens: estimated,

@@ -369,8 +369,13 @@ impl Turn {
                 // store's shared tail itself, never a copy of it.
                 None if !self.lease.remote => {
                     let shared = self.view.take_full().unwrap_or_default();
+                    let before = shared.len();
                     let messages = legacy::assemble(shared).map_err(|e| self.assemble_failed(e))?;
-                    Assembled { messages, addition: None, may_overflow: false, projection: None }
+                    // Passed through whole (nothing sanitised or cut): its
+                    // estimate is the one just made.
+                    let tokens = (matches!(messages, Messages::Shared(_)) && messages.len() == before)
+                        .then_some(pre_assembly_tokens);
+                    Assembled { messages, addition: None, may_overflow: false, projection: None, tokens }
                 }
                 delta => {
                     // The whole history is moved into the request, a delta copied.
@@ -401,6 +406,7 @@ impl Turn {
                             addition: a.system_prompt_addition.filter(|a| !a.trim().is_empty()),
                             messages: a.messages.into(),
                             projection: a.projection,
+                            tokens: None,
                         },
                         Err(EngineCallError::Cancelled) => return Err(self.aborted()),
                         // The engine lost what the cursor says it holds: resync
@@ -416,8 +422,10 @@ impl Turn {
                     }
                 }
             };
-            let estimated_tokens = estimate::messages_tokens(assembled.messages.iter())
-                + assembled.addition.as_deref().map_or(0, estimate::text_tokens);
+            let estimated_tokens = assembled
+                .tokens
+                .unwrap_or_else(|| estimate::messages_tokens(assembled.messages.iter()))
+                .saturating_add(assembled.addition.as_deref().map_or(0, estimate::text_tokens));
             if self.lease.info.owns_compaction && !self.proactive_done && estimated_tokens >= self.threshold() {
                 self.proactive_done = true;
                 self.recover(Trigger::Proactive).await.map_err(StepError::Failed)?;
@@ -570,4 +578,6 @@ struct Assembled {
     addition: Option<String>,
     may_overflow: bool,
     projection: Option<pb::ContextProjection>,
+    /// Their estimate, when already made.
+    tokens: Option<u64>,
 }
