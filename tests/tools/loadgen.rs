@@ -472,6 +472,17 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU time the process has used (user + system), from /proc: the
+/// gateway's cost per turn, whatever the client's own share of the cores.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces), from field 3.
+    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
+    let ticks: u64 = [11, 12].iter().filter_map(|&i| fields.get(i)?.parse::<u64>().ok()).sum();
+    // USER_HZ is 100 on Linux.
+    Duration::from_millis(ticks * 10)
+}
+
 /// Peak RSS while `f` runs (sampled every 100 ms).
 struct RssWatch {
     peak: Arc<AtomicU64>,
@@ -620,8 +631,15 @@ async fn run(args: Args) -> Result<bool, String> {
             stack.warm_up(sessions).await?;
             for round in 1..=rounds {
                 let before = stack.store_work().await;
+                let cpu = cpu_time(stack.gateway().pid());
                 let (t, e) = closed(&stack, sessions, seconds).await;
                 t.report(&format!("closed loop, {engine}, {sessions} sessions, round {round}"), e);
+                let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
+                println!(
+                    "  gateway CPU: {:.0} µs per turn ({:.0} % of a core)",
+                    used.as_secs_f64() * 1e6 / t.latencies.len().max(1) as f64,
+                    100.0 * used.as_secs_f64() / e.as_secs_f64()
+                );
                 if let (Some(before), Some(after)) = (before, stack.store_work().await) {
                     let (w, turns) = (after - before, t.latencies.len().max(1) as f64);
                     println!(
