@@ -108,8 +108,8 @@ enum Run {
         seconds: f64,
         /// Runs over the same sessions, one after the other (their
         /// histories grow: the second shows what that costs).
-        #[arg(long, default_value_t = 1)]
-        rounds: usize,
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+        rounds: u64,
     },
     Open {
         #[arg(long)]
@@ -255,11 +255,11 @@ impl Tally {
         }
         let line: Vec<String> = slices
             .into_iter()
-            .map(|(k, (mut l, shed))| {
+            .map(|(k, (mut l, not_done))| {
                 l.sort_unstable();
                 let p99 = l.get((l.len() * 99).div_ceil(100).saturating_sub(1)).map_or(0.0, |us| *us as f64 / 1e3);
                 format!(
-                    "{:.1}s: {} done, {shed} not, p99 {p99:.0} ms",
+                    "{:.1}s: {} done, {not_done} not done, p99 {p99:.0} ms",
                     (k * slice.as_millis() as u64) as f64 / 1e3,
                     l.len()
                 )
@@ -588,7 +588,9 @@ async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duratio
     (take(tally), elapsed)
 }
 
-async fn open(stack: &Stack, rate: f64, seconds: f64, sessions: usize) -> (Tally, Duration) {
+/// `timeline`: keep each arrival's outcome for [`Tally::report_timeline`]
+/// (not in a soak: it would grow with every turn).
+async fn open(stack: &Stack, rate: f64, seconds: f64, sessions: usize, timeline: bool) -> (Tally, Duration) {
     let tally = Arc::new(Mutex::new(Tally::default()));
     let n = (rate * seconds).round() as u64;
     let started = Instant::now();
@@ -605,7 +607,9 @@ async fn open(stack: &Stack, rate: f64, seconds: f64, sessions: usize) -> (Tally
             let latency = scheduled.elapsed();
             let completed = matches!(outcome, Outcome::Completed).then_some(latency);
             let mut t = tally.lock().unwrap_or_else(|e| e.into_inner());
-            t.timeline.push((scheduled - started, completed));
+            if timeline {
+                t.timeline.push((scheduled - started, completed));
+            }
             t.add(outcome, latency);
         });
     }
@@ -656,7 +660,7 @@ async fn run(args: Args) -> Result<bool, String> {
             stack.warm_up(sessions).await?;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
-            let (t, e) = open(&stack, rate, seconds, sessions).await;
+            let (t, e) = open(&stack, rate, seconds, sessions, false).await;
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered"), e);
             println!("gateway RSS: idle {:.1} MiB, peak {:.1} MiB", mib(idle), mib(watch.peak()));
             ok &= t.errors == 0;
@@ -668,12 +672,12 @@ async fn run(args: Args) -> Result<bool, String> {
             let saturation = base.latencies.len() as f64 / e.as_secs_f64();
             stack.warm_up(4096).await?;
             // Unloaded: the same open-loop traffic at half of saturation.
-            let (calm, e) = open(&stack, saturation / 2.0, seconds / 2.0, 4096).await;
+            let (calm, e) = open(&stack, saturation / 2.0, seconds / 2.0, 4096, false).await;
             calm.report(&format!("open loop, {engine}, {:.0}/s offered (unloaded: ½ saturation)", saturation / 2.0), e);
             let rate = saturation * factor;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
-            let (t, e) = open(&stack, rate, seconds / 2.0, 4096).await;
+            let (t, e) = open(&stack, rate, seconds / 2.0, 4096, true).await;
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
             t.report_timeline(Duration::from_millis(500));
             let quarantined = stack.quarantined().await?;
@@ -696,7 +700,7 @@ async fn run(args: Args) -> Result<bool, String> {
             stack.warm_up(1024).await?;
             let start = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
-            let (t, e) = open(&stack, rate, minutes * 60.0, 1024).await;
+            let (t, e) = open(&stack, rate, minutes * 60.0, 1024, false).await;
             let end = stack.rss_kib();
             t.report(&format!("soak, {engine}, {rate:.0}/s for {minutes} min"), e);
             let growth = 100.0 * (end as f64 - start as f64) / start.max(1) as f64;
@@ -751,7 +755,7 @@ async fn run(args: Args) -> Result<bool, String> {
         }
         Run::Memory { sessions, rate } => {
             let watch = RssWatch::start(stack.gateway().pid());
-            let (t, e) = open(&stack, rate, sessions as f64 / rate, sessions).await;
+            let (t, e) = open(&stack, rate, sessions as f64 / rate, sessions, false).await;
             t.report(&format!("open loop, {engine}, one turn on each of {sessions} sessions"), e);
             let peak = watch.peak();
             drop(watch);
@@ -859,7 +863,7 @@ async fn run(args: Args) -> Result<bool, String> {
                 return Err("hostile needs --engine fault-flood".into());
             }
             stack.warm_up(256).await?;
-            let (calm, e) = open(&stack, rate, seconds, 256).await;
+            let (calm, e) = open(&stack, rate, seconds, 256, false).await;
             calm.report(&format!("open loop, {rate:.0}/s, no flood"), e);
             // The flooding sessions' turns, back to back, meanwhile.
             let stop = tokio_util::sync::CancellationToken::new();
@@ -878,7 +882,7 @@ async fn run(args: Args) -> Result<bool, String> {
                 })
                 .collect();
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let (loaded, e) = open(&stack, rate, seconds, 256).await;
+            let (loaded, e) = open(&stack, rate, seconds, 256, false).await;
             stop.cancel();
             let mut flood_turns = 0;
             for f in floods {

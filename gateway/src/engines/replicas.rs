@@ -333,17 +333,18 @@ fn system_resolver() -> Result<TokioResolver, String> {
         TokioResolver::builder_tokio().map_err(|e| format!("reading the system's resolver configuration: {e}"))?;
     let opts = builder.options_mut();
     opts.ip_strategy = LookupIpStrategy::Ipv4AndIpv6;
-    // Two tries inside the pass's own bound.
-    opts.timeout = RESOLVE_TIMEOUT / 2;
+    // Two tries within the pass's own bound (A and AAAA are asked
+    // together and joined: a server that drops one costs a try, not the
+    // pass).
+    opts.timeout = RESOLVE_TIMEOUT / 3;
     opts.attempts = 1;
     builder.build().map_err(|e| format!("building the resolver: {e}"))
 }
 
-/// Every address of `host` now, asked afresh: a replica set must follow
-/// the records as they are, so nothing is answered from the cache (a
-/// headless Service's 30 s TTL would hide a new pod for that long).
+/// Every address of `host` now. The resolver is new each pass, so nothing
+/// is answered from a cache: a replica set must follow the records as they
+/// are (a headless Service's 30 s TTL would hide a new pod that long).
 async fn system_lookup(resolver: &TokioResolver, host: &str) -> Result<Vec<IpAddr>, String> {
-    resolver.clear_cache();
     let found = resolver.lookup_ip(host).await.map_err(|e| e.to_string())?;
     Ok(found.iter().collect())
 }
@@ -371,14 +372,12 @@ async fn resolve(
 /// failed or empty resolution keeps the replicas there are (a DNS blip is
 /// not an outage).
 async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: CancellationToken) {
-    let (mut resolver, mut failing) = (system_resolver(), false);
+    let mut failing = false;
     loop {
         let Some(set) = replicas.upgrade() else { return };
-        if resolver.is_err() {
-            // A resolv.conf that could not be read may be there now.
-            resolver = system_resolver();
-        }
-        let found = match &resolver {
+        // Read afresh each pass (two small files), as glibc re-reads hosts
+        // and a changed resolv.conf: an edited one takes effect.
+        let found = match &system_resolver() {
             Ok(resolver) => tokio::select! {
                 r = resolve(&host, port, system_lookup(resolver, &host)) => r,
                 () = stop.cancelled() => return,
