@@ -24,17 +24,6 @@ pub fn visible(branch: &[pb::TranscriptEntry]) -> Visible {
     }
 }
 
-/// The visible history as the model sees it, straight from the branch:
-/// `visible(branch).render()` with one copy of each message, not two (a
-/// turn renders its whole history this way).
-pub fn visible_messages(branch: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
-    let (summary, parts) = split(branch);
-    let mut out = Vec::with_capacity(parts[0].len() + parts[1].len() + 1);
-    out.extend(summary.map(|(id, c)| summary_message(id, c)));
-    out.extend(messages_in(parts).cloned());
-    out
-}
-
 /// The visible history read in place: its messages stay the branch's (an
 /// `Arc` of the store's cached tail), found by index. A turn reads its
 /// whole history every turn, and copying it into the turn was half of a
@@ -52,10 +41,7 @@ pub struct SharedHistory {
 impl SharedHistory {
     pub fn new(branch: Arc<Vec<pb::TranscriptEntry>>) -> Self {
         let (summary, ranges) = split_at(&branch);
-        let summary = summary.and_then(|ci| match &branch[ci].entry {
-            Some(Entry::Compaction(c)) => Some(Box::new(summary_message(&branch[ci].id, c))),
-            _ => None,
-        });
+        let summary = summary.map(|(ci, c)| Box::new(summary_message(&branch[ci].id, c)));
         let shown =
             ranges.into_iter().flatten().filter(|&i| matches!(branch[i].entry, Some(Entry::Message(_)))).collect();
         Self { branch, summary, shown }
@@ -128,8 +114,8 @@ impl Messages {
 
     /// The messages to change: a shared history is copied first.
     pub fn to_mut(&mut self) -> &mut Vec<AgentMessage> {
-        if let Self::Shared(s) = self {
-            *self = Self::Owned(s.iter().cloned().collect());
+        if let Self::Shared(_) = self {
+            *self = Self::Owned(std::mem::take(self).into_vec());
         }
         match self {
             Self::Owned(v) => v,
@@ -172,22 +158,20 @@ type Split<'a> = (Option<(&'a str, &'a CompactionEntry)>, [&'a [pb::TranscriptEn
 
 fn split(branch: &[pb::TranscriptEntry]) -> Split<'_> {
     let (summary, [kept, after]) = split_at(branch);
-    let summary = summary.and_then(|ci| match &branch[ci].entry {
-        Some(Entry::Compaction(c)) => Some((branch[ci].id.as_str(), c)),
-        _ => None,
-    });
-    (summary, [&branch[kept], &branch[after]])
+    (summary.map(|(ci, c)| (branch[ci].id.as_str(), c)), [&branch[kept], &branch[after]])
 }
 
-/// [`split`] as positions: the latest compaction entry's, and the ranges of
-/// the kept entries before it and of all after it.
-fn split_at(branch: &[pb::TranscriptEntry]) -> (Option<usize>, [std::ops::Range<usize>; 2]) {
+/// [`split`] as positions: the latest compaction (its index and content),
+/// and the ranges of the kept entries before it and of all after it.
+type SplitAt<'a> = (Option<(usize, &'a CompactionEntry)>, [std::ops::Range<usize>; 2]);
+
+fn split_at(branch: &[pb::TranscriptEntry]) -> SplitAt<'_> {
     let latest = branch.iter().rposition(|e| matches!(e.entry, Some(Entry::Compaction(_))));
     let Some(ci) = latest else { return (None, [0..branch.len(), 0..0]) };
     let Some(Entry::Compaction(c)) = &branch[ci].entry else { unreachable!("rposition matched a compaction") };
     // Kept entries sit before the compaction entry, from first_kept onwards.
     let kept_from = branch[..ci].iter().position(|e| e.id == c.first_kept_entry_id).unwrap_or(ci);
-    (Some(ci), [kept_from..ci, ci + 1..branch.len()])
+    (Some((ci, c)), [kept_from..ci, ci + 1..branch.len()])
 }
 
 fn messages_in(parts: [&[pb::TranscriptEntry]; 2]) -> impl Iterator<Item = &AgentMessage> {
@@ -279,11 +263,10 @@ mod tests {
         }
     }
 
-    /// The visible ids, checking that the three renderings agree (the
-    /// shared one reads the same messages in place).
+    /// The visible ids, checking that both renderings agree (the shared
+    /// one reads the same messages in place).
     fn ids(branch: &[pb::TranscriptEntry]) -> Vec<String> {
-        let rendered = visible_messages(branch);
-        assert_eq!(rendered, visible(branch).render());
+        let rendered = visible(branch).render();
         let shared = Messages::Shared(SharedHistory::new(Arc::new(branch.to_vec())));
         assert_eq!(shared.len(), rendered.len());
         assert_eq!(shared.clone().into_vec(), rendered);

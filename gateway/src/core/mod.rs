@@ -285,7 +285,7 @@ impl Core {
 
     /// The session's visible history, rendered as the model sees it.
     async fn visible_messages(&self, session: &Session) -> Result<Vec<AgentMessage>, CoreError> {
-        Ok(transcript::visible_messages(&self.store.visible_tail(&session.session_id).await?))
+        Ok(self.visible_shared(session).await?.into_vec())
     }
 
     /// The visible history read in place, shared with the store's tail.
