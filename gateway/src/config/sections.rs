@@ -276,7 +276,7 @@ impl Default for StoreSection {
             ca_file: None,
             hold_commit_after_failures: 3,
             audit_retention_days: 90,
-            tail_cache_mib: 32,
+            tail_cache_mib: crate::store::DEFAULT_TAIL_CACHE_MIB,
         }
     }
 }

@@ -22,7 +22,7 @@ mod shared;
 mod sqlite;
 
 pub(crate) use shared::plan_page;
-pub use sqlite::{DB_FILE, LOCK_FILE, SCHEMA_VERSION, SqliteStore};
+pub use sqlite::{DB_FILE, DEFAULT_TAIL_CACHE_MIB, LOCK_FILE, SCHEMA_VERSION, SqliteStore};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

@@ -18,6 +18,7 @@ mod outbox;
 mod schema;
 mod sessions;
 mod tails;
+pub use tails::DEFAULT_TAIL_CACHE_MIB;
 #[cfg(test)]
 mod tests;
 mod transcript;

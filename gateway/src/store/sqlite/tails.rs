@@ -20,10 +20,12 @@ use std::sync::Arc;
 
 use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
 
-/// Estimated heap bytes of cached entries, all sessions together, unless
+/// Estimated heap MiB of cached entries, all sessions together, unless
 /// configured (`store.tailCacheMiB`): 64 sessions with a full context
-/// window's history (~400 KiB each decoded) fit.
-const DEFAULT_MAX_BYTES: usize = 32 * 1024 * 1024;
+/// window's history (~400 KiB each decoded) fit; many short messages cost
+/// more per token (docs/operations.md).
+pub const DEFAULT_TAIL_CACHE_MIB: u32 = 32;
+const DEFAULT_MAX_BYTES: usize = DEFAULT_TAIL_CACHE_MIB as usize * 1024 * 1024;
 
 /// What the allocator adds to each allocation (glibc: a 16-byte header
 /// and rounding to 16).
