@@ -375,14 +375,15 @@ async fn resolve_loop(replicas: Weak<Replicas>, host: String, port: u16, stop: C
     let mut failing = false;
     loop {
         let Some(set) = replicas.upgrade() else { return };
-        // Read afresh each pass (two small files), as glibc re-reads hosts
-        // and a changed resolv.conf: an edited one takes effect.
-        let found = match &system_resolver() {
+        // Read afresh each pass, as glibc re-reads hosts and a changed
+        // resolv.conf: an edited one takes effect. (Two small local files
+        // read in place, every few seconds per engine: not worth a thread.)
+        let found = match system_resolver() {
             Ok(resolver) => tokio::select! {
-                r = resolve(&host, port, system_lookup(resolver, &host)) => r,
+                r = resolve(&host, port, system_lookup(&resolver, &host)) => r,
                 () = stop.cancelled() => return,
             },
-            Err(e) => Err(e.clone()),
+            Err(e) => Err(e),
         };
         match found {
             Ok(addrs) if !addrs.is_empty() => {
