@@ -215,13 +215,7 @@ impl Tally {
     }
 
     fn percentile(&self, p: f64) -> Duration {
-        let mut v = self.latencies.clone();
-        v.sort_unstable();
-        if v.is_empty() {
-            return Duration::ZERO;
-        }
-        let i = ((v.len() as f64 * p).ceil() as usize).clamp(1, v.len()) - 1;
-        Duration::from_micros(v[i])
+        percentile(&mut self.latencies.clone(), p)
     }
 
     fn report(&self, what: &str, elapsed: Duration) {
@@ -256,8 +250,7 @@ impl Tally {
         let line: Vec<String> = slices
             .into_iter()
             .map(|(k, (mut l, not_done))| {
-                l.sort_unstable();
-                let p99 = l.get((l.len() * 99).div_ceil(100).saturating_sub(1)).map_or(0.0, |us| *us as f64 / 1e3);
+                let p99 = ms(percentile(&mut l, 0.99));
                 format!(
                     "{:.1}s: {} done, {not_done} not done, p99 {p99:.0} ms",
                     (k * slice.as_millis() as u64) as f64 / 1e3,
@@ -267,6 +260,16 @@ impl Tally {
             .collect();
         println!("  by arrival: {}", line.join(" | "));
     }
+}
+
+/// The `p` quantile of latencies in µs (zero for none).
+fn percentile(latencies: &mut [u64], p: f64) -> Duration {
+    latencies.sort_unstable();
+    if latencies.is_empty() {
+        return Duration::ZERO;
+    }
+    let i = ((latencies.len() as f64 * p).ceil() as usize).clamp(1, latencies.len()) - 1;
+    Duration::from_micros(latencies[i])
 }
 
 fn ms(d: Duration) -> f64 {
