@@ -96,8 +96,11 @@ async fn a_session_stays_on_one_replica_and_moves_resynced_when_it_dies() {
     // The session's replica dies: its next turns run on another replica,
     // which does not hold the history and is resynced.
     engines[owner_ix].take().unwrap().signal_and_wait("KILL").await.unwrap();
-    wait_engine(&g, "window", "the dead replica quarantined", |e| {
-        e.replicas.iter().any(|r| r.address == owner && r.quarantine.is_some())
+    // Quarantined by the first failed call, and UNREACHABLE once its
+    // health monitor has probed it since (a later, separate event: on a
+    // loaded machine the turns below can all run before that probe).
+    wait_engine(&g, "window", "the dead replica quarantined and unreachable", |e| {
+        e.replicas.iter().any(|r| r.address == owner && r.quarantine.is_some() && r.health == "UNREACHABLE")
     })
     .await;
     let gaps_before = counter(
