@@ -78,6 +78,10 @@ pub struct Core {
     /// Background maintenance: sessions with a run going, and whether a
     /// follow-up is queued.
     maintenance: Arc<Mutex<std::collections::HashMap<String, bool>>>,
+    /// One forget delivery at a time: a delete's own pass and the
+    /// background pass would otherwise both read, and both send, the same
+    /// owed ForgetSession.
+    forgets: tokio::sync::Mutex<()>,
     shutdown: CancellationToken,
 }
 
@@ -158,6 +162,7 @@ impl Core {
             durable: Mutex::default(),
             admission,
             maintenance: Arc::default(),
+            forgets: tokio::sync::Mutex::new(()),
             shutdown: CancellationToken::new(),
         }
     }

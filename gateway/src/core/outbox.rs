@@ -284,6 +284,7 @@ impl Core {
     /// these sessions' when given); a failed one is retried with backoff,
     /// one for an engine that is gone waits.
     pub(super) async fn deliver_forgets(&self, only: Option<&[String]>) -> Result<(), CoreError> {
+        let _one_at_a_time = self.forgets.lock().await;
         let registry = self.registry();
         let due = self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?;
         let wanted = |f: &Forget| only.is_none_or(|ids| ids.contains(&f.session_id));
