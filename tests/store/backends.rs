@@ -269,7 +269,7 @@ async fn a_branch_is_read_a_page_at_a_time_within_its_caps(fx: &Fx) {
 
 async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch(fx: &Fx) {
     let (store, s) = (fx.store(), fx.session().await);
-    let check = |b: Vec<pb::TranscriptEntry>, t: std::sync::Arc<Vec<pb::TranscriptEntry>>| {
+    let check = |b: Vec<pb::TranscriptEntry>, t: std::sync::Arc<ctxgate::transcript::Tail>| {
         assert_eq!(ctxgate::transcript::visible(&b), ctxgate::transcript::visible(&t));
         assert!(t.len() <= b.len());
     };

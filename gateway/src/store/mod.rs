@@ -147,7 +147,7 @@ pub trait Transcript: Send + Sync + 'static {
     /// of the whole branch, at a cost bounded by the context window rather
     /// than the session's age. Shared, not copied: a store may keep it
     /// cached, and a long session's tail is most of a turn's bytes.
-    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Vec<pb::TranscriptEntry>>, StoreError>;
+    async fn visible_tail(&self, session_id: &str) -> Result<Arc<crate::transcript::Tail>, StoreError>;
     /// Applies transcript replacements (message id → new message) as a new
     /// branch from the parent of the first replaced entry; the old branch
     /// stays for audit. One transaction.

@@ -44,7 +44,7 @@ impl Read {
     /// Tokens of the whole visible history, the engine's share included.
     pub(super) fn tokens(&self) -> u64 {
         match self {
-            Self::Full(m) => estimate::messages_tokens(m.iter()),
+            Self::Full(m) => m.tokens(),
             Self::Delta { cursor, after } => cursor.tokens.saturating_add(estimate::messages_tokens(after)),
         }
     }

@@ -369,13 +369,8 @@ impl Turn {
                 // store's shared tail itself, never a copy of it.
                 None if !self.lease.remote => {
                     let shared = self.view.take_full().unwrap_or_default();
-                    let before = shared.len();
                     let messages = legacy::assemble(shared).map_err(|e| self.assemble_failed(e))?;
-                    // Passed through whole (nothing sanitised or cut): its
-                    // estimate is the one just made.
-                    let tokens = (matches!(messages, Messages::Shared(_)) && messages.len() == before)
-                        .then_some(pre_assembly_tokens);
-                    Assembled { messages, addition: None, may_overflow: false, projection: None, tokens }
+                    Assembled { messages, addition: None, may_overflow: false, projection: None }
                 }
                 delta => {
                     // The whole history is moved into the request, a delta copied.
@@ -406,7 +401,6 @@ impl Turn {
                             addition: a.system_prompt_addition.filter(|a| !a.trim().is_empty()),
                             messages: a.messages.into(),
                             projection: a.projection,
-                            tokens: None,
                         },
                         Err(EngineCallError::Cancelled) => return Err(self.aborted()),
                         // The engine lost what the cursor says it holds: resync
@@ -422,9 +416,10 @@ impl Turn {
                     }
                 }
             };
+            // A shared history's estimate is kept with the store's tail.
             let estimated_tokens = assembled
-                .tokens
-                .unwrap_or_else(|| estimate::messages_tokens(assembled.messages.iter()))
+                .messages
+                .tokens()
                 .saturating_add(assembled.addition.as_deref().map_or(0, estimate::text_tokens));
             if self.lease.info.owns_compaction && !self.proactive_done && estimated_tokens >= self.threshold() {
                 self.proactive_done = true;
@@ -578,6 +573,4 @@ struct Assembled {
     addition: Option<String>,
     may_overflow: bool,
     projection: Option<pb::ContextProjection>,
-    /// Their estimate, when already made.
-    tokens: Option<u64>,
 }

@@ -18,6 +18,7 @@ use crate::store::shared::{
 use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
+use crate::transcript::Tail;
 
 /// A session's (leaf, next seq) as a write found it, its row locked for
 /// the write's transaction.
@@ -231,7 +232,7 @@ impl Transcript for PostgresStore {
         Ok(PageOutcome::Page { entries: order_page(&ids, bodies)?, more })
     }
 
-    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Vec<pb::TranscriptEntry>>, StoreError> {
+    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Tail>, StoreError> {
         // From the leaf back to the latest compaction's first kept entry (or
         // to that compaction, when it keeps nothing), as SQLite walks it: a
         // cost bounded by the context window, not by the session's age.
@@ -254,7 +255,7 @@ impl Transcript for PostgresStore {
         {
             return Err(StoreError::NoSession(session_id.to_owned()));
         }
-        rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<_, _>>().map(Arc::new)
+        rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>().map(|v| Arc::new(v.into()))
     }
 
     async fn rewrite(

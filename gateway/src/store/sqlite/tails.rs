@@ -20,6 +20,8 @@ use std::sync::Arc;
 
 use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
 
+use crate::transcript::Tail;
+
 /// Estimated heap MiB of cached entries, all sessions together, unless
 /// configured (`store.tailCacheMiB`): 64 sessions with a full context
 /// window's history (~400 KiB each decoded) fit; many short messages cost
@@ -67,7 +69,7 @@ pub(super) fn heap_size(e: &pb::TranscriptEntry) -> usize {
 
 /// A session's tail as the cache hands it out and takes it back.
 pub(super) struct Cached {
-    pub entries: Arc<Vec<pb::TranscriptEntry>>,
+    pub entries: Arc<Tail>,
     /// Their estimated heap size: a reader that extends a tail adds the new
     /// entries' sizes (measuring the whole tail on every put cost a long
     /// session's turn more than the walk it saves).
@@ -77,29 +79,39 @@ pub(super) struct Cached {
 impl Cached {
     /// Entries read fresh, measured.
     pub(super) fn measure(entries: Vec<pb::TranscriptEntry>) -> Self {
-        Self { bytes: heap_cost(&entries), entries: Arc::new(entries) }
+        let tail = Tail::from(entries);
+        Self { bytes: cost(&tail), entries: Arc::new(tail) }
     }
 
     /// Extends the tail in place (copied only while another reader still
     /// holds it).
     pub(super) fn extend(&mut self, newer: Vec<pb::TranscriptEntry>) {
-        self.bytes += heap_cost(&newer);
-        Arc::make_mut(&mut self.entries).extend(newer);
+        // Measured before a copy, which may hold its figures tighter.
+        let before = self.entries.bookkeeping_bytes();
+        let added = heap_cost(&newer);
+        let tail = Arc::make_mut(&mut self.entries);
+        tail.extend(newer);
+        self.bytes = (self.bytes + added + tail.bookkeeping_bytes()).saturating_sub(before);
     }
 }
 
 /// What caching a session's tail costs besides its entries: its map and
 /// order slots with their two copies of the id, the shared vector's header.
 fn bookkeeping(session_id: &str) -> usize {
-    size_of::<(String, Tail)>() + size_of::<(String, u64)>() + 2 * string(session_id.len()) + 64
+    size_of::<(String, Slot)>() + size_of::<(String, u64)>() + 2 * string(session_id.len()) + 64
 }
 
 fn heap_cost(entries: &[pb::TranscriptEntry]) -> usize {
     entries.iter().map(heap_size).sum()
 }
 
-struct Tail {
-    entries: Arc<Vec<pb::TranscriptEntry>>,
+/// A tail's entries and the figures it keeps about them.
+fn cost(tail: &Tail) -> usize {
+    heap_cost(tail) + tail.bookkeeping_bytes()
+}
+
+struct Slot {
+    entries: Arc<Tail>,
     bytes: usize,
     /// When it was stored: `order` entries with another number are stale.
     stored: u64,
@@ -108,7 +120,7 @@ struct Tail {
 pub(super) struct Tails {
     /// The bound on `bytes`; a single tail over a quarter of it is not kept.
     max_bytes: usize,
-    by_session: HashMap<String, Tail>,
+    by_session: HashMap<String, Slot>,
     /// (session, when stored), oldest first; stale pairs are skipped.
     order: VecDeque<(String, u64)>,
     bytes: usize,
@@ -149,7 +161,7 @@ impl Tails {
         }
         self.clock += 1;
         self.bytes += cost;
-        self.by_session.insert(session_id.to_owned(), Tail { entries, bytes, stored: self.clock });
+        self.by_session.insert(session_id.to_owned(), Slot { entries, bytes, stored: self.clock });
         self.order.push_back((session_id.to_owned(), self.clock));
         // Stale pairs are bounded by the live ones.
         if self.order.len() > 2 * self.by_session.len() + 64 {
@@ -202,7 +214,7 @@ mod tests {
         let mut t = tail(10);
         let reader = t.entries.clone();
         t.extend(tail(20).entries.to_vec());
-        assert_eq!((t.bytes, t.entries.len(), reader.len()), (heap_cost(&t.entries), 2, 1));
+        assert_eq!((t.bytes, t.entries.len(), reader.len()), (cost(&t.entries), 2, 1));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::store::shared::{
 use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
+use crate::transcript::Tail;
 
 /// Appends entries to the session's active branch inside `tx`.
 fn append_in(
@@ -204,7 +205,7 @@ impl Transcript for SqliteStore {
             .await
     }
 
-    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Vec<pb::TranscriptEntry>>, StoreError> {
+    async fn visible_tail(&self, session_id: &str) -> Result<Arc<Tail>, StoreError> {
         let session_id = session_id.to_owned();
         let tails = self.tails.clone();
         let cached = tails.lock().map(|mut t| t.take(&session_id)).unwrap_or(None);

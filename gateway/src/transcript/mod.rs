@@ -6,6 +6,9 @@ use std::sync::Arc;
 
 use ctxgate_proto::pb::{self, AgentMessage, CompactionEntry, transcript_entry::Entry};
 
+mod tail;
+pub use tail::Tail;
+
 /// What the model may see of a session.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Visible {
@@ -32,14 +35,14 @@ pub fn visible(branch: &[pb::TranscriptEntry]) -> Visible {
 /// copies it first (`Arc::make_mut`); the session's lock makes that rare.
 #[derive(Debug, Clone)]
 pub struct SharedHistory {
-    branch: Arc<Vec<pb::TranscriptEntry>>,
+    branch: Arc<Tail>,
     summary: Option<Box<AgentMessage>>,
     /// Where the messages shown after the summary sit in `branch`.
     shown: Vec<usize>,
 }
 
 impl SharedHistory {
-    pub fn new(branch: Arc<Vec<pb::TranscriptEntry>>) -> Self {
+    pub fn new(branch: Arc<Tail>) -> Self {
         let (summary, ranges) = split_at(&branch);
         let summary = summary.map(|(ci, c)| Box::new(summary_message(&branch[ci].id, c)));
         let shown =
@@ -49,6 +52,31 @@ impl SharedHistory {
 
     fn len(&self) -> usize {
         usize::from(self.summary.is_some()) + self.shown.len()
+    }
+
+    /// The compaction summary shown first, if any (rendered here, not stored).
+    pub fn summary(&self) -> Option<&AgentMessage> {
+        self.summary.as_deref()
+    }
+
+    /// Entries from the first shown message on that are not shown are not
+    /// messages (compactions): the tail's kept figures from there are the
+    /// shown messages' own.
+    fn first_shown(&self) -> usize {
+        self.shown.first().copied().unwrap_or(self.branch.len())
+    }
+
+    /// The estimated tokens of what is shown (kept by the tail, not
+    /// worked out again).
+    pub fn tokens(&self) -> u64 {
+        let summary = self.summary.as_deref().map_or(0, ctxgate_proto::estimate::message_tokens);
+        summary.saturating_add(self.branch.tokens_from(self.first_shown()))
+    }
+
+    /// No message shown is empty and every tool result shown follows its
+    /// call (the summary is text).
+    pub fn is_clean(&self) -> bool {
+        self.branch.clean_from(self.first_shown())
     }
 
     fn iter(&self) -> impl DoubleEndedIterator<Item = &AgentMessage> {
@@ -110,6 +138,14 @@ impl Messages {
 
     pub fn last(&self) -> Option<&AgentMessage> {
         self.iter().next_back()
+    }
+
+    /// The estimated tokens of these messages.
+    pub fn tokens(&self) -> u64 {
+        match self {
+            Self::Shared(s) => s.tokens(),
+            Self::Owned(v) => ctxgate_proto::estimate::messages_tokens(v),
+        }
     }
 
     /// The messages to change: a shared history is copied first.
@@ -267,10 +303,11 @@ mod tests {
     /// one reads the same messages in place).
     fn ids(branch: &[pb::TranscriptEntry]) -> Vec<String> {
         let rendered = visible(branch).render();
-        let shared = Messages::Shared(SharedHistory::new(Arc::new(branch.to_vec())));
+        let shared = Messages::Shared(SharedHistory::new(Arc::new(Tail::from(branch.to_vec()))));
         assert_eq!(shared.len(), rendered.len());
         assert_eq!(shared.clone().into_vec(), rendered);
         assert_eq!(shared.last(), rendered.last());
+        assert_eq!(shared.tokens(), ctxgate_proto::estimate::messages_tokens(&rendered));
         rendered.into_iter().map(|m| m.id).collect()
     }
 
@@ -278,7 +315,7 @@ mod tests {
     /// is copied only when changed — the branch it reads stays as it was.
     #[test]
     fn a_shared_history_skips_and_copies_on_change_only() {
-        let branch = Arc::new(vec![msg("a"), msg("b"), compaction("s", "b"), msg("c"), msg("d")]);
+        let branch = Arc::new(Tail::from(vec![msg("a"), msg("b"), compaction("s", "b"), msg("c"), msg("d")]));
         let ids = |m: &Messages| m.iter().map(|m| m.id.clone()).collect::<Vec<_>>();
         let mut m = Messages::Shared(SharedHistory::new(branch.clone()));
         assert_eq!(ids(&m), ["s", "b", "c", "d"]);
