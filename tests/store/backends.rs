@@ -496,6 +496,41 @@ fn texts(branch: &[pb::TranscriptEntry]) -> Vec<String> {
         .collect()
 }
 
+/// A gateway's cached tail stays true to what another gateway writes:
+/// appends, an aborted turn, a summary, a rewrite, a delete.
+#[tokio::test]
+async fn a_cached_tail_follows_what_another_gateway_writes() {
+    let pg = Postgres::start(false).await;
+    let (a, b) = two_gateways(&pg, "tails").await;
+    let id = a.session("main", "k", true).await.unwrap().unwrap().session_id;
+    let same = async || {
+        let (branch, tail) = (a.branch(&id).await.unwrap(), a.visible_tail(&id).await.unwrap());
+        assert_eq!(ctxgate::transcript::visible(&branch), ctxgate::transcript::visible(&tail));
+        tail
+    };
+    a.append(&id, vec![user("a0"), user("a1")]).await.unwrap();
+    assert_eq!(same().await.len(), 2);
+    let b0 = b.append(&id, vec![user("b0")]).await.unwrap();
+    assert_eq!(texts(&same().await), ["a0", "a1", "b0"], "b's append is read by a");
+    b.open_turn(&id, "t", vec![user("q")], None).await.unwrap();
+    b.append(&id, vec![user("partial")]).await.unwrap();
+    assert_eq!(texts(&same().await), ["a0", "a1", "b0", "q", "partial"]);
+    b.close_turn(&id, TurnClose::Rewind).await.unwrap();
+    assert_eq!(texts(&same().await), ["a0", "a1", "b0", "q"], "b's abort rewinds behind a's cached leaf");
+    b.append(&id, vec![compaction("sum", &b0[0].id)]).await.unwrap();
+    b.append(&id, vec![user("b1")]).await.unwrap();
+    let tail = same().await;
+    assert_eq!(texts(&tail), ["b0", "q", "[sum]", "b1"], "a summary b wrote bounds a's tail");
+    b.append(&id, vec![compaction("all", ""), user("b2")]).await.unwrap();
+    assert!(same().await.len() < tail.len() + 2, "a summary that keeps nothing shortens the tail");
+    let b2 = b.branch(&id).await.unwrap().last().unwrap().clone();
+    let replacement = AgentMessage { id: b2.id.clone(), ..user("rewritten").entry_message() };
+    assert!(b.rewrite(&id, vec![(b2.id.clone(), replacement)]).await.unwrap().changed);
+    assert!(texts(&same().await).contains(&"rewritten".to_owned()), "b's rewrite is read by a");
+    b.delete_sessions("main", "k").await.unwrap();
+    assert!(matches!(a.visible_tail(&id).await, Err(StoreError::NoSession(_))));
+}
+
 #[tokio::test]
 async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_it() {
     let pg = Postgres::start(false).await;

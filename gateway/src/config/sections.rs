@@ -260,9 +260,9 @@ pub struct StoreSection {
     /// Days the audit of dropped commits and forgets (`ctxgate outbox
     /// drops`) is kept.
     pub audit_retention_days: u32,
-    /// MiB of estimated heap for SQLite's cache of visible tails (see
+    /// MiB of estimated heap for the store's cache of visible tails (see
     /// docs/operations.md: sessions whose histories do not fit are read
-    /// from the file every turn).
+    /// from the store whole every turn).
     #[serde(rename = "tailCacheMiB")]
     pub tail_cache_mib: u32,
 }

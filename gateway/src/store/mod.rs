@@ -20,9 +20,11 @@ use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 pub mod postgres;
 mod shared;
 mod sqlite;
+mod tails;
 
 pub(crate) use shared::plan_page;
-pub use sqlite::{DB_FILE, DEFAULT_TAIL_CACHE_MIB, LOCK_FILE, SCHEMA_VERSION, SqliteStore};
+pub use sqlite::{DB_FILE, LOCK_FILE, SCHEMA_VERSION, SqliteStore};
+pub use tails::DEFAULT_TAIL_CACHE_MIB;
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

@@ -48,6 +48,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
 use super::shared::new_id;
+use super::tails::Tails;
 use super::{OpenError, StoreError};
 
 mod claims;
@@ -105,6 +106,9 @@ pub struct PostgresStore {
     owner: String,
     /// Sessions this gateway holds, with their fencing tokens.
     held: Mutex<HashMap<String, i64>>,
+    /// The last visible tail this gateway read per session
+    /// (`store.tailCacheMiB`).
+    tails: Mutex<Tails>,
     counts: crate::metrics::StoreCounters,
 }
 
@@ -246,6 +250,7 @@ impl PostgresStore {
             renewals,
             owner,
             held: Mutex::default(),
+            tails: Mutex::new(Tails::with_mib(opts.tail_cache_mib)),
             counts: crate::metrics::StoreCounters::default(),
         })
     }

@@ -151,6 +151,11 @@ impl Sessions for PostgresStore {
         // Entries, projections and open turns go with their session (cascade).
         let n = exec(&tx, "DELETE FROM sessions WHERE agent_id = $1 AND session_key = $2", &[&agent, &key]).await?;
         self.commit(tx).await?;
+        // What a deleted session said leaves memory with it (another
+        // gateway's cached tail goes at its next read, which finds no leaf).
+        if let Ok(mut t) = self.tails.lock() {
+            t.forget(&ids);
+        }
         Ok(n as u32)
     }
 

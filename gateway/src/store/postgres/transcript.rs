@@ -15,6 +15,7 @@ use crate::store::shared::{
     Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
 };
+use crate::store::tails::Cached;
 use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
@@ -235,27 +236,50 @@ impl Transcript for PostgresStore {
     async fn visible_tail(&self, session_id: &str) -> Result<Arc<Tail>, StoreError> {
         // From the leaf back to the latest compaction's first kept entry (or
         // to that compaction, when it keeps nothing), as SQLite walks it: a
-        // cost bounded by the context window, not by the session's age.
+        // cost bounded by the context window, not by the session's age. A
+        // tail this gateway read before ends the walk where its leaf is met
+        // with no newer summary on the way (`hit`): only what was appended
+        // since, by any gateway, crosses the wire.
+        let cached = self.tails.lock().map(|mut t| t.take(session_id)).unwrap_or(None);
+        let cached_leaf = cached.as_ref().and_then(|t| t.entries.last()).map_or("", |e| e.id.as_str());
         let c = self.client().await?;
         let rows = q(
             &c,
-            "WITH RECURSIVE walk(id, parent_id, body, depth, target, done) AS (
-               SELECT e.id, e.parent_id, e.body, 0, e.first_kept, COALESCE(e.first_kept = '', false)
+            "WITH RECURSIVE walk(id, parent_id, body, depth, target, done, hit) AS (
+               SELECT e.id, e.parent_id, e.body, 0, e.first_kept,
+                      e.id = $2 OR COALESCE(e.first_kept = '', false), e.id = $2
                  FROM sessions s JOIN entries e ON e.id = s.leaf_id WHERE s.session_id = $1
                UNION ALL
                SELECT e.id, e.parent_id, e.body, w.depth + 1, COALESCE(w.target, e.first_kept),
-                      CASE WHEN w.target IS NULL THEN COALESCE(e.first_kept = '', false) ELSE e.id = w.target END
+                      CASE WHEN w.target IS NULL THEN e.id = $2 OR COALESCE(e.first_kept = '', false)
+                           ELSE e.id = w.target END,
+                      w.target IS NULL AND e.id = $2
                  FROM entries e JOIN walk w ON e.id = w.parent_id
                 WHERE NOT w.done
-             ) SELECT body FROM walk ORDER BY depth DESC",
-            &[&session_id],
+             ) SELECT CASE WHEN hit THEN NULL ELSE body END, hit FROM walk ORDER BY depth DESC",
+            &[&session_id, &cached_leaf],
         )
         .await?;
         if rows.is_empty() && q_opt(&c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none()
         {
             return Err(StoreError::NoSession(session_id.to_owned()));
         }
-        rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>().map(|v| Arc::new(v.into()))
+        drop(c);
+        let hit = rows.first().is_some_and(|r| r.get::<_, bool>(1));
+        let newer =
+            rows.iter().skip(usize::from(hit)).map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>()?;
+        let tail = match cached.filter(|_| hit) {
+            Some(mut older) => {
+                older.extend(newer);
+                older
+            }
+            None => Cached::measure(newer),
+        };
+        let answer = tail.entries.clone();
+        if let Ok(mut t) = self.tails.lock() {
+            t.put(session_id, tail);
+        }
+        Ok(answer)
     }
 
     async fn rewrite(

@@ -4,21 +4,21 @@
 //! left open and hands the connection to its one thread (`worker.rs`).
 //! The roles are implemented by what they touch: `sessions.rs` (sessions,
 //! subagents), `transcript.rs` (the transcript tree, turns, cursors) and
-//! `outbox.rs` (the outbox, engine records); `tails.rs` keeps the last
-//! visible tail read per session. Claims are the trait's "always yours".
+//! `outbox.rs` (the outbox, engine records); the store's `tails.rs` keeps
+//! the last visible tail read per session. Claims are the trait's "always
+//! yours".
 
 use std::path::Path;
 use std::sync::Arc;
 
 use rusqlite::Connection;
 
+use super::tails::Tails;
 use super::{Claims, OpenError, StoreError};
 
 mod outbox;
 mod schema;
 mod sessions;
-mod tails;
-pub use tails::DEFAULT_TAIL_CACHE_MIB;
 #[cfg(test)]
 mod tests;
 mod transcript;
@@ -45,7 +45,7 @@ impl From<rusqlite::Error> for StoreError {
 #[derive(Clone)]
 pub struct SqliteStore {
     db: Arc<worker::Worker>,
-    tails: Arc<std::sync::Mutex<tails::Tails>>,
+    tails: Arc<std::sync::Mutex<Tails>>,
 }
 
 /// The database file in a state directory.
@@ -136,8 +136,7 @@ impl SqliteStore {
     /// (`store.tailCacheMiB`): sessions whose tails do not fit are read
     /// from the file each turn.
     pub fn with_tail_cache(self, mib: u32) -> Self {
-        let bytes = (mib as usize).saturating_mul(1024 * 1024);
-        Self { tails: Arc::new(std::sync::Mutex::new(tails::Tails::new(bytes))), ..self }
+        Self { tails: Arc::new(std::sync::Mutex::new(Tails::with_mib(mib))), ..self }
     }
 
     /// Batches committed and the writes they held, since the store opened

@@ -11,11 +11,11 @@ use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 
 use super::SqliteStore;
-use super::tails::Cached;
 use crate::store::shared::{
     Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
 };
+use crate::store::tails::Cached;
 use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };

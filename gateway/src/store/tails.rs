@@ -1,7 +1,9 @@
 //! The last visible tail read per session, so the next turn's read walks
 //! only the entries appended since (a turn reads its session's visible
 //! history once; walking and decoding all of it from SQLite was half of a
-//! long session's turn).
+//! long session's turn). Both stores keep one: on PostgreSQL another
+//! gateway may have appended meanwhile, which the walk from the leaf reads
+//! like any other newer entries.
 //!
 //! Entries never change once written (a rewrite writes new ones), so a
 //! cached tail is valid for as long as its leaf is an ancestor of the
@@ -136,6 +138,11 @@ impl Default for Tails {
 impl Tails {
     pub(super) fn new(max_bytes: usize) -> Self {
         Self { max_bytes, by_session: HashMap::new(), order: VecDeque::new(), bytes: 0, clock: 0 }
+    }
+
+    /// Bounded to `mib` MiB of estimated heap (`store.tailCacheMiB`).
+    pub(super) fn with_mib(mib: u32) -> Self {
+        Self::new((mib as usize).saturating_mul(1024 * 1024))
     }
 
     /// Takes the session's cached tail (oldest entry first), if any: the
