@@ -28,9 +28,8 @@ fn append_in(
     entries: Vec<NewEntry>,
 ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
     let (leaf, seq): (Option<String>, i64) = tx
-        .query_row("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1", [session_id], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })
+        .prepare_cached("SELECT leaf_id, next_seq FROM sessions WHERE session_id = ?1")?
+        .query_row([session_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
     let Placed { entries, leaf, next_seq } = place(entries, leaf, seq);
@@ -107,7 +106,8 @@ fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Res
 /// rewind drops; everything stays in the tree.
 fn rewind_in(tx: &Connection, session_id: &str) -> Result<(), StoreError> {
     let anchor: Option<String> = tx
-        .query_row("SELECT anchor_id FROM open_turns WHERE session_id = ?1", [session_id], |r| r.get(0))
+        .prepare_cached("SELECT anchor_id FROM open_turns WHERE session_id = ?1")?
+        .query_row([session_id], |r| r.get(0))
         .optional()?;
     tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([session_id])?;
     let Some(anchor) = anchor else { return Ok(()) };
