@@ -116,8 +116,8 @@ impl ModelProvider for Offline {
         deltas: Option<mpsc::Sender<String>>,
         cancel: &CancellationToken,
     ) -> Result<ChatResponse, ModelError> {
-        let prompt = estimate::messages_tokens(req.messages.iter())
-            .saturating_add(req.system.as_deref().map_or(0, estimate::text_tokens));
+        // A shared history's estimate is kept with the store's tail.
+        let prompt = req.messages.tokens().saturating_add(req.system.as_deref().map_or(0, estimate::text_tokens));
         if prompt.saturating_add(req.max_tokens) > self.context_window {
             return Err(ModelError::ContextOverflow(format!(
                 "{prompt} prompt tokens + {} for the reply exceed the {}-token window",
