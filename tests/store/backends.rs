@@ -581,6 +581,32 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     a.release_claim(&again).await.unwrap();
 }
 
+/// Claims are committed without waiting for the WAL flush: one the
+/// server lost in a crash hands its token out again. The gateway that
+/// thinks it holds the session must then write nothing under the new
+/// holder's lease, renew it or release it.
+#[tokio::test]
+async fn a_claim_lost_in_a_crash_fences_its_holder_though_its_token_comes_again() {
+    let pg = Postgres::start(false).await;
+    let (a, b) = two_gateways(&pg, "lost_claim").await;
+    let id = a.session("main", "k", true).await.unwrap().unwrap().session_id;
+    let Claimed::Held(held) = a.claim_session(&id, TTL, false).await.unwrap() else { panic!("free at first") };
+    // What the server holds after losing the claim: the lease as it was.
+    let sql = format!("UPDATE session_leases SET owner = NULL, token = token - 1 WHERE session_id = '{id}'");
+    pg.sql("lost_claim", &sql).await;
+    let Claimed::Held(took) = b.claim_session(&id, TTL, false).await.unwrap() else { panic!("free again") };
+    assert_eq!(took.token, held.token, "the same token, handed out again");
+    let stale = a.append(&id, vec![user("stale")]).await;
+    assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
+    let stale = a.open_turn(&id, "t", vec![user("stale")], None).await;
+    assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
+    assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Lost);
+    a.release_claim(&held).await.unwrap();
+    assert!(matches!(a.claim_session(&id, TTL, false).await.unwrap(), Claimed::Busy { .. }), "b's lease stands");
+    b.append(&id, vec![user("b")]).await.unwrap();
+    assert_eq!(texts(&b.branch(&id).await.unwrap()), ["b"]);
+}
+
 #[tokio::test]
 async fn a_turn_left_open_by_a_dead_gateway_is_rewound_once_its_lease_lapses() {
     let pg = Postgres::start(false).await;

@@ -24,7 +24,8 @@ impl PostgresStore {
     /// makes a takeover wait for this transaction (or this one see it).
     pub(super) async fn fence(&self, tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
         let Some(token) = self.held_token(session_id) else { return Ok(()) };
-        let row = q_opt(tx, "SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE", &[&session_id]).await?;
+        let sql = "SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE";
+        let row = q_opt(tx, sql, &[&session_id, &self.owner]).await?;
         still_held(session_id, token, row.map(|r| r.get::<_, i64>(0)))
     }
 
@@ -39,7 +40,8 @@ impl PostgresStore {
 }
 
 /// The fencing verdict: the lease's token (`found`, read under a share
-/// lock) must still be the one this gateway was handed.
+/// lock where this gateway is the owner) must still be the one this
+/// gateway was handed.
 pub(super) fn still_held(session_id: &str, held: i64, found: Option<i64>) -> Result<(), StoreError> {
     if found == Some(held) { Ok(()) } else { Err(StoreError::Fenced(session_id.into())) }
 }
@@ -66,7 +68,7 @@ impl Claims for PostgresStore {
     }
 
     async fn claim_session(&self, session_id: &str, ttl: Duration, interrupt: bool) -> Result<Claimed, StoreError> {
-        let c = self.client().await?;
+        let c = self.leases.get().await?;
         let Some(row) = q_opt(&c, CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
             let row = if interrupt {
                 let sql = "UPDATE session_leases SET interrupt = true
@@ -94,12 +96,12 @@ impl Claims for PostgresStore {
     }
 
     async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {
-        let c = self.renewals.get().await?;
+        let c = self.leases.get().await?;
         let row = q_opt(
             &c,
             "UPDATE session_leases SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
-                 WHERE session_id = $1 AND token = $2 RETURNING interrupt",
-            &[&claim.session_id, &claim.token, &millis(ttl)],
+                 WHERE session_id = $1 AND token = $2 AND owner = $4 RETURNING interrupt",
+            &[&claim.session_id, &claim.token, &millis(ttl), &self.owner],
         )
         .await?;
         Ok(match row.map(|r| r.get::<_, bool>(0)) {
@@ -116,12 +118,12 @@ impl Claims for PostgresStore {
                 held.remove(&claim.session_id);
             }
         }
-        let c = self.renewals.get().await?;
+        let c = self.leases.get().await?;
         exec(
             &c,
             "UPDATE session_leases SET owner = NULL, interrupt = false, expires_at = clock_timestamp()
-             WHERE session_id = $1 AND token = $2",
-            &[&claim.session_id, &claim.token],
+             WHERE session_id = $1 AND token = $2 AND owner = $3",
+            &[&claim.session_id, &claim.token, &self.owner],
         )
         .await?;
         Ok(())

@@ -100,8 +100,9 @@ impl From<deadpool_postgres::PoolError> for StoreError {
 /// The PostgreSQL store.
 pub struct PostgresStore {
     pool: Pool,
-    /// Lease renewals and releases only (commits not flushed: see `open`).
-    renewals: Pool,
+    /// Lease claims, renewals and releases only (commits not flushed: see
+    /// `open`).
+    leases: Pool,
     /// This gateway's name in lease rows (host, process, a random part).
     owner: String,
     /// Sessions this gateway holds, with their fencing tokens.
@@ -230,13 +231,17 @@ impl PostgresStore {
                 .build()
                 .map_err(|e| OpenError::Other { file: redacted(url), detail: e.to_string() })
         };
-        // Renewals and releases get connections of their own: a busy pool
-        // must not let leases lapse under the turns that hold them. Their
-        // commits skip the WAL flush (one fewer per turn): a renewal or
-        // release lost in a server crash costs liveness only — a lease
-        // that lapses early or lingers to its expiry — never safety, which
-        // the fencing token keeps; other gateways see them at once.
-        let (main, renewals) = (pool(opts.pool_size.max(1), false)?, pool(4, true)?);
+        // Lease statements (claims, renewals, releases) get connections of
+        // their own: a busy pool must not let leases lapse under the turns
+        // that hold them. Their commits skip the WAL flush (two fewer per
+        // turn; other gateways see them at once). A renewal or release lost
+        // in a server crash costs liveness only — a lease that lapses early
+        // or lingers to its expiry. A claim lost so hands its token out
+        // again, so the fencing check compares the owner too: a gateway
+        // whose claim was lost can write nothing under another's lease.
+        // Any flushed write after a claim (the turn's open) flushes the
+        // claim with it: a turn left open always has its claim on disk.
+        let (main, leases) = (pool(opts.pool_size.max(1), false)?, pool(8, true)?);
         let mut client = main.get().await.map_err(|e| match e {
             deadpool_postgres::PoolError::Backend(e) => connect_error(url, &e),
             other => OpenError::Other { file: redacted(url), detail: format!("cannot connect to PostgreSQL: {other}") },
@@ -247,7 +252,7 @@ impl PostgresStore {
         let owner = format!("{}/{}/{}", host.trim(), std::process::id(), &new_id()[..8]);
         Ok(Self {
             pool: main,
-            renewals,
+            leases,
             owner,
             held: Mutex::default(),
             tails: Mutex::new(Tails::with_mib(opts.tail_cache_mib)),

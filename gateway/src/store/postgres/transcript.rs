@@ -49,9 +49,10 @@ impl PostgresStore {
         };
         let row = q_opt(
             &tx,
-            "SELECT leaf_id, next_seq, (SELECT token FROM session_leases WHERE session_id = $1 FOR SHARE)
+            "SELECT leaf_id, next_seq,
+                    (SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE)
                FROM sessions WHERE session_id = $1 FOR UPDATE",
-            &[&session_id],
+            &[&session_id, &self.owner],
         )
         .await?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
