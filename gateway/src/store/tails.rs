@@ -88,6 +88,11 @@ impl Cached {
     /// Extends the tail in place (copied only while another reader still
     /// holds it).
     pub(super) fn extend(&mut self, newer: Vec<pb::TranscriptEntry>) {
+        // Nothing new (a second read in one turn): no copy of a tail a
+        // reader still holds.
+        if newer.is_empty() {
+            return;
+        }
         // Measured before a copy, which may hold its figures tighter.
         let before = self.entries.bookkeeping_bytes();
         let added = heap_cost(&newer);
@@ -220,6 +225,8 @@ mod tests {
     fn an_extended_tail_counts_what_it_holds_and_leaves_a_shared_one_alone() {
         let mut t = tail(10);
         let reader = t.entries.clone();
+        t.extend(Vec::new());
+        assert!(Arc::ptr_eq(&t.entries, &reader), "nothing new: still the one the reader holds");
         t.extend(tail(20).entries.to_vec());
         assert_eq!((t.bytes, t.entries.len(), reader.len()), (cost(&t.entries), 2, 1));
     }
