@@ -1,8 +1,8 @@
 //! PostgreSQL: session leases (`session_leases`) and fencing. A turn claims
 //! its session (owner, expiry on the server's clock, a token that grows
 //! with every claim) and renews it while it runs; every write of a session
-//! this gateway holds runs the fencing check (`fence`) in its transaction, so
-//! a gateway whose lease was taken over writes nothing. A claim that finds
+//! this gateway holds runs the fencing check (`fence`: token and owner) in
+//! its transaction, so a gateway whose lease was taken over writes nothing. A claim that finds
 //! a turn left open by an earlier holder rewinds it, fenced by the new
 //! token.
 
@@ -68,7 +68,7 @@ impl Claims for PostgresStore {
     }
 
     async fn claim_session(&self, session_id: &str, ttl: Duration, interrupt: bool) -> Result<Claimed, StoreError> {
-        let c = self.leases.get().await?;
+        let c = self.claims.get().await?;
         let Some(row) = q_opt(&c, CLAIM, &[&session_id, &self.owner, &millis(ttl)]).await? else {
             let row = if interrupt {
                 let sql = "UPDATE session_leases SET interrupt = true
@@ -96,7 +96,7 @@ impl Claims for PostgresStore {
     }
 
     async fn renew_claim(&self, claim: &Claim, ttl: Duration) -> Result<Renewal, StoreError> {
-        let c = self.leases.get().await?;
+        let c = self.renewals.get().await?;
         let row = q_opt(
             &c,
             "UPDATE session_leases SET expires_at = clock_timestamp() + $3 * interval '1 millisecond'
@@ -118,7 +118,7 @@ impl Claims for PostgresStore {
                 held.remove(&claim.session_id);
             }
         }
-        let c = self.leases.get().await?;
+        let c = self.renewals.get().await?;
         exec(
             &c,
             "UPDATE session_leases SET owner = NULL, interrupt = false, expires_at = clock_timestamp()

@@ -6,9 +6,12 @@
 //!   (owner, expiry on the server's clock, a fencing token that grows with
 //!   every claim) and renews it while it runs. Every write of a session
 //!   this gateway holds checks, in its own transaction and under a share
-//!   lock on the lease row, that the token is still the current one: a
-//!   gateway that lost its lease (paused, partitioned, slow) gets
-//!   [`StoreError::Fenced`] and writes nothing.
+//!   lock on the lease row, that the token is still the current one and
+//!   this gateway its owner: a gateway that lost its lease (paused,
+//!   partitioned, slow) gets [`StoreError::Fenced`] and writes nothing.
+//!   Lease statements are not flushed (see `open`); the owner is what
+//!   tells two holders apart if a server crash lost a claim and its token
+//!   came again (the schema's comment that tokens only grow predates this).
 //! - **Abandoned turns**: a gateway that dies leaves its open turn and its
 //!   lease; once the lease has expired, the next claim of the session (or
 //!   the recovery pass, through a claim) rewinds the turn as an abort, in a
@@ -22,7 +25,9 @@
 //!   split them; a delivery runs under the session's lease and the engine
 //!   deduplicates by advancement key, so each turn reaches the engine's
 //!   record once.
-//! - No visible-tail cache: another gateway may have appended since.
+//! - **The visible-tail cache** (`store/tails.rs`) is this gateway's; a
+//!   read walks from the leaf to the cached tail's leaf, so another
+//!   gateway's appends are read, and only they.
 //!
 //! Each write is one transaction (a claim that finds a turn left open is
 //! two: the claim, then the fenced rewind); the schema is versioned
@@ -100,9 +105,10 @@ impl From<deadpool_postgres::PoolError> for StoreError {
 /// The PostgreSQL store.
 pub struct PostgresStore {
     pool: Pool,
-    /// Lease claims, renewals and releases only (commits not flushed: see
-    /// `open`).
-    leases: Pool,
+    /// Lease claims only (commits not flushed: see `open`).
+    claims: Pool,
+    /// Lease renewals and releases only (commits not flushed).
+    renewals: Pool,
     /// This gateway's name in lease rows (host, process, a random part).
     owner: String,
     /// Sessions this gateway holds, with their fencing tokens.
@@ -231,17 +237,20 @@ impl PostgresStore {
                 .build()
                 .map_err(|e| OpenError::Other { file: redacted(url), detail: e.to_string() })
         };
-        // Lease statements (claims, renewals, releases) get connections of
-        // their own: a busy pool must not let leases lapse under the turns
-        // that hold them. Their commits skip the WAL flush (two fewer per
-        // turn; other gateways see them at once). A renewal or release lost
-        // in a server crash costs liveness only — a lease that lapses early
-        // or lingers to its expiry. A claim lost so hands its token out
-        // again, so the fencing check compares the owner too: a gateway
-        // whose claim was lost can write nothing under another's lease.
-        // Any flushed write after a claim (the turn's open) flushes the
-        // claim with it: a turn left open always has its claim on disk.
-        let (main, leases) = (pool(opts.pool_size.max(1), false)?, pool(8, true)?);
+        // Lease statements get connections of their own, renewals and
+        // releases apart from claims: neither a busy pool nor claims
+        // waiting on another gateway's locked lease rows may let leases
+        // lapse under the turns that hold them. Their commits skip the WAL
+        // flush (two fewer per turn; other gateways see them at once). A
+        // renewal or release lost in a server crash costs liveness only —
+        // a lease that lapses early or lingers to its expiry. A claim lost
+        // so hands its token out again, so the fencing check compares the
+        // owner too: a gateway whose claim was lost can write nothing under
+        // another's lease. Any flushed write after a claim (the turn's
+        // open) flushes the claim with it: a turn left open always has its
+        // claim on disk.
+        let main = pool(opts.pool_size.max(1), false)?;
+        let (claims, renewals) = (pool(8, true)?, pool(4, true)?);
         let mut client = main.get().await.map_err(|e| match e {
             deadpool_postgres::PoolError::Backend(e) => connect_error(url, &e),
             other => OpenError::Other { file: redacted(url), detail: format!("cannot connect to PostgreSQL: {other}") },
@@ -252,7 +261,8 @@ impl PostgresStore {
         let owner = format!("{}/{}/{}", host.trim(), std::process::id(), &new_id()[..8]);
         Ok(Self {
             pool: main,
-            leases,
+            claims,
+            renewals,
             owner,
             held: Mutex::default(),
             tails: Mutex::new(Tails::with_mib(opts.tail_cache_mib)),
