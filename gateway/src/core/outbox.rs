@@ -284,7 +284,16 @@ impl Core {
     /// these sessions' when given); a failed one is retried with backoff,
     /// one for an engine that is gone waits.
     pub(super) async fn deliver_forgets(&self, only: Option<&[String]>) -> Result<(), CoreError> {
-        let _one_at_a_time = self.forgets.lock().await;
+        // One pass at a time (see `Core::forgets`). A delete that finds
+        // the background pass running leaves its forgets to that pass or
+        // the next (every half second) rather than wait behind a slow engine.
+        let _one_at_a_time = match only {
+            Some(_) => match self.forgets.try_lock() {
+                Ok(held) => held,
+                Err(_) => return Ok(()),
+            },
+            None => self.forgets.lock().await,
+        };
         let registry = self.registry();
         let due = self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?;
         let wanted = |f: &Forget| only.is_none_or(|ids| ids.contains(&f.session_id));
