@@ -2,9 +2,9 @@
 //! its session (owner, expiry on the server's clock, a token that grows
 //! with every claim) and renews it while it runs; every write of a session
 //! this gateway holds runs the fencing check (`fence`: token and owner) in
-//! its transaction, so a gateway whose lease was taken over writes nothing. A claim that finds
-//! a turn left open by an earlier holder rewinds it, fenced by the new
-//! token.
+//! its transaction, so a gateway whose lease was taken over writes nothing.
+//! A claim that finds a turn left open by an earlier holder rewinds it,
+//! fenced by the new token.
 
 use std::time::Duration;
 
