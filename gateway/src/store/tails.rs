@@ -18,7 +18,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::mem::size_of;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
 
@@ -100,6 +100,34 @@ impl Cached {
         tail.extend(newer);
         self.bytes = (self.bytes + added + tail.bookkeeping_bytes()).saturating_sub(before);
     }
+}
+
+/// The session's cached tail, taken out for a read to extend.
+pub(super) fn take(tails: &Mutex<Tails>, session_id: &str) -> Option<Cached> {
+    tails.lock().map(|mut t| t.take(session_id)).unwrap_or(None)
+}
+
+/// What a read leaves: `newer` (oldest first) after the cached tail it met
+/// (`older`), or alone when it met none; kept for the next read, and handed
+/// out.
+pub(super) fn keep(
+    tails: &Mutex<Tails>,
+    session_id: &str,
+    older: Option<Cached>,
+    newer: Vec<pb::TranscriptEntry>,
+) -> Arc<Tail> {
+    let tail = match older {
+        Some(mut older) => {
+            older.extend(newer);
+            older
+        }
+        None => Cached::measure(newer),
+    };
+    let answer = tail.entries.clone();
+    if let Ok(mut t) = tails.lock() {
+        t.put(session_id, tail);
+    }
+    answer
 }
 
 /// What caching a session's tail costs besides its entries: its map and

@@ -15,7 +15,7 @@ use crate::store::shared::{
     Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
 };
-use crate::store::tails::Cached;
+use crate::store::tails;
 use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
@@ -241,7 +241,7 @@ impl Transcript for PostgresStore {
         // tail this gateway read before ends the walk where its leaf is met
         // with no newer summary on the way (`hit`): only what was appended
         // since, by any gateway, crosses the wire.
-        let cached = self.tails.lock().map(|mut t| t.take(session_id)).unwrap_or(None);
+        let cached = tails::take(&self.tails, session_id);
         let cached_leaf = cached.as_ref().and_then(|t| t.entries.last()).map_or("", |e| e.id.as_str());
         let c = self.client().await?;
         let rows = q(
@@ -269,18 +269,7 @@ impl Transcript for PostgresStore {
         let hit = rows.first().is_some_and(|r| r.get::<_, bool>(1));
         let newer =
             rows.iter().skip(usize::from(hit)).map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>()?;
-        let tail = match cached.filter(|_| hit) {
-            Some(mut older) => {
-                older.extend(newer);
-                older
-            }
-            None => Cached::measure(newer),
-        };
-        let answer = tail.entries.clone();
-        if let Ok(mut t) = self.tails.lock() {
-            t.put(session_id, tail);
-        }
-        Ok(answer)
+        Ok(tails::keep(&self.tails, session_id, cached.filter(|_| hit), newer))
     }
 
     async fn rewrite(

@@ -15,7 +15,7 @@ use crate::store::shared::{
     Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
 };
-use crate::store::tails::Cached;
+use crate::store::tails;
 use crate::store::{
     CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
@@ -208,7 +208,7 @@ impl Transcript for SqliteStore {
     async fn visible_tail(&self, session_id: &str) -> Result<Arc<Tail>, StoreError> {
         let session_id = session_id.to_owned();
         let tails = self.tails.clone();
-        let cached = tails.lock().map(|mut t| t.take(&session_id)).unwrap_or(None);
+        let cached = tails::take(&tails, &session_id);
         self.db
             .read(move |c| {
                 let Some(mut next) = leaf_of(c, &session_id)? else { return Ok(Arc::default()) };
@@ -243,18 +243,7 @@ impl Transcript for SqliteStore {
                     }
                 }
                 out.reverse();
-                let tail = match spliced {
-                    Some(mut older) => {
-                        older.extend(out);
-                        older
-                    }
-                    None => Cached::measure(out),
-                };
-                let answer = tail.entries.clone();
-                if let Ok(mut t) = tails.lock() {
-                    t.put(&session_id, tail);
-                }
-                Ok(answer)
+                Ok(tails::keep(&tails, &session_id, spliced, out))
             })
             .await
     }
