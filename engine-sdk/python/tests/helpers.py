@@ -26,11 +26,14 @@ REPO = os.path.dirname(os.path.dirname(SDK))
 
 R = TypeVar("R", bound=Message)
 
-# gRPC carries a deadline as a timeout header, and the server turns it back
-# into a deadline on its own clock: the time left it reports may exceed the
-# client's figure by a fraction of a millisecond (0.4006 s for 0.4 s was
-# seen), never by the seconds a call without that deadline would get.
-DEADLINE_SLACK = 0.05
+def deadline_bound(seconds: float) -> float:
+    """The most time left a server may report for a client's deadline
+    `seconds` away. gRPC carries a deadline as a timeout header, which its
+    core rounds up to a few significant digits (a 10 s deadline arrived as
+    10.099 s: ~1 %), and the server turns it back into a deadline on its own
+    clock (0.4006 s for 0.4 s was seen) -- never the seconds more a call
+    without that deadline would get."""
+    return seconds * 1.01 + 0.05
 
 
 def run_async(f: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:

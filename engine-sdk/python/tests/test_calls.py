@@ -18,7 +18,7 @@ from ctxgate_engine import ServeArgs, Server, ServeError
 from ctxgate_engine.errors import gap_of
 from ctxgate_engine.methods import ENGINE_SERVICE
 from ctxgate_engine.pb import pb
-from helpers import DEADLINE_SLACK, assemble_request, compact, run_async, serializer_free_health, serving, unary
+from helpers import assemble_request, compact, deadline_bound, run_async, serializer_free_health, serving, unary
 from probe import BadTools, Probe, ProbeWithTools
 
 
@@ -56,7 +56,7 @@ async def test_a_call_over_its_deadline_is_deadline_exceeded_and_the_method_sees
             await unary(channel, "Assemble", pb.AssembleResult)(assemble_request("wait"), timeout=0.4)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         left = engine.deadlines[0]
-        assert left is not None and 0 < left <= 0.4 + DEADLINE_SLACK, left
+        assert left is not None and 0 < left <= deadline_bound(0.4), left
         for _ in range(100):
             if engine.cancelled_at is not None:
                 break

@@ -20,7 +20,7 @@ from ctxgate_engine import CallContext, EngineError, ServeArgs
 from ctxgate_engine.host import MAX_READ_ENTRIES, HostClient, HostEndpoint, HostPolicy, Refused
 from ctxgate_engine.methods import HOST_SERVICE
 from ctxgate_engine.pb import host, pb, types
-from helpers import DEADLINE_SLACK, assemble_request, run_async, serving, unary
+from helpers import assemble_request, deadline_bound, run_async, serving, unary
 from probe import Probe
 
 
@@ -137,13 +137,13 @@ async def test_callbacks_carry_the_grant_the_deadline_and_the_methods_span() -> 
         assert engine.read == ["1 entries"]
         req, left, metadata = fake.requests[0]
         assert (req.grant, req.session_id) == ("tok", "read")
-        assert left is not None and 0 < left <= 5 + DEADLINE_SLACK, left
+        assert left is not None and 0 < left <= deadline_bound(5), left
         sent = metadata["traceparent"]
         assert sent.split("-")[1] == "4bf92f3577b34da6a3ce929d0e0e4736", "the caller's trace"
         assert sent == engine.spans[0] and sent.split("-")[2] != "00f067aa0ba902b7", "the method's own span"
         await assemble(read_request(fake.access()))
         _, left, _ = fake.requests[1]
-        assert left is not None and 0 < left <= 31 + DEADLINE_SLACK, "a call with no deadline: the callback's own"
+        assert left is not None and 0 < left <= deadline_bound(31), "a call with no deadline: the callback's own"
         access = fake.access()
         access.grant.expires_at_unix_ms = 1
         await assemble(read_request(access))
@@ -211,7 +211,7 @@ async def test_a_read_follows_the_hosts_pages_to_the_end_in_order() -> None:
         assert [e.seq for e in entries] == list(range(2500)), "all of them, in order"
         assert [r.cursor for r, _, _ in fake.requests] == ["", "e999", "e1999"], "three calls, each resuming"
         assert all(r.visible_only and r.limit == 0 for r, _, _ in fake.requests)
-        assert all(left is not None and 0 < left <= 10 + DEADLINE_SLACK for _, left, _ in fake.requests), "each within the call's deadline"
+        assert all(left is not None and 0 < left <= deadline_bound(10) for _, left, _ in fake.requests), "each within the call's deadline"
         page, cursor = await client.read_transcript_page(ctx, cursor="e999", limit=10)
         assert ([e.id for e in page], cursor) == ([f"e{i}" for i in range(1000, 1010)], "e1009")
         page, cursor = await client.read_transcript_page(ctx, cursor="e2399", limit=500)
