@@ -4,7 +4,10 @@
 //!
 //! - `closed --sessions 64 --seconds 10`: each session sends its next turn
 //!   when the last one ends (after the pushback the gateway asks for, when
-//!   it shed the last); turns/s and latency.
+//!   it shed the last); turns/s and latency. `--turns 60` ends each session
+//!   after that many completed turns instead (the issue's "64 clients × 60
+//!   turns"; with `--rounds 2` the second round's histories are twice as
+//!   long, whatever the machine's pace).
 //! - `open --rate 4000 --seconds 5`: arrivals on a fixed schedule, whatever
 //!   the gateway does; latency runs from the *scheduled* time, so a gateway
 //!   that falls behind cannot hide it (no coordinated omission). Counts
@@ -106,6 +109,10 @@ enum Run {
         sessions: usize,
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
+        /// Each session stops after this many turns (completed or failed;
+        /// a shed turn is sent again), instead of after `--seconds`.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+        turns: Option<u64>,
         /// Runs over the same sessions, one after the other (their
         /// histories grow: the second shows what that costs).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
@@ -556,17 +563,32 @@ async fn turn_on(mut c: GatewayClient<Channel>, session_key: String) -> Outcome 
     if done { Outcome::Completed } else { Outcome::Error("the stream ended without `completed`".into()) }
 }
 
+/// How long each closed-loop session goes on.
+#[derive(Clone, Copy)]
+enum Until {
+    Seconds(f64),
+    Turns(u64),
+}
+
 async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duration) {
+    closed_until(stack, sessions, Until::Seconds(seconds)).await
+}
+
+async fn closed_until(stack: &Stack, sessions: usize, limit: Until) -> (Tally, Duration) {
     let tally = Arc::new(Mutex::new(Tally::default()));
     let started = Instant::now();
-    let until = started + Duration::from_secs_f64(seconds);
+    // A turn ends completed or failed; a shed one is sent again.
+    let going = move |ended: u64| match limit {
+        Until::Seconds(s) => started.elapsed() < Duration::from_secs_f64(s),
+        Until::Turns(k) => ended < k,
+    };
     let tasks: Vec<_> = (0..sessions)
         .map(|i| {
             let (clients, tally) =
                 ((0..stack.channels.len()).map(|k| stack.client(i + k)).collect::<Vec<_>>(), tally.clone());
             tokio::spawn(async move {
-                let mut n = 0;
-                while Instant::now() < until {
+                let (mut n, mut ended) = (0, 0);
+                while going(ended) {
                     let t = Instant::now();
                     // The next connection each turn: with several gateways,
                     // the next gateway.
@@ -576,7 +598,10 @@ async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duratio
                     // retry policy does), then sends its next turn.
                     let pause = match outcome {
                         Outcome::Shed(p) => p.unwrap_or(Duration::from_millis(100)),
-                        _ => Duration::ZERO,
+                        Outcome::Completed | Outcome::Error(_) => {
+                            ended += 1;
+                            Duration::ZERO
+                        }
                     };
                     tally.lock().unwrap_or_else(|e| e.into_inner()).add(outcome, t.elapsed());
                     tokio::time::sleep(pause).await;
@@ -634,12 +659,13 @@ async fn run(args: Args) -> Result<bool, String> {
     let engine = args.engine.id().unwrap_or("legacy");
     let mut ok = true;
     match args.run {
-        Run::Closed { sessions, seconds, rounds } => {
+        Run::Closed { sessions, seconds, turns, rounds } => {
+            let limit = turns.map_or(Until::Seconds(seconds), Until::Turns);
             stack.warm_up(sessions).await?;
             for round in 1..=rounds {
                 let before = stack.store_work().await;
                 let cpu = cpu_time(stack.gateway().pid());
-                let (t, e) = closed(&stack, sessions, seconds).await;
+                let (t, e) = closed_until(&stack, sessions, limit).await;
                 t.report(&format!("closed loop, {engine}, {sessions} sessions, round {round}"), e);
                 let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
                 println!(
