@@ -2,6 +2,7 @@
 //! summary + the entries it kept + everything after it) and how it is shown
 //! to an engine.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use ctxgate_proto::pb::{self, AgentMessage, CompactionEntry, transcript_entry::Entry};
@@ -37,21 +38,30 @@ pub fn visible(branch: &[pb::TranscriptEntry]) -> Visible {
 pub struct SharedHistory {
     branch: Arc<Tail>,
     summary: Option<Box<AgentMessage>>,
-    /// Where the messages shown after the summary sit in `branch`.
-    shown: Vec<usize>,
+    /// The runs of `branch` whose messages are shown after the summary:
+    /// the kept ones before it and all after it. Ranges, not a list of
+    /// messages, so a turn's view costs nothing per message until read.
+    shown: [Range<usize>; 2],
 }
 
 impl SharedHistory {
     pub fn new(branch: Arc<Tail>) -> Self {
-        let (summary, ranges) = split_at(&branch);
-        let summary = summary.map(|(ci, c)| Box::new(summary_message(&branch[ci].id, c)));
-        let shown =
-            ranges.into_iter().flatten().filter(|&i| matches!(branch[i].entry, Some(Entry::Message(_)))).collect();
-        Self { branch, summary, shown }
+        let Some(ci) = branch.latest_compaction() else {
+            return Self { shown: [0..branch.len(), 0..0], branch, summary: None };
+        };
+        let Some(Entry::Compaction(c)) = &branch[ci].entry else { unreachable!("the tail's latest compaction") };
+        // The kept entries end just before the compaction: look back from it.
+        let kept = &c.first_kept_entry_id;
+        let kept_from = if kept.is_empty() { None } else { branch[..ci].iter().rposition(|e| &e.id == kept) };
+        let summary = Some(Box::new(summary_message(&branch[ci].id, c)));
+        Self { shown: [kept_from.unwrap_or(ci)..ci, ci + 1..branch.len()], branch, summary }
     }
 
     fn len(&self) -> usize {
-        usize::from(self.summary.is_some()) + self.shown.len()
+        let [kept, after] = &self.shown;
+        usize::from(self.summary.is_some())
+            + self.branch.messages_in(kept.clone())
+            + self.branch.messages_in(after.clone())
     }
 
     /// The compaction summary shown first, if any (rendered here, not stored).
@@ -59,11 +69,13 @@ impl SharedHistory {
         self.summary.as_deref()
     }
 
-    /// Entries from the first shown message on that are not shown are not
-    /// messages (compactions): the tail's kept figures from there are the
-    /// shown messages' own.
+    /// Where what is shown after the summary starts: entries from there on
+    /// that are not shown are not messages (the compaction between the
+    /// runs, and any before it), so the tail's kept figures from there
+    /// are the shown messages' own.
     fn first_shown(&self) -> usize {
-        self.shown.first().copied().unwrap_or(self.branch.len())
+        let [kept, after] = &self.shown;
+        if kept.is_empty() { after.start } else { kept.start }
     }
 
     /// The estimated tokens of what is shown (kept by the tail, not
@@ -80,7 +92,8 @@ impl SharedHistory {
     }
 
     fn iter(&self) -> impl DoubleEndedIterator<Item = &AgentMessage> {
-        let shown = self.shown.iter().filter_map(|&i| match &self.branch[i].entry {
+        let entries = self.shown.iter().flat_map(|r| self.branch[r.clone()].iter());
+        let shown = entries.filter_map(|e| match &e.entry {
             Some(Entry::Message(m)) => Some(m),
             _ => None,
         });
@@ -92,7 +105,11 @@ impl SharedHistory {
         if n > 0 && self.summary.take().is_some() {
             n -= 1;
         }
-        self.shown.drain(..n.min(self.shown.len()));
+        for run in &mut self.shown {
+            let here = self.branch.messages_in(run.clone()).min(n);
+            run.start = self.branch.skip_messages(run.clone(), here);
+            n -= here;
+        }
     }
 }
 
@@ -308,6 +325,15 @@ mod tests {
         assert_eq!(shared.clone().into_vec(), rendered);
         assert_eq!(shared.last(), rendered.last());
         assert_eq!(shared.tokens(), ctxgate_proto::estimate::messages_tokens(&rendered));
+        // Dropping any number of first messages reads what is left in place.
+        for n in 0..=rendered.len() + 1 {
+            let mut rest = shared.clone();
+            rest.skip_first(n);
+            let left = &rendered[n.min(rendered.len())..];
+            assert!(matches!(rest, Messages::Shared(_)));
+            assert_eq!((rest.len(), rest.clone().into_vec()), (left.len(), left.to_vec()), "after skipping {n}");
+            assert_eq!(rest.tokens(), ctxgate_proto::estimate::messages_tokens(left), "after skipping {n}");
+        }
         rendered.into_iter().map(|m| m.id).collect()
     }
 
@@ -344,5 +370,9 @@ mod tests {
         // Everything summarised: only what came after.
         let all = [msg("a"), compaction("s", ""), msg("z")];
         assert_eq!(ids(&all), ["s", "z"]);
+        // An older compaction among the kept entries is not shown.
+        let nested = [msg("a"), compaction("s1", "a"), msg("b"), compaction("s2", "a"), msg("c"), msg("d")];
+        assert_eq!(ids(&nested), ["s2", "a", "b", "c", "d"]);
+        assert_eq!(ids(&nested[..4]), ["s2", "a", "b"]);
     }
 }

@@ -21,11 +21,15 @@ pub struct Tail {
     /// the tail and for an empty message. A window starting at `s` holds
     /// it whole if `s > at` or `s <= call`.
     hazards: Vec<(u32, Option<u32>)>,
+    /// Where the entries that are not messages (compactions) sit, in
+    /// order: few, so a history shown from the tail is a pair of ranges
+    /// whose messages are counted and skipped without reading them.
+    others: Vec<u32>,
 }
 
 impl Default for Tail {
     fn default() -> Self {
-        Self { entries: Vec::new(), tokens: vec![0], hazards: Vec::new() }
+        Self { entries: Vec::new(), tokens: vec![0], hazards: Vec::new(), others: Vec::new() }
     }
 }
 
@@ -63,7 +67,10 @@ impl Tail {
                     }
                     estimate::message_tokens(m)
                 }
-                _ => 0,
+                _ => {
+                    self.others.push(at as u32);
+                    0
+                }
             };
             let before = self.tokens[at];
             self.tokens.push(before.saturating_add(tokens));
@@ -95,9 +102,43 @@ impl Tail {
         in_window.into_iter().all(|(_, call)| call.is_some_and(|c| c as usize >= from))
     }
 
+    /// The latest compaction entry's index.
+    pub fn latest_compaction(&self) -> Option<usize> {
+        let others = self.others.iter().rev().map(|&i| i as usize);
+        others.into_iter().find(|&i| matches!(self.entries[i].entry, Some(Entry::Compaction(_))))
+    }
+
+    /// The entries that are not messages from `from` on, in order.
+    fn others_from(&self, from: usize) -> impl Iterator<Item = usize> + '_ {
+        let first = self.others.partition_point(|&o| (o as usize) < from);
+        self.others[first..].iter().map(|&o| o as usize)
+    }
+
+    /// How many messages are in `range`.
+    pub fn messages_in(&self, range: std::ops::Range<usize>) -> usize {
+        let others = self.others_from(range.start).take_while(|&o| o < range.end).count();
+        range.len().saturating_sub(others)
+    }
+
+    /// Where `range` starts once its first `n` messages are dropped (its
+    /// end, when it holds no more).
+    pub fn skip_messages(&self, range: std::ops::Range<usize>, n: usize) -> usize {
+        let mut at = range.start.saturating_add(n);
+        // Each entry that is not a message before `at` moves it one on.
+        for o in self.others_from(range.start) {
+            if o >= at {
+                break;
+            }
+            at += 1;
+        }
+        at.min(range.end)
+    }
+
     /// The heap its bookkeeping (not its entries) costs per entry and hazard.
     pub fn bookkeeping_bytes(&self) -> usize {
-        self.tokens.capacity() * size_of::<u64>() + self.hazards.capacity() * size_of::<(u32, Option<u32>)>()
+        self.tokens.capacity() * size_of::<u64>()
+            + self.hazards.capacity() * size_of::<(u32, Option<u32>)>()
+            + self.others.capacity() * size_of::<u32>()
     }
 }
 
