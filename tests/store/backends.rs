@@ -110,6 +110,7 @@ case_list!(
     append_chains_entries_and_branch_reads_them_back_in_order,
     the_visible_tail_gives_the_same_visible_history_as_the_whole_branch,
     the_cached_tail_follows_appends_rewinds_rewrites_and_summaries,
+    a_tail_read_past_many_abandoned_entries_is_the_branchs,
     a_rewrite_branches_keeps_the_old_branch_and_remaps_summaries,
     new_and_reset_start_fresh_sessions_and_delete_removes_all,
     refusals_back_off_drops_are_audited_and_deletes_leave_forgets,
@@ -287,6 +288,30 @@ async fn the_visible_tail_gives_the_same_visible_history_as_the_whole_branch(fx:
         assert!(t.len() < 8, "the tail is bounded, not the whole branch ({} entries)", t.len());
         check(b, t);
     }
+}
+
+/// Aborted turns leave their entries in the tree, between the branch's:
+/// a read that meets many of them (SQLite passes over them in its scan,
+/// then gives the rest of the walk to lookups by id) reads the branch.
+async fn a_tail_read_past_many_abandoned_entries_is_the_branchs(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let id = s.session_id.clone();
+    let same = async || {
+        let (b, t) = (store.branch(&id).await.unwrap(), store.visible_tail(&id).await.unwrap());
+        assert_eq!(ctxgate::transcript::visible(&b), ctxgate::transcript::visible(&t));
+        assert_eq!(t.len(), b.len(), "no summary: the tail is the branch");
+    };
+    for i in 0..50 {
+        store.open_turn(&id, &format!("t{i}"), vec![user(&format!("q{i}"))], None).await.unwrap();
+        store.append(&id, (0..10).map(|k| user(&format!("dropped {i}.{k}"))).collect()).await.unwrap();
+        store.close_turn(&id, TurnClose::Rewind).await.unwrap();
+        if i == 10 {
+            same().await;
+        }
+    }
+    // Only the turns' questions are on the branch, 500 entries are not.
+    assert_eq!(store.branch(&id).await.unwrap().len(), 50);
+    same().await;
 }
 
 async fn the_cached_tail_follows_appends_rewinds_rewrites_and_summaries(fx: &Fx) {

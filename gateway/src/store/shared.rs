@@ -34,8 +34,12 @@ pub(super) fn now_ms() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
 
+/// A new entry's (or session's) id: a version 7 UUID, so ids written one
+/// after the other sort together (their index grows at its end instead
+/// of at a random page per insert, and a session's recent entries share
+/// pages).
 pub(super) fn new_id() -> String {
-    uuid::Uuid::new_v4().simple().to_string()
+    uuid::Uuid::now_v7().simple().to_string()
 }
 
 pub(super) fn kind_of(e: &pb::TranscriptEntry) -> i64 {

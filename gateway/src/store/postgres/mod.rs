@@ -52,7 +52,6 @@ use tokio_postgres::config::SslMode;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::ToSql;
 
-use super::shared::new_id;
 use super::tails::Tails;
 use super::{OpenError, StoreError};
 
@@ -258,7 +257,10 @@ impl PostgresStore {
         schema::migrate(&mut client, url).await?;
         drop(client);
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-        let owner = format!("{}/{}/{}", host.trim(), std::process::id(), &new_id()[..8]);
+        // Random, not a time-ordered id: gateways started in the same
+        // minute (pid 1 in containers) must not share an owner.
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let owner = format!("{}/{}/{}", host.trim(), std::process::id(), &nonce[..8]);
         Ok(Self {
             pool: main,
             claims,

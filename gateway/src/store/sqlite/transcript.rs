@@ -86,6 +86,76 @@ fn branch_back_to(
     Ok(None)
 }
 
+/// The walk from the leaf towards the root that reads a visible tail: it
+/// stops once the latest compaction's first kept entry is in hand, or at
+/// the cached tail's leaf when it meets it with no newer summary on the
+/// way (the rest of the walk is that tail).
+#[derive(Default)]
+struct TailWalk {
+    /// The entry the walk needs next (`None`: done).
+    next: Option<String>,
+    cached_leaf: Option<String>,
+    stop_at: Option<String>,
+    met_cached: bool,
+    /// Newest first.
+    out: Vec<pb::TranscriptEntry>,
+}
+
+impl TailWalk {
+    /// The id of the entry the walk needs next.
+    fn wants(&mut self) -> Option<&str> {
+        let next = self.next.as_deref()?;
+        if self.stop_at.is_none() && self.cached_leaf.as_deref() == Some(next) {
+            self.met_cached = true;
+            self.next = None;
+        }
+        self.next.as_deref()
+    }
+
+    /// Takes the entry [`wants`](Self::wants) named.
+    fn take(&mut self, e: pb::TranscriptEntry) {
+        let reached = self.stop_at.as_deref() == Some(e.id.as_str());
+        if self.stop_at.is_none()
+            && let Some(Entry::Compaction(cmp)) = &e.entry
+        {
+            self.stop_at = Some(cmp.first_kept_entry_id.clone());
+        }
+        let summary_keeps_nothing = self.stop_at.as_deref() == Some("");
+        self.next = e.parent_id.clone().filter(|_| !reached && !summary_keeps_nothing);
+        self.out.push(e);
+    }
+}
+
+/// Rows an abandoned branch may put in the scan's way before it gives up,
+/// beyond two per entry taken.
+const OFF_BRANCH_ROWS: usize = 256;
+
+/// Feeds `walk` from one scan of the session's entries, newest first: an
+/// entry's parent was always written before it, so the branch comes in
+/// order, each entry read where the index already is instead of looked up
+/// by id (on a cache miss, a long session's read was a lookup in a
+/// random-ordered index per entry). Rows of abandoned branches (rewinds,
+/// rewrites) are passed over without decoding; a session with many gives
+/// the rest of the walk to lookups by id.
+fn scan_branch(c: &Connection, session_id: &str, walk: &mut TailWalk) -> Result<(), StoreError> {
+    let mut stmt = c.prepare_cached("SELECT id, body FROM entries WHERE session_id = ?1 ORDER BY seq DESC")?;
+    let mut rows = stmt.query([session_id])?;
+    let (mut taken, mut passed) = (0, 0);
+    while let Some(row) = rows.next()? {
+        let Some(next) = walk.wants() else { break };
+        if row.get_ref(0)?.as_str().map_err(rusqlite::Error::from)? != next {
+            passed += 1;
+            if passed > OFF_BRANCH_ROWS + 2 * taken {
+                break;
+            }
+            continue;
+        }
+        walk.take(decode_entry(row.get_ref(1)?.as_blob().map_err(rusqlite::Error::from)?)?);
+        taken += 1;
+    }
+    Ok(())
+}
+
 /// Queues a closed durable turn's commit: the messages from the first
 /// admitted entry to the leaf, and the leaf as the terminal anchor.
 fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
@@ -211,39 +281,20 @@ impl Transcript for SqliteStore {
         let cached = tails::take(&tails, &session_id);
         self.db
             .read(move |c| {
-                let Some(mut next) = leaf_of(c, &session_id)? else { return Ok(Arc::default()) };
+                let Some(leaf) = leaf_of(c, &session_id)? else { return Ok(Arc::default()) };
+                let cached_leaf = cached.as_ref().and_then(|t| t.entries.last()).map(|l| l.id.clone());
+                let mut walk = TailWalk { next: Some(leaf), cached_leaf, ..TailWalk::default() };
+                scan_branch(c, &session_id, &mut walk)?;
+                // What the scan left (a branch among many abandoned ones):
+                // one entry at a time.
                 let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
-                let mut out = Vec::new();
-                // Walk from the leaf towards the root; stop once the latest
-                // compaction's first kept entry is in hand.
-                let mut stop_at: Option<String> = None;
-                let mut spliced = None;
-                loop {
-                    // The cached tail's leaf, with no newer summary on the
-                    // way: the rest of the walk is that tail.
-                    if stop_at.is_none()
-                        && cached.as_ref().is_some_and(|t| t.entries.last().is_some_and(|l| l.id == next))
-                    {
-                        spliced = cached;
-                        break;
-                    }
-                    let e = entry(&mut stmt, &next)?;
-                    let parent = e.parent_id.clone();
-                    let reached = stop_at.as_deref() == Some(e.id.as_str());
-                    if stop_at.is_none()
-                        && let Some(Entry::Compaction(cmp)) = &e.entry
-                    {
-                        stop_at = Some(cmp.first_kept_entry_id.clone());
-                    }
-                    let summary_keeps_nothing = stop_at.as_deref() == Some("");
-                    out.push(e);
-                    match parent {
-                        Some(p) if !reached && !summary_keeps_nothing => next = p,
-                        _ => break,
-                    }
+                while let Some(id) = walk.wants() {
+                    let e = entry(&mut stmt, id)?;
+                    walk.take(e);
                 }
-                out.reverse();
-                Ok(tails::keep(&tails, &session_id, spliced, out))
+                let spliced = if walk.met_cached { cached } else { None };
+                walk.out.reverse();
+                Ok(tails::keep(&tails, &session_id, spliced, walk.out))
             })
             .await
     }
