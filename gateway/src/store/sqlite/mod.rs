@@ -114,8 +114,13 @@ impl SqliteStore {
         // statement over one session's visible history.
         conn.pragma_update(None, "temp_store", "MEMORY").map_err(fail)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(fail)?;
-        // Every statement of a turn stays prepared.
+        // Every statement of a turn stays prepared…
         conn.set_prepared_statement_cache_capacity(64);
+        // …and is not prepared again on each new binding: without the
+        // query planner stability guarantee, SQLite (built with STAT4)
+        // re-plans a statement whose parameter meets an indexed column
+        // every time the parameter changes, i.e. on nearly every call.
+        conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true).map_err(fail)?;
         // 8 MiB of pages (SQLite's default is 2): a turn reads its session's
         // visible history, and re-reading it from the file was the largest
         // syscall cost at 64 sessions.

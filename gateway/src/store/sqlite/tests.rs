@@ -194,3 +194,25 @@ async fn a_database_from_before_versioning_is_migrated_and_keeps_its_queued_comm
     drop(store);
     SqliteStore::open(dir.path()).expect("opening a current database again is a no-op");
 }
+
+/// A cached statement runs with new values without being planned again
+/// (the query planner stability guarantee is on).
+#[tokio::test]
+async fn a_cached_statement_is_not_planned_again_for_each_binding() {
+    let (_dir, store, s) = fixture().await;
+    let other = store.session("main", "k2", true).await.unwrap().unwrap();
+    store.append(&s.session_id, vec![user("a")]).await.unwrap();
+    store.append(&other.session_id, vec![user("b")]).await.unwrap();
+    let reprepared = store
+        .db
+        .read(move |c| {
+            let sql = "SELECT COALESCE(MAX(seq), 0) FROM entries WHERE session_id = ?1";
+            for id in [&s.session_id, &other.session_id, &s.session_id] {
+                c.prepare_cached(sql)?.query_row([id], |r| r.get::<_, i64>(0))?;
+            }
+            Ok(c.prepare_cached(sql)?.get_status(rusqlite::StatementStatus::RePrepare))
+        })
+        .await
+        .unwrap();
+    assert_eq!(reprepared, 0);
+}
