@@ -196,13 +196,13 @@ impl Messages {
 }
 
 /// The index in the visible history (as rendered: a summary first) of the
-/// first message `pick` chooses, else the history's length.
-pub fn visible_index(branch: &[pb::TranscriptEntry], pick: impl Fn(&AgentMessage) -> bool) -> usize {
-    let (summary, parts) = split(branch);
-    let before = usize::from(summary.is_some());
-    let mut shown = messages_in(parts);
-    let at = shown.by_ref().position(pick);
-    before + at.unwrap_or_else(|| messages_in(parts).count())
+/// first of the messages at its end that `pick` chooses, else the
+/// history's length. Read from the end: a turn's own messages are the last
+/// on the branch (the session is the turn's while it runs), so finding
+/// where they start costs what the turn added, not the session's age.
+pub fn index_of_last_run(tail: &Arc<Tail>, pick: impl Fn(&AgentMessage) -> bool) -> usize {
+    let shown = Messages::Shared(SharedHistory::new(tail.clone()));
+    shown.len() - shown.iter().rev().take_while(|m| pick(m)).count()
 }
 
 /// The latest compaction (its entry id and content), and the two runs of
@@ -364,9 +364,13 @@ mod tests {
         assert_eq!(ids(&b[..6]), ["s1", "b", "c", "d", "e"]);
         assert_eq!(ids(&b[..3]), ["a", "b", "c"]);
         // Indices as rendered: the summary counts.
-        assert_eq!(visible_index(&b, |m| m.id == "f"), 2);
-        assert_eq!(visible_index(&b[..6], |m| m.id == "b"), 1);
-        assert_eq!(visible_index(&b, |m| m.id == "a"), 3, "not visible: the length");
+        let last_run = |b: &[pb::TranscriptEntry], ids: &[&str]| {
+            index_of_last_run(&Arc::new(Tail::from(b.to_vec())), |m| ids.contains(&m.id.as_str()))
+        };
+        assert_eq!(last_run(&b, &["f"]), 2);
+        assert_eq!(last_run(&b[..6], &["d", "e"]), 3);
+        assert_eq!(last_run(&b[..6], &["b", "c", "d", "e"]), 1, "kept messages before the summary count");
+        assert_eq!(last_run(&b, &["a"]), 3, "not visible: the length");
         // Everything summarised: only what came after.
         let all = [msg("a"), compaction("s", ""), msg("z")];
         assert_eq!(ids(&all), ["s", "z"]);

@@ -99,9 +99,11 @@ impl Turn {
                     // A delta holds only what follows the cursor, and the
                     // cursor counts what the engine holds — not an aborted
                     // turn's user message left before it, which is visible.
-                    Some(_) => transcript::visible_index(&core.store.visible_tail(&session.session_id).await?, |m| {
-                        self.ledger.is_own(m)
-                    }),
+                    Some(_) => {
+                        transcript::index_of_last_run(&core.store.visible_tail(&session.session_id).await?, |m| {
+                            self.ledger.is_own(m)
+                        })
+                    }
                 };
                 Some(core.commit_draft(engine, &session, &self.turn_id, &self.admitted[0], position as u64))
             }
