@@ -38,6 +38,8 @@
 //! cargo build --release --workspace --bins
 //! target/release/loadgen overload --engine legacy
 //! target/release/loadgen overload --engine window
+//! target/release/loadgen overload --engine fault-slow --seconds 12
+//! target/release/loadgen closed --sessions 64 --turns 60 --rounds 2
 //! target/release/loadgen soak --minutes 30
 //! target/release/loadgen hostile --engine fault-flood
 //! target/release/loadgen burst --clients 64
@@ -181,6 +183,9 @@ enum EngineKind {
     /// The fault fixture with `--fault flood`: turns of sessions named
     /// `flood-…` flood the Host service; the others are plain.
     FaultFlood,
+    /// The fault fixture with `--fault serial-10ms`: an engine that serves
+    /// ~100 Assembles a second, one at a time.
+    FaultSlow,
 }
 
 impl EngineKind {
@@ -189,7 +194,7 @@ impl EngineKind {
         match self {
             Self::Legacy => None,
             Self::Window => Some("window"),
-            Self::FaultFlood => Some("fault"),
+            Self::FaultFlood | Self::FaultSlow => Some("fault"),
         }
     }
 }
@@ -319,8 +324,9 @@ impl Stack {
                 let args = ["--listen", "127.0.0.1:0", "--state-dir", state.as_str()];
                 Some(EngineProcess::start(bin("ctxgate-engine-window"), &args).await.map_err(|e| e.to_string())?)
             }
-            EngineKind::FaultFlood => {
-                let args = ["--listen", "127.0.0.1:0", "--fault", "flood"];
+            EngineKind::FaultFlood | EngineKind::FaultSlow => {
+                let fault = if engine == EngineKind::FaultFlood { "flood" } else { "serial-10ms" };
+                let args = ["--listen", "127.0.0.1:0", "--fault", fault];
                 Some(EngineProcess::start(bin("ctxgate-fault-engine"), &args).await.map_err(|e| e.to_string())?)
             }
         };
