@@ -47,7 +47,8 @@ pub struct SharedHistory {
 impl SharedHistory {
     pub fn new(branch: Arc<Tail>) -> Self {
         let Some(ci) = branch.latest_compaction() else {
-            return Self { shown: [0..branch.len(), 0..0], branch, summary: None };
+            let end = branch.len();
+            return Self { shown: [0..end, end..end], branch, summary: None };
         };
         let Some(Entry::Compaction(c)) = &branch[ci].entry else { unreachable!("the tail's latest compaction") };
         // The kept entries end just before the compaction: look back from it.
@@ -72,10 +73,12 @@ impl SharedHistory {
     /// Where what is shown after the summary starts: entries from there on
     /// that are not shown are not messages (the compaction between the
     /// runs, and any before it), so the tail's kept figures from there
-    /// are the shown messages' own.
+    /// are the shown messages' own. A kept run left with no message (its
+    /// messages skipped, a compaction at its end) is passed over: the
+    /// messages skipped before that compaction are not shown.
     fn first_shown(&self) -> usize {
         let [kept, after] = &self.shown;
-        if kept.is_empty() { after.start } else { kept.start }
+        if self.branch.messages_in(kept.clone()) == 0 { after.start } else { kept.start }
     }
 
     /// The estimated tokens of what is shown (kept by the tail, not
@@ -296,10 +299,17 @@ pub fn render_entries(entries: &[pb::TranscriptEntry]) -> Vec<AgentMessage> {
 mod tests {
     use super::*;
 
+    /// A message whose text is its id said a few times (so each has tokens).
     fn msg(id: &str) -> pb::TranscriptEntry {
+        let text = pb::ContentPart { part: Some(pb::content_part::Part::Text(format!("{id} ").repeat(8))) };
         pb::TranscriptEntry {
             id: id.into(),
-            entry: Some(Entry::Message(AgentMessage { id: id.into(), role: 2, ..Default::default() })),
+            entry: Some(Entry::Message(AgentMessage {
+                id: id.into(),
+                role: 2,
+                content: vec![text],
+                ..Default::default()
+            })),
             ..Default::default()
         }
     }
@@ -378,5 +388,9 @@ mod tests {
         let nested = [msg("a"), compaction("s1", "a"), msg("b"), compaction("s2", "a"), msg("c"), msg("d")];
         assert_eq!(ids(&nested), ["s2", "a", "b", "c", "d"]);
         assert_eq!(ids(&nested[..4]), ["s2", "a", "b"]);
+        // Two compactions in a row: the kept run ends in one that is not
+        // shown, so skipping its messages leaves none of them counted.
+        let twice = [msg("a"), compaction("s1", "a"), compaction("s2", "a"), msg("c"), msg("d")];
+        assert_eq!(ids(&twice), ["s2", "a", "c", "d"]);
     }
 }
