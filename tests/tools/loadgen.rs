@@ -7,7 +7,7 @@
 //!   it shed the last); turns/s and latency. `--turns 60` ends each session
 //!   after that many completed turns instead (the issue's "64 clients × 60
 //!   turns"; with `--rounds 2` the second round's histories are twice as
-//!   long, whatever the machine's pace).
+//!   long, plus the warm-up's turn, whatever the machine's pace).
 //! - `open --rate 4000 --seconds 5`: arrivals on a fixed schedule, whatever
 //!   the gateway does; latency runs from the *scheduled* time, so a gateway
 //!   that falls behind cannot hide it (no coordinated omission). Counts
@@ -112,7 +112,8 @@ enum Run {
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
         /// Each session stops after this many turns (completed or failed;
-        /// a shed turn is sent again), instead of after `--seconds`.
+        /// a shed turn is sent again), instead of after `--seconds` (which
+        /// it ignores; a run ends after ten minutes at most).
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         turns: Option<u64>,
         /// Runs over the same sessions, one after the other (their
@@ -569,6 +570,9 @@ async fn turn_on(mut c: GatewayClient<Channel>, session_key: String) -> Outcome 
     if done { Outcome::Completed } else { Outcome::Error("the stream ended without `completed`".into()) }
 }
 
+/// How long a `--turns` run may last, whatever it has left.
+const TURNS_DEADLINE: Duration = Duration::from_secs(600);
+
 /// How long each closed-loop session goes on.
 #[derive(Clone, Copy)]
 enum Until {
@@ -583,10 +587,11 @@ async fn closed(stack: &Stack, sessions: usize, seconds: f64) -> (Tally, Duratio
 async fn closed_until(stack: &Stack, sessions: usize, limit: Until) -> (Tally, Duration) {
     let tally = Arc::new(Mutex::new(Tally::default()));
     let started = Instant::now();
-    // A turn ends completed or failed; a shed one is sent again.
+    // A turn ends completed or failed; a shed one is sent again (for at
+    // most ten minutes: a gateway that sheds every turn ends the run).
     let going = move |ended: u64| match limit {
         Until::Seconds(s) => started.elapsed() < Duration::from_secs_f64(s),
-        Until::Turns(k) => ended < k,
+        Until::Turns(k) => ended < k && started.elapsed() < TURNS_DEADLINE,
     };
     let tasks: Vec<_> = (0..sessions)
         .map(|i| {

@@ -138,6 +138,10 @@ const OFF_BRANCH_ROWS: usize = 256;
 /// rewrites) are passed over without decoding; a session with many gives
 /// the rest of the walk to lookups by id.
 fn scan_branch(c: &Connection, session_id: &str, walk: &mut TailWalk) -> Result<(), StoreError> {
+    // The leaf is the cached tail's (nothing appended since): no scan.
+    if walk.wants().is_none() {
+        return Ok(());
+    }
     let mut stmt = c.prepare_cached("SELECT id, body FROM entries WHERE session_id = ?1 ORDER BY seq DESC")?;
     let mut rows = stmt.query([session_id])?;
     let (mut taken, mut passed) = (0, 0);
