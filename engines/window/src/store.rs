@@ -198,9 +198,8 @@ pub fn replace_message(c: &Connection, session_id: &str, m: &AgentMessage) -> ru
     c.prepare_cached("UPDATE messages SET body = ?3, tokens = ?4 WHERE session_id = ?1 AND id = ?2")?
         .execute(params![session_id, m.id, m.encode_to_vec(), estimate::message_tokens(m) as i64])?;
     let seq: Option<i64> = c
-        .query_row("SELECT seq FROM messages WHERE session_id = ?1 AND id = ?2", params![session_id, m.id], |r| {
-            r.get(0)
-        })
+        .prepare_cached("SELECT seq FROM messages WHERE session_id = ?1 AND id = ?2")?
+        .query_row(params![session_id, m.id], |r| r.get(0))
         .optional()?;
     if let Some(seq) = seq {
         c.prepare_cached("DELETE FROM message_text WHERE session_id = ?1 AND seq = ?2")?
