@@ -29,10 +29,12 @@
 //!   its answer before it asks again) is not shed once the loop has
 //!   arrived (clients that keep joining over several slow windows look like
 //!   growth); with little work it is not load at all, and the baseline
-//!   moves. A queue growing by less than `minLimit`, or less than a
-//!   quarter of the turns the window ended (a busy window's jitter), is
-//!   not seen: `maxConcurrentTurns` bounds it.
-//! - **A surge** is seen sooner, at admission: six 5 ms ticks in a row that
+//!   moves. A queue growing by less than `minLimit`, or less than twice
+//!   the square root of the turns the window ended (a busy window's
+//!   jitter), is not seen: `maxConcurrentTurns` bounds it.
+//! - **A surge** is seen sooner, at admission: six 5 ms ticks or more in a
+//!   row, lasting tolerance × baseline at least (long enough for a gateway
+//!   that keeps up to end as many as arrive), that
 //!   each admit more than twice what they end while work grows, with turns
 //!   arriving at more than twice the *pace* (the turns a second the
 //!   gateway ended in its recent healthy windows), work that at least
@@ -213,7 +215,8 @@ impl Gradient {
         self.ticks.now.admitted += 1;
     }
 
-    /// An admitted turn ends while `working` turns (itself among them) work.
+    /// An admitted turn ends while `working` turns work (itself among them
+    /// unless it ends away).
     fn ending(&mut self, now: Instant, working: usize) {
         self.tick(now, working);
         self.ticks.now.ended += 1;
@@ -252,10 +255,15 @@ impl Gradient {
         }
     }
 
-    /// [`SURGE_TICKS`] ticks in a row have admitted more than twice what
-    /// they ended. The gateway starts limiting now, without waiting for two
-    /// windows of a growing queue, when this is a surge of demand and not a
-    /// burst, a closed loop or a stall:
+    /// [`SURGE_TICKS`] ticks or more in a row have admitted more than twice
+    /// what they ended. The gateway starts limiting now, without waiting
+    /// for two windows of a growing queue, when this is a surge of demand
+    /// that the gateway does not keep up with, and not a burst, a closed
+    /// loop, a stall or more demand on a gateway with room for it:
+    /// - the streak has lasted tolerance × baseline: a gateway that keeps
+    ///   up ends the streak's first turns within that, and ends as many as
+    ///   arrive from then on (until then, the turns ending are the ones from
+    ///   before the surge, and say nothing about what it can do);
     /// - turns arrived at more than [`SURGE_DEMAND`] × the pace: demand
     ///   rose (a stall ends fewer turns; it does not bring more);
     /// - the work at least doubled (by `minLimit` at least) over the streak:
@@ -278,8 +286,11 @@ impl Gradient {
         };
         let t = &self.ticks;
         let span = now.saturating_duration_since(t.streak_start.unwrap_or(now)).as_secs_f64().max(1e-3);
-        let (arriving, ending) = (t.streak.admitted as f64 / span, t.streak.ended as f64 / span);
         let target = self.tolerance * baseline / 1e6;
+        if span < target {
+            return;
+        }
+        let (arriving, ending) = (t.streak.admitted as f64 / span, t.streak.ended as f64 / span);
         let doubled = working >= 2 * t.streak.working && working as f64 >= t.streak.working as f64 + self.min;
         if arriving > SURGE_DEMAND * pace && doubled && working as f64 > ending * target {
             let within = ending.max(pace) * target;
@@ -316,14 +327,14 @@ impl Gradient {
         let secs = age.as_secs_f64().max(1e-3);
         let ended = std::mem::take(&mut self.ended) as f64;
         // A queue that grows: each window ends with more turns working than
-        // the one before ever had — by minLimit, and by a quarter of the
-        // turns it ended (so that arrivals outrun completions by a margin,
-        // not by the jitter of a busy window) — GROWING_WINDOWS in a row.
+        // the one before ever had — by minLimit, and by twice the square
+        // root of the turns it ended (the jitter of a busy window's count,
+        // not a queue) — GROWING_WINDOWS in a row.
         // A closed loop of clients, however many, never does: their work
         // stops where the clients are. (Arrivals are not asked to have
         // risen: an engine that slows under the same traffic grows the
         // queue just as well, and must be shed.)
-        let grew = working as f64 >= self.last_peak as f64 + self.min.max(ended / 4.0);
+        let grew = working as f64 >= self.last_peak as f64 + self.min.max(2.0 * ended.sqrt());
         self.growing_for = if grew { self.growing_for + 1 } else { 0 };
         self.last_peak = peak as usize;
         let growing = self.growing_for >= GROWING_WINDOWS;
@@ -337,7 +348,7 @@ impl Gradient {
             self.pace = Some(self.pace.map_or(ended / secs, |p| p + PACE_WEIGHT * (ended / secs - p)));
         }
         let cut = (self.tolerance * baseline / p90).max(0.5);
-        let before = self.mode;
+        let before = (self.limiting(), self.limit());
         self.mode = match self.mode {
             // The work the gateway does within tolerance, by Little's law
             // (the whole ratio: a queue is growing, there is no time to
@@ -380,7 +391,7 @@ impl Gradient {
                 if limit >= self.max || calm >= CALM_WINDOWS { Mode::Open } else { Mode::Limiting { limit, calm } }
             }
         };
-        if self.mode != before {
+        if (self.limiting(), self.limit()) != before {
             tracing::debug!(target: "ctxgate::admission", ?before, mode = ?self.mode, p90, baseline, peak, working, ended, "window");
         }
     }
@@ -712,6 +723,38 @@ mod tests {
         s.run(20, 8000.0, 2000.0);
         s.run(2000, 1000.0, 2000.0);
         assert!(s.shed == 0 && !s.g.limiting(), "{} shed: {:?}", s.shed, s.g);
+    }
+
+    /// Each turn takes 100 ms whatever the load (an engine with room for
+    /// many calls): five times the demand is no surge, though for the first
+    /// 100 ms the turns ending are only the old demand's.
+    #[test]
+    fn more_demand_on_a_gateway_with_room_is_not_a_surge() {
+        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
+        let (mut working, mut due, mut shed) = (std::collections::VecDeque::new(), 0.0, 0);
+        for (ms, rate) in [(2000, 200.0), (3000, 1000.0)] {
+            for _ in 0..ms {
+                due += rate / 1000.0;
+                while due >= 1.0 {
+                    due -= 1.0;
+                    g.arriving(now, working.len());
+                    if g.limiting() && working.len() >= g.limit() {
+                        shed += 1;
+                    } else {
+                        working.push_back(now);
+                        g.busy(working.len());
+                        g.admitted();
+                    }
+                }
+                while working.front().is_some_and(|t| now.duration_since(*t) >= Duration::from_millis(100)) {
+                    g.ending(now, working.len());
+                    let t = working.pop_front().unwrap();
+                    g.sample(now.duration_since(t), now, working.len());
+                }
+                now += Duration::from_millis(1);
+            }
+        }
+        assert!(shed == 0 && !g.limiting(), "{shed} shed: {g:?}");
     }
 
     /// One window of `n` samples at `working` turns.
