@@ -33,17 +33,17 @@
 //!   the square root of the turns the window ended (a busy window's
 //!   jitter), is not seen: `maxConcurrentTurns` bounds it.
 //! - **A surge** is seen sooner, at admission: six 5 ms ticks or more in a
-//!   row, lasting tolerance × baseline at least (long enough for a gateway
-//!   that keeps up to end as many as arrive), that
-//!   each admit more than twice what they end while work grows, with turns
-//!   arriving at more than twice the *pace* (the turns a second the
-//!   gateway ended in its recent healthy windows), work that at least
-//!   doubled, and a new turn's wait by Little's law (working / ending rate)
-//!   past tolerance × baseline. It starts limiting at once, at the work the
-//!   gateway ends within tolerance or a quarter of the work then,
-//!   whichever is more. A burst shorter than the ticks, a
-//!   closed loop (it cannot double) and a stall (it brings no more turns)
-//!   are not surges.
+//!   row that each admit more than twice what they end while work grows,
+//!   lasting tolerance × baseline at least (long enough for a gateway that
+//!   keeps up to end as many as arrive), with turns arriving at more than
+//!   twice the *pace* (the turns a second the gateway ended in its recent
+//!   healthy windows), work that at least doubled, and a new turn's wait
+//!   by Little's law (working / ending rate) past tolerance × baseline. It
+//!   starts limiting at once, at the work the gateway ends within
+//!   tolerance or a quarter of the work then, whichever is more. A burst
+//!   shorter than the ticks, a closed loop (it cannot double), a stall (it
+//!   brings no more turns) and more demand on a gateway with room for it
+//!   (its turns end within tolerance) are not surges.
 //! - **Limiting** (real overload): a new turn is shed while the working
 //!   turns reach the limit. An over-tolerance window cuts the limit again;
 //!   a healthy one whose limit was used grows it by √limit; when the limit
@@ -538,6 +538,7 @@ impl Drop for Permit {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
     use std::sync::Arc;
     use std::time::Duration;
 
@@ -607,39 +608,64 @@ mod tests {
     }
 
     /// The gateway millisecond by millisecond, for the tick-level rules:
-    /// turns arrive at a rate; the gateway ends them at its capacity (none
-    /// in a stall), each having waited what a FIFO at that pace makes it
-    /// wait (at least 2 ms).
+    /// turns arrive at a rate; the gateway ends them first in, first out —
+    /// at its capacity (none in a stall), each having waited what a FIFO at
+    /// that pace makes it wait (at least 2 ms), or each a fixed time after
+    /// it began.
     struct Sim {
         g: Gradient,
         now: Instant,
-        working: usize,
+        /// When each working turn was admitted, oldest first.
+        working: VecDeque<Instant>,
         due: f64,
         done: f64,
         shed: usize,
     }
 
     impl Sim {
+        fn cold() -> Self {
+            let g = Gradient::new(&limits(true));
+            Self { g, now: Instant::now(), working: VecDeque::new(), due: 0.0, done: 0.0, shed: 0 }
+        }
+
         /// A gateway that has served half its capacity (1000 of 2000 turns/s) for a second.
         fn warm() -> Self {
-            let g = Gradient::new(&limits(true));
-            let mut s = Self { g, now: Instant::now(), working: 0, due: 0.0, done: 0.0, shed: 0 };
+            let mut s = Self::cold();
             s.run(1000, 1000.0, 2000.0);
             assert!(!s.g.limiting() && s.shed == 0, "half load is not shed: {:?}", s.g);
             s
         }
 
+        fn working(&self) -> usize {
+            self.working.len()
+        }
+
         fn arrive(&mut self, n: usize) {
             for _ in 0..n {
-                self.g.arriving(self.now, self.working);
-                if self.g.limiting() && self.working >= self.g.limit() {
+                self.g.arriving(self.now, self.working());
+                if self.g.limiting() && self.working() >= self.g.limit() {
                     self.shed += 1;
                     continue;
                 }
-                self.working += 1;
-                self.g.busy(self.working);
+                self.working.push_back(self.now);
+                self.g.busy(self.working());
                 self.g.admitted();
             }
+        }
+
+        /// The arrivals `rate` brings this millisecond.
+        fn arrivals(&mut self, rate: f64) -> usize {
+            self.due += rate / 1000.0;
+            let n = self.due as usize;
+            self.due -= n as f64;
+            n
+        }
+
+        /// Ends the oldest turn, which took `l`.
+        fn end(&mut self, l: Duration) {
+            self.g.ending(self.now, self.working());
+            self.working.pop_front();
+            self.g.sample(l, self.now, self.working());
         }
 
         fn serve(&mut self, capacity: f64) {
@@ -648,24 +674,33 @@ mod tests {
                 return;
             }
             self.done += capacity / 1000.0;
-            let n = (self.done as usize).min(self.working);
+            let n = (self.done as usize).min(self.working());
             self.done = (self.done - n as f64).min(1.0);
             for _ in 0..n {
-                let l = Duration::from_secs_f64(self.working as f64 / capacity).max(Duration::from_millis(2));
-                self.g.ending(self.now, self.working);
-                self.working -= 1;
-                self.g.sample(l, self.now, self.working);
+                self.end(Duration::from_secs_f64(self.working() as f64 / capacity).max(Duration::from_millis(2)));
             }
         }
 
         /// An open loop: `rate` arrivals a second, whatever happens to them.
         fn run(&mut self, ms: u32, rate: f64, capacity: f64) {
             for _ in 0..ms {
-                self.due += rate / 1000.0;
-                let n = self.due as usize;
-                self.due -= n as f64;
+                let n = self.arrivals(rate);
                 self.arrive(n);
                 self.serve(capacity);
+            }
+        }
+
+        /// An open loop on a gateway whose every turn takes `latency`,
+        /// whatever the load.
+        fn run_fixed(&mut self, ms: u32, rate: f64, latency: Duration) {
+            for _ in 0..ms {
+                let n = self.arrivals(rate);
+                self.arrive(n);
+                while self.working.front().is_some_and(|t| self.now.duration_since(*t) >= latency) {
+                    let began = self.working[0];
+                    self.end(self.now.duration_since(began));
+                }
+                self.now += Duration::from_millis(1);
             }
         }
 
@@ -673,7 +708,7 @@ mod tests {
         /// the next millisecond).
         fn closed(&mut self, ms: u32, clients: usize, capacity: f64) {
             for _ in 0..ms {
-                self.arrive(clients.saturating_sub(self.working));
+                self.arrive(clients.saturating_sub(self.working()));
                 self.serve(capacity);
             }
         }
@@ -688,12 +723,12 @@ mod tests {
             s.run(1, 8000.0, 2000.0);
             waited += 1;
         }
-        assert!(waited <= 50, "limiting after {waited} ms, {} working", s.working);
+        assert!(waited <= 50, "limiting after {waited} ms, {} working", s.working());
         // At a quarter of the work then (more than the 8 it ends within
         // tolerance: 2000/s × 2 × 2 ms); the windows cut it from there.
-        assert!(s.g.limit() <= s.working / 4 + 1, "{} working: {:?}", s.working, s.g);
+        assert!(s.g.limit() <= s.working() / 4 + 1, "{} working: {:?}", s.working(), s.g);
         s.run(2000, 8000.0, 2000.0);
-        assert!(s.g.limiting() && s.working <= 64, "the queue stays bounded: {} working, {:?}", s.working, s.g);
+        assert!(s.g.limiting() && s.working() <= 64, "the queue stays bounded: {} working, {:?}", s.working(), s.g);
     }
 
     #[test]
@@ -730,31 +765,10 @@ mod tests {
     /// 100 ms the turns ending are only the old demand's.
     #[test]
     fn more_demand_on_a_gateway_with_room_is_not_a_surge() {
-        let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
-        let (mut working, mut due, mut shed) = (std::collections::VecDeque::new(), 0.0, 0);
-        for (ms, rate) in [(2000, 200.0), (3000, 1000.0)] {
-            for _ in 0..ms {
-                due += rate / 1000.0;
-                while due >= 1.0 {
-                    due -= 1.0;
-                    g.arriving(now, working.len());
-                    if g.limiting() && working.len() >= g.limit() {
-                        shed += 1;
-                    } else {
-                        working.push_back(now);
-                        g.busy(working.len());
-                        g.admitted();
-                    }
-                }
-                while working.front().is_some_and(|t| now.duration_since(*t) >= Duration::from_millis(100)) {
-                    g.ending(now, working.len());
-                    let t = working.pop_front().unwrap();
-                    g.sample(now.duration_since(t), now, working.len());
-                }
-                now += Duration::from_millis(1);
-            }
-        }
-        assert!(shed == 0 && !g.limiting(), "{shed} shed: {g:?}");
+        let mut s = Sim::cold();
+        s.run_fixed(2000, 200.0, Duration::from_millis(100));
+        s.run_fixed(3000, 1000.0, Duration::from_millis(100));
+        assert!(s.shed == 0 && !s.g.limiting(), "{} shed: {:?}", s.shed, s.g);
     }
 
     /// One window of `n` samples at `working` turns.
