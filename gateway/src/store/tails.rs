@@ -109,23 +109,23 @@ pub(super) fn take(tails: &Mutex<Tails>, session_id: &str) -> Option<Cached> {
 
 /// What a read leaves: `newer` (oldest first) after the cached tail it met
 /// (`older`), or alone when it met none; kept for the next read, and handed
-/// out.
+/// out. A tail that was met is a session read again: it is protected.
 pub(super) fn keep(
     tails: &Mutex<Tails>,
     session_id: &str,
     older: Option<Cached>,
     newer: Vec<pb::TranscriptEntry>,
 ) -> Arc<Tail> {
-    let tail = match older {
+    let (tail, segment) = match older {
         Some(mut older) => {
             older.extend(newer);
-            older
+            (older, Segment::Protected)
         }
-        None => Cached::measure(newer),
+        None => (Cached::measure(newer), Segment::Probation),
     };
     let answer = tail.entries.clone();
     if let Ok(mut t) = tails.lock() {
-        t.put(session_id, tail);
+        t.put(session_id, tail, segment);
     }
     answer
 }
@@ -145,20 +145,43 @@ fn cost(tail: &Tail) -> usize {
     heap_cost(tail) + tail.bookkeeping_bytes()
 }
 
+/// Which of two least-recently-used lists a tail is on (a segmented LRU).
+/// A tail read from the store is on probation; one a read met again (the
+/// session read twice while cached) is protected. Room is made on
+/// probation first, and protected tails hold at most 4/5 of the bound, the
+/// oldest going back on probation past it. Under plain LRU a burst of
+/// one-turn sessions evicted every long session's tail, and sessions read
+/// in strict turn whose tails outgrew the bound never hit; now the burst
+/// evicts among itself, and the protected tails keep hitting.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum Segment {
+    Probation,
+    Protected,
+}
+
+/// The share of the bound protected tails may hold: the rest leaves room
+/// for new sessions to be read twice and so join them.
+const PROTECTED_PER_FIVE: usize = 4;
+
 struct Slot {
     entries: Arc<Tail>,
     bytes: usize,
-    /// When it was stored: `order` entries with another number are stale.
+    segment: Segment,
+    /// When it was stored: list entries with another number are stale.
     stored: u64,
 }
+
+/// (session, when stored), oldest first; stale pairs are skipped.
+type Order = VecDeque<(String, u64)>;
 
 pub(super) struct Tails {
     /// The bound on `bytes`; a single tail over a quarter of it is not kept.
     max_bytes: usize,
     by_session: HashMap<String, Slot>,
-    /// (session, when stored), oldest first; stale pairs are skipped.
-    order: VecDeque<(String, u64)>,
+    probation: Order,
+    protected: Order,
     bytes: usize,
+    protected_bytes: usize,
     clock: u64,
 }
 
@@ -170,7 +193,15 @@ impl Default for Tails {
 
 impl Tails {
     pub(super) fn new(max_bytes: usize) -> Self {
-        Self { max_bytes, by_session: HashMap::new(), order: VecDeque::new(), bytes: 0, clock: 0 }
+        Self {
+            max_bytes,
+            by_session: HashMap::new(),
+            probation: VecDeque::new(),
+            protected: VecDeque::new(),
+            bytes: 0,
+            protected_bytes: 0,
+            clock: 0,
+        }
     }
 
     /// Bounded to `mib` MiB of estimated heap (`store.tailCacheMiB`).
@@ -183,31 +214,73 @@ impl Tails {
     pub(super) fn take(&mut self, session_id: &str) -> Option<Cached> {
         let tail = self.by_session.remove(session_id)?;
         self.bytes -= tail.bytes + bookkeeping(session_id);
+        if tail.segment == Segment::Protected {
+            self.protected_bytes -= tail.bytes + bookkeeping(session_id);
+        }
         Some(Cached { entries: tail.entries, bytes: tail.bytes })
     }
 
-    pub(super) fn put(&mut self, session_id: &str, tail: Cached) {
+    pub(super) fn put(&mut self, session_id: &str, tail: Cached, segment: Segment) {
         let Cached { entries, bytes } = tail;
         self.take(session_id);
         let cost = bytes + bookkeeping(session_id);
         if cost > self.max_bytes / 4 {
             return;
         }
+        // Room: probation's oldest first, then protected's.
         while self.bytes + cost > self.max_bytes {
-            let Some((oldest, stored)) = self.order.pop_front() else { break };
-            if self.by_session.get(&oldest).is_some_and(|t| t.stored == stored) {
-                self.take(&oldest);
+            let Some(oldest) = self.oldest(Segment::Probation).or_else(|| self.oldest(Segment::Protected)) else {
+                break;
+            };
+            self.take(&oldest);
+        }
+        self.store(session_id.to_owned(), Slot { entries, bytes, segment, stored: 0 });
+        // Protected past its share: its oldest go back on probation (newest
+        // there), where the next new tails evict them unless read first.
+        while self.protected_bytes > self.max_bytes / 5 * PROTECTED_PER_FIVE {
+            let Some(oldest) = self.oldest(Segment::Protected) else { break };
+            let Some(t) = self.take(&oldest) else { break };
+            let slot = Slot { entries: t.entries, bytes: t.bytes, segment: Segment::Probation, stored: 0 };
+            self.store(oldest, slot);
+        }
+        // Stale pairs are bounded by the live ones.
+        if self.probation.len() + self.protected.len() > 2 * self.by_session.len() + 64 {
+            let live = &self.by_session;
+            let is_live = |(s, stored): &(String, u64)| live.get(s).is_some_and(|t| t.stored == *stored);
+            self.probation.retain(is_live);
+            self.protected.retain(is_live);
+        }
+    }
+
+    /// Stores `slot` as the newest of its segment.
+    fn store(&mut self, session_id: String, mut slot: Slot) {
+        let cost = slot.bytes + bookkeeping(&session_id);
+        self.clock += 1;
+        slot.stored = self.clock;
+        self.bytes += cost;
+        let order = match slot.segment {
+            Segment::Probation => &mut self.probation,
+            Segment::Protected => {
+                self.protected_bytes += cost;
+                &mut self.protected
+            }
+        };
+        order.push_back((session_id.clone(), self.clock));
+        self.by_session.insert(session_id, slot);
+    }
+
+    /// Pops the segment's least recently stored live tail's session.
+    fn oldest(&mut self, segment: Segment) -> Option<String> {
+        let order = match segment {
+            Segment::Probation => &mut self.probation,
+            Segment::Protected => &mut self.protected,
+        };
+        while let Some((session, stored)) = order.pop_front() {
+            if self.by_session.get(&session).is_some_and(|t| t.stored == stored) {
+                return Some(session);
             }
         }
-        self.clock += 1;
-        self.bytes += cost;
-        self.by_session.insert(session_id.to_owned(), Slot { entries, bytes, stored: self.clock });
-        self.order.push_back((session_id.to_owned(), self.clock));
-        // Stale pairs are bounded by the live ones.
-        if self.order.len() > 2 * self.by_session.len() + 64 {
-            let live = &self.by_session;
-            self.order.retain(|(s, stored)| live.get(s).is_some_and(|t| t.stored == *stored));
-        }
+        None
     }
 
     /// Drops the sessions' tails (they were deleted).
@@ -231,22 +304,77 @@ mod tests {
         Cached::measure(vec![pb::TranscriptEntry { id: "x".repeat(bytes), ..Default::default() }])
     }
 
+    /// Reads `session` as a store read does: a cached tail it meets comes
+    /// back protected, unless `plain` (every tail on probation: plain LRU).
+    fn read(t: &mut Tails, session: &str, bytes: usize, plain: bool) -> bool {
+        let hit = t.take(session).is_some();
+        let segment = if hit && !plain { Segment::Protected } else { Segment::Probation };
+        t.put(session, tail(bytes), segment);
+        hit
+    }
+
     #[test]
     fn the_least_recently_stored_tails_go_first_and_a_fresh_one_stays() {
         let mut t = Tails::default();
         let quarter = DEFAULT_MAX_BYTES / 4 - 1024;
         for round in 0..5 {
-            // "hot" is stored again every round; the others once each.
-            t.put("hot", tail(quarter));
-            t.put(&format!("cold-{round}"), tail(quarter));
+            // "hot" is read every round; the others once each.
+            read(&mut t, "hot", quarter, false);
+            read(&mut t, &format!("cold-{round}"), quarter, false);
         }
-        assert!(t.take("hot").is_some(), "the most recently stored tail was evicted");
+        assert!(t.take("hot").is_some(), "the tail read every round was evicted");
         assert!(t.take("cold-0").is_none() && t.take("cold-4").is_some());
         assert!(t.bytes <= DEFAULT_MAX_BYTES);
-        t.put("gone", tail(10));
+        t.put("gone", tail(10), Segment::Probation);
         t.forget(&["gone".to_owned()]);
         assert!(t.take("gone").is_none());
-        assert!(t.len() <= 4 && t.order.len() <= 2 * t.len() + 64);
+        assert!(t.len() <= 4 && t.probation.len() + t.protected.len() <= 2 * t.len() + 64);
+    }
+
+    #[test]
+    fn a_burst_of_new_sessions_leaves_the_ones_read_again_cached() {
+        // How many of three sessions read twice are still cached after 500
+        // sessions read once, each 1 % of the bound.
+        let left = |plain: bool| {
+            let mut t = Tails::default();
+            let fifth = DEFAULT_MAX_BYTES / 5 - 1024;
+            for _ in 0..2 {
+                for hot in ["a", "b", "c"] {
+                    read(&mut t, hot, fifth, plain);
+                }
+            }
+            for new in 0..500 {
+                read(&mut t, &format!("new-{new}"), DEFAULT_MAX_BYTES / 100, plain);
+            }
+            assert!(t.bytes <= DEFAULT_MAX_BYTES);
+            ["a", "b", "c"].iter().filter(|hot| t.take(hot).is_some()).count()
+        };
+        assert_eq!((left(false), left(true)), (3, 0));
+    }
+
+    /// 15 sessions read in turn, each read a little longer, until together
+    /// they are over twice the bound. Plain LRU evicts each tail just
+    /// before it is read again: once they outgrow the bound, nothing hits.
+    #[test]
+    fn sessions_read_in_turn_past_the_bound_still_hit() {
+        let hits = |plain: bool| {
+            let mut t = Tails::default();
+            let mut late = 0;
+            for round in 0..9 {
+                for s in 0..15 {
+                    let bytes = (round + 1) * DEFAULT_MAX_BYTES / 60;
+                    if read(&mut t, &format!("s{s}"), bytes, plain) && round >= 5 {
+                        late += 1;
+                    }
+                }
+                assert!(t.bytes <= DEFAULT_MAX_BYTES && t.protected_bytes <= DEFAULT_MAX_BYTES / 5 * 4);
+            }
+            late
+        };
+        let (segmented, plain) = (hits(false), hits(true));
+        assert_eq!(plain, 0);
+        // Four rounds, the protected share holding ~5 of the late tails.
+        assert!(segmented >= 4 * 4, "{segmented} hits in the last four rounds");
     }
 
     #[test]
