@@ -86,6 +86,8 @@ impl Gateway for Api {
         let busy = busy_policy(r.busy_policy, "busy_policy")?;
         let mut turn = ManagedTurn::new(agent, key, r.message, r.system_prompt, busy)?;
         turn.trace = trace;
+        // Refused before the turn's task and stream exist (see `Core::admit`).
+        let admission = self.core.admit()?;
         let cancel = self.core.call_token();
         let (out, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
         let (core, work) = (self.core.clone(), cancel.clone());
@@ -94,7 +96,7 @@ impl Gateway for Api {
             let events: crate::core::types::EventSink = Arc::new(move |e| {
                 turn_events(e, |event| sink.push(api::TurnEvent { event: Some(event) }));
             });
-            match core.run_managed(turn, events, work).await {
+            match core.run_managed(turn, events, work, admission).await {
                 Ok(TurnEnd::Completed { entry_id, text, usage }) => {
                     let done = api::Completed { entry_id, text, usage: Some(usage) };
                     out.push_kept(api::TurnEvent { event: Some(api::turn_event::Event::Completed(done)) });

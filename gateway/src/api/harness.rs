@@ -164,7 +164,8 @@ impl Drive {
         };
         let spec = TurnSpec { trace: self.trace, ..turn_spec(&self.core, begin)? };
         let assembles = spec.host.has(Capability::AssembleBeforePrompt);
-        let mut turn = match self.core.begin(spec, self.sink(), self.out.cancel.clone()).await? {
+        let admission = self.core.admit()?;
+        let mut turn = match self.core.begin(spec, self.sink(), self.out.cancel.clone(), admission).await? {
             Begun::Open(t) => t,
             Begun::Failed(f) => {
                 self.out.answer(H::Failed(failed(f))).await?;

@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::core::admission::Permit;
 use crate::core::turn::{Begun, MAX_OVERFLOW_COMPACTIONS, StepError, Turn};
 use crate::core::types::{
     BusyPolicy, Driver, EventSink, Failure, FailureReason, HostProfile, Outcome, Trigger, TurnEvent, TurnSpec,
@@ -80,6 +81,7 @@ impl Core {
         req: ManagedTurn,
         events: EventSink,
         cancel: CancellationToken,
+        admission: Permit,
     ) -> Result<TurnEnd, CoreError> {
         let system = req.system_prompt.clone();
         let spec = TurnSpec {
@@ -94,7 +96,7 @@ impl Core {
             busy: req.busy,
             trace: req.trace,
         };
-        let turn = match self.begin(spec, events.clone(), cancel).await? {
+        let turn = match self.begin(spec, events.clone(), cancel, admission).await? {
             Begun::Open(t) => t,
             Begun::Failed(f) => return Ok(TurnEnd::Failed(f)),
         };

@@ -111,27 +111,36 @@ pub struct Turn {
 }
 
 impl Core {
-    /// Begins a turn: waits for the session under the spec's busy policy
-    /// (a cancel while waiting leaves no trace), leases the engine (host
-    /// requirements: the managed driver degrades, a harness fails closed
-    /// before admission), admits the user messages, delivers the session's
+    /// Admission control: a permit for one turn, or shed at once over the
+    /// limit. Callers ask before any work of the turn, before they spawn
+    /// its task or open its stream: under overload most turns are refused,
+    /// and a refusal that had a task and a stream set up first took the
+    /// CPU the admitted turns needed.
+    pub fn admit(&self) -> Result<Permit, CoreError> {
+        let admission = self.admission.try_admit().map_err(|shed| {
+            self.metrics.turns_shed.inc();
+            self.metrics.turn_limit.set(shed.limit as i64);
+            CoreError::Overloaded(shed)
+        })?;
+        self.metrics.turn_limit.set(admission.limit() as i64);
+        Ok(admission)
+    }
+
+    /// Begins a turn under its `admission` ([`Core::admit`]): waits for
+    /// the session under the spec's busy policy (a cancel while waiting
+    /// leaves no trace), leases the engine (host requirements: the managed
+    /// driver degrades, a harness fails closed before admission), admits the user messages, delivers the session's
     /// queued durable commits, bootstraps and compacts proactively.
     pub async fn begin(
         self: &Arc<Self>,
         spec: TurnSpec,
         events: EventSink,
         cancel: CancellationToken,
+        mut admission: Permit,
     ) -> Result<Begun, CoreError> {
         // The turn is a span of the client's trace (or of a new one); every
         // engine call of the turn is a span of its own under it.
         let mut trace = TurnTrace::start(spec.trace);
-        // Admission control: shed at once over the limit, before any work.
-        let mut admission = self.admission.try_admit().map_err(|shed| {
-            self.metrics.turns_shed.inc();
-            self.metrics.turn_limit.set(shed.limit as i64);
-            CoreError::Overloaded(shed)
-        })?;
-        self.metrics.turn_limit.set(admission.limit() as i64);
         let session = self
             .store
             .session(&spec.agent_id, &spec.session_key, true)
