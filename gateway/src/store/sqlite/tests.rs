@@ -7,6 +7,7 @@ use ctxgate_proto::pb::{
     self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
 };
 use prost::Message as _;
+use rusqlite::params;
 
 use super::schema::{MIGRATIONS, SCHEMA_V1};
 use crate::store::{NewEntry, Outbox, Session, Sessions, StoreError, Transcript, TurnClose};
@@ -215,4 +216,86 @@ async fn a_cached_statement_is_not_planned_again_for_each_binding() {
         .await
         .unwrap();
     assert_eq!(reprepared, 0);
+}
+
+/// A database of schema 5 (entries in rowid order) is rebuilt clustered by
+/// session and seq: every branch reads back the same, appends go on, and
+/// the table has no rowid any more.
+#[tokio::test]
+async fn entries_of_schema_5_are_clustered_by_session_and_read_the_same() {
+    type Row = (String, i64, String, Option<String>, i64, Vec<u8>);
+    // Two sessions' entries written interleaved, and one rewound branch.
+    let (_dir, store, a) = fixture().await;
+    let b = store.session("main", "k2", true).await.unwrap().unwrap();
+    for i in 0..20 {
+        store.append(&a.session_id, vec![user(&format!("a{i}"))]).await.unwrap();
+        store.append(&b.session_id, vec![user(&format!("b{i}"))]).await.unwrap();
+    }
+    store.open_turn(&a.session_id, "t", vec![user("prompt")], None).await.unwrap();
+    store.append(&a.session_id, vec![user("abandoned reply")]).await.unwrap();
+    store.close_turn(&a.session_id, TurnClose::Rewind).await.unwrap();
+    store.append(&a.session_id, vec![user("after the rewind")]).await.unwrap();
+    let before = [store.branch(&a.session_id).await.unwrap(), store.branch(&b.session_id).await.unwrap()];
+    let (sessions, rows) = store
+        .db
+        .read(|c| {
+            let sessions: Vec<(String, String, Option<String>, i64)> = c
+                .prepare("SELECT session_id, session_key, leaf_id, next_seq FROM sessions")?
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))?
+                .collect::<Result<_, _>>()?;
+            let rows: Vec<Row> = c
+                .prepare("SELECT session_id, seq, id, parent_id, kind, body FROM entries ORDER BY id")?
+                .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?)))?
+                .collect::<Result<_, _>>()?;
+            Ok((sessions, rows))
+        })
+        .await
+        .unwrap();
+    drop(store);
+
+    let old = tempfile::tempdir().unwrap();
+    {
+        let mut c = Connection::open(old.path().join(DB_FILE)).unwrap();
+        let tx = c.transaction().unwrap();
+        for sql in &MIGRATIONS[..5] {
+            tx.execute_batch(sql).unwrap();
+        }
+        tx.pragma_update(None, "user_version", 5).unwrap();
+        for (id, key, leaf, next) in &sessions {
+            tx.execute(
+                "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms, leaf_id, next_seq)
+                 VALUES (?1, 'main', ?2, 'active', 1, ?3, ?4)",
+                params![id, key, leaf, next],
+            )
+            .unwrap();
+        }
+        for (session, seq, id, parent, kind, body) in &rows {
+            tx.execute(
+                "INSERT INTO entries (id, session_id, parent_id, seq, kind, body) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                params![id, session, parent, seq, kind, body],
+            )
+            .unwrap();
+        }
+        tx.commit().unwrap();
+    }
+    let store = SqliteStore::open(old.path()).unwrap();
+    let after = [store.branch(&a.session_id).await.unwrap(), store.branch(&b.session_id).await.unwrap()];
+    assert_eq!(after, before);
+    let rows_of_a = rows.iter().filter(|r| r.0 == a.session_id).count();
+    assert_eq!((rows_of_a, after[0].len()), (23, 22), "the rewound reply is off the branch");
+    let tail = store.visible_tail(&b.session_id).await.unwrap();
+    assert_eq!(tail.len(), 20);
+    let appended = store.append(&b.session_id, vec![user("b20")]).await.unwrap();
+    assert_eq!(appended[0].seq, 21);
+    assert_eq!(store.branch(&b.session_id).await.unwrap().len(), 21);
+    let (count, rowid) = store
+        .db
+        .read(|c| {
+            let count: i64 = c.query_row("SELECT COUNT(*) FROM entries", [], |r| r.get(0))?;
+            Ok((count, c.prepare("SELECT rowid FROM entries").map(|_| ()).is_err()))
+        })
+        .await
+        .unwrap();
+    assert_eq!(count, rows.len() as i64 + 1);
+    assert!(rowid, "the rebuilt table is WITHOUT ROWID");
 }

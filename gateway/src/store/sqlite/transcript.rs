@@ -132,9 +132,9 @@ const OFF_BRANCH_ROWS: usize = 256;
 
 /// Feeds `walk` from one scan of the session's entries, newest first: an
 /// entry's parent was always written before it, so the branch comes in
-/// order, each entry read where the index already is instead of looked up
-/// by id (on a cache miss, a long session's read was a lookup in a
-/// random-ordered index per entry). Rows of abandoned branches (rewinds,
+/// order, read from the session's own pages (the table is clustered by
+/// session and seq) instead of looked up by id (on a cache miss, a long
+/// session's read was a lookup per entry). Rows of abandoned branches (rewinds,
 /// rewrites) are passed over without decoding; a session with many gives
 /// the rest of the walk to lookups by id.
 fn scan_branch(c: &Connection, session_id: &str, walk: &mut TailWalk) -> Result<(), StoreError> {
