@@ -110,11 +110,15 @@ async function begin(state: ServiceState, method: Method, call: AnyCall, host: p
   if (deadlineMs !== undefined) {
     timer = setTimeout(() => abort.abort(EngineError.deadlineExceeded()), Math.max(0, deadlineMs - Date.now()));
   }
+  // The caller's deadline passes before ours: its clock started when it
+  // sent the call, ours when the call's headers were read (later by the
+  // time the call waited in a busy event loop), and the caller's cancel
+  // at its deadline reaches us before our own timer fires. A cancel within
+  // a quarter of the call's time (10 to 250 ms) of the deadline is the
+  // deadline.
+  const slackMs = deadlineMs === undefined ? 0 : Math.min(250, Math.max(10, (deadlineMs - Date.now()) / 4));
   const onCancel = () => {
-    // grpc-js ends a call at its deadline with its own timer, which can fire
-    // a millisecond before the clock reads the deadline: a cancel that
-    // close to it is the deadline.
-    const over = deadlineMs !== undefined && Date.now() >= deadlineMs - 10;
+    const over = deadlineMs !== undefined && Date.now() >= deadlineMs - slackMs;
     abort.abort(over ? EngineError.deadlineExceeded() : EngineError.cancelled());
   };
   call.on("cancelled", onCancel);

@@ -117,7 +117,7 @@ describe("server", () => {
     assert.ok(entry.remainingMs !== undefined && entry.remainingMs <= 200 && entry.remainingMs > 0, `remaining ${entry.remainingMs}`);
     assert.equal((await r).err?.code, grpc.status.DEADLINE_EXCEEDED);
     for (let i = 0; i < 50 && entry.abortedAt === undefined; i++) await sleep(5);
-    assert.ok(entry.aborted instanceof EngineError && entry.aborted.code === grpc.status.DEADLINE_EXCEEDED);
+    assert.ok(entry.aborted instanceof EngineError && entry.aborted.code === grpc.status.DEADLINE_EXCEEDED, `aborted with ${entry.aborted}`);
   });
 
   test("a thrown error is INTERNAL for that call only, without its detail; the server goes on", async () => {
