@@ -23,6 +23,8 @@ mod host;
 pub mod otlp;
 mod server;
 mod service;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 pub mod testkit;
 pub mod tls;
 

@@ -72,7 +72,7 @@ impl WindowEngine {
         key: Option<&str>,
     ) -> Result<Option<u64>, EngineError> {
         let sid = session_id.to_owned();
-        if self.store.run(move |c| store::session_known(c, &sid)).await? {
+        if self.store.read(move |c| store::session_known(c, &sid)).await? {
             return Ok(None);
         }
         let Some(host) = ctx.host().filter(|h| h.allows(READ_TRANSCRIPT) && h.session_id() == session_id) else {
@@ -100,12 +100,9 @@ impl WindowEngine {
     ) -> Result<u64, EngineError> {
         let (sid, key) = (session_id.to_owned(), key.map(str::to_owned));
         self.store
-            .run(move |c| {
-                let tx = c.transaction()?;
-                store::touch_session(&tx, &sid, key.as_deref(), None)?;
-                let n = store::insert_messages(&tx, &sid, &messages)?;
-                tx.commit()?;
-                Ok(n)
+            .write(move |c| {
+                store::touch_session(c, &sid, key.as_deref(), None)?;
+                store::insert_messages(c, &sid, &messages)
             })
             .await
     }
@@ -137,7 +134,7 @@ impl WindowEngine {
         let sid = session_id.to_owned();
         let (prev, pending) = self
             .store
-            .run(move |c| {
+            .read(move |c| {
                 let s = store::summary(c, &sid)?;
                 let pending = store::messages_after(c, &sid, s.covered_seq)?;
                 Ok((s, pending))
@@ -192,7 +189,7 @@ impl WindowEngine {
         let next =
             Summary { text, covered_seq: pending[cut - 1].seq, first_kept_id: messages.get(cut).map(|m| m.id.clone()) };
         let (sid, saved) = (session_id.to_owned(), next.clone());
-        self.store.run(move |c| store::set_summary(c, &sid, &saved)).await?;
+        self.store.write(move |c| store::set_summary(c, &sid, &saved)).await?;
         if let Some(p) = progress {
             p.report("summarising", total, total, "summary saved").await?;
         }
@@ -277,7 +274,7 @@ impl ContextEngine for WindowEngine {
         // summary covers.
         let (summary, own, covered) = self
             .store
-            .run(move |c| {
+            .read(move |c| {
                 let s = store::summary(c, &sid)?;
                 let Some(k) = cursor else {
                     let covered = store::covered_ids(c, &sid, s.covered_seq)?;
@@ -350,14 +347,12 @@ impl ContextEngine for WindowEngine {
         let (sid, key) = (req.session_id.clone(), req.session_key.clone());
         let committed = self
             .store
-            .run(move |c| {
-                let tx = c.transaction()?;
-                store::touch_session(&tx, &req.session_id, req.session_key.as_deref(), None)?;
-                let fresh = store::record_commit(&tx, &req.session_id, &req.advancement_key)?;
+            .write(move |c| {
+                store::touch_session(c, &req.session_id, req.session_key.as_deref(), None)?;
+                let fresh = store::record_commit(c, &req.session_id, &req.advancement_key)?;
                 if fresh {
-                    store::insert_messages(&tx, &req.session_id, &req.messages)?;
+                    store::insert_messages(c, &req.session_id, &req.messages)?;
                 }
-                tx.commit()?;
                 Ok(fresh)
             })
             .await?;
@@ -372,22 +367,20 @@ impl ContextEngine for WindowEngine {
         let (keep, limit) = (self.config.keep_turns.max(1), self.config.max_tool_result_bytes);
         let replacements = self
             .store
-            .run(move |c| {
-                let tx = c.transaction()?;
+            .write(move |c| {
                 // Only what the summary does not cover yet: older messages
                 // were looked at when they left the kept turns.
-                let covered = store::summary(&tx, &req.session_id)?.covered_seq;
+                let covered = store::summary(c, &req.session_id)?.covered_seq;
                 let all: Vec<AgentMessage> =
-                    store::messages_after(&tx, &req.session_id, covered)?.into_iter().map(|s| s.message).collect();
+                    store::messages_after(c, &req.session_id, covered)?.into_iter().map(|s| s.message).collect();
                 let cut = turns::keep_last_turns(&all, keep);
                 let mut out = Vec::new();
                 for m in &all[..cut] {
                     if let Some(new) = elide_tool_results(m, limit) {
-                        store::replace_message(&tx, &req.session_id, &new)?;
+                        store::replace_message(c, &req.session_id, &new)?;
                         out.push(pb::TranscriptReplacement { entry_id: new.id.clone(), message: Some(new) });
                     }
                 }
-                tx.commit()?;
                 Ok(out)
             })
             .await?;
@@ -417,24 +410,23 @@ impl ContextEngine for WindowEngine {
         let expires = req.ttl_ms.map(|t| now_ms().saturating_add(t as i64));
         let tok = token.clone();
         self.store
-            .run(move |c| {
-                let tx = c.transaction()?;
+            .write(move |c| {
                 let parent = match req.parent_session_id.clone() {
                     Some(id) => Some(id),
-                    None => store::session_by_key(&tx, &req.parent_session_key)?,
+                    None => store::session_by_key(c, &req.parent_session_key)?,
                 };
                 let child = req.child_session_id.clone().unwrap_or_else(|| req.child_session_key.clone());
-                store::touch_session(&tx, &child, Some(&req.child_session_key), None)?;
+                store::touch_session(c, &child, Some(&req.child_session_key), None)?;
                 if let Some(parent) = parent {
                     // The child starts from the parent's summary and tail.
-                    let s = store::summary(&tx, &parent)?;
+                    let s = store::summary(c, &parent)?;
                     let pending: Vec<AgentMessage> =
-                        store::messages_after(&tx, &parent, s.covered_seq)?.into_iter().map(|m| m.message).collect();
+                        store::messages_after(c, &parent, s.covered_seq)?.into_iter().map(|m| m.message).collect();
                     let tail = &pending[turns::keep_last_turns(&pending, keep)..];
-                    store::insert_messages(&tx, &child, tail)?;
+                    store::insert_messages(c, &child, tail)?;
                     if !s.text.is_empty() {
                         store::set_summary(
-                            &tx,
+                            c,
                             &child,
                             &Summary {
                                 text: s.text,
@@ -444,8 +436,8 @@ impl ContextEngine for WindowEngine {
                         )?;
                     }
                 }
-                store::add_spawn(&tx, &tok, &child, expires)?;
-                tx.commit()
+                store::add_spawn(c, &tok, &child, expires)?;
+                Ok(())
             })
             .await?;
         Ok(pb::PrepareSubagentSpawnResult { prepared: true, rollback_token: Some(token) })
@@ -457,12 +449,11 @@ impl ContextEngine for WindowEngine {
         req: pb::RollbackSubagentSpawnRequest,
     ) -> Result<pb::RollbackSubagentSpawnResult, EngineError> {
         self.store
-            .run(move |c| {
-                let tx = c.transaction()?;
-                if let Some(child) = store::take_spawn(&tx, &req.rollback_token)? {
-                    store::delete_session(&tx, &child)?;
+            .write(move |c| {
+                if let Some(child) = store::take_spawn(c, &req.rollback_token)? {
+                    store::delete_session(c, &child)?;
                 }
-                tx.commit()
+                Ok(())
             })
             .await?;
         Ok(pb::RollbackSubagentSpawnResult {})
@@ -476,22 +467,21 @@ impl ContextEngine for WindowEngine {
         use pb::SubagentEndReason as R;
         let forget = matches!(R::try_from(req.reason), Ok(R::Deleted | R::Swept));
         self.store
-            .run(move |c| {
-                let tx = c.transaction()?;
+            .write(move |c| {
                 // A spawn prepared before the child had a session id keeps
                 // the child under its key; its turns then add a session
                 // with the real id. Both are the child.
-                let mut children = store::sessions_by_key(&tx, &req.child_session_key)?;
+                let mut children = store::sessions_by_key(c, &req.child_session_key)?;
                 if !children.contains(&req.child_session_key) {
                     children.push(req.child_session_key.clone());
                 }
                 for child in &children {
-                    store::drop_spawns_of(&tx, child)?;
+                    store::drop_spawns_of(c, child)?;
                     if forget {
-                        store::delete_session(&tx, child)?;
+                        store::delete_session(c, child)?;
                     }
                 }
-                tx.commit()
+                Ok(())
             })
             .await?;
         Ok(pb::OnSubagentEndedResult {})
@@ -503,11 +493,10 @@ impl ContextEngine for WindowEngine {
         req: pb::ForgetSessionRequest,
     ) -> Result<pb::ForgetSessionResult, EngineError> {
         self.store
-            .run(move |c| {
-                let tx = c.transaction()?;
-                store::drop_spawns_of(&tx, &req.session_id)?;
-                store::delete_session(&tx, &req.session_id)?;
-                tx.commit()
+            .write(move |c| {
+                store::drop_spawns_of(c, &req.session_id)?;
+                store::delete_session(c, &req.session_id)?;
+                Ok(())
             })
             .await?;
         Ok(pb::ForgetSessionResult {})
@@ -518,7 +507,7 @@ impl ContextEngine for WindowEngine {
     }
 
     async fn dispose(&self, _ctx: &CallContext) -> Result<pb::DisposeResult, EngineError> {
-        self.store.run(|c| c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE);")).await?;
+        self.store.read(|c| c.execute_batch("PRAGMA wal_checkpoint(TRUNCATE);")).await?;
         Ok(pb::DisposeResult {})
     }
 }

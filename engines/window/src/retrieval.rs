@@ -73,7 +73,7 @@ pub async fn call(store: &Store, req: pb::CallToolRequest) -> Result<pb::CallToo
                 return Ok(tool_error("The query has no words to search for."));
             };
             let shown = query.to_owned();
-            let hits = store.run(move |c| store::search(c, &session_id, &fts, limit)).await?;
+            let hits = store.read(move |c| store::search(c, &session_id, &fts, limit)).await?;
             Ok(tool_text(render_hits(&shown, &hits)))
         }
         READ => {
@@ -85,7 +85,7 @@ pub async fn call(store: &Store, req: pb::CallToolRequest) -> Result<pb::CallToo
                 return Ok(tool_error("\"to_seq\" must not be below \"from_seq\"."));
             }
             let found =
-                store.run(move |c| store::messages_between(c, &session_id, from, to, MAX_READ_MESSAGES)).await?;
+                store.read(move |c| store::messages_between(c, &session_id, from, to, MAX_READ_MESSAGES)).await?;
             Ok(tool_text(render_messages(from, to, &found)))
         }
         other => Ok(tool_error(format!("There is no tool {other:?}; this engine offers {SEARCH} and {READ}."))),

@@ -1,12 +1,23 @@
 //! The engine's own state: one SQLite file (WAL) under `--state-dir`, rows
-//! keyed by session. Every method is blocking; the engine calls them through
-//! [`Store::run`], which moves the work off the async runtime.
+//! keyed by session. The functions here are blocking; the engine calls them
+//! through [`Store::read`] and [`Store::write`], which run them on the
+//! store's one thread.
+//!
+//! That thread (`ctxgate_engine_sdk::sqlite::Worker`) owns the connection
+//! and group-commits writes: the writes queued while it was busy share the
+//! next transaction and its one fsync, which with many sessions committing
+//! turns at once is most of what a commit costs. Each write runs in its own
+//! savepoint, so a write that fails is rolled back alone; no write answers
+//! before its batch's COMMIT returned, so a COMMITTED answer still means
+//! durable. Reads run between batches and so never see a write that might
+//! still roll back.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use ctxgate_engine_sdk::extractive::message_text;
 use ctxgate_engine_sdk::pb::AgentMessage;
+use ctxgate_engine_sdk::sqlite;
 use ctxgate_engine_sdk::{EngineError, estimate};
 use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
@@ -68,17 +79,35 @@ pub struct Stored {
     pub message: AgentMessage,
 }
 
+/// A handle to the store's thread (the SDK's group-commit worker).
 #[derive(Clone, Debug)]
 pub struct Store {
-    conn: Arc<Mutex<Connection>>,
+    worker: Arc<sqlite::Worker<Failed>>,
 }
 
 fn internal(e: impl std::fmt::Display) -> EngineError {
     EngineError::internal(e)
 }
 
+/// Why a store call failed, as text: a failed batch's error goes to each of
+/// its writes.
+#[derive(Clone, Debug)]
+struct Failed(String);
+
+impl From<rusqlite::Error> for Failed {
+    fn from(e: rusqlite::Error) -> Self {
+        Self(e.to_string())
+    }
+}
+
+impl sqlite::Failure for Failed {
+    fn worker(message: &str) -> Self {
+        Self(message.into())
+    }
+}
+
 impl Store {
-    /// Opens (or creates) `<dir>/window.sqlite`.
+    /// Opens (or creates) `<dir>/window.sqlite` and starts its thread.
     pub fn open(dir: &Path) -> Result<Self, EngineError> {
         std::fs::create_dir_all(dir).map_err(internal)?;
         let mut conn = Connection::open(dir.join("window.sqlite")).map_err(internal)?;
@@ -100,23 +129,26 @@ impl Store {
         // again was an eighth of the engine's CPU per turn.
         conn.set_prepared_statement_cache_capacity(64);
         conn.set_db_config(rusqlite::config::DbConfig::SQLITE_DBCONFIG_ENABLE_QPSG, true).map_err(internal)?;
-        Ok(Self { conn: Arc::new(Mutex::new(conn)) })
+        let worker = sqlite::Worker::start("window-store", conn, (), |_| ()).map_err(internal)?;
+        Ok(Self { worker: Arc::new(worker) })
     }
 
-    /// Runs `f` on the connection in a blocking task. The task finishes even
-    /// if the call is cancelled, so a transaction is never left half done.
-    pub async fn run<T: Send + 'static>(
+    /// Runs `f` alone on the store's thread, between batches: for reads,
+    /// and for what cannot run inside a transaction (a checkpoint).
+    pub async fn read<T: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Connection) -> rusqlite::Result<T> + Send + 'static,
     ) -> Result<T, EngineError> {
-        let conn = self.conn.clone();
-        tokio::task::spawn_blocking(move || {
-            let mut c = conn.lock().unwrap_or_else(|e| e.into_inner());
-            f(&mut c)
-        })
-        .await
-        .map_err(internal)?
-        .map_err(internal)
+        self.worker.read(move |c| Ok(f(c)?)).await.map_err(|e| internal(e.0))
+    }
+
+    /// Runs `f` in the next batch, in a savepoint of its own (all of `f` or
+    /// none of it is kept), and answers once the batch committed.
+    pub async fn write<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+    ) -> Result<T, EngineError> {
+        self.worker.write(move |c| Ok(f(c)?)).await.map_err(|e| internal(e.0))
     }
 }
 
