@@ -111,6 +111,21 @@ impl WindowEngine {
     /// (AfterTurn or CommitTurn), once enough turns are unsummarised. Best
     /// effort: the turn is already stored; a failure is retried next turn.
     async fn compact_on_schedule(&self, ctx: &CallContext, session_id: &str, key: Option<&str>) {
+        // Most turns are below the threshold: count their user messages
+        // instead of decoding them (each starts a turn, and the first
+        // message may start one more, so under the threshold means fewer
+        // user messages than it).
+        let sid = session_id.to_owned();
+        let users = self.store.read(move |c| store::user_messages_after(c, &sid, store::summary(c, &sid)?.covered_seq));
+        let threshold = (self.config.keep_turns + self.config.auto_compact_after) as u64;
+        match users.await {
+            Ok(n) if n < threshold => return,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(session = session_id, error = %e, "scheduled compaction failed; retried after the next turn");
+                return;
+            }
+        }
         let auto = pb::CompactRequest {
             session_id: session_id.to_owned(),
             session_key: key.unwrap_or_default().to_owned(),
@@ -365,6 +380,19 @@ impl ContextEngine for WindowEngine {
 
     async fn maintain(&self, _ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {
         let (keep, limit) = (self.config.keep_turns.max(1), self.config.max_tool_result_bytes);
+        // Most turns bring nothing to elide: ask the index before decoding.
+        let sid = req.session_id.clone();
+        let oversized = self
+            .store
+            .read(move |c| store::oversized_after(c, &sid, store::summary(c, &sid)?.covered_seq, limit))
+            .await?;
+        if !oversized {
+            return Ok(pb::MaintainResult {
+                changed: false,
+                reason: Some("nothing to elide".into()),
+                ..Default::default()
+            });
+        }
         let replacements = self
             .store
             .write(move |c| {

@@ -16,7 +16,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ctxgate_engine_sdk::extractive::message_text;
-use ctxgate_engine_sdk::pb::AgentMessage;
+use ctxgate_engine_sdk::pb::{AgentMessage, Role, content_part::Part};
 use ctxgate_engine_sdk::sqlite;
 use ctxgate_engine_sdk::{EngineError, estimate};
 use prost::Message as _;
@@ -34,6 +34,9 @@ CREATE TABLE IF NOT EXISTS messages (
     id         TEXT NOT NULL,
     tokens     INTEGER NOT NULL,
     body       BLOB NOT NULL,
+    -- Read from the body, so the checks after each turn need not decode it.
+    role       INTEGER NOT NULL DEFAULT 0,
+    tool_bytes INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (session_id, id)
 );
 CREATE UNIQUE INDEX IF NOT EXISTS messages_by_seq ON messages (session_id, seq);
@@ -60,9 +63,10 @@ CREATE VIRTUAL TABLE IF NOT EXISTS message_text USING fts5(
 );
 ";
 
-/// `PRAGMA user_version` once the full-text index holds every message
-/// (databases from before it are indexed once, at open).
-const INDEXED_VERSION: i64 = 1;
+/// `PRAGMA user_version`: 1 once the full-text index holds every message,
+/// 2 once every message row has its `role` and `tool_bytes`. A database
+/// from before is brought up once, at open.
+const VERSION: i64 = 2;
 
 /// A session's rolling summary: everything up to `covered_seq` is in it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -121,7 +125,7 @@ impl Store {
         conn.pragma_update(None, "temp_store", "MEMORY").map_err(internal)?;
         conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(internal)?;
         conn.execute_batch(SCHEMA).map_err(internal)?;
-        index_all(&mut conn).map_err(internal)?;
+        migrate(&mut conn).map_err(internal)?;
         // Every statement of a turn stays prepared, and is not planned
         // again on each new binding (without the query planner stability
         // guarantee SQLite re-plans a statement whose parameter meets an
@@ -171,28 +175,72 @@ pub fn session_known(c: &Connection, session_id: &str) -> rusqlite::Result<bool>
         .map(|r| r.is_some())
 }
 
-/// Indexes every stored message once, for a database from before the
-/// full-text index.
-fn index_all(c: &mut Connection) -> rusqlite::Result<()> {
+/// Brings a database from an older version up to [`VERSION`], in one
+/// transaction.
+fn migrate(c: &mut Connection) -> rusqlite::Result<()> {
     let version: i64 = c.query_row("PRAGMA user_version", [], |r| r.get(0))?;
-    if version >= INDEXED_VERSION {
+    if version >= VERSION {
         return Ok(());
     }
     let tx = c.transaction()?;
+    if version < 1 {
+        index_all(&tx)?;
+    }
+    if version < 2 {
+        fill_role_and_tool_bytes(&tx)?;
+    }
+    tx.pragma_update(None, "user_version", VERSION)?;
+    tx.commit()
+}
+
+/// Indexes every stored message, for a database from before the full-text
+/// index.
+fn index_all(tx: &Connection) -> rusqlite::Result<()> {
     tx.execute("DELETE FROM message_text", [])?;
-    {
-        let mut rows = tx.prepare("SELECT session_id, seq, body FROM messages")?;
-        let mut add = tx.prepare("INSERT INTO message_text (text, session_id, seq, role) VALUES (?1, ?2, ?3, ?4)")?;
-        let mut all = rows.query([])?;
-        while let Some(r) = all.next()? {
-            let (session_id, seq, body): (String, i64, Vec<u8>) = (r.get(0)?, r.get(1)?, r.get(2)?);
-            if let Ok(m) = AgentMessage::decode(body.as_slice()) {
-                add.execute(params![message_text(&m), session_id, seq, m.role])?;
-            }
+    let mut rows = tx.prepare("SELECT session_id, seq, body FROM messages")?;
+    let mut add = tx.prepare("INSERT INTO message_text (text, session_id, seq, role) VALUES (?1, ?2, ?3, ?4)")?;
+    let mut all = rows.query([])?;
+    while let Some(r) = all.next()? {
+        let (session_id, seq, body): (String, i64, Vec<u8>) = (r.get(0)?, r.get(1)?, r.get(2)?);
+        if let Ok(m) = AgentMessage::decode(body.as_slice()) {
+            add.execute(params![message_text(&m), session_id, seq, m.role])?;
         }
     }
-    tx.pragma_update(None, "user_version", INDEXED_VERSION)?;
-    tx.commit()
+    Ok(())
+}
+
+/// Adds `role` and `tool_bytes` to a table from before them, read from
+/// each body.
+fn fill_role_and_tool_bytes(tx: &Connection) -> rusqlite::Result<()> {
+    if !tx.prepare("SELECT 1 FROM pragma_table_info('messages') WHERE name = 'role'")?.exists([])? {
+        tx.execute_batch(
+            "ALTER TABLE messages ADD COLUMN role INTEGER NOT NULL DEFAULT 0;
+             ALTER TABLE messages ADD COLUMN tool_bytes INTEGER NOT NULL DEFAULT 0;",
+        )?;
+    }
+    let mut rows = tx.prepare("SELECT rowid, body FROM messages")?;
+    let mut set = tx.prepare("UPDATE messages SET role = ?2, tool_bytes = ?3 WHERE rowid = ?1")?;
+    let mut all = rows.query([])?;
+    while let Some(r) = all.next()? {
+        let (rowid, body): (i64, Vec<u8>) = (r.get(0)?, r.get(1)?);
+        if let Ok(m) = AgentMessage::decode(body.as_slice()) {
+            set.execute(params![rowid, m.role, tool_bytes(&m)])?;
+        }
+    }
+    Ok(())
+}
+
+/// The size of the message's largest tool result text (0 without one): what
+/// Maintain compares with its limit.
+pub fn tool_bytes(m: &AgentMessage) -> i64 {
+    m.content
+        .iter()
+        .filter_map(|p| match &p.part {
+            Some(Part::ToolResult(r)) => Some(r.text.len() as i64),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 /// Adds a stored message to the full-text index.
@@ -209,13 +257,14 @@ pub fn insert_messages(c: &Connection, session_id: &str, messages: &[AgentMessag
         .prepare_cached("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = ?1")?
         .query_row([session_id], |r| r.get(0))?;
     let mut stmt = c.prepare_cached(
-        "INSERT INTO messages (session_id, seq, id, tokens, body) VALUES (?1, ?2, ?3, ?4, ?5)
-         ON CONFLICT (session_id, id) DO NOTHING",
+        "INSERT INTO messages (session_id, seq, id, tokens, body, role, tool_bytes)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (session_id, id) DO NOTHING",
     )?;
     let mut added = 0;
     for m in messages {
         let tokens = estimate::message_tokens(m) as i64;
-        let changed = stmt.execute(params![session_id, next + 1, m.id, tokens, m.encode_to_vec()])?;
+        let row = params![session_id, next + 1, m.id, tokens, m.encode_to_vec(), m.role, tool_bytes(m)];
+        let changed = stmt.execute(row)?;
         if changed > 0 {
             next += 1;
             added += 1;
@@ -227,8 +276,17 @@ pub fn insert_messages(c: &Connection, session_id: &str, messages: &[AgentMessag
 
 /// Replaces a stored message's body (same id).
 pub fn replace_message(c: &Connection, session_id: &str, m: &AgentMessage) -> rusqlite::Result<()> {
-    c.prepare_cached("UPDATE messages SET body = ?3, tokens = ?4 WHERE session_id = ?1 AND id = ?2")?
-        .execute(params![session_id, m.id, m.encode_to_vec(), estimate::message_tokens(m) as i64])?;
+    c.prepare_cached(
+        "UPDATE messages SET body = ?3, tokens = ?4, role = ?5, tool_bytes = ?6 WHERE session_id = ?1 AND id = ?2",
+    )?
+    .execute(params![
+        session_id,
+        m.id,
+        m.encode_to_vec(),
+        estimate::message_tokens(m) as i64,
+        m.role,
+        tool_bytes(m)
+    ])?;
     let seq: Option<i64> = c
         .prepare_cached("SELECT seq FROM messages WHERE session_id = ?1 AND id = ?2")?
         .query_row(params![session_id, m.id], |r| r.get(0))
@@ -291,6 +349,22 @@ pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusql
         c.prepare_cached("SELECT seq, body FROM messages WHERE session_id = ?1 AND seq > ?2 ORDER BY seq")?;
     let rows = stmt.query_map(params![session_id, after_seq], read_stored)?;
     rows.collect()
+}
+
+/// How many user messages come after `after_seq`: each starts a turn, so
+/// the turns after it number at most one more.
+pub fn user_messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusqlite::Result<u64> {
+    c.prepare_cached("SELECT COUNT(*) FROM messages WHERE session_id = ?1 AND seq > ?2 AND role = ?3")?
+        .query_row(params![session_id, after_seq, Role::User as i32], |r| r.get::<_, i64>(0))
+        .map(|n| n.max(0) as u64)
+}
+
+/// Whether a message after `after_seq` has a tool result over `limit` bytes.
+pub fn oversized_after(c: &Connection, session_id: &str, after_seq: i64, limit: usize) -> rusqlite::Result<bool> {
+    c.prepare_cached("SELECT 1 FROM messages WHERE session_id = ?1 AND seq > ?2 AND tool_bytes > ?3 LIMIT 1")?
+        .query_row(params![session_id, after_seq, limit as i64], |_| Ok(()))
+        .optional()
+        .map(|r| r.is_some())
 }
 
 /// What the engine holds of a session: how many messages (seqs are dense
@@ -386,4 +460,83 @@ pub fn covered_ids(
     let mut stmt = c.prepare_cached("SELECT id FROM messages WHERE session_id = ?1 AND seq <= ?2")?;
     let rows = stmt.query_map(params![session_id, covered_seq], |r| r.get(0))?;
     rows.collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use ctxgate_engine_sdk::pb::{ContentPart, ToolResult};
+
+    use super::*;
+
+    fn message(id: &str, role: Role, tool_text: Option<usize>) -> AgentMessage {
+        let part = match tool_text {
+            Some(n) => Part::ToolResult(ToolResult { text: "x".repeat(n), ..Default::default() }),
+            None => Part::Text("hello".into()),
+        };
+        AgentMessage {
+            id: id.into(),
+            role: role as i32,
+            content: vec![ContentPart { part: Some(part) }],
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_database_from_before_role_and_tool_bytes_gets_them_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            // Version 1: the messages table without the two columns.
+            let c = Connection::open(dir.path().join("window.sqlite")).unwrap();
+            c.execute_batch(&SCHEMA.replace(
+                "    role       INTEGER NOT NULL DEFAULT 0,\n    tool_bytes INTEGER NOT NULL DEFAULT 0,\n",
+                "",
+            ))
+            .unwrap();
+            let old = [
+                message("u1", Role::User, None),
+                message("a1", Role::Assistant, None),
+                message("t1", Role::Tool, Some(5000)),
+                message("u2", Role::User, None),
+            ];
+            for (i, m) in old.iter().enumerate() {
+                c.execute(
+                    "INSERT INTO messages (session_id, seq, id, tokens, body) VALUES ('s', ?1, ?2, 1, ?3)",
+                    params![i as i64 + 1, m.id, m.encode_to_vec()],
+                )
+                .unwrap();
+            }
+            c.pragma_update(None, "user_version", 1).unwrap();
+            assert!(
+                !c.prepare("SELECT 1 FROM pragma_table_info('messages') WHERE name = 'role'")
+                    .unwrap()
+                    .exists([])
+                    .unwrap()
+            );
+        }
+        let store = Store::open(dir.path()).unwrap();
+        let (users, oversized, rows) = store
+            .read(|c| {
+                let rows: Vec<(String, i32, i64)> = c
+                    .prepare("SELECT id, role, tool_bytes FROM messages ORDER BY seq")?
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+                    .collect::<Result<_, _>>()?;
+                Ok((user_messages_after(c, "s", 0)?, oversized_after(c, "s", 0, 4096)?, rows))
+            })
+            .await
+            .unwrap();
+        assert_eq!(users, 2);
+        assert!(oversized);
+        assert_eq!(rows[2], ("t1".into(), Role::Tool as i32, 5000));
+        assert_eq!(rows[0], ("u1".into(), Role::User as i32, 0));
+        // New rows carry them too; an elided message drops its size.
+        store.write(|c| insert_messages(c, "s", &[message("u3", Role::User, None)])).await.unwrap();
+        store.write(|c| replace_message(c, "s", &message("t1", Role::Tool, Some(10)))).await.unwrap();
+        let (users, oversized) =
+            store.read(|c| Ok((user_messages_after(c, "s", 0)?, oversized_after(c, "s", 0, 4096)?))).await.unwrap();
+        assert_eq!((users, oversized), (3, false));
+        assert_eq!(
+            store.read(|c| c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))).await.unwrap(),
+            VERSION
+        );
+    }
 }
