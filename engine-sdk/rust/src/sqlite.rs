@@ -161,8 +161,15 @@ fn serve<E: Failure>(mut conn: Connection, mut rx: mpsc::Receiver<Call<E>>, comm
         let (mut next, mut gathered) = (Some(first), 0);
         while let Some(call) = next.take() {
             match call {
-                // A read that panics drops its answer; the thread goes on.
-                Call::Read(read) => drop(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(&mut conn)))),
+                Call::Read(read) => {
+                    // A read that panics drops its answer; the thread goes on.
+                    drop(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| read(&mut conn))));
+                    // A read gets the bare connection: one that left a
+                    // transaction open must not hold the next batch's lock.
+                    if !conn.is_autocommit() {
+                        let _ = conn.execute_batch("ROLLBACK");
+                    }
+                }
                 Call::Write(w) => batch.push(w),
             }
             gathered += 1;
@@ -178,7 +185,8 @@ fn serve<E: Failure>(mut conn: Connection, mut rx: mpsc::Receiver<Call<E>>, comm
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run_batch(&mut conn, &mut batch)))
             .unwrap_or_else(|_| Err(E::worker("a store write panicked; its batch was rolled back")));
         if outcome.is_ok() {
-            committed(batch.len());
+            // The caller's counter: a panic there must not take the thread.
+            drop(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| committed(batch.len()))));
         }
         for w in batch.drain(..) {
             w.finish(outcome.clone());
@@ -340,5 +348,13 @@ mod tests {
         assert!(panics.await.unwrap().is_err());
         insert(&worker, "after").await.unwrap().unwrap();
         assert_eq!(keys(&worker).await, ["after", "also-kept", "kept"]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_read_that_leaves_a_transaction_open_does_not_block_the_writes() {
+        let (worker, _batches, _dir) = open();
+        worker.read(|c| Ok(c.execute_batch("BEGIN IMMEDIATE; INSERT INTO t VALUES ('uncommitted')")?)).await.unwrap();
+        insert(&worker, "written").await.unwrap().unwrap();
+        assert_eq!(keys(&worker).await, ["written"]);
     }
 }

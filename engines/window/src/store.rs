@@ -352,19 +352,25 @@ pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusql
 }
 
 /// How many user messages come after `after_seq`: each starts a turn, so
-/// the turns after it number at most one more.
+/// the turns after it number at most one more. A row without its role
+/// (role 0, which no valid message has: written by an engine from before
+/// the column) counts as one, so the figure never falls short.
 pub fn user_messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusqlite::Result<u64> {
-    c.prepare_cached("SELECT COUNT(*) FROM messages WHERE session_id = ?1 AND seq > ?2 AND role = ?3")?
+    c.prepare_cached("SELECT COUNT(*) FROM messages WHERE session_id = ?1 AND seq > ?2 AND role IN (?3, 0)")?
         .query_row(params![session_id, after_seq, Role::User as i32], |r| r.get::<_, i64>(0))
         .map(|n| n.max(0) as u64)
 }
 
-/// Whether a message after `after_seq` has a tool result over `limit` bytes.
+/// Whether a message after `after_seq` may have a tool result over `limit`
+/// bytes (a row without its role, as above, may).
 pub fn oversized_after(c: &Connection, session_id: &str, after_seq: i64, limit: usize) -> rusqlite::Result<bool> {
-    c.prepare_cached("SELECT 1 FROM messages WHERE session_id = ?1 AND seq > ?2 AND tool_bytes > ?3 LIMIT 1")?
-        .query_row(params![session_id, after_seq, limit as i64], |_| Ok(()))
-        .optional()
-        .map(|r| r.is_some())
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    c.prepare_cached(
+        "SELECT 1 FROM messages WHERE session_id = ?1 AND seq > ?2 AND (tool_bytes > ?3 OR role = 0) LIMIT 1",
+    )?
+    .query_row(params![session_id, after_seq, limit], |_| Ok(()))
+    .optional()
+    .map(|r| r.is_some())
 }
 
 /// What the engine holds of a session: how many messages (seqs are dense
@@ -534,6 +540,22 @@ mod tests {
         let (users, oversized) =
             store.read(|c| Ok((user_messages_after(c, "s", 0)?, oversized_after(c, "s", 0, 4096)?))).await.unwrap();
         assert_eq!((users, oversized), (3, false));
+        // A row an engine from before the columns wrote after the
+        // migration (role and tool_bytes left at 0) counts against both
+        // checks, so neither skips work it may need.
+        store
+            .write(|c| {
+                let m = message("old-binary", Role::Assistant, Some(9000));
+                c.execute(
+                    "INSERT INTO messages (session_id, seq, id, tokens, body) VALUES ('s', 99, 'old-binary', 1, ?1)",
+                    [m.encode_to_vec()],
+                )
+            })
+            .await
+            .unwrap();
+        let (users, oversized) =
+            store.read(|c| Ok((user_messages_after(c, "s", 0)?, oversized_after(c, "s", 0, 4096)?))).await.unwrap();
+        assert_eq!((users, oversized), (4, true));
         assert_eq!(
             store.read(|c| c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))).await.unwrap(),
             VERSION
