@@ -111,20 +111,21 @@ impl WindowEngine {
     /// (AfterTurn or CommitTurn), once enough turns are unsummarised. Best
     /// effort: the turn is already stored; a failure is retried next turn.
     async fn compact_on_schedule(&self, ctx: &CallContext, session_id: &str, key: Option<&str>) {
+        if let Err(e) = self.compact_if_due(ctx, session_id, key).await {
+            tracing::warn!(session = session_id, error = %e, "scheduled compaction failed; retried after the next turn");
+        }
+    }
+
+    async fn compact_if_due(&self, ctx: &CallContext, session_id: &str, key: Option<&str>) -> Result<(), EngineError> {
         // Most turns are below the threshold: count their user messages
         // instead of decoding them (each starts a turn, and the first
         // message may start one more, so under the threshold means fewer
         // user messages than it).
         let sid = session_id.to_owned();
-        let users = self.store.read(move |c| store::user_messages_after(c, &sid, store::summary(c, &sid)?.covered_seq));
-        let threshold = (self.config.keep_turns + self.config.auto_compact_after) as u64;
-        match users.await {
-            Ok(n) if n < threshold => return,
-            Ok(_) => {}
-            Err(e) => {
-                tracing::warn!(session = session_id, error = %e, "scheduled compaction failed; retried after the next turn");
-                return;
-            }
+        let users =
+            self.store.read(move |c| store::user_messages_after(c, &sid, store::summary(c, &sid)?.covered_seq)).await?;
+        if users < (self.config.keep_turns + self.config.auto_compact_after) as u64 {
+            return Ok(());
         }
         let auto = pb::CompactRequest {
             session_id: session_id.to_owned(),
@@ -133,9 +134,7 @@ impl WindowEngine {
             compaction_target: pb::CompactionTarget::Threshold as i32,
             ..Default::default()
         };
-        if let Err(e) = self.compact_session(ctx, session_id, &auto, None).await {
-            tracing::warn!(session = session_id, error = %e, "scheduled compaction failed; retried after the next turn");
-        }
+        self.compact_session(ctx, session_id, &auto, None).await.map(drop)
     }
 
     /// Folds everything older than the kept tail into the summary.
@@ -386,32 +385,23 @@ impl ContextEngine for WindowEngine {
             .store
             .read(move |c| store::oversized_after(c, &sid, store::summary(c, &sid)?.covered_seq, limit))
             .await?;
-        if !oversized {
-            return Ok(pb::MaintainResult {
-                changed: false,
-                reason: Some("nothing to elide".into()),
-                ..Default::default()
-            });
-        }
-        let replacements = self
-            .store
-            .write(move |c| {
-                // Only what the summary does not cover yet: older messages
-                // were looked at when they left the kept turns.
-                let covered = store::summary(c, &req.session_id)?.covered_seq;
-                let all: Vec<AgentMessage> =
-                    store::messages_after(c, &req.session_id, covered)?.into_iter().map(|s| s.message).collect();
-                let cut = turns::keep_last_turns(&all, keep);
-                let mut out = Vec::new();
-                for m in &all[..cut] {
-                    if let Some(new) = elide_tool_results(m, limit) {
-                        store::replace_message(c, &req.session_id, &new)?;
-                        out.push(pb::TranscriptReplacement { entry_id: new.id.clone(), message: Some(new) });
-                    }
+        let elide = move |c: &rusqlite::Connection| {
+            // Only what the summary does not cover yet: older messages
+            // were looked at when they left the kept turns.
+            let covered = store::summary(c, &req.session_id)?.covered_seq;
+            let all: Vec<AgentMessage> =
+                store::messages_after(c, &req.session_id, covered)?.into_iter().map(|s| s.message).collect();
+            let cut = turns::keep_last_turns(&all, keep);
+            let mut out = Vec::new();
+            for m in &all[..cut] {
+                if let Some(new) = elide_tool_results(m, limit) {
+                    store::replace_message(c, &req.session_id, &new)?;
+                    out.push(pb::TranscriptReplacement { entry_id: new.id.clone(), message: Some(new) });
                 }
-                Ok(out)
-            })
-            .await?;
+            }
+            Ok(out)
+        };
+        let replacements = if oversized { self.store.write(elide).await? } else { Vec::new() };
         let n = replacements.len();
         Ok(pb::MaintainResult {
             changed: n > 0,

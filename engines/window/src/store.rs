@@ -232,7 +232,7 @@ fn fill_role_and_tool_bytes(tx: &Connection) -> rusqlite::Result<()> {
 
 /// The size of the message's largest tool result text (0 without one): what
 /// Maintain compares with its limit.
-pub fn tool_bytes(m: &AgentMessage) -> i64 {
+fn tool_bytes(m: &AgentMessage) -> i64 {
     m.content
         .iter()
         .filter_map(|p| match &p.part {
