@@ -138,8 +138,9 @@ impl<E: Failure> Worker<E> {
         answer.await.map_err(|_| E::worker("a store write panicked"))?
     }
 
-    /// Calls queued and not yet taken by the thread.
-    pub fn queued(&self) -> usize {
+    /// Calls queued and not yet taken by the thread (the tests wait on it).
+    #[cfg(test)]
+    fn queued(&self) -> usize {
         self.calls.as_ref().map_or(0, |c| c.max_capacity() - c.capacity())
     }
 }
