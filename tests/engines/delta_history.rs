@@ -227,7 +227,7 @@ impl ContextEngine for Positions {
         let first = req.messages.first().map(msg::text_of).unwrap_or_default();
         let position = req.admission.and_then(|a| a.anchor).map_or(u64::MAX, |a| a.active_message_position);
         self.commits.lock().unwrap().push((first, position));
-        Ok(pb::CommitTurnResult { status: pb::CommitStatus::Committed as i32 })
+        Ok(pb::CommitTurnResult { status: pb::CommitStatus::Committed as i32, maintenance_due: None })
     }
 }
 

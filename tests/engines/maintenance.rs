@@ -22,3 +22,28 @@ async fn maintenance_rewrites_become_a_new_branch_and_the_old_one_stays() {
     assert_eq!(stored.sessions[0].entries, 4, "the old branch is kept for audit");
     g.stop().await;
 }
+
+#[tokio::test]
+async fn a_commit_that_says_no_maintenance_is_due_skips_the_turns_maintain() {
+    // The same durable engine, with and without the hint: unset asks after
+    // every turn, false skips the round trip (and so the rewrite).
+    for (faults, asked) in [("durable,maintain-rewrite", true), ("durable,maintain-rewrite,maintenance-not-due", false)]
+    {
+        let (engine, g) = fault_gateway(faults).await;
+        for i in 0..2 {
+            assert!(completed(&run_turn(&g, "h", &format!("turn {i}")).await), "{faults}");
+        }
+        engine.wait_lines("event commit", 2, Duration::from_secs(5)).await.expect(faults);
+        let upkeep = engine.wait_lines("event upkeep", 2, Duration::from_secs(2)).await;
+        let texts = messages(&g, "h").await;
+        if asked {
+            let upkeep = upkeep.expect("Maintain(TURN) after each turn");
+            assert!(upkeep.iter().all(|l| l.contains("MAINTAIN_REASON_TURN")), "{upkeep:?}");
+            assert_eq!(texts[0], "rewritten", "{faults}");
+        } else {
+            assert_eq!(engine.lines_starting("event upkeep"), Vec::<String>::new(), "no Maintain was asked for");
+            assert_eq!((texts.len(), texts[0].as_str()), (4, "turn 0"), "nothing rewritten: {texts:?}");
+        }
+        g.stop().await;
+    }
+}

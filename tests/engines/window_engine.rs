@@ -302,6 +302,45 @@ async fn maintain_elides_old_oversized_tool_results_once() {
 }
 
 #[tokio::test]
+async fn a_commit_says_maintenance_is_due_only_while_an_oversized_tool_result_waits() {
+    let (e, _dir) = engine(Config { keep_turns: 1, max_tool_result_bytes: 1000, ..Config::default() }).await;
+    let mut c = e.client.clone();
+    let turns = [history(1, 10), history(2, 5000)[4..].to_vec(), history(3, 10)[8..].to_vec()];
+    let mut due = Vec::new();
+    for (i, messages) in turns.into_iter().enumerate() {
+        let commit = pb::CommitTurnRequest {
+            advancement_key: format!("t{i}"),
+            admission: Some(pb::TranscriptTurnAdmission {
+                logical_turn_id: format!("t{i}"),
+                role: pb::Role::User as i32,
+                ..Default::default()
+            }),
+            terminal: Some(pb::TranscriptEntryAnchor::default()),
+            messages,
+            session_id: "due".into(),
+            ..Default::default()
+        };
+        let r = c.commit_turn(commit).await.unwrap().into_inner();
+        assert_eq!(r.status, pb::CommitStatus::Committed as i32);
+        due.push(r.maintenance_due);
+    }
+    // Small results: nothing to do. A 5000-byte one: due, and still due
+    // while it waits (kept) and once it left the kept turn.
+    assert_eq!(due, [Some(false), Some(true), Some(true)]);
+    let req =
+        pb::MaintainRequest { session_id: "due".into(), reason: pb::MaintainReason::Turn as i32, ..Default::default() };
+    let r = c.maintain(req).await.unwrap().into_inner();
+    assert_eq!(r.replacements.iter().map(|x| x.entry_id.as_str()).collect::<Vec<_>>(), ["r1"]);
+    let after = pb::AfterTurnRequest {
+        session_id: "due".into(),
+        messages: vec![msg::user("u3", "Turn 3"), msg::assistant("a3", "done")],
+        ..Default::default()
+    };
+    let r = c.after_turn(after).await.unwrap().into_inner();
+    assert_eq!(r.maintenance_due, Some(false), "elided: nothing waits any more");
+}
+
+#[tokio::test]
 async fn fork_subagents_start_from_the_parents_summary_and_tail_and_clean_up() {
     let (e, _dir) = engine(Config { keep_turns: 1, ..Config::default() }).await;
     let mut c = e.client.clone();

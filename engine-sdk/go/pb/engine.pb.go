@@ -2841,9 +2841,11 @@ func (x *AfterTurnRequest) GetCursor() *HistoryCursor {
 }
 
 type AfterTurnResult struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// See CommitTurnResult.maintenance_due.
+	MaintenanceDue *bool `protobuf:"varint,1,opt,name=maintenance_due,json=maintenanceDue,proto3,oneof" json:"maintenance_due,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *AfterTurnResult) Reset() {
@@ -2874,6 +2876,13 @@ func (x *AfterTurnResult) ProtoReflect() protoreflect.Message {
 // Deprecated: Use AfterTurnResult.ProtoReflect.Descriptor instead.
 func (*AfterTurnResult) Descriptor() ([]byte, []int) {
 	return file_contextengine_v1_engine_proto_rawDescGZIP(), []int{27}
+}
+
+func (x *AfterTurnResult) GetMaintenanceDue() bool {
+	if x != nil && x.MaintenanceDue != nil {
+		return *x.MaintenanceDue
+	}
+	return false
 }
 
 type CommitTurnRequest struct {
@@ -3006,9 +3015,15 @@ type CommitTurnResult struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Required: COMMITTED or DUPLICATE. Anything else is a contract violation
 	// and the turn stays queued.
-	Status        CommitStatus `protobuf:"varint,1,opt,name=status,proto3,enum=contextengine.v1.CommitStatus" json:"status,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Status CommitStatus `protobuf:"varint,1,opt,name=status,proto3,enum=contextengine.v1.CommitStatus" json:"status,omitempty"`
+	// Whether Maintain(reason=TURN) has work after this turn. Unset or true:
+	// the gateway calls Maintain after the turn, as it does for every engine
+	// that lists it. False: the engine has nothing to maintain now, and the
+	// gateway skips that call (one round trip a turn). A hint about the
+	// engine's own state; it changes nothing else about the commit.
+	MaintenanceDue *bool `protobuf:"varint,2,opt,name=maintenance_due,json=maintenanceDue,proto3,oneof" json:"maintenance_due,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *CommitTurnResult) Reset() {
@@ -3046,6 +3061,13 @@ func (x *CommitTurnResult) GetStatus() CommitStatus {
 		return x.Status
 	}
 	return CommitStatus_COMMIT_STATUS_UNSPECIFIED
+}
+
+func (x *CommitTurnResult) GetMaintenanceDue() bool {
+	if x != nil && x.MaintenanceDue != nil {
+		return *x.MaintenanceDue
+	}
+	return false
 }
 
 type MaintainRequest struct {
@@ -4021,8 +4043,10 @@ const file_contextengine_v1_engine_proto_rawDesc = "" +
 	"\f_session_keyB\x1a\n" +
 	"\x18_auto_compaction_summaryB\x0f\n" +
 	"\r_token_budgetB\t\n" +
-	"\a_cursor\"\x11\n" +
-	"\x0fAfterTurnResult\"\x91\x05\n" +
+	"\a_cursor\"S\n" +
+	"\x0fAfterTurnResult\x12,\n" +
+	"\x0fmaintenance_due\x18\x01 \x01(\bH\x00R\x0emaintenanceDue\x88\x01\x01B\x12\n" +
+	"\x10_maintenance_due\"\x91\x05\n" +
 	"\x11CommitTurnRequest\x12'\n" +
 	"\x0fadvancement_key\x18\x01 \x01(\tR\x0eadvancementKey\x12G\n" +
 	"\tadmission\x18\x02 \x01(\v2).contextengine.v1.TranscriptTurnAdmissionR\tadmission\x12C\n" +
@@ -4038,9 +4062,11 @@ const file_contextengine_v1_engine_proto_rawDesc = "" +
 	"\fis_heartbeat\x18\n" +
 	" \x01(\bR\visHeartbeat\x120\n" +
 	"\x04host\x18\v \x01(\v2\x1c.contextengine.v1.HostAccessR\x04hostB\x0e\n" +
-	"\f_session_key\"J\n" +
+	"\f_session_key\"\x8c\x01\n" +
 	"\x10CommitTurnResult\x126\n" +
-	"\x06status\x18\x01 \x01(\x0e2\x1e.contextengine.v1.CommitStatusR\x06status\"\xd6\x03\n" +
+	"\x06status\x18\x01 \x01(\x0e2\x1e.contextengine.v1.CommitStatusR\x06status\x12,\n" +
+	"\x0fmaintenance_due\x18\x02 \x01(\bH\x00R\x0emaintenanceDue\x88\x01\x01B\x12\n" +
+	"\x10_maintenance_due\"\xd6\x03\n" +
 	"\x0fMaintainRequest\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\x01 \x01(\tR\tsessionId\x12$\n" +
@@ -4383,7 +4409,9 @@ func file_contextengine_v1_engine_proto_init() {
 	file_contextengine_v1_engine_proto_msgTypes[24].OneofWrappers = []any{}
 	file_contextengine_v1_engine_proto_msgTypes[25].OneofWrappers = []any{}
 	file_contextengine_v1_engine_proto_msgTypes[26].OneofWrappers = []any{}
+	file_contextengine_v1_engine_proto_msgTypes[27].OneofWrappers = []any{}
 	file_contextengine_v1_engine_proto_msgTypes[28].OneofWrappers = []any{}
+	file_contextengine_v1_engine_proto_msgTypes[29].OneofWrappers = []any{}
 	file_contextengine_v1_engine_proto_msgTypes[30].OneofWrappers = []any{}
 	file_contextengine_v1_engine_proto_msgTypes[31].OneofWrappers = []any{}
 	file_contextengine_v1_engine_proto_msgTypes[33].OneofWrappers = []any{}

@@ -107,6 +107,13 @@ impl WindowEngine {
             .await
     }
 
+    /// What a turn's answer says of Maintain: due only when it has an
+    /// oversized tool result to look at, so most turns skip that call.
+    async fn maintenance_due(&self, session_id: &str) -> Result<bool, EngineError> {
+        let (sid, limit) = (session_id.to_owned(), self.config.max_tool_result_bytes);
+        self.store.read(move |c| store::maintenance_due(c, &sid, limit)).await
+    }
+
     /// Owning compaction means compacting on our own schedule: after a turn
     /// (AfterTurn or CommitTurn), once enough turns are unsummarised. Best
     /// effort: the turn is already stored; a failure is retried next turn.
@@ -350,7 +357,7 @@ impl ContextEngine for WindowEngine {
     ) -> Result<pb::AfterTurnResult, EngineError> {
         self.ingest_messages(&req.session_id, req.session_key.as_deref(), req.messages).await?;
         self.compact_on_schedule(ctx, &req.session_id, req.session_key.as_deref()).await;
-        Ok(pb::AfterTurnResult {})
+        Ok(pb::AfterTurnResult { maintenance_due: Some(self.maintenance_due(&req.session_id).await?) })
     }
 
     async fn commit_turn(
@@ -374,17 +381,13 @@ impl ContextEngine for WindowEngine {
             self.compact_on_schedule(ctx, &sid, key.as_deref()).await;
         }
         let status = if committed { pb::CommitStatus::Committed } else { pb::CommitStatus::Duplicate };
-        Ok(pb::CommitTurnResult { status: status as i32 })
+        Ok(pb::CommitTurnResult { status: status as i32, maintenance_due: Some(self.maintenance_due(&sid).await?) })
     }
 
     async fn maintain(&self, _ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {
         let (keep, limit) = (self.config.keep_turns.max(1), self.config.max_tool_result_bytes);
         // Most turns bring nothing to elide: ask the index before decoding.
-        let sid = req.session_id.clone();
-        let oversized = self
-            .store
-            .read(move |c| store::oversized_after(c, &sid, store::summary(c, &sid)?.covered_seq, limit))
-            .await?;
+        let oversized = self.maintenance_due(&req.session_id).await?;
         let elide = move |c: &rusqlite::Connection| {
             // Only what the summary does not cover yet: older messages
             // were looked at when they left the kept turns.

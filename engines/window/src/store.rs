@@ -373,6 +373,12 @@ pub fn oversized_after(c: &Connection, session_id: &str, after_seq: i64, limit: 
     .map(|r| r.is_some())
 }
 
+/// Whether Maintain has anything to look at: a message the summary does
+/// not cover yet that may hold a tool result over `limit` bytes.
+pub fn maintenance_due(c: &Connection, session_id: &str, limit: usize) -> rusqlite::Result<bool> {
+    oversized_after(c, session_id, summary(c, session_id)?.covered_seq, limit)
+}
+
 /// What the engine holds of a session: how many messages (seqs are dense
 /// from 1) and the newest one's id and seq.
 pub fn held(c: &Connection, session_id: &str) -> rusqlite::Result<(u64, Option<(String, i64)>)> {

@@ -13,6 +13,23 @@ use crate::core::{Core, Remap};
 use crate::engines::{Call, EngineCallError};
 use crate::store::Session;
 
+/// Whether an engine has Maintain(TURN) work after a turn, as its
+/// CommitTurn or AfterTurn answer says (`maintenance_due`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Upkeep {
+    /// Unset or true: ask, as after every turn.
+    #[default]
+    Due,
+    /// The engine said false: skip the round trip.
+    NotDue,
+}
+
+impl Upkeep {
+    pub fn hinted(maintenance_due: Option<bool>) -> Self {
+        if maintenance_due == Some(false) { Self::NotDue } else { Self::Due }
+    }
+}
+
 impl Core {
     /// Bootstrap (then maintain(bootstrap)) a session the remote engine has
     /// not seen in this process, for hosts with the bootstrap capability.

@@ -12,6 +12,7 @@ use ctxgate_proto::pb::{self, Role};
 use tokio_util::sync::CancellationToken;
 
 use crate::core::engine_lease::session_target;
+use crate::core::maintenance::Upkeep;
 use crate::core::session_locks::BusyError;
 use crate::core::types::BusyPolicy;
 use crate::core::{Core, CoreError, now_unix_ms, session_ref};
@@ -52,6 +53,8 @@ pub struct Backlog {
     pub waiting: usize,
     /// The oldest waiting row's refusal, when the engine refused it.
     pub refused: Option<Refusal>,
+    /// What the last commit delivered said of the engine's upkeep.
+    pub upkeep: Upkeep,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,12 +71,12 @@ impl Backlog {
             error: p.last_error.clone().unwrap_or_default(),
             next_attempt_ms: p.next_attempt_ms,
         });
-        Self { waiting: pending.len(), refused }
+        Self { waiting: pending.len(), refused, upkeep: Upkeep::Due }
     }
 
     /// Why the session's next turn on `engine` cannot start, for its caller.
     pub(super) fn reason(&self, engine: &str) -> String {
-        let Self { waiting, refused } = self;
+        let Self { waiting, refused, .. } = self;
         match refused {
             Some(r) if r.next_attempt_ms == HELD => format!(
                 "The context engine \"{engine}\" failed on an earlier turn of this session every time it was sent ({}); that turn is held and this session's turns on it wait until it is retried or dropped (`ctxgate outbox retry|drop <session>`).",
@@ -169,6 +172,7 @@ impl Core {
     ) -> Result<Backlog, CoreError> {
         let pending = self.store.pending_commits(session_id, engine_id).await?;
         let Some(engine) = self.registry().get(engine_id).cloned() else { return Ok(Backlog::at(&pending)) };
+        let mut upkeep = Upkeep::Due;
         for (i, p) in pending.iter().enumerate() {
             let now = now_unix_ms();
             if engine.is_quarantined() || (!force && p.next_attempt_ms > now) {
@@ -176,7 +180,10 @@ impl Core {
             }
             let key = &p.request.advancement_key;
             match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
-                Ok(_) => self.store.complete_commit(session_id, key, advance(engine_id, &p.request)).await?,
+                Ok(r) => {
+                    self.store.complete_commit(session_id, key, advance(engine_id, &p.request)).await?;
+                    upkeep = Upkeep::hinted(r.maintenance_due);
+                }
                 // A gap on a commit: the engine lost the session; the next
                 // turn resyncs it, the row waits with backoff meanwhile.
                 Err(e @ (EngineCallError::Refused { .. } | EngineCallError::HistoryGap { .. })) => {
@@ -195,7 +202,7 @@ impl Core {
                     );
                     self.store.refuse_commit(session_id, key, &error, next_attempt_ms).await?;
                     let refused = Some(Refusal { attempts, error, next_attempt_ms });
-                    return Ok(Backlog { waiting: pending.len() - i, refused });
+                    return Ok(Backlog { waiting: pending.len() - i, refused, upkeep: Upkeep::Due });
                 }
                 // The engine broke on this row (the call quarantined it):
                 // after a few times in a row the row is the likelier cause,
@@ -220,7 +227,7 @@ impl Core {
                     );
                     self.store.refuse_commit(session_id, key, &error, HELD).await?;
                     let refused = Some(Refusal { attempts: p.attempts + 1, error, next_attempt_ms: HELD });
-                    return Ok(Backlog { waiting: pending.len() - i, refused });
+                    return Ok(Backlog { waiting: pending.len() - i, refused, upkeep: Upkeep::Due });
                 }
                 Err(e) => {
                     tracing::warn!(session = session_id, key = ?key, error = %e, "commit not delivered; it stays queued");
@@ -228,7 +235,7 @@ impl Core {
                 }
             }
         }
-        Ok(Backlog::default())
+        Ok(Backlog { upkeep, ..Backlog::default() })
     }
 
     /// One pass of the outbox, round-robin across sessions: each due

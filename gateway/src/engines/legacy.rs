@@ -148,7 +148,7 @@ impl Engine for Legacy {
         _req: pb::AfterTurnRequest,
         _call: &Call,
     ) -> Result<pb::AfterTurnResult, EngineCallError> {
-        Ok(pb::AfterTurnResult {})
+        Ok(pb::AfterTurnResult::default())
     }
 
     async fn commit_turn(

@@ -10,6 +10,7 @@ use super::history::Source;
 use super::trace::Attributes;
 use crate::core::CoreError;
 use crate::core::engine_lease::session_target;
+use crate::core::maintenance::Upkeep;
 use crate::core::types::{Capability, Outcome, TurnEvent};
 use crate::engines::EngineCallError;
 use crate::store::{NewEntry, TurnClose};
@@ -119,15 +120,15 @@ impl Turn {
             }));
         }
         let budget = self.budget(0);
-        let engine_committed = if let Some(engine) = lease.record.as_deref() {
+        let (engine_committed, upkeep) = if let Some(engine) = lease.record.as_deref() {
             // The engine gets no after-turn or ingest for a durable turn. The
             // turn is accepted and its commit queued: a failure to deliver
             // it now is the outbox's to retry, not the turn's.
-            let waiting = match core.drain_commits(&session.session_id, engine, &self.cancel, false).await {
-                Ok(b) => b.waiting,
+            let (waiting, upkeep) = match core.drain_commits(&session.session_id, engine, &self.cancel, false).await {
+                Ok(b) => (b.waiting, b.upkeep),
                 Err(e) => {
                     tracing::warn!(error = %e, "delivering queued commits failed; they stay queued");
-                    1
+                    (1, Upkeep::Due)
                 }
             };
             if waiting > 0 && lease.remote {
@@ -135,21 +136,28 @@ impl Turn {
                     "the context engine has not accepted this turn yet; it stays queued and is retried".into(),
                 ));
             }
-            waiting == 0
+            (waiting == 0, upkeep)
         } else if after_turn {
             // Legacy keeps nothing of its own: no after-turn to build.
             self.after_turn(history, cursor, budget).await
         } else {
-            false
+            (false, Upkeep::Due)
         };
-        core.maintain_after_turn(&lease, &session, budget, &self.call).await;
+        if upkeep == Upkeep::Due {
+            core.maintain_after_turn(&lease, &session, budget, &self.call).await;
+        }
         Ok(Finished { entries: stored, engine_committed })
     }
 
     /// after-turn with the history sent since `cursor` (all of it without
     /// one), or Ingest of the turn's messages for engines without it. True
-    /// when the engine took it.
-    async fn after_turn(&self, history: Vec<AgentMessage>, cursor: Option<pb::HistoryCursor>, budget: u64) -> bool {
+    /// when the engine took it, with what it said of its upkeep.
+    async fn after_turn(
+        &self,
+        history: Vec<AgentMessage>,
+        cursor: Option<pb::HistoryCursor>,
+        budget: u64,
+    ) -> (bool, Upkeep) {
         let (core, lease, session) = (&self.core, &self.lease, &self.session);
         // Everything before the admitted user message existed before the prompt.
         let pre_prompt = self.ledger.position_in(&history);
@@ -172,13 +180,13 @@ impl Turn {
         };
         let warn = |e: EngineCallError| self.emit(TurnEvent::Warning(format!("after-turn failed: {e}")));
         match lease.engine.after_turn(after, &self.call).await {
-            Ok(_) => {
+            Ok(r) => {
                 if let Some(base) = &cursor
                     && let Err(e) = core.advance_cursor(lease, session, base).await
                 {
                     tracing::warn!(error = %e, "advancing the engine's cursor failed; the next turn resyncs");
                 }
-                return true;
+                return (true, Upkeep::hinted(r.maintenance_due));
             }
             Err(EngineCallError::Cancelled) => {}
             // Without after-turn, the engine learns the turn through Ingest.
@@ -192,14 +200,14 @@ impl Turn {
                     };
                     if let Err(e) = lease.engine.ingest(req, &self.call).await {
                         warn(e);
-                        return false;
+                        return (false, Upkeep::Due);
                     }
                 }
-                return true;
+                return (true, Upkeep::Due);
             }
             Err(e) => warn(e),
         }
-        false
+        (false, Upkeep::Due)
     }
 }
 
