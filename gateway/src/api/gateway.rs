@@ -395,8 +395,8 @@ impl Gateway for Api {
 fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
     let legacy = registry.legacy.info();
     let mut out = vec![api::EngineStatus {
-        id: legacy.id,
-        name: legacy.name,
+        id: legacy.id.clone(),
+        name: legacy.name.clone(),
         endpoint: "in-process".into(),
         health: "SERVING".into(),
         quarantine: None,
@@ -419,13 +419,13 @@ fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
             .collect();
         out.push(api::EngineStatus {
             id: id.to_owned(),
-            name: g.attached_info().map(|i| i.name).unwrap_or_default(),
+            name: g.attached_info().map(|i| i.name.clone()).unwrap_or_default(),
             endpoint: g.endpoint.clone(),
             health: g.health().as_str().into(),
             quarantine: g.quarantine_record().map(quarantine),
             replicas,
             affinity: g.affinity().map(|a| a.as_str().to_owned()).unwrap_or_default(),
-            tools: g.attached_info().map(|i| i.tools).unwrap_or_default(),
+            tools: g.attached_info().map(|i| i.tools.clone()).unwrap_or_default(),
             methods: g
                 .stats()
                 .into_iter()

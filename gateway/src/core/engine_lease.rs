@@ -25,7 +25,7 @@ pub(super) struct EngineLease {
     /// The registry id (`plugins.entries` key) or "legacy".
     pub key: String,
     pub engine: Arc<dyn Engine>,
-    pub info: pb::EngineInfo,
+    pub info: Arc<pb::EngineInfo>,
     /// The degradation warning, when the configured engine could not take it.
     pub degraded: Option<String>,
     pub remote: bool,

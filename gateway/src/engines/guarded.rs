@@ -287,12 +287,12 @@ impl Guarded {
     }
 
     /// The info of the engine's last successful attach, quarantined or not.
-    pub fn attached_info(&self) -> Option<pb::EngineInfo> {
+    pub fn attached_info(&self) -> Option<Arc<pb::EngineInfo>> {
         self.remote.info()
     }
 
     /// The engine's info, or legacy's while it is out of service.
-    fn effective_info(&self) -> pb::EngineInfo {
+    fn effective_info(&self) -> Arc<pb::EngineInfo> {
         if self.is_quarantined() {
             return self.legacy.info();
         }
@@ -424,7 +424,7 @@ impl Size for CompactReply {
 
 #[async_trait]
 impl Engine for Guarded {
-    fn info(&self) -> pb::EngineInfo {
+    fn info(&self) -> Arc<pb::EngineInfo> {
         self.effective_info()
     }
 

@@ -3,6 +3,8 @@
 //! the gateway's built-in one, after-turn is a no-op. Its results are also
 //! what a quarantined engine's calls get (OpenClaw's fallback results).
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use ctxgate_proto::pb;
 use ctxgate_proto::{Method, estimate, validate};
@@ -14,7 +16,7 @@ use crate::transcript::Messages;
 /// visible history through (sanitised, validated, limited), compaction is
 /// the gateway's built-in one, after-turn is a no-op.
 pub struct Legacy {
-    info: pb::EngineInfo,
+    info: Arc<pb::EngineInfo>,
 }
 
 pub const LEGACY_ID: &str = ctxgate_proto::LEGACY_ENGINE_ID;
@@ -22,7 +24,7 @@ pub const LEGACY_ID: &str = ctxgate_proto::LEGACY_ENGINE_ID;
 impl Default for Legacy {
     fn default() -> Self {
         Self {
-            info: pb::EngineInfo {
+            info: Arc::new(pb::EngineInfo {
                 id: LEGACY_ID.into(),
                 name: "Legacy Context Engine".into(),
                 version: "1.0.0".into(),
@@ -37,7 +39,7 @@ impl Default for Legacy {
                 .map(|m| m.name().to_owned())
                 .to_vec(),
                 ..Default::default()
-            },
+            }),
         }
     }
 }
@@ -97,7 +99,7 @@ const DOWNGRADED: &str = "context engine downgraded to legacy";
 
 #[async_trait]
 impl Engine for Legacy {
-    fn info(&self) -> pb::EngineInfo {
+    fn info(&self) -> Arc<pb::EngineInfo> {
         self.info.clone()
     }
 

@@ -12,6 +12,8 @@ pub mod registry;
 pub mod remote;
 pub mod replicas;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use ctxgate_proto::{Method, pb};
 use tokio::time::Instant;
@@ -124,7 +126,7 @@ type R<T> = Result<T, EngineCallError>;
 #[async_trait]
 pub trait Engine: Send + Sync + 'static {
     /// The engine's info (legacy's while a remote engine is quarantined).
-    fn info(&self) -> pb::EngineInfo;
+    fn info(&self) -> Arc<pb::EngineInfo>;
     async fn bootstrap(&self, req: pb::BootstrapRequest, call: &Call) -> R<pb::BootstrapResult>;
     async fn ingest(&self, req: pb::IngestRequest, call: &Call) -> R<pb::IngestResult>;
     /// A DELTA engine's resync. Never answered by a fallback: the caller

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::RwLock;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use ctxgate_engine_sdk::AbortOnDrop;
@@ -32,7 +32,8 @@ pub struct Remote {
     timeouts: BTreeMap<Method, Duration>,
     default_timeout: Duration,
     /// The info from the last successful attach (GetInfo).
-    info: RwLock<Option<pb::EngineInfo>>,
+    /// Shared: every call and every turn's lease reads it.
+    info: RwLock<Option<Arc<pb::EngineInfo>>>,
     /// Where each traced call's span goes (`gateway.otlp`).
     spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
 }
@@ -180,7 +181,7 @@ impl Remote {
     }
 
     /// The info from the last attach, if any.
-    pub fn info(&self) -> Option<pb::EngineInfo> {
+    pub fn info(&self) -> Option<Arc<pb::EngineInfo>> {
         self.info.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
@@ -241,12 +242,12 @@ impl Remote {
         if info.id.trim() == LEGACY_ID {
             return Err(violation(Method::GetInfo, "info.id: \"legacy\" is reserved for the gateway's own engine"));
         }
-        *self.info.write().unwrap_or_else(|e| e.into_inner()) = Some(info.clone());
+        *self.info.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info.clone()));
         Ok(info)
     }
 
     fn accepted(&self) -> Option<Vec<String>> {
-        self.info().and_then(|i| i.accepted_host_params).map(|a| a.params)
+        self.info().and_then(|i| i.accepted_host_params.as_ref().map(|a| a.params.clone()))
     }
 }
 

@@ -198,7 +198,7 @@ impl Replicas {
 
     /// The info of a replica's last successful attach (replicas are one
     /// engine: any of them speaks for all).
-    pub fn attached_info(&self) -> Option<pb::EngineInfo> {
+    pub fn attached_info(&self) -> Option<Arc<pb::EngineInfo>> {
         let set = self.replicas();
         let in_service = set.iter().filter(|r| r.in_service());
         in_service.chain(set.iter()).find_map(|r| r.guarded.attached_info())
@@ -210,7 +210,7 @@ impl Replicas {
     }
 
     pub fn affinity(&self) -> Option<Affinity> {
-        self.attached_info().as_ref().map(Affinity::of)
+        self.attached_info().as_deref().map(Affinity::of)
     }
 
     /// Every replica's counters, added up.
@@ -469,7 +469,7 @@ macro_rules! routed {
         #[async_trait]
         impl Engine for Replicas {
             /// A replica in service speaks for the engine; legacy's info when none is.
-            fn info(&self) -> pb::EngineInfo {
+            fn info(&self) -> Arc<pb::EngineInfo> {
                 let set = self.replicas();
                 let r = set.iter().find(|r| r.in_service()).unwrap_or(&set[0]);
                 r.guarded.info()
