@@ -3018,9 +3018,12 @@ type CommitTurnResult struct {
 	Status CommitStatus `protobuf:"varint,1,opt,name=status,proto3,enum=contextengine.v1.CommitStatus" json:"status,omitempty"`
 	// Whether Maintain(reason=TURN) has work after this turn. Unset or true:
 	// the gateway calls Maintain after the turn, as it does for every engine
-	// that lists it. False: the engine has nothing to maintain now, and the
-	// gateway skips that call (one round trip a turn). A hint about the
-	// engine's own state; it changes nothing else about the commit.
+	// that lists it. False: Maintain(TURN) has nothing to do for the session
+	// now — counting earlier turns that were delivered without a Maintain
+	// after them (by the outbox, or whose Maintain failed) — and the gateway
+	// skips that call (one round trip a turn). Answer false only from the
+	// session's state, not from "this turn added nothing". A hint; it
+	// changes nothing else about the commit.
 	MaintenanceDue *bool `protobuf:"varint,2,opt,name=maintenance_due,json=maintenanceDue,proto3,oneof" json:"maintenance_due,omitempty"`
 	unknownFields  protoimpl.UnknownFields
 	sizeCache      protoimpl.SizeCache

@@ -107,11 +107,23 @@ impl WindowEngine {
             .await
     }
 
-    /// What a turn's answer says of Maintain: due only when it has an
-    /// oversized tool result to look at, so most turns skip that call.
+    /// Whether Maintain has an oversized tool result to look at.
     async fn maintenance_due(&self, session_id: &str) -> Result<bool, EngineError> {
         let (sid, limit) = (session_id.to_owned(), self.config.max_tool_result_bytes);
         self.store.read(move |c| store::maintenance_due(c, &sid, limit)).await
+    }
+
+    /// What a turn's answer says of Maintain, so most turns skip that call.
+    /// The turn is stored already: a failed check leaves the hint unset
+    /// (the gateway then asks, as always) rather than fail the turn.
+    async fn maintenance_hint(&self, session_id: &str) -> Option<bool> {
+        match self.maintenance_due(session_id).await {
+            Ok(due) => Some(due),
+            Err(e) => {
+                tracing::warn!(session = session_id, error = %e, "maintenance check failed; Maintain is asked");
+                None
+            }
+        }
     }
 
     /// Owning compaction means compacting on our own schedule: after a turn
@@ -357,7 +369,7 @@ impl ContextEngine for WindowEngine {
     ) -> Result<pb::AfterTurnResult, EngineError> {
         self.ingest_messages(&req.session_id, req.session_key.as_deref(), req.messages).await?;
         self.compact_on_schedule(ctx, &req.session_id, req.session_key.as_deref()).await;
-        Ok(pb::AfterTurnResult { maintenance_due: Some(self.maintenance_due(&req.session_id).await?) })
+        Ok(pb::AfterTurnResult { maintenance_due: self.maintenance_hint(&req.session_id).await })
     }
 
     async fn commit_turn(
@@ -381,7 +393,7 @@ impl ContextEngine for WindowEngine {
             self.compact_on_schedule(ctx, &sid, key.as_deref()).await;
         }
         let status = if committed { pb::CommitStatus::Committed } else { pb::CommitStatus::Duplicate };
-        Ok(pb::CommitTurnResult { status: status as i32, maintenance_due: Some(self.maintenance_due(&sid).await?) })
+        Ok(pb::CommitTurnResult { status: status as i32, maintenance_due: self.maintenance_hint(&sid).await })
     }
 
     async fn maintain(&self, _ctx: &CallContext, req: pb::MaintainRequest) -> Result<pb::MaintainResult, EngineError> {

@@ -245,9 +245,12 @@ fn tls_hint(detail: &str, https: bool) -> Option<&'static str> {
         return Some(hint);
     }
     // Connected, then dropped at once (or TLS bytes read as HTTP/2): a guess.
-    let dropped = ["frame with invalid size", "connection closed", "broken pipe", "reset by peer"]
-        .iter()
-        .any(|k| detail.contains(k));
+    // hyper words a drop before the HTTP/2 handshake ended as a request
+    // cancelled on a "connection was not ready".
+    let dropped =
+        ["frame with invalid size", "connection closed", "broken pipe", "reset by peer", "connection was not ready"]
+            .iter()
+            .any(|k| detail.contains(k));
     match (dropped, https) {
         (true, false) => Some(
             "it dropped the connection at once: it may expect TLS (use https:// and --tls-ca), or not be a ctxgate gateway",
@@ -387,5 +390,20 @@ mod tests {
         for (e, want) in cases {
             assert_eq!(e.to_string(), want);
         }
+    }
+
+    /// The ways a plaintext client has seen a TLS gateway drop it (the
+    /// last one from a CI run where the drop beat the HTTP/2 handshake).
+    #[test]
+    fn a_dropped_plaintext_connection_hints_at_tls() {
+        for detail in [
+            "transport error: frame with invalid size",
+            "transport error: connection closed before message completed",
+            "transport error: operation was canceled: connection was not ready",
+        ] {
+            let hint = tls_hint(detail, false).unwrap_or_default();
+            assert!(hint.contains("may expect TLS"), "{detail}: {hint:?}");
+        }
+        assert_eq!(tls_hint("transport error: Connection refused (os error 111)", false), None);
     }
 }

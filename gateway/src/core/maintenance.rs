@@ -28,6 +28,12 @@ impl Upkeep {
     pub fn hinted(maintenance_due: Option<bool>) -> Self {
         if maintenance_due == Some(false) { Self::NotDue } else { Self::Due }
     }
+
+    /// Due if either is: several commits delivered at once skip Maintain
+    /// only if none of them asked for it.
+    pub fn and(self, other: Self) -> Self {
+        if self == Self::NotDue && other == Self::NotDue { Self::NotDue } else { Self::Due }
+    }
 }
 
 impl Core {
@@ -167,5 +173,17 @@ impl Core {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Upkeep::{self, Due, NotDue};
+
+    #[test]
+    fn maintain_is_skipped_only_when_every_answer_said_so() {
+        assert_eq!([None, Some(true), Some(false)].map(Upkeep::hinted), [Due, Due, NotDue]);
+        assert_eq!(NotDue.and(NotDue), NotDue);
+        assert_eq!([Due.and(NotDue), NotDue.and(Due), Due.and(Due)], [Due; 3]);
     }
 }

@@ -172,7 +172,8 @@ impl Core {
     ) -> Result<Backlog, CoreError> {
         let pending = self.store.pending_commits(session_id, engine_id).await?;
         let Some(engine) = self.registry().get(engine_id).cloned() else { return Ok(Backlog::at(&pending)) };
-        let mut upkeep = Upkeep::Due;
+        // Due unless every commit delivered here said it is not.
+        let mut upkeep = None;
         for (i, p) in pending.iter().enumerate() {
             let now = now_unix_ms();
             if engine.is_quarantined() || (!force && p.next_attempt_ms > now) {
@@ -182,7 +183,7 @@ impl Core {
             match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
                 Ok(r) => {
                     self.store.complete_commit(session_id, key, advance(engine_id, &p.request)).await?;
-                    upkeep = Upkeep::hinted(r.maintenance_due);
+                    upkeep = Some(upkeep.unwrap_or(Upkeep::NotDue).and(Upkeep::hinted(r.maintenance_due)));
                 }
                 // A gap on a commit: the engine lost the session; the next
                 // turn resyncs it, the row waits with backoff meanwhile.
@@ -235,7 +236,7 @@ impl Core {
                 }
             }
         }
-        Ok(Backlog { upkeep, ..Backlog::default() })
+        Ok(Backlog { upkeep: upkeep.unwrap_or(Upkeep::Due), ..Backlog::default() })
     }
 
     /// One pass of the outbox, round-robin across sessions: each due
