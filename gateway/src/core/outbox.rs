@@ -53,7 +53,7 @@ pub struct Backlog {
     pub waiting: usize,
     /// The oldest waiting row's refusal, when the engine refused it.
     pub refused: Option<Refusal>,
-    /// What the last commit delivered said of the engine's upkeep.
+    /// Due unless every commit this drain delivered said none is due.
     pub upkeep: Upkeep,
 }
 
