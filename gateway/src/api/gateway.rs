@@ -417,15 +417,17 @@ fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
                 calls: r.guarded.stats().values().map(|s| s.calls).sum(),
             })
             .collect();
+        // One read: name and tools from the same attach.
+        let info = g.attached_info();
         out.push(api::EngineStatus {
             id: id.to_owned(),
-            name: g.attached_info().map(|i| i.name.clone()).unwrap_or_default(),
+            name: info.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
             endpoint: g.endpoint.clone(),
             health: g.health().as_str().into(),
             quarantine: g.quarantine_record().map(quarantine),
             replicas,
             affinity: g.affinity().map(|a| a.as_str().to_owned()).unwrap_or_default(),
-            tools: g.attached_info().map(|i| i.tools.clone()).unwrap_or_default(),
+            tools: info.map(|i| i.tools.clone()).unwrap_or_default(),
             methods: g
                 .stats()
                 .into_iter()
