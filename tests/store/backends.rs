@@ -193,8 +193,17 @@ async fn subagents_projections_and_durable_engines_round_trip(fx: &Fx) {
     store.add_subagent(child.clone()).await.unwrap();
     assert!(store.expired_subagents(99).await.unwrap().is_empty());
     assert_eq!(store.expired_subagents(100).await.unwrap(), std::slice::from_ref(&child));
+    // A turn's start reads the session (creating it) and the key's subagent
+    // standing together; the parent key is no subagent's.
+    let started = store.turn_session("main", "child").await.unwrap();
+    assert!(started.subagent && started.session.state == "active", "{started:?}");
+    let again = store.turn_session("main", "child").await.unwrap();
+    assert_eq!(again, started, "the second turn finds the session the first created");
+    let parent = store.turn_session("main", "k").await.unwrap();
+    assert_eq!((parent.session, parent.subagent), (s.clone(), false));
     assert_eq!(store.take_subagent("main", "child").await.unwrap(), Some(child));
     assert_eq!(store.take_subagent("main", "child").await.unwrap(), None);
+    assert!(!store.turn_session("main", "child").await.unwrap().subagent, "the record is gone");
 
     assert!(store.record_projection(&s.session_id, "h", "e1", "f1").await.unwrap(), "first time: inject");
     assert!(!store.record_projection(&s.session_id, "h", "e1", "f1").await.unwrap(), "unchanged");

@@ -80,6 +80,15 @@ pub struct Session {
     pub created_at_ms: i64,
 }
 
+/// A session as a turn begins it ([`Sessions::turn_session`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TurnSession {
+    pub session: Session,
+    /// The key is a live subagent's: its engine tools are the subagent
+    /// audience's.
+    pub subagent: bool,
+}
+
 /// A session with its transcript counts (listings).
 #[derive(Debug, Clone)]
 pub struct SessionStats {
@@ -107,6 +116,11 @@ impl<T: Sessions + Transcript + Cursors + Outbox + EngineRecords + Subagents + C
 pub trait Sessions: Send + Sync + 'static {
     /// The active session of a key, created when `create` and missing.
     async fn session(&self, agent: &str, key: &str, create: bool) -> Result<Option<Session>, StoreError>;
+    /// What a turn starts from: the key's active session (created when
+    /// missing) and whether the key is a live subagent's
+    /// ([`Subagents::is_subagent`]), read together — every turn asks both,
+    /// and each store round trip is a wake-up on a turn's critical path.
+    async fn turn_session(&self, agent: &str, key: &str) -> Result<TurnSession, StoreError>;
     /// Starts a fresh session for the key; the previous one becomes
     /// "archived" when `archive`, else "inactive".
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError>;

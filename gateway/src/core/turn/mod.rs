@@ -32,7 +32,7 @@ use crate::core::types::{
 };
 use crate::core::{Core, CoreError, now_unix_ms};
 use crate::engines::{Call, EngineCallError, legacy};
-use crate::store::{NewEntry, Session, StoreError};
+use crate::store::{NewEntry, Session, StoreError, TurnSession};
 use crate::transcript::Messages;
 pub use finish::Finished;
 use history::{HistoryView, Read, Source};
@@ -141,11 +141,9 @@ impl Core {
         // The turn is a span of the client's trace (or of a new one); every
         // engine call of the turn is a span of its own under it.
         let mut trace = TurnTrace::start(spec.trace);
-        let session = self
-            .store
-            .session(&spec.agent_id, &spec.session_key, true)
-            .await?
-            .ok_or_else(|| CoreError::NoSession(spec.session_key.clone()))?;
+        // Both are the key's state as the turn arrives (not re-read after
+        // waiting for the session, as the session itself is not).
+        let TurnSession { session, subagent } = self.store.turn_session(&spec.agent_id, &spec.session_key).await?;
         let limit = self.config.gateway.limits.queued_turns_per_session;
         // Waiting behind the session's running turn is not the gateway's
         // work (admission counts the turn that holds the session).
@@ -158,7 +156,6 @@ impl Core {
             Driver::Harness => Unmet::FailClosed,
         };
         let lease = self.lease_engine(Operation::AgentRun, &spec.host, spec.model, unmet)?;
-        let subagent = self.store.is_subagent(&session.agent_id, &session.session_key).await?;
         let engine_tools = tools::offered(&lease, subagent);
         // A harness tool the model could not tell from the engine's is refused.
         if let Some(clash) = spec.available_tools.iter().find(|t| engine_tools.iter().any(|e| &e.name == *t)) {

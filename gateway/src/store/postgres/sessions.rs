@@ -7,7 +7,7 @@ use tokio_postgres::Row;
 
 use super::{PostgresStore, exec, q, q_one, q_opt};
 use crate::store::shared::{KIND_COMPACTION, SESSION_COLS, SUBAGENT_COLS, new_id, now_ms};
-use crate::store::{Session, SessionStats, Sessions, StoreError, Subagent, Subagents};
+use crate::store::{Session, SessionStats, Sessions, StoreError, Subagent, Subagents, TurnSession};
 
 // The row readers are per backend (tokio-postgres's `get` panics on a
 // type mismatch, rusqlite's returns an error); the column lists they read
@@ -60,6 +60,19 @@ impl Sessions for PostgresStore {
             None if create_missing => Ok(Some(create(&c, agent, key).await?)),
             None => Ok(None),
         }
+    }
+
+    async fn turn_session(&self, agent: &str, key: &str) -> Result<TurnSession, StoreError> {
+        let c = self.client().await?;
+        let sql = format!(
+            "SELECT {SESSION_COLS}, EXISTS (SELECT 1 FROM subagents WHERE agent_id = $1 AND child_key = $2)
+             FROM sessions WHERE agent_id = $1 AND session_key = $2 AND state = 'active'"
+        );
+        if let Some(r) = q_opt(&c, &sql, &[&agent, &key]).await? {
+            return Ok(TurnSession { session: read_session(&r), subagent: r.get(5) });
+        }
+        let session = create(&c, agent, key).await?;
+        Ok(TurnSession { session, subagent: self.is_subagent(agent, key).await? })
     }
 
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError> {

@@ -5,7 +5,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::SqliteStore;
 use crate::store::shared::{KIND_COMPACTION, SESSION_COLS, SUBAGENT_COLS, new_id, now_ms};
-use crate::store::{Session, SessionStats, Sessions, StoreError, Subagent, Subagents};
+use crate::store::{Session, SessionStats, Sessions, StoreError, Subagent, Subagents, TurnSession};
 
 // The row readers are per backend (rusqlite's `get` is fallible,
 // tokio-postgres's is not); the column lists they read are shared.
@@ -38,6 +38,10 @@ fn active(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Option<Ses
     .optional()
 }
 
+fn subagent(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<bool> {
+    c.prepare_cached("SELECT 1 FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?.exists(params![agent, key])
+}
+
 fn create(c: &Connection, agent: &str, key: &str) -> rusqlite::Result<Session> {
     let s = Session {
         session_id: new_id(),
@@ -66,6 +70,30 @@ impl Sessions for SqliteStore {
             .write(move |tx| match active(tx, &agent, &key)? {
                 Some(s) => Ok(Some(s)),
                 None => Ok(Some(create(tx, &agent, &key)?)),
+            })
+            .await
+    }
+
+    async fn turn_session(&self, agent: &str, key: &str) -> Result<TurnSession, StoreError> {
+        let (agent, key) = (agent.to_owned(), key.to_owned());
+        let (a, k) = (agent.clone(), key.clone());
+        let found = self
+            .db
+            .read(move |c| {
+                let Some(session) = active(c, &a, &k)? else { return Ok(None) };
+                Ok(Some(TurnSession { session, subagent: subagent(c, &a, &k)? }))
+            })
+            .await?;
+        if let Some(found) = found {
+            return Ok(found);
+        }
+        self.db
+            .write(move |tx| {
+                let session = match active(tx, &agent, &key)? {
+                    Some(s) => s,
+                    None => create(tx, &agent, &key)?,
+                };
+                Ok(TurnSession { session, subagent: subagent(tx, &agent, &key)? })
             })
             .await
     }
@@ -214,14 +242,7 @@ impl Subagents for SqliteStore {
 
     async fn is_subagent(&self, agent: &str, child_key: &str) -> Result<bool, StoreError> {
         let (agent, key) = (agent.to_owned(), child_key.to_owned());
-        self.db
-            .read(move |c| {
-                let found = c
-                    .prepare_cached("SELECT 1 FROM subagents WHERE agent_id = ?1 AND child_key = ?2")?
-                    .exists(params![agent, key])?;
-                Ok(found)
-            })
-            .await
+        self.db.read(move |c| Ok(subagent(c, &agent, &key)?)).await
     }
 
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
