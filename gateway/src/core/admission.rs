@@ -45,7 +45,9 @@
 //!   brings no more turns) and more demand on a gateway with room for it
 //!   (its turns end within tolerance) are not surges.
 //! - **Limiting** (real overload): a new turn is shed while the working
-//!   turns reach the limit. An over-tolerance window cuts the limit again;
+//!   turns reach the limit, and so is a turn admitted before the limit fell
+//!   that has not started yet, while more turns work than the limit allows
+//!   ([`Permit::admitted`]). An over-tolerance window cuts the limit again;
 //!   a healthy one whose limit was used grows it by √limit; when the limit
 //!   passes `maxConcurrentTurns`, or ten healthy windows find demand under
 //!   half of it, or no turn ends for ten seconds, the gateway is Open
@@ -485,12 +487,28 @@ impl Permit {
         self.limit
     }
 
-    /// The turn holds its session and runs: its latency counts from now.
-    /// A permit dropped before this (the turn was refused) is no sample.
-    pub fn admitted(&mut self) {
+    /// The turn holds its session and is about to do its first durable
+    /// work: its latency counts from now. A permit dropped before this (the
+    /// turn was refused) is no sample.
+    ///
+    /// Refused here instead, like a turn shed on arrival, while the gateway
+    /// limits and more turns work than the limit allows: the limit fell
+    /// after this turn was admitted — a surge is seen only some ticks into
+    /// it, a window cuts the limit — and the turn has done nothing yet that
+    /// a refusal loses. Turns admitted in a flood's first ticks would
+    /// otherwise all run at once behind it, the slowest of the phase.
+    pub fn admitted(&mut self) -> Result<(), Shed> {
+        {
+            let s = self.admission.state();
+            let limit = s.gradient.limit();
+            if s.gradient.limiting() && s.working > limit {
+                return Err(Shed { limit, retry_after: s.gradient.pushback() });
+            }
+        }
         self.started = Instant::now();
         self.outside = Duration::ZERO;
         self.counts = true;
+        Ok(())
     }
 
     /// The turn waits on something outside the gateway (the model, the
@@ -544,7 +562,7 @@ mod tests {
 
     use tokio::time::Instant;
 
-    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, WINDOW};
+    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, Mode, WINDOW};
     use crate::config::AdaptiveConcurrency;
 
     fn limits(enabled: bool) -> LimitsSection {
@@ -921,7 +939,7 @@ mod tests {
         let mut waiting: Vec<_> = (0..1000)
             .map(|_| {
                 let mut p = a.try_admit().unwrap();
-                p.admitted();
+                p.admitted().unwrap();
                 p.away();
                 p
             })
@@ -930,7 +948,7 @@ mod tests {
         // Quick turns meanwhile: 1 ms of work each, never shed.
         for _ in 0..200 {
             let mut p = a.try_admit().expect("a quick turn beside 1000 waiting ones");
-            p.admitted();
+            p.admitted().expect("nor refused once it holds its session");
             tokio::time::advance(Duration::from_millis(1)).await;
         }
         // The waits end after 10 s; each turn then works 1 ms more.
@@ -943,13 +961,47 @@ mod tests {
         // One more turn, later, closes the window those 1000 samples are in.
         tokio::time::advance(Duration::from_millis(200)).await;
         let mut p = a.try_admit().unwrap();
-        p.admitted();
+        p.admitted().unwrap();
         drop(p);
         assert_eq!(a.load().0, 0, "every permit left the working count once");
         let s = a.state();
         let p90 = s.gradient.last_p90.unwrap();
         assert!(p90 < 50_000.0, "the 10 s wait was sampled: p90 {p90} µs");
         assert!(!s.gradient.limiting());
+    }
+
+    /// A flood is seen some ticks in: the turns admitted before the limit
+    /// fell, and not yet started, are refused before their first durable
+    /// work, until the limit's worth work. Turns already started, and
+    /// turns back from their model, go on; an open gateway refuses none.
+    #[test]
+    fn turns_admitted_before_the_limit_fell_are_refused_before_they_start() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        let mut started: Vec<_> = (0..3).map(|_| a.try_admit().unwrap()).collect();
+        for p in &mut started {
+            p.admitted().expect("an open gateway refuses no turn it admitted");
+        }
+        let mut away = a.try_admit().unwrap();
+        away.admitted().unwrap();
+        away.away();
+        let waiting: Vec<_> = (0..9).map(|_| a.try_admit().unwrap()).collect();
+        assert_eq!(a.load().0, 12);
+        a.state().gradient.mode = Mode::Limiting { limit: 5.0, calm: 0 };
+        let (mut refused, mut going) = (Vec::new(), Vec::new());
+        for mut p in waiting {
+            match p.admitted() {
+                Ok(()) => going.push(p),
+                Err(shed) => refused.push(shed),
+            }
+        }
+        assert_eq!((refused.len(), going.len()), (7, 2), "12 working, 5 allowed: the first 7 to start are refused");
+        assert!(refused.iter().all(|s| s.limit == 5 && s.retry_after >= Duration::from_millis(10)), "{refused:?}");
+        away.back();
+        assert_eq!(a.load().0, 6, "a turn back from its model is never refused");
+        drop((started, going, away));
+        let s = a.state();
+        assert_eq!((s.open, s.working), (0, 0), "every permit, refused or not, left once");
+        assert_eq!(s.gradient.samples.len(), 6, "a refused turn is no sample: {:?}", s.gradient.samples);
     }
 
     #[test]

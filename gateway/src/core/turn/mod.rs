@@ -23,7 +23,7 @@ use ctxgate_proto::{estimate, limits};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::core::admission::Permit;
+use crate::core::admission::{Permit, Shed};
 use crate::core::claims::Held;
 use crate::core::engine_lease::{EngineLease, Unmet};
 use crate::core::types::{
@@ -117,13 +117,17 @@ impl Core {
     /// and a refusal that had a task and a stream set up first took the
     /// CPU the admitted turns needed.
     pub fn admit(&self) -> Result<Permit, CoreError> {
-        let admission = self.admission.try_admit().map_err(|shed| {
-            self.metrics.turns_shed.inc();
-            self.metrics.turn_limit.set(shed.limit as i64);
-            CoreError::Overloaded(shed)
-        })?;
+        let admission = self.admission.try_admit().map_err(|shed| self.shed(shed))?;
         self.metrics.turn_limit.set(admission.limit() as i64);
         Ok(admission)
+    }
+
+    /// A turn refused by admission, at arrival or before its first durable
+    /// work ([`Permit::admitted`]).
+    fn shed(&self, shed: Shed) -> CoreError {
+        self.metrics.turns_shed.inc();
+        self.metrics.turn_limit.set(shed.limit as i64);
+        CoreError::Overloaded(shed)
     }
 
     /// Begins a turn under its `admission` ([`Core::admit`]): waits for
@@ -164,8 +168,9 @@ impl Core {
                 lease.info.id
             )));
         }
-        // It holds its session and runs: from here its time is a sample.
-        admission.admitted();
+        // It holds its session and runs: from here its time is a sample
+        // (unless the limit fell since it arrived: then it is shed now).
+        admission.admitted().map_err(|shed| self.shed(shed))?;
 
         // Admission: the user messages are durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
