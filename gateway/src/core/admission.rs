@@ -47,7 +47,9 @@
 //! - **Limiting** (real overload): a new turn is shed while the working
 //!   turns reach the limit, and so is a turn admitted before the limit fell
 //!   that has not started yet, while more turns work than the limit allows
-//!   ([`Permit::admitted`]). An over-tolerance window cuts the limit again;
+//!   ([`Permit::admitted`]; while the ticks look like a surge's first ones,
+//!   a turn about to start waits for it, [`HOLD_MAX`] at most). An
+//!   over-tolerance window cuts the limit again;
 //!   a healthy one whose limit was used grows it by √limit; when the limit
 //!   passes `maxConcurrentTurns`, or ten healthy windows find demand under
 //!   half of it, or no turn ends for ten seconds, the gateway is Open
@@ -82,6 +84,11 @@ const CALM_WINDOWS: u32 = 10;
 const TICK: Duration = Duration::from_millis(5);
 /// …when this many ticks in a row each admit more than twice what they end.
 const SURGE_TICKS: u32 = 6;
+/// A turn about to start waits while this many ticks in a row look like a
+/// surge's first ones ([`Gradient::suspect`])…
+const HOLD_FROM: u32 = 2;
+/// …for this long at most: the ticks a surge takes to be seen.
+const HOLD_MAX: Duration = Duration::from_millis(5 * SURGE_TICKS as u64);
 /// How far each full healthy window moves the pace (turns ended a second).
 const PACE_WEIGHT: f64 = 0.25;
 /// A surge brings turns at more than this many times the pace.
@@ -301,6 +308,30 @@ impl Gradient {
         }
     }
 
+    /// Whether the ticks so far look like a surge's first ones: on an open
+    /// gateway that knows its pace, [`HOLD_FROM`] ticks or more in a row
+    /// (the last one just closed) have each admitted more than twice what
+    /// they ended while work grew, turns arriving at more than
+    /// [`SURGE_DEMAND`] × the pace, and a surge can be seen within
+    /// [`HOLD_MAX`] (it must last tolerance × baseline: with slow turns, a
+    /// wait would only delay them). A turn about to start waits meanwhile
+    /// ([`Permit::admitted`]): if it is a surge, the turns not started yet
+    /// are the ones its limit can still refuse having stored nothing.
+    fn suspect(&self, now: Instant) -> bool {
+        let (true, Mode::Open, Some(baseline), Some(pace)) = (self.adaptive, self.mode, self.baseline, self.pace)
+        else {
+            return false;
+        };
+        let t = &self.ticks;
+        let current = t.start.is_some_and(|s| now.saturating_duration_since(s) < 2 * TICK);
+        let seen_in_time = self.tolerance * baseline <= HOLD_MAX.as_micros() as f64;
+        if t.streak_len < HOLD_FROM || !current || !seen_in_time {
+            return false;
+        }
+        let span = now.saturating_duration_since(t.streak_start.unwrap_or(now)).as_secs_f64().max(1e-3);
+        t.streak.admitted as f64 / span > SURGE_DEMAND * pace
+    }
+
     /// Adds the gateway latency of one turn; may close a window.
     pub fn sample(&mut self, latency: Duration, now: Instant, working: usize) {
         if !self.adaptive {
@@ -496,14 +527,31 @@ impl Permit {
     /// after this turn was admitted — a surge is seen only some ticks into
     /// it, a window cuts the limit — and the turn has done nothing yet that
     /// a refusal loses. Turns admitted in a flood's first ticks would
-    /// otherwise all run at once behind it, the slowest of the phase.
-    pub fn admitted(&mut self) -> Result<(), Shed> {
-        {
-            let s = self.admission.state();
-            let limit = s.gradient.limit();
-            if s.gradient.limiting() && s.working > limit {
-                return Err(Shed { limit, retry_after: s.gradient.pushback() });
+    /// otherwise all run at once behind it, the slowest of the phase. So
+    /// while the ticks look like a surge's first ones, the turn waits a tick
+    /// at a time ([`HOLD_MAX`] at most) for the surge to be seen or the
+    /// streak to end: a burst's turns start a few milliseconds later, a
+    /// flood's are refused.
+    pub async fn admitted(&mut self) -> Result<(), Shed> {
+        let (since, mut waited) = (Instant::now(), false);
+        loop {
+            {
+                let s = self.admission.state();
+                let limit = s.gradient.limit();
+                if s.gradient.limiting() && s.working > limit {
+                    return Err(Shed { limit, retry_after: s.gradient.pushback() });
+                }
+                let now = Instant::now();
+                if now.saturating_duration_since(since) >= HOLD_MAX || !s.gradient.suspect(now) {
+                    break;
+                }
             }
+            tokio::time::sleep(TICK).await;
+            waited = true;
+        }
+        if waited {
+            let waited = since.elapsed();
+            tracing::debug!(target: "ctxgate::admission", ?waited, "a turn waited to start: the ticks looked like a surge");
         }
         self.started = Instant::now();
         self.outside = Duration::ZERO;
@@ -638,12 +686,14 @@ mod tests {
         due: f64,
         done: f64,
         shed: usize,
+        /// Milliseconds in which a turn about to start would have waited.
+        suspected: u32,
     }
 
     impl Sim {
         fn cold() -> Self {
             let g = Gradient::new(&limits(true));
-            Self { g, now: Instant::now(), working: VecDeque::new(), due: 0.0, done: 0.0, shed: 0 }
+            Self { g, now: Instant::now(), working: VecDeque::new(), due: 0.0, done: 0.0, shed: 0, suspected: 0 }
         }
 
         /// A gateway that has served half its capacity (1000 of 2000 turns/s) for a second.
@@ -651,6 +701,7 @@ mod tests {
             let mut s = Self::cold();
             s.run(1000, 1000.0, 2000.0);
             assert!(!s.g.limiting() && s.shed == 0, "half load is not shed: {:?}", s.g);
+            assert_eq!(s.suspected, 0, "nor held: {:?}", s.g);
             s
         }
 
@@ -659,6 +710,7 @@ mod tests {
         }
 
         fn arrive(&mut self, n: usize) {
+            self.suspected += u32::from(self.g.suspect(self.now));
             for _ in 0..n {
                 self.g.arriving(self.now, self.working());
                 if self.g.limiting() && self.working() >= self.g.limit() {
@@ -742,6 +794,9 @@ mod tests {
             waited += 1;
         }
         assert!(waited <= 50, "limiting after {waited} ms, {} working", s.working());
+        // From its third tick on, the flood looked like one: a turn about to
+        // start waited to see (and is refused now, not run behind it).
+        assert!(s.suspected >= 10, "suspected for {} ms", s.suspected);
         // At a quarter of the work then (more than the 8 it ends within
         // tolerance: 2000/s × 2 × 2 ms); the windows cut it from there.
         assert!(s.g.limit() <= s.working() / 4 + 1, "{} working: {:?}", s.working(), s.g);
@@ -755,7 +810,7 @@ mod tests {
         // Nothing ends for 200 ms (a slow fsync, a pause) while turns keep coming.
         s.run(200, 1000.0, 0.0);
         s.run(2000, 1000.0, 2000.0);
-        assert!(s.shed == 0 && !s.g.limiting(), "{} shed: {:?}", s.shed, s.g);
+        assert!(s.shed == 0 && !s.g.limiting() && s.suspected == 0, "{} shed: {:?}", s.shed, s.g);
     }
 
     #[test]
@@ -767,6 +822,7 @@ mod tests {
         // 64 clients that each ask again when answered, at a quarter of the capacity seen so far.
         s.closed(3000, 64, 500.0);
         assert_eq!(s.shed, 0, "a closed loop of 64: {:?}", s.g);
+        assert_eq!(s.suspected, 0, "neither waits to start: {:?}", s.g);
     }
 
     #[test]
@@ -776,6 +832,9 @@ mod tests {
         s.run(20, 8000.0, 2000.0);
         s.run(2000, 1000.0, 2000.0);
         assert!(s.shed == 0 && !s.g.limiting(), "{} shed: {:?}", s.shed, s.g);
+        // It looked like a surge's start for a while: its last turns started
+        // a few milliseconds late, none refused.
+        assert!(s.suspected <= 20, "suspected for {} ms", s.suspected);
     }
 
     /// Each turn takes 100 ms whatever the load (an engine with room for
@@ -787,6 +846,8 @@ mod tests {
         s.run_fixed(2000, 200.0, Duration::from_millis(100));
         s.run_fixed(3000, 1000.0, Duration::from_millis(100));
         assert!(s.shed == 0 && !s.g.limiting(), "{} shed: {:?}", s.shed, s.g);
+        // A surge would take 200 ms to see here: waiting for one only delays.
+        assert_eq!(s.suspected, 0);
     }
 
     /// One window of `n` samples at `working` turns.
@@ -936,19 +997,18 @@ mod tests {
     async fn turns_waiting_on_their_model_are_not_work_and_their_wait_is_not_sampled() {
         let a = Arc::new(Admission::new(&limits(true)));
         // 1000 turns each waiting on its model.
-        let mut waiting: Vec<_> = (0..1000)
-            .map(|_| {
-                let mut p = a.try_admit().unwrap();
-                p.admitted().unwrap();
-                p.away();
-                p
-            })
-            .collect();
+        let mut waiting = Vec::new();
+        for _ in 0..1000 {
+            let mut p = a.try_admit().unwrap();
+            p.admitted().await.unwrap();
+            p.away();
+            waiting.push(p);
+        }
         assert_eq!(a.load().0, 0, "a turn waiting on its model is not working");
         // Quick turns meanwhile: 1 ms of work each, never shed.
         for _ in 0..200 {
             let mut p = a.try_admit().expect("a quick turn beside 1000 waiting ones");
-            p.admitted().expect("nor refused once it holds its session");
+            p.admitted().await.expect("nor refused once it holds its session");
             tokio::time::advance(Duration::from_millis(1)).await;
         }
         // The waits end after 10 s; each turn then works 1 ms more.
@@ -961,7 +1021,7 @@ mod tests {
         // One more turn, later, closes the window those 1000 samples are in.
         tokio::time::advance(Duration::from_millis(200)).await;
         let mut p = a.try_admit().unwrap();
-        p.admitted().unwrap();
+        p.admitted().await.unwrap();
         drop(p);
         assert_eq!(a.load().0, 0, "every permit left the working count once");
         let s = a.state();
@@ -974,22 +1034,22 @@ mod tests {
     /// fell, and not yet started, are refused before their first durable
     /// work, until the limit's worth work. Turns already started, and
     /// turns back from their model, go on; an open gateway refuses none.
-    #[test]
-    fn turns_admitted_before_the_limit_fell_are_refused_before_they_start() {
+    #[tokio::test(start_paused = true)]
+    async fn turns_admitted_before_the_limit_fell_are_refused_before_they_start() {
         let a = Arc::new(Admission::new(&limits(true)));
         let mut started: Vec<_> = (0..3).map(|_| a.try_admit().unwrap()).collect();
         for p in &mut started {
-            p.admitted().expect("an open gateway refuses no turn it admitted");
+            p.admitted().await.expect("an open gateway refuses no turn it admitted");
         }
         let mut away = a.try_admit().unwrap();
-        away.admitted().unwrap();
+        away.admitted().await.unwrap();
         away.away();
         let waiting: Vec<_> = (0..9).map(|_| a.try_admit().unwrap()).collect();
         assert_eq!(a.load().0, 12);
         a.state().gradient.mode = Mode::Limiting { limit: 5.0, calm: 0 };
         let (mut refused, mut going) = (Vec::new(), Vec::new());
         for mut p in waiting {
-            match p.admitted() {
+            match p.admitted().await {
                 Ok(()) => going.push(p),
                 Err(shed) => refused.push(shed),
             }
@@ -1002,6 +1062,47 @@ mod tests {
         let s = a.state();
         assert_eq!((s.open, s.working), (0, 0), "every permit, refused or not, left once");
         assert_eq!(s.gradient.samples.len(), 6, "a refused turn is no sample: {:?}", s.gradient.samples);
+    }
+
+    /// An open gateway whose last ticks look like a surge's first ones.
+    fn suspecting(a: &Admission) {
+        let now = Instant::now();
+        let g = &mut a.state().gradient;
+        (g.baseline, g.pace) = (Some(2_000.0), Some(1_000.0));
+        g.ticks.start = Some(now);
+        g.ticks.streak_start = Some(now - 2 * super::TICK);
+        g.ticks.streak_len = super::HOLD_FROM;
+        g.ticks.streak.admitted = 100;
+        assert!(g.suspect(now));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_waits_to_start_while_a_surge_may_be_starting_then_starts() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        suspecting(&a);
+        let mut p = a.try_admit().unwrap();
+        let t = Instant::now();
+        p.admitted().await.expect("no surge was seen: the turn starts");
+        // No tick closed since: the streak is over two ticks later.
+        let waited = t.elapsed();
+        assert!(waited >= super::TICK && waited <= super::HOLD_MAX, "{waited:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_waiting_to_start_is_refused_when_the_surge_is_seen() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        suspecting(&a);
+        let _started = a.try_admit().unwrap();
+        let waiting = tokio::spawn({
+            let a = a.clone();
+            async move { a.try_admit().unwrap().admitted().await.map(drop) }
+        });
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(!waiting.is_finished(), "it waits");
+        a.state().gradient.mode = Mode::Limiting { limit: 1.0, calm: 0 };
+        let shed = waiting.await.unwrap().expect_err("two working, one allowed");
+        assert_eq!(shed.limit, 1);
+        assert_eq!(a.load().0, 1);
     }
 
     #[test]

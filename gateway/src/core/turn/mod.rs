@@ -170,7 +170,7 @@ impl Core {
         }
         // It holds its session and runs: from here its time is a sample
         // (unless the limit fell since it arrived: then it is shed now).
-        admission.admitted().map_err(|shed| self.shed(shed))?;
+        admission.admitted().await.map_err(|shed| self.shed(shed))?;
 
         // Admission: the user messages are durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
