@@ -683,6 +683,8 @@ mod tests {
         now: Instant,
         /// When each working turn was admitted, oldest first.
         working: VecDeque<Instant>,
+        /// Admitted turns waiting to start ([`Permit::admitted`]): since when.
+        held: VecDeque<Instant>,
         due: f64,
         done: f64,
         shed: usize,
@@ -693,7 +695,16 @@ mod tests {
     impl Sim {
         fn cold() -> Self {
             let g = Gradient::new(&limits(true));
-            Self { g, now: Instant::now(), working: VecDeque::new(), due: 0.0, done: 0.0, shed: 0, suspected: 0 }
+            Self {
+                g,
+                now: Instant::now(),
+                working: VecDeque::new(),
+                held: VecDeque::new(),
+                due: 0.0,
+                done: 0.0,
+                shed: 0,
+                suspected: 0,
+            }
         }
 
         /// A gateway that has served half its capacity (1000 of 2000 turns/s) for a second.
@@ -706,20 +717,43 @@ mod tests {
         }
 
         fn working(&self) -> usize {
-            self.working.len()
+            self.working.len() + self.held.len()
+        }
+
+        /// Held turns look again, as [`Permit::admitted`] does: refused
+        /// while the limit is exceeded, started once the ticks no longer
+        /// look like a surge or after [`super::HOLD_MAX`].
+        fn recheck(&mut self) {
+            while let Some(&since) = self.held.front() {
+                if self.g.limiting() && self.working() > self.g.limit() {
+                    self.held.pop_front();
+                    self.g.ending(self.now, self.working());
+                    self.shed += 1;
+                } else if !self.g.suspect(self.now) || self.now.duration_since(since) >= super::HOLD_MAX {
+                    self.held.pop_front();
+                    self.working.push_back(self.now);
+                } else {
+                    break;
+                }
+            }
         }
 
         fn arrive(&mut self, n: usize) {
             self.suspected += u32::from(self.g.suspect(self.now));
+            self.recheck();
             for _ in 0..n {
                 self.g.arriving(self.now, self.working());
                 if self.g.limiting() && self.working() >= self.g.limit() {
                     self.shed += 1;
                     continue;
                 }
-                self.working.push_back(self.now);
-                self.g.busy(self.working());
+                self.g.busy(self.working() + 1);
                 self.g.admitted();
+                if self.g.suspect(self.now) {
+                    self.held.push_back(self.now);
+                } else {
+                    self.working.push_back(self.now);
+                }
             }
         }
 
@@ -744,7 +778,7 @@ mod tests {
                 return;
             }
             self.done += capacity / 1000.0;
-            let n = (self.done as usize).min(self.working());
+            let n = (self.done as usize).min(self.working.len());
             self.done = (self.done - n as f64).min(1.0);
             for _ in 0..n {
                 self.end(Duration::from_secs_f64(self.working() as f64 / capacity).max(Duration::from_millis(2)));
@@ -802,6 +836,21 @@ mod tests {
         assert!(s.g.limit() <= s.working() / 4 + 1, "{} working: {:?}", s.working(), s.g);
         s.run(2000, 8000.0, 2000.0);
         assert!(s.g.limiting() && s.working() <= 64, "the queue stays bounded: {} working, {:?}", s.working(), s.g);
+    }
+
+    /// Held turns end later than they would have, so the ticks they wait
+    /// through look more like a surge: a catch-up burst that starts a hold,
+    /// then more demand than the pace but within capacity, is still none.
+    #[test]
+    fn turns_held_to_start_make_no_surge_of_more_demand_on_a_gateway_with_room() {
+        for (capacity, demand) in [(3000.0, 2200.0), (3000.0, 2800.0), (4000.0, 3500.0)] {
+            let mut s = Sim::cold();
+            s.run(2000, 1000.0, capacity);
+            s.run(20, 10000.0, capacity);
+            assert!(s.suspected > 0, "the burst started a hold: {:?}", s.g);
+            s.run(3000, demand, capacity);
+            assert!(s.shed == 0 && !s.g.limiting(), "{demand}/s on {capacity}: {} shed, {:?}", s.shed, s.g);
+        }
     }
 
     #[test]
