@@ -85,10 +85,16 @@ const TICK: Duration = Duration::from_millis(5);
 /// …when this many ticks in a row each admit more than twice what they end.
 const SURGE_TICKS: u32 = 6;
 /// A turn about to start waits while this many ticks in a row look like a
-/// surge's first ones ([`Gradient::suspect`])…
+/// surge's first ones ([`Gradient::suspect`]), until the surge is seen or
+/// the streak ends…
 const HOLD_FROM: u32 = 2;
-/// …for this long at most: the ticks a surge takes to be seen.
-const HOLD_MAX: Duration = Duration::from_millis(5 * SURGE_TICKS as u64);
+/// …or reaches this many ticks without being seen as a surge (a flood can
+/// take a few ticks more than [`SURGE_TICKS`] to double its work)…
+const HOLD_TICKS: u32 = SURGE_TICKS + 4;
+/// …or after this long at most: a tick's 5 ms stretch on a busy gateway,
+/// and turns released on a clock while the surge is still undecided end
+/// together, breaking its streak.
+const HOLD_MAX: Duration = Duration::from_millis(100);
 /// How far each full healthy window moves the pace (turns ended a second).
 const PACE_WEIGHT: f64 = 0.25;
 /// A surge brings turns at more than this many times the pace.
@@ -310,11 +316,11 @@ impl Gradient {
 
     /// Whether the ticks so far look like a surge's first ones: on an open
     /// gateway that knows its pace, [`HOLD_FROM`] ticks or more in a row
-    /// (the last one just closed) have each admitted more than twice what
+    /// (fewer than [`HOLD_TICKS`]; the last one just closed) have each admitted more than twice what
     /// they ended while work grew, turns arriving at more than
     /// [`SURGE_DEMAND`] × the pace, and a surge can be seen within
-    /// [`HOLD_MAX`] (it must last tolerance × baseline: with slow turns, a
-    /// wait would only delay them). A turn about to start waits meanwhile
+    /// [`SURGE_TICKS`] (it must last tolerance × baseline: with slow turns,
+    /// a wait would only delay them). A turn about to start waits meanwhile
     /// ([`Permit::admitted`]): if it is a surge, the turns not started yet
     /// are the ones its limit can still refuse having stored nothing.
     fn suspect(&self, now: Instant) -> bool {
@@ -324,8 +330,8 @@ impl Gradient {
         };
         let t = &self.ticks;
         let current = t.start.is_some_and(|s| now.saturating_duration_since(s) < 2 * TICK);
-        let seen_in_time = self.tolerance * baseline <= HOLD_MAX.as_micros() as f64;
-        if t.streak_len < HOLD_FROM || !current || !seen_in_time {
+        let seen_in_time = self.tolerance * baseline <= (TICK * SURGE_TICKS).as_micros() as f64;
+        if !(HOLD_FROM..HOLD_TICKS).contains(&t.streak_len) || !current || !seen_in_time {
             return false;
         }
         let span = now.saturating_duration_since(t.streak_start.unwrap_or(now)).as_secs_f64().max(1e-3);
