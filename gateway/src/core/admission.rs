@@ -316,9 +316,10 @@ impl Gradient {
 
     /// Whether the ticks so far look like a surge's first ones: on an open
     /// gateway that knows its pace, [`HOLD_FROM`] ticks or more in a row
-    /// (fewer than [`HOLD_TICKS`]; the last one just closed) have each admitted more than twice what
-    /// they ended while work grew, turns arriving at more than
-    /// [`SURGE_DEMAND`] × the pace, and a surge can be seen within
+    /// (fewer than [`HOLD_TICKS`]; the last one just closed) have each
+    /// admitted more than twice what they ended while work grew, turns
+    /// arriving at more than [`SURGE_DEMAND`] × the pace, and a surge can be
+    /// seen within
     /// [`SURGE_TICKS`] (it must last tolerance × baseline: with slow turns,
     /// a wait would only delay them). A turn about to start waits meanwhile
     /// ([`Permit::admitted`]): if it is a surge, the turns not started yet

@@ -169,8 +169,13 @@ impl Core {
             )));
         }
         // It holds its session and runs: from here its time is a sample
-        // (unless the limit fell since it arrived: then it is shed now).
-        admission.admitted().await.map_err(|shed| self.shed(shed))?;
+        // (unless the limit fell since it arrived: then it is shed now). A
+        // cancel while it waits to start leaves no trace, as one while it
+        // waits for the session does.
+        tokio::select! {
+            started = admission.admitted() => started.map_err(|shed| self.shed(shed))?,
+            () = cancel.cancelled() => return Err(CoreError::Aborted),
+        }
 
         // Admission: the user messages are durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
