@@ -545,7 +545,10 @@ impl Permit {
             {
                 let s = self.admission.state();
                 let limit = s.gradient.limit();
-                if s.gradient.limiting() && s.working > limit {
+                // Only a limit that fell since the turn was admitted: a turn
+                // admitted under this one, back from waiting for its session
+                // into a slot a newer turn took, is not refused.
+                if s.gradient.limiting() && limit < self.limit && s.working > limit {
                     return Err(Shed { limit, retry_after: s.gradient.pushback() });
                 }
                 let now = Instant::now();
@@ -553,7 +556,7 @@ impl Permit {
                     break;
                 }
             }
-            tokio::time::sleep(TICK).await;
+            tokio::time::sleep(TICK.min(HOLD_MAX.saturating_sub(since.elapsed()))).await;
             waited = true;
         }
         if waited {
@@ -1118,6 +1121,20 @@ mod tests {
         let s = a.state();
         assert_eq!((s.open, s.working), (0, 0), "every permit, refused or not, left once");
         assert_eq!(s.gradient.samples.len(), 6, "a refused turn is no sample: {:?}", s.gradient.samples);
+    }
+
+    /// Under a limit that has not fallen since, a turn back from waiting for
+    /// its session finds its slot taken by a newer turn: it starts anyway.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_admitted_under_the_limit_now_is_not_refused_to_start() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        a.state().gradient.mode = Mode::Limiting { limit: 2.0, calm: 0 };
+        let mut queued = a.try_admit().unwrap();
+        queued.away();
+        let _others = (a.try_admit().unwrap(), a.try_admit().unwrap());
+        queued.back();
+        assert_eq!(a.load(), (3, 2));
+        queued.admitted().await.expect("admitted under this limit: never refused");
     }
 
     /// An open gateway whose last ticks look like a surge's first ones.

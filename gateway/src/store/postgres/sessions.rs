@@ -39,6 +39,11 @@ async fn active(c: &impl GenericClient, agent: &str, key: &str) -> Result<Option
     Ok(q_opt(c, &sql, &[&agent, &key]).await?.as_ref().map(read_session))
 }
 
+async fn subagent(c: &impl GenericClient, agent: &str, key: &str) -> Result<bool, StoreError> {
+    let row = q_opt(c, "SELECT 1 FROM subagents WHERE agent_id = $1 AND child_key = $2", &[&agent, &key]).await?;
+    Ok(row.is_some())
+}
+
 /// Creates the key's active session unless another gateway just did.
 async fn create(c: &impl GenericClient, agent: &str, key: &str) -> Result<Session, StoreError> {
     let id = new_id();
@@ -71,8 +76,10 @@ impl Sessions for PostgresStore {
         if let Some(r) = q_opt(&c, &sql, &[&agent, &key]).await? {
             return Ok(TurnSession { session: read_session(&r), subagent: r.get(5) });
         }
+        // On the same connection: a second one from the pool while this one
+        // is held could wait on a pool emptied by as many first turns.
         let session = create(&c, agent, key).await?;
-        Ok(TurnSession { session, subagent: self.is_subagent(agent, key).await? })
+        Ok(TurnSession { session, subagent: subagent(&c, agent, key).await? })
     }
 
     async fn replace_session(&self, agent: &str, key: &str, archive: bool) -> Result<Session, StoreError> {
@@ -212,10 +219,7 @@ impl Subagents for PostgresStore {
     }
 
     async fn is_subagent(&self, agent: &str, child_key: &str) -> Result<bool, StoreError> {
-        let c = self.client().await?;
-        let row =
-            q_opt(&c, "SELECT 1 FROM subagents WHERE agent_id = $1 AND child_key = $2", &[&agent, &child_key]).await?;
-        Ok(row.is_some())
+        subagent(&self.client().await?, agent, child_key).await
     }
 
     async fn expired_subagents(&self, now_ms: i64) -> Result<Vec<Subagent>, StoreError> {
