@@ -168,10 +168,11 @@ impl Core {
                 lease.info.id
             )));
         }
-        // It holds its session and runs: from here its time is a sample
-        // (unless the limit fell since it arrived: then it is shed now). A
-        // cancel while it waits to start leaves no trace, as one while it
-        // waits for the session does.
+        // It holds its session and runs: from here its time is a sample.
+        // Unless the limit fell since it arrived (then it is shed now), or
+        // the ticks look like a surge's first ones (then it waits to see).
+        // A cancel while it waits leaves no trace, as one while it waits for
+        // the session does.
         tokio::select! {
             started = admission.admitted() => started.map_err(|shed| self.shed(shed))?,
             () = cancel.cancelled() => return Err(CoreError::Aborted),
