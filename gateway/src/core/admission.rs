@@ -339,6 +339,14 @@ impl Gradient {
         t.streak.admitted as f64 / span > SURGE_DEMAND * pace
     }
 
+    /// Whether a turn admitted under the limit `admitted_under`, about to
+    /// start while `working` turns work (itself among them), is refused:
+    /// the limit fell since, and the work is over it ([`Permit::admitted`]).
+    fn refuses_start(&self, working: usize, admitted_under: usize) -> bool {
+        let limit = self.limit();
+        self.limiting() && limit < admitted_under && working > limit
+    }
+
     /// Adds the gateway latency of one turn; may close a window.
     pub fn sample(&mut self, latency: Duration, now: Instant, working: usize) {
         if !self.adaptive {
@@ -544,12 +552,11 @@ impl Permit {
         loop {
             {
                 let s = self.admission.state();
-                let limit = s.gradient.limit();
                 // Only a limit that fell since the turn was admitted: a turn
                 // admitted under this one, back from waiting for its session
                 // into a slot a newer turn took, is not refused.
-                if s.gradient.limiting() && limit < self.limit && s.working > limit {
-                    return Err(Shed { limit, retry_after: s.gradient.pushback() });
+                if s.gradient.refuses_start(s.working, self.limit) {
+                    return Err(Shed { limit: s.gradient.limit(), retry_after: s.gradient.pushback() });
                 }
                 let now = Instant::now();
                 if now.saturating_duration_since(since) >= HOLD_MAX || !s.gradient.suspect(now) {
@@ -734,8 +741,9 @@ mod tests {
         /// while the limit is exceeded, started once the ticks no longer
         /// look like a surge or after [`super::HOLD_MAX`].
         fn recheck(&mut self) {
+            // Held turns arrived while the gateway was open: under its maximum.
             while let Some(&since) = self.held.front() {
-                if self.g.limiting() && self.working() > self.g.limit() {
+                if self.g.refuses_start(self.working(), self.g.max as usize) {
                     self.held.pop_front();
                     self.g.ending(self.now, self.working());
                     self.shed += 1;
@@ -1091,7 +1099,7 @@ mod tests {
 
     /// A flood is seen some ticks in: the turns admitted before the limit
     /// fell, and not yet started, are refused before their first durable
-    /// work, until the limit's worth work. Turns already started, and
+    /// work, until only the limit's worth works. Turns already started, and
     /// turns back from their model, go on; an open gateway refuses none.
     #[tokio::test(start_paused = true)]
     async fn turns_admitted_before_the_limit_fell_are_refused_before_they_start() {
