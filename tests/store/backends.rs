@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use ctxgate::store::postgres::PostgresStore;
 use ctxgate::store::{
-    Claimed, Claims, CommitDraft, Cursors, NewEntry, Outbox, PageOutcome, PageRequest, Renewal, Session, Sessions,
-    SqliteStore, Store, StoreError, Transcript, TurnClose,
+    Claimed, Claims, CommitDraft, Cursors, Delta, NewEntry, Outbox, PageOutcome, PageRequest, Renewal, Session,
+    Sessions, SqliteStore, Store, StoreError, Transcript, TurnClose,
 };
 use ctxgate_proto::pb::{
     self, AgentMessage, CompactionEntry, ContentPart, Role, content_part::Part, transcript_entry::Entry,
@@ -115,6 +115,7 @@ case_list!(
     new_and_reset_start_fresh_sessions_and_delete_removes_all,
     refusals_back_off_drops_are_audited_and_deletes_leave_forgets,
     branch_after_reads_back_to_the_cursor_and_follows_rewrites,
+    a_delta_is_the_cursor_and_the_branch_after_it_within_or_before_the_visible_tail,
     a_branch_is_read_a_page_at_a_time_within_its_caps,
     a_closed_turn_queues_its_commit_with_the_turn_messages_and_a_delivery_moves_the_cursor,
     subagents_projections_and_durable_engines_round_trip,
@@ -502,6 +503,42 @@ async fn branch_after_reads_back_to_the_cursor_and_follows_rewrites(fx: &Fx) {
     let after = store.branch_after(&id, &at(&a[1])).await.unwrap().expect("followed through the copy");
     assert_eq!(after.len(), 1);
     assert!(matches!(&after[0].entry, Some(Entry::Message(m)) if m.id == a[2].id));
+}
+
+/// What a DELTA engine's turn reads: its cursor and what follows it, also
+/// when the cursor is older than the visible tail (a compaction since).
+async fn a_delta_is_the_cursor_and_the_branch_after_it_within_or_before_the_visible_tail(fx: &Fx) {
+    let (store, s) = (fx.store(), fx.session().await);
+    let id = s.session_id.clone();
+    let a = store.append(&id, vec![user("one"), user("two"), user("three")]).await.unwrap();
+    assert_eq!(store.delta(&id, "e").await.unwrap(), None, "no cursor, no delta");
+    let at = |e: &pb::TranscriptEntry| pb::HistoryCursor {
+        message_id: e.id.clone(),
+        seq: e.seq,
+        message_count: 1,
+        tokens: 7,
+    };
+    let ids = |v: &[pb::TranscriptEntry]| v.iter().map(|e| e.id.clone()).collect::<Vec<_>>();
+    store.set_cursor(&id, "e", Some(at(&a[1]))).await.unwrap();
+    let delta = store.delta(&id, "e").await.unwrap().unwrap();
+    assert_eq!((&delta.cursor, ids(delta.after.as_deref().unwrap())), (&at(&a[1]), vec![a[2].id.clone()]));
+    let (cursor, messages) = delta.messages().expect("only messages follow");
+    let Some(Entry::Message(three)) = a[2].entry.clone() else { unreachable!() };
+    assert_eq!((cursor, messages), (at(&a[1]), vec![three]));
+    // A compaction keeping "three" on: the visible tail starts there, and a
+    // cursor at "one" is read back through the whole branch.
+    let c = store.append(&id, vec![compaction("s", &a[2].id)]).await.unwrap();
+    assert_eq!(store.visible_tail(&id).await.unwrap().len(), 2, "three and the summary");
+    store.set_cursor(&id, "e", Some(at(&a[0]))).await.unwrap();
+    let delta = store.delta(&id, "e").await.unwrap().unwrap();
+    assert_eq!(ids(delta.after.as_deref().unwrap()), [a[1].id.clone(), a[2].id.clone(), c[0].id.clone()]);
+    assert_eq!(delta.messages(), None, "a summary follows the cursor: what is visible changed");
+    // A cursor whose message is gone from the branch.
+    let gone = pb::HistoryCursor { message_id: "gone".into(), seq: a[1].seq, ..Default::default() };
+    store.set_cursor(&id, "e", Some(gone.clone())).await.unwrap();
+    assert_eq!(store.delta(&id, "e").await.unwrap(), Some(Delta { cursor: gone, after: None }));
+    // Another engine's cursor is its own.
+    assert_eq!(store.delta(&id, "other").await.unwrap(), None);
 }
 
 // --- what only a shared store has ---------------------------------------------

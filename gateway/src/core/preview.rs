@@ -5,12 +5,13 @@
 //! engine's cursor is used but never resynced or moved.
 
 use ctxgate_proto::estimate;
-use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
+use ctxgate_proto::pb::{self, AgentMessage};
 
 use crate::core::engine_lease::Unmet;
 use crate::core::types::{HostProfile, Operation};
 use crate::core::{Core, CoreError, session_ref};
 use crate::engines::{Call, delta};
+use crate::store::Delta;
 
 /// An assembled context as the model would see it.
 #[derive(Debug, Clone)]
@@ -51,19 +52,9 @@ impl Core {
         let mut messages = None;
         if lease.remote
             && delta(&lease.info)
-            && let Some(c) = self.store.cursor(&session.session_id, &lease.key).await?
-            && let Some(after) = self.store.branch_after(&session.session_id, &c).await?
-            && after.iter().all(|e| matches!(e.entry, Some(Entry::Message(_))))
+            && let Some((c, after)) = self.store.delta(&session.session_id, &lease.key).await?.and_then(Delta::messages)
         {
-            messages = Some(
-                after
-                    .into_iter()
-                    .filter_map(|e| match e.entry {
-                        Some(Entry::Message(m)) => Some(m),
-                        _ => None,
-                    })
-                    .collect::<Vec<_>>(),
-            );
+            messages = Some(after);
             cursor = Some(c);
         }
         let messages = match messages {

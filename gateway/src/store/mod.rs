@@ -220,6 +220,36 @@ pub trait Cursors: Send + Sync + 'static {
         session_id: &str,
         cursor: &pb::HistoryCursor,
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError>;
+    /// [`Cursors::cursor`] and, if there is one, [`Cursors::branch_after`]
+    /// it, in one read: what a DELTA engine's turn needs before the engine
+    /// assembles.
+    async fn delta(&self, session_id: &str, engine_id: &str) -> Result<Option<Delta>, StoreError>;
+}
+
+/// A DELTA engine's cursor for a session and what follows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Delta {
+    pub cursor: pb::HistoryCursor,
+    /// The active branch after the cursor's message, oldest first; `None`
+    /// when that message is no longer on the branch.
+    pub after: Option<Vec<pb::TranscriptEntry>>,
+}
+
+impl Delta {
+    /// The cursor and the messages after it; `None` when its message left
+    /// the branch or a compaction follows it (a host compaction changed
+    /// what is visible since the engine's cursor).
+    pub fn messages(self) -> Option<(pb::HistoryCursor, Vec<AgentMessage>)> {
+        let after = self.after?;
+        let mut messages = Vec::with_capacity(after.len());
+        for e in after {
+            match e.entry {
+                Some(Entry::Message(m)) => messages.push(m),
+                _ => return None,
+            }
+        }
+        Some((self.cursor, messages))
+    }
 }
 
 /// The durable-turn outbox: CommitTurn calls queued per session and

@@ -5,6 +5,7 @@
 //! functions: the backends read what they need, call these, and write
 //! what comes back.
 
+use std::ops::ControlFlow;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
@@ -98,6 +99,52 @@ pub(super) fn place(entries: Vec<NewEntry>, leaf: Option<String>, seq: i64) -> P
 /// rewrites, whose copies get new seqs), or a summary by its entry id.
 pub(super) fn is_cursor_entry(e: &pb::TranscriptEntry, cursor: &pb::HistoryCursor) -> bool {
     e.id == cursor.message_id || matches!(&e.entry, Some(Entry::Message(m)) if m.id == cursor.message_id)
+}
+
+/// A walk back from the branch's leaf to a cursor: what follows the
+/// cursor's message, for [`crate::store::Cursors::branch_after`]. Seqs fall
+/// walking towards the root (a rewrite's copies get higher ones than the
+/// entry they branch from), so an entry at or below the cursor's seq is
+/// one the cursor holds.
+pub(super) struct AfterCursor<'a> {
+    cursor: &'a pb::HistoryCursor,
+    /// Newest first, as walked.
+    after: Vec<pb::TranscriptEntry>,
+}
+
+impl<'a> AfterCursor<'a> {
+    pub(super) fn new(cursor: &'a pb::HistoryCursor) -> Self {
+        Self { cursor, after: Vec::new() }
+    }
+
+    /// Takes the next entry back from the leaf; breaks with the answer
+    /// once it is known: what follows the cursor's message, oldest first,
+    /// or `None` when an entry the cursor holds came first (its message is
+    /// not on the branch).
+    pub(super) fn take(&mut self, e: pb::TranscriptEntry) -> ControlFlow<Option<Vec<pb::TranscriptEntry>>> {
+        // An empty cursor names no message: it holds what its seq says.
+        let anonymous = self.cursor.message_id.is_empty();
+        if !anonymous && is_cursor_entry(&e, self.cursor) {
+            return ControlFlow::Break(Some(self.finish()));
+        }
+        if e.seq <= self.cursor.seq {
+            return ControlFlow::Break(anonymous.then(|| self.finish()));
+        }
+        self.after.push(e);
+        ControlFlow::Continue(())
+    }
+
+    /// The answer once the walk reached the branch's root: only an empty
+    /// cursor holds nothing of it.
+    pub(super) fn at_root(mut self) -> Option<Vec<pb::TranscriptEntry>> {
+        self.cursor.message_id.is_empty().then(|| self.finish())
+    }
+
+    fn finish(&mut self) -> Vec<pb::TranscriptEntry> {
+        let mut after = std::mem::take(&mut self.after);
+        after.reverse();
+        after
+    }
 }
 
 /// A closed turn's CommitTurn: `range` is the branch from its leaf back to

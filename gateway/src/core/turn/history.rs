@@ -13,7 +13,7 @@ use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use crate::core::engine_lease::EngineLease;
 use crate::core::{Core, CoreError};
 use crate::engines::Call;
-use crate::store::Session;
+use crate::store::{Delta, Session};
 use crate::transcript::Messages;
 
 /// What a turn read for its engine.
@@ -168,25 +168,15 @@ impl HistoryView {
 async fn read_delta(from: &Source<'_>) -> Result<Read, CoreError> {
     let Source { core, lease, session, fence, call } = from;
     let sid = &session.session_id;
-    let mut cursor = core.store.cursor(sid, &lease.key).await?;
-    for _ in 0..2 {
-        if let Some(c) = &cursor
-            && let Some(after) = core.store.branch_after(sid, c).await?
-            // A host compaction since the cursor changed what is visible.
-            && after.iter().all(|e| matches!(e.entry, Some(Entry::Message(_))))
-        {
-            let after = after
-                .into_iter()
-                .filter_map(|e| match e.entry {
-                    Some(Entry::Message(m)) => Some(m),
-                    _ => None,
-                })
-                .collect();
-            return Ok(Read::Delta { cursor: c.clone(), after });
+    let mut delta = core.store.delta(sid, &lease.key).await?;
+    for resyncs in 0..2 {
+        if let Some((cursor, after)) = delta.take().and_then(Delta::messages) {
+            return Ok(Read::Delta { cursor, after });
         }
-        cursor = core.resync(lease, session, fence, call).await?;
-        if cursor.is_none() {
-            break;
+        let Some(cursor) = core.resync(lease, session, fence, call).await? else { break };
+        // After a second resync the whole history is read anyway.
+        if resyncs == 0 {
+            delta = Some(Delta { after: core.store.branch_after(sid, &cursor).await?, cursor });
         }
     }
     Ok(Read::Full(core.visible_shared(session).await?))

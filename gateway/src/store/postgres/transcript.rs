@@ -3,6 +3,7 @@
 //! leaf), turns (open, accepted with their queued commit, or rewound) and
 //! DELTA engines' cursors. Every write is fenced by the session's lease.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -12,12 +13,12 @@ use prost::Message as _;
 
 use super::{PostgresStore, exec, q, q_opt};
 use crate::store::shared::{
-    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
+    AfterCursor, Placed, commit_request, decode_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
 };
 use crate::store::tails;
 use crate::store::{
-    CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
+    CommitDraft, Cursors, Delta, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
 use crate::transcript::Tail;
 
@@ -395,12 +396,8 @@ impl Transcript for PostgresStore {
 impl Cursors for PostgresStore {
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
         let c = self.client().await?;
-        let row = q_opt(
-            &c,
-            "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = $1 AND engine_id = $2",
-            &[&session_id, &engine_id],
-        )
-        .await?;
+        let sql = "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = $1 AND engine_id = $2";
+        let row = q_opt(&c, sql, &[&session_id, &engine_id]).await?;
         Ok(row.map(|r| pb::HistoryCursor {
             message_id: r.get(0),
             seq: r.get::<_, i64>(1) as u64,
@@ -449,24 +446,28 @@ impl Cursors for PostgresStore {
         session_id: &str,
         cursor: &pb::HistoryCursor,
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
-        let branch = self.branch(session_id).await?;
-        if cursor.message_id.is_empty() {
-            // An empty cursor holds nothing of the branch but what its seq says.
-            return Ok(Some(branch.into_iter().filter(|e| e.seq > cursor.seq).collect()));
-        }
-        // As SQLite walks it: from the leaf back, stopping at the cursor's
-        // message (by message id or entry id) or at a seq it already has.
-        let mut out = Vec::new();
-        for e in branch.into_iter().rev() {
-            if is_cursor_entry(&e, cursor) {
-                out.reverse();
-                return Ok(Some(out));
+        // A cursor is most often in the visible tail (the engine holds the
+        // last turn), which the cache brings up to date reading only what
+        // is new; the whole branch only when the walk leaves the tail.
+        let tail = self.visible_tail(session_id).await?;
+        let mut walk = AfterCursor::new(cursor);
+        for e in tail.iter().rev() {
+            if let ControlFlow::Break(after) = walk.take(e.clone()) {
+                return Ok(after);
             }
-            if e.seq <= cursor.seq {
-                return Ok(None);
-            }
-            out.push(e);
         }
-        Ok(None)
+        let mut walk = AfterCursor::new(cursor);
+        for e in self.branch(session_id).await?.into_iter().rev() {
+            if let ControlFlow::Break(after) = walk.take(e) {
+                return Ok(after);
+            }
+        }
+        Ok(walk.at_root())
+    }
+
+    async fn delta(&self, session_id: &str, engine_id: &str) -> Result<Option<Delta>, StoreError> {
+        let Some(cursor) = self.cursor(session_id, engine_id).await? else { return Ok(None) };
+        let after = self.branch_after(session_id, &cursor).await?;
+        Ok(Some(Delta { cursor, after }))
     }
 }

@@ -3,6 +3,7 @@
 //! rewound; those a dead gateway left open are rewound at open) and DELTA
 //! engines' cursors.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -12,12 +13,12 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 use super::SqliteStore;
 use crate::store::shared::{
-    Placed, commit_request, decode_entry, is_cursor_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
+    AfterCursor, Placed, commit_request, decode_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
     rewind_carries,
 };
 use crate::store::tails;
 use crate::store::{
-    CommitDraft, Cursors, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
+    CommitDraft, Cursors, Delta, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
 };
 use crate::transcript::Tail;
 
@@ -429,22 +430,7 @@ impl Transcript for SqliteStore {
 impl Cursors for SqliteStore {
     async fn cursor(&self, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
         let (s, e) = (session_id.to_owned(), engine_id.to_owned());
-        self.db
-            .read(move |c| {
-                Ok(c.prepare_cached(
-                "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = ?1 AND engine_id = ?2",
-            )?
-            .query_row(params![s, e], |r| {
-                Ok(pb::HistoryCursor {
-                    message_id: r.get(0)?,
-                    seq: r.get::<_, i64>(1)? as u64,
-                    message_count: r.get::<_, i64>(2)? as u64,
-                    tokens: r.get::<_, i64>(3)? as u64,
-                })
-            })
-            .optional()?)
-            })
-            .await
+        self.db.read(move |c| cursor_of(c, &s, &e)).await
     }
 
     async fn set_cursor(
@@ -471,34 +457,51 @@ impl Cursors for SqliteStore {
         cursor: &pb::HistoryCursor,
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
         let (session_id, cursor) = (session_id.to_owned(), cursor.clone());
+        self.db.read(move |c| branch_after(c, &session_id, &cursor)).await
+    }
+
+    async fn delta(&self, session_id: &str, engine_id: &str) -> Result<Option<Delta>, StoreError> {
+        let (s, e) = (session_id.to_owned(), engine_id.to_owned());
         self.db
             .read(move |c| {
-                let mut next = leaf_of(c, &session_id)?;
-                let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
-                let mut out = Vec::new();
-                // Seqs fall walking towards the root (a rewrite's copies get
-                // higher ones than the entry they branch from).
-                let mut found = cursor.message_id.is_empty();
-                while let Some(id) = next.take() {
-                    let e = entry(&mut stmt, &id)?;
-                    if !found && is_cursor_entry(&e, &cursor) {
-                        found = true;
-                        break;
-                    }
-                    if e.seq <= cursor.seq {
-                        break;
-                    }
-                    next = e.parent_id.clone();
-                    out.push(e);
-                }
-                // Not met on the way back (an empty cursor holds nothing: the
-                // whole branch follows it).
-                if !found {
-                    return Ok(None);
-                }
-                out.reverse();
-                Ok(Some(out))
+                let Some(cursor) = cursor_of(c, &s, &e)? else { return Ok(None) };
+                let after = branch_after(c, &s, &cursor)?;
+                Ok(Some(Delta { cursor, after }))
             })
             .await
     }
+}
+
+fn cursor_of(c: &Connection, session_id: &str, engine_id: &str) -> Result<Option<pb::HistoryCursor>, StoreError> {
+    let sql = "SELECT message_id, seq, message_count, tokens FROM cursors WHERE session_id = ?1 AND engine_id = ?2";
+    Ok(c.prepare_cached(sql)?
+        .query_row(params![session_id, engine_id], |r| {
+            Ok(pb::HistoryCursor {
+                message_id: r.get(0)?,
+                seq: r.get::<_, i64>(1)? as u64,
+                message_count: r.get::<_, i64>(2)? as u64,
+                tokens: r.get::<_, i64>(3)? as u64,
+            })
+        })
+        .optional()?)
+}
+
+/// Walked from the leaf back, one entry at a time: the cost is what
+/// follows the cursor, not the session's age.
+fn branch_after(
+    c: &Connection,
+    session_id: &str,
+    cursor: &pb::HistoryCursor,
+) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
+    let mut next = leaf_of(c, session_id)?;
+    let mut stmt = c.prepare_cached("SELECT body FROM entries WHERE id = ?1")?;
+    let mut walk = AfterCursor::new(cursor);
+    while let Some(id) = next.take() {
+        let e = entry(&mut stmt, &id)?;
+        next = e.parent_id.clone();
+        if let ControlFlow::Break(after) = walk.take(e) {
+            return Ok(after);
+        }
+    }
+    Ok(walk.at_root())
 }
