@@ -661,6 +661,16 @@ fn take(t: Arc<Mutex<Tally>>) -> Tally {
     std::mem::take(&mut *t.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
+/// The gateway's CPU over an open loop's calls, refused ones included (in
+/// an overload most are: what a refusal costs shows here).
+fn print_call_cpu(used: Duration, t: &Tally, elapsed: Duration) {
+    println!(
+        "  gateway CPU: {:.0} µs per call answered (turns and refusals), {:.0} % of a core",
+        used.as_secs_f64() * 1e6 / (t.latencies.len() as u64 + t.shed).max(1) as f64,
+        100.0 * used.as_secs_f64() / elapsed.as_secs_f64()
+    );
+}
+
 fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
@@ -700,8 +710,11 @@ async fn run(args: Args) -> Result<bool, String> {
             stack.warm_up(sessions).await?;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
+            let cpu = cpu_time(stack.gateway().pid());
             let (t, e) = open(&stack, rate, seconds, sessions, false).await;
+            let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered"), e);
+            print_call_cpu(used, &t, e);
             println!("gateway RSS: idle {:.1} MiB, peak {:.1} MiB", mib(idle), mib(watch.peak()));
             ok &= t.errors == 0;
         }
@@ -717,8 +730,11 @@ async fn run(args: Args) -> Result<bool, String> {
             let rate = saturation * factor;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
+            let cpu = cpu_time(stack.gateway().pid());
             let (t, e) = open(&stack, rate, seconds / 2.0, 4096, true).await;
+            let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
+            print_call_cpu(used, &t, e);
             t.report_timeline(Duration::from_millis(500));
             let quarantined = stack.quarantined().await?;
             let p99 = ms(t.percentile(0.99)) / ms(calm.percentile(0.99)).max(1e-3);
