@@ -121,11 +121,19 @@ where
     }
 }
 
+/// The status code in `headers`, from `grpc-status` alone: the message is
+/// percent-decoded only where it is read (most refusals of a flood are
+/// neither rewritten nor logged).
+fn code_of(headers: &HeaderMap) -> Option<tonic::Code> {
+    let code = headers.get("grpc-status")?.to_str().ok()?.parse().ok()?;
+    Some(tonic::Code::from_i32(code))
+}
+
 fn oversized_is_resource_exhausted(headers: &mut HeaderMap) {
     // A request over the decode limit only: tonic answers a reply over its
     // encode limit OUT_OF_RANGE too, and that is no client's excess.
-    let over = Status::from_header_map(headers)
-        .is_some_and(|s| s.code() == tonic::Code::OutOfRange && s.message().contains(DECODE_LIMIT));
+    let over = code_of(headers) == Some(tonic::Code::OutOfRange)
+        && Status::from_header_map(headers).is_some_and(|s| s.message().contains(DECODE_LIMIT));
     if over {
         headers.insert("grpc-status", HeaderValue::from(tonic::Code::ResourceExhausted as i32));
     }
@@ -141,10 +149,7 @@ impl Call {
     /// An error status in `headers` gets an id (the one a mapping set, or
     /// a fresh one) and, within the budget, a log line.
     fn tag(&self, headers: &mut HeaderMap) {
-        let Some(status) = Status::from_header_map(headers) else { return };
-        if status.code() == tonic::Code::Ok {
-            return;
-        }
+        let Some(code) = code_of(headers).filter(|c| *c != tonic::Code::Ok) else { return };
         let id = match headers.get(ERROR_ID).and_then(|v| v.to_str().ok()) {
             Some(id) => id.to_owned(),
             None => {
@@ -156,8 +161,9 @@ impl Call {
             }
         };
         let Some(unlogged) = self.lines.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
-        let (code, method) = (status.code(), &*self.method);
-        let message = crate::peer_text::capped(status.message(), 300);
+        let method = &*self.method;
+        let status = Status::from_header_map(headers);
+        let message = crate::peer_text::capped(status.as_ref().map_or("", Status::message), 300);
         match code {
             tonic::Code::Internal | tonic::Code::Unknown | tonic::Code::DataLoss | tonic::Code::Unavailable => {
                 tracing::warn!(error_id = %id, method, ?code, message, unlogged, "call failed")
