@@ -221,8 +221,8 @@ pub trait Cursors: Send + Sync + 'static {
         cursor: &pb::HistoryCursor,
     ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError>;
     /// [`Cursors::cursor`] and, if there is one, [`Cursors::branch_after`]
-    /// it, in one read: what a DELTA engine's turn needs before the engine
-    /// assembles.
+    /// it, in one call (on SQLite one read, one snapshot): what a DELTA
+    /// engine's turn needs before the engine assembles.
     async fn delta(&self, session_id: &str, engine_id: &str) -> Result<Option<Delta>, StoreError>;
 }
 

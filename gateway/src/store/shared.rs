@@ -101,11 +101,23 @@ pub(super) fn is_cursor_entry(e: &pb::TranscriptEntry, cursor: &pb::HistoryCurso
     e.id == cursor.message_id || matches!(&e.entry, Some(Entry::Message(m)) if m.id == cursor.message_id)
 }
 
-/// A walk back from the branch's leaf to a cursor: what follows the
-/// cursor's message, for [`crate::store::Cursors::branch_after`]. Seqs fall
-/// walking towards the root (a rewrite's copies get higher ones than the
-/// entry they branch from), so an entry at or below the cursor's seq is
-/// one the cursor holds.
+/// Walking back from the branch's leaf to a cursor, whether this entry
+/// ends the walk: `Some(true)` when the entries walked before it are what
+/// follows the cursor's message, `Some(false)` when that message is not on
+/// the branch. Seqs fall walking towards the root (a rewrite's copies get
+/// higher ones than the entry they branch from), so an entry at or below
+/// the cursor's seq is one the cursor holds; an empty cursor names no
+/// message and holds what its seq says.
+pub(super) fn ends_walk_to(cursor: &pb::HistoryCursor, e: &pb::TranscriptEntry) -> Option<bool> {
+    let anonymous = cursor.message_id.is_empty();
+    if !anonymous && is_cursor_entry(e, cursor) {
+        return Some(true);
+    }
+    (e.seq <= cursor.seq).then_some(anonymous)
+}
+
+/// The walk of [`ends_walk_to`] over entries read one at a time, for
+/// [`crate::store::Cursors::branch_after`].
 pub(super) struct AfterCursor<'a> {
     cursor: &'a pb::HistoryCursor,
     /// Newest first, as walked.
@@ -119,19 +131,15 @@ impl<'a> AfterCursor<'a> {
 
     /// Takes the next entry back from the leaf; breaks with the answer
     /// once it is known: what follows the cursor's message, oldest first,
-    /// or `None` when an entry the cursor holds came first (its message is
-    /// not on the branch).
+    /// or `None` when its message is not on the branch.
     pub(super) fn take(&mut self, e: pb::TranscriptEntry) -> ControlFlow<Option<Vec<pb::TranscriptEntry>>> {
-        // An empty cursor names no message: it holds what its seq says.
-        let anonymous = self.cursor.message_id.is_empty();
-        if !anonymous && is_cursor_entry(&e, self.cursor) {
-            return ControlFlow::Break(Some(self.finish()));
+        match ends_walk_to(self.cursor, &e) {
+            Some(on_branch) => ControlFlow::Break(on_branch.then(|| self.finish())),
+            None => {
+                self.after.push(e);
+                ControlFlow::Continue(())
+            }
         }
-        if e.seq <= self.cursor.seq {
-            return ControlFlow::Break(anonymous.then(|| self.finish()));
-        }
-        self.after.push(e);
-        ControlFlow::Continue(())
     }
 
     /// The answer once the walk reached the branch's root: only an empty

@@ -13,8 +13,8 @@ use prost::Message as _;
 
 use super::{PostgresStore, exec, q, q_opt};
 use crate::store::shared::{
-    AfterCursor, Placed, commit_request, decode_entry, kind_of, now_ms, order_page, place, plan_page, plan_rewrite,
-    rewind_carries,
+    AfterCursor, Placed, commit_request, decode_entry, ends_walk_to, kind_of, now_ms, order_page, place, plan_page,
+    plan_rewrite, rewind_carries,
 };
 use crate::store::tails;
 use crate::store::{
@@ -450,11 +450,9 @@ impl Cursors for PostgresStore {
         // last turn), which the cache brings up to date reading only what
         // is new; the whole branch only when the walk leaves the tail.
         let tail = self.visible_tail(session_id).await?;
-        let mut walk = AfterCursor::new(cursor);
-        for e in tail.iter().rev() {
-            if let ControlFlow::Break(after) = walk.take(e.clone()) {
-                return Ok(after);
-            }
+        let ends = tail.iter().enumerate().rev().find_map(|(i, e)| ends_walk_to(cursor, e).map(|on| (i, on)));
+        if let Some((at, on_branch)) = ends {
+            return Ok(on_branch.then(|| tail[at + 1..].to_vec()));
         }
         let mut walk = AfterCursor::new(cursor);
         for e in self.branch(session_id).await?.into_iter().rev() {
