@@ -125,8 +125,8 @@ where
 /// percent-decoded only where it is read (most refusals of a flood are
 /// neither rewritten nor logged).
 fn code_of(headers: &HeaderMap) -> Option<tonic::Code> {
-    let code = headers.get("grpc-status")?.to_str().ok()?.parse().ok()?;
-    Some(tonic::Code::from_i32(code))
+    // tonic's own reading of it: anything but "0"–"16" is UNKNOWN.
+    headers.get("grpc-status").map(|v| tonic::Code::from_bytes(v.as_bytes()))
 }
 
 fn oversized_is_resource_exhausted(headers: &mut HeaderMap) {
