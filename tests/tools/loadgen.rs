@@ -661,12 +661,13 @@ fn take(t: Arc<Mutex<Tally>>) -> Tally {
     std::mem::take(&mut *t.lock().unwrap_or_else(|e| e.into_inner()))
 }
 
-/// The gateway's CPU over an open loop's calls, refused ones included (in
-/// an overload most are: what a refusal costs shows here).
+/// The gateway's CPU over an open loop's calls, refused and failed ones
+/// included (in an overload most are refused: what a refusal costs shows
+/// here).
 fn print_call_cpu(used: Duration, t: &Tally, elapsed: Duration) {
     println!(
-        "  gateway CPU: {:.0} µs per call answered (turns and refusals), {:.0} % of a core",
-        used.as_secs_f64() * 1e6 / (t.latencies.len() as u64 + t.shed).max(1) as f64,
+        "  gateway CPU: {:.0} µs per call answered (turns, refusals, errors), {:.0} % of a core",
+        used.as_secs_f64() * 1e6 / (t.latencies.len() as u64 + t.shed + t.errors).max(1) as f64,
         100.0 * used.as_secs_f64() / elapsed.as_secs_f64()
     );
 }
