@@ -627,7 +627,7 @@ mod tests {
 
     use tokio::time::Instant;
 
-    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, Mode, WINDOW};
+    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, Mode, Permit, Shed, WINDOW};
     use crate::config::AdaptiveConcurrency;
 
     fn limits(enabled: bool) -> LimitsSection {
@@ -1169,21 +1169,41 @@ mod tests {
         assert!(waited >= super::TICK && waited <= super::HOLD_MAX, "{waited:?}");
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_turn_waiting_to_start_is_refused_when_the_surge_is_seen() {
+    /// A suspecting gateway with one turn started and one more admitted,
+    /// waiting to start (a task of its own).
+    async fn one_started_one_waiting() -> (Arc<Admission>, Permit, tokio::task::JoinHandle<Result<(), Shed>>) {
         let a = Arc::new(Admission::new(&limits(true)));
         suspecting(&a);
-        let _started = a.try_admit().unwrap();
+        let started = a.try_admit().unwrap();
         let waiting = tokio::spawn({
             let a = a.clone();
             async move { a.try_admit().unwrap().admitted().await.map(drop) }
         });
         tokio::time::sleep(Duration::from_millis(1)).await;
         assert!(!waiting.is_finished(), "it waits");
+        (a, started, waiting)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_waiting_to_start_is_refused_when_the_surge_is_seen() {
+        let (a, _started, waiting) = one_started_one_waiting().await;
         a.state().gradient.mode = Mode::Limiting { limit: 1.0, calm: 0 };
         let shed = waiting.await.unwrap().expect_err("two working, one allowed");
         assert_eq!(shed.limit, 1);
         assert_eq!(a.load().0, 1);
+    }
+
+    /// `Core::begin` drops the wait when the turn is cancelled meanwhile:
+    /// the turn leaves nothing behind, no work and no sample.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_cancelled_while_it_waits_to_start_leaves_no_work_and_no_sample() {
+        let (a, _started, waiting) = one_started_one_waiting().await;
+        assert_eq!(a.load().0, 2);
+        waiting.abort();
+        assert!(waiting.await.unwrap_err().is_cancelled());
+        assert_eq!(a.load().0, 1, "only the started turn works");
+        assert_eq!(a.state().open, 1, "only the started turn is open");
+        assert!(a.state().gradient.samples.is_empty(), "a turn that never started is no sample");
     }
 
     #[test]
