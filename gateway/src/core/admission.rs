@@ -54,7 +54,9 @@
 //!   passes `maxConcurrentTurns`, or ten healthy windows find demand under
 //!   half of it, or no turn ends for ten seconds, the gateway is Open
 //!   again. The baseline does not rise while limiting, except when the
-//!   floor itself is as slow (the work got slower, not the gateway busier).
+//!   floor itself is as slow (the work got slower, not the gateway busier);
+//!   a surge that follows before a healthy window refutes that: the old
+//!   baseline comes back and the floor stays shut for [`FLOOR_SHUT`].
 //!
 //! With `adaptiveConcurrency.enabled: false` only `maxConcurrentTurns`
 //! bounds turns.
@@ -99,6 +101,9 @@ const HOLD_MAX: Duration = Duration::from_millis(100);
 const PACE_WEIGHT: f64 = 0.25;
 /// A surge brings turns at more than this many times the pace.
 const SURGE_DEMAND: f64 = 2.0;
+/// After a surge shows the floor was slow from a flood, the floor stays
+/// shut this long before it may open the gate again.
+const FLOOR_SHUT: Duration = Duration::from_secs(3);
 
 /// Whether the gateway sheds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -137,6 +142,13 @@ pub struct Gradient {
     /// Turns the gateway ends a second, over recent full healthy windows:
     /// the demand it serves when it is not congested.
     pace: Option<f64>,
+    /// The baseline before the floor last opened the gate (taking the
+    /// floor's p90 as the new one), until a healthy window confirms the
+    /// new one or a surge refutes it.
+    floor_opened_from: Option<f64>,
+    /// The floor may not open the gate before this (a surge refuted its
+    /// last opening).
+    floor_shut_until: Option<Instant>,
     ticks: Ticks,
 }
 
@@ -187,6 +199,8 @@ impl Gradient {
             last_p90: None,
             ended: 0,
             pace: None,
+            floor_opened_from: None,
+            floor_shut_until: None,
             ticks: Ticks::default(),
         }
     }
@@ -295,10 +309,19 @@ impl Gradient {
     /// slower work and opens the gate again. The windows take the limit on
     /// from there. (Half the work measured slower onsets with the window
     /// engine; the bare rate, a legacy gateway opened again and again.)
+    ///
+    /// A surge soon after the floor opened the gate refutes the opening: the
+    /// floor was slow from the flood (its refusals and its clients take the
+    /// CPU from the few turns working), not from slower work. The baseline
+    /// from before the opening comes back, and the floor stays shut for
+    /// [`FLOOR_SHUT`]: taking the flood's latency as the baseline let the
+    /// rest of a traced flood run at limits 10× too wide. (A slower closed
+    /// loop never surges: it keeps the floor's baseline.)
     fn surge(&mut self, now: Instant, working: usize) {
         let (Mode::Open, Some(baseline), Some(pace)) = (self.mode, self.baseline, self.pace) else {
             return;
         };
+        let baseline = self.floor_opened_from.map_or(baseline, |b| b.min(baseline));
         let t = &self.ticks;
         let span = now.saturating_duration_since(t.streak_start.unwrap_or(now)).as_secs_f64().max(1e-3);
         let target = self.tolerance * baseline / 1e6;
@@ -310,8 +333,20 @@ impl Gradient {
         if arriving > SURGE_DEMAND * pace && doubled && working as f64 > ending * target {
             let within = ending.max(pace) * target;
             self.mode = Mode::Limiting { limit: within.max(working as f64 / 4.0).max(self.min), calm: 0 };
+            self.refute_floor_opening(now);
             tracing::debug!(target: "ctxgate::admission", mode = ?self.mode, working, arriving, ending, pace, "surge");
         }
+    }
+
+    /// The gateway limits again, its work growing, after the floor opened
+    /// the gate: the floor was slow from the flood (see [`Gradient::surge`]).
+    /// The baseline from before the opening, if there was one.
+    fn refute_floor_opening(&mut self, now: Instant) -> Option<f64> {
+        let before = self.floor_opened_from.take()?;
+        let baseline = self.baseline.map_or(before, |b| b.min(before));
+        self.baseline = Some(baseline);
+        self.floor_shut_until = Some(now + FLOOR_SHUT);
+        Some(baseline)
     }
 
     /// Whether the ticks so far look like a surge's first ones: on an open
@@ -360,12 +395,12 @@ impl Gradient {
         self.busy(working);
         let age = now.saturating_duration_since(start);
         if (age >= WINDOW && self.samples.len() >= MIN_SAMPLES) || age >= MAX_WINDOW {
-            self.close_window(working, age);
+            self.close_window(now, working, age);
             self.window_start = Some(now);
         }
     }
 
-    fn close_window(&mut self, working: usize, age: Duration) {
+    fn close_window(&mut self, now: Instant, working: usize, age: Duration) {
         let full = self.samples.len() >= MIN_SAMPLES;
         let p90 = p90(&mut self.samples);
         self.samples.clear();
@@ -394,6 +429,8 @@ impl Gradient {
         let over = p90 > self.tolerance * baseline;
         if full && !over && self.mode == Mode::Open {
             self.pace = Some(self.pace.map_or(ended / secs, |p| p + PACE_WEIGHT * (ended / secs - p)));
+            // Healthy at the baseline the floor set: the work did get slower.
+            self.floor_opened_from = None;
         }
         let cut = (self.tolerance * baseline / p90).max(0.5);
         let before = (self.limiting(), self.limit());
@@ -402,6 +439,7 @@ impl Gradient {
             // (the whole ratio: a queue is growing, there is no time to
             // approach it by halves).
             Mode::Open if over && growing && peak > self.min => {
+                let baseline = self.refute_floor_opening(now).unwrap_or(baseline);
                 Mode::Limiting { limit: (peak * self.tolerance * baseline / p90).max(self.min), calm: 0 }
             }
             // Slower with as many turns working as before: the clients wait
@@ -421,9 +459,11 @@ impl Gradient {
                 Mode::Open
             }
             Mode::Limiting { limit, .. } if over => {
-                if limit <= self.min && peak <= self.min {
+                if limit <= self.min && peak <= self.min && self.floor_shut_until.is_none_or(|t| now >= t) {
                     // As slow at the floor as above it: the work got slower,
-                    // not the gateway busier.
+                    // not the gateway busier (unless a surge says otherwise
+                    // soon, see `surge`).
+                    self.floor_opened_from = Some(self.floor_opened_from.unwrap_or(baseline).min(baseline));
                     self.baseline = Some(p90);
                     Mode::Open
                 } else {
@@ -854,6 +894,28 @@ mod tests {
         assert!(s.g.limit() <= s.working() / 4 + 1, "{} working: {:?}", s.working(), s.g);
         s.run(2000, 8000.0, 2000.0);
         assert!(s.g.limiting() && s.working() <= 64, "the queue stays bounded: {} working, {:?}", s.working(), s.g);
+    }
+
+    /// A flood that takes the CPU from the few turns working at the floor
+    /// (here: the gateway ends a fifth of what it did) makes the floor slow;
+    /// the floor opens the gate, the flood surges again, and the baseline
+    /// from before the opening comes back: limits are not set around the
+    /// flood's own latency for the rest of it.
+    #[test]
+    fn a_floor_slowed_by_a_flood_does_not_become_the_baseline() {
+        let mut s = Sim::warm();
+        let before = s.g.baseline.expect("a warm gateway has a baseline");
+        let mut opened = 0;
+        for _ in 0..3000 {
+            let limiting = s.g.limiting();
+            s.run(1, 8000.0, 400.0);
+            opened += usize::from(limiting && !s.g.limiting());
+        }
+        assert!(opened >= 1, "the floor opened the gate: {:?}", s.g);
+        assert!(s.g.limiting(), "{:?}", s.g);
+        let now = s.g.baseline.unwrap();
+        assert!(now <= 1.5 * before, "baseline {now} µs against {before} before the flood: {:?}", s.g);
+        assert!(opened <= 2, "the floor stays shut after a refuted opening: opened {opened} times in 3 s");
     }
 
     /// Held turns end later than they would have, so the ticks they wait
