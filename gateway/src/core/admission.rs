@@ -55,8 +55,9 @@
 //!   half of it, or no turn ends for ten seconds, the gateway is Open
 //!   again. The baseline does not rise while limiting, except when the
 //!   floor itself is as slow (the work got slower, not the gateway busier);
-//!   a surge that follows before a healthy window refutes that: the old
-//!   baseline comes back and the floor stays shut for [`FLOOR_SHUT`].
+//!   limiting again (a surge, or a queue growing) within [`REFUTE_WITHIN`]
+//!   with turns ending at least at the pace refutes that: the old baseline
+//!   comes back and the floor stays shut for [`FLOOR_SHUT`].
 //!
 //! With `adaptiveConcurrency.enabled: false` only `maxConcurrentTurns`
 //! bounds turns.
@@ -101,8 +102,10 @@ const HOLD_MAX: Duration = Duration::from_millis(100);
 const PACE_WEIGHT: f64 = 0.25;
 /// A surge brings turns at more than this many times the pace.
 const SURGE_DEMAND: f64 = 2.0;
-/// After a surge shows the floor was slow from a flood, the floor stays
-/// shut this long before it may open the gate again.
+/// A surge this soon after the floor opened the gate may refute the
+/// opening ([`Gradient::surge`])…
+const REFUTE_WITHIN: Duration = Duration::from_secs(1);
+/// …and then the floor stays shut this long before it may open it again.
 const FLOOR_SHUT: Duration = Duration::from_secs(3);
 
 /// Whether the gateway sheds.
@@ -142,10 +145,10 @@ pub struct Gradient {
     /// Turns the gateway ends a second, over recent full healthy windows:
     /// the demand it serves when it is not congested.
     pace: Option<f64>,
-    /// The baseline before the floor last opened the gate (taking the
-    /// floor's p90 as the new one), until a healthy window confirms the
-    /// new one or a surge refutes it.
-    floor_opened_from: Option<f64>,
+    /// When the floor last opened the gate (taking its p90 as the new
+    /// baseline), and the baseline before: for [`REFUTE_WITHIN`], unless a
+    /// healthy window confirms the new one first.
+    floor_opened: Option<(Instant, f64)>,
     /// The floor may not open the gate before this (a surge refuted its
     /// last opening).
     floor_shut_until: Option<Instant>,
@@ -199,7 +202,7 @@ impl Gradient {
             last_p90: None,
             ended: 0,
             pace: None,
-            floor_opened_from: None,
+            floor_opened: None,
             floor_shut_until: None,
             ticks: Ticks::default(),
         }
@@ -310,43 +313,56 @@ impl Gradient {
     /// from there. (Half the work measured slower onsets with the window
     /// engine; the bare rate, a legacy gateway opened again and again.)
     ///
-    /// A surge soon after the floor opened the gate refutes the opening: the
-    /// floor was slow from the flood (its refusals and its clients take the
-    /// CPU from the few turns working), not from slower work. The baseline
-    /// from before the opening comes back, and the floor stays shut for
-    /// [`FLOOR_SHUT`]: taking the flood's latency as the baseline let the
-    /// rest of a traced flood run at limits 10× too wide. (A slower closed
-    /// loop never surges: it keeps the floor's baseline.)
+    /// A surge (or a queue growing, see [`Gradient::close_window`]) within
+    /// [`REFUTE_WITHIN`] of the floor opening the gate, with turns ending at
+    /// least at the pace, refutes the opening: the floor
+    /// was slow from the flood (its refusals queue ahead of the few turns
+    /// working), not from slower work, which would end fewer turns than
+    /// before. The baseline from before the opening comes back, and the
+    /// floor stays shut for [`FLOOR_SHUT`]: taking the flood's latency as
+    /// the baseline let the rest of a traced flood run at limits 10× too
+    /// wide.
     fn surge(&mut self, now: Instant, working: usize) {
         let (Mode::Open, Some(baseline), Some(pace)) = (self.mode, self.baseline, self.pace) else {
             return;
         };
-        let baseline = self.floor_opened_from.map_or(baseline, |b| b.min(baseline));
         let t = &self.ticks;
         let span = now.saturating_duration_since(t.streak_start.unwrap_or(now)).as_secs_f64().max(1e-3);
+        let (arriving, ending) = (t.streak.admitted as f64 / span, t.streak.ended as f64 / span);
+        let refuted = self.refuted_baseline(now, ending);
+        let baseline = refuted.unwrap_or(baseline);
         let target = self.tolerance * baseline / 1e6;
         if span < target {
             return;
         }
-        let (arriving, ending) = (t.streak.admitted as f64 / span, t.streak.ended as f64 / span);
         let doubled = working >= 2 * t.streak.working && working as f64 >= t.streak.working as f64 + self.min;
         if arriving > SURGE_DEMAND * pace && doubled && working as f64 > ending * target {
             let within = ending.max(pace) * target;
             self.mode = Mode::Limiting { limit: within.max(working as f64 / 4.0).max(self.min), calm: 0 };
-            self.refute_floor_opening(now);
-            tracing::debug!(target: "ctxgate::admission", mode = ?self.mode, working, arriving, ending, pace, "surge");
+            if let Some(before) = refuted {
+                self.refute_floor_opening(now, before);
+            }
+            tracing::debug!(target: "ctxgate::admission", mode = ?self.mode, working, arriving, ending, pace, refuted, "surge");
         }
     }
 
-    /// The gateway limits again, its work growing, after the floor opened
-    /// the gate: the floor was slow from the flood (see [`Gradient::surge`]).
-    /// The baseline from before the opening, if there was one.
-    fn refute_floor_opening(&mut self, now: Instant) -> Option<f64> {
-        let before = self.floor_opened_from.take()?;
-        let baseline = self.baseline.map_or(before, |b| b.min(before));
-        self.baseline = Some(baseline);
+    /// The baseline from before the floor opened the gate, when limiting
+    /// again now, with turns ending at `ending` a second, refutes that
+    /// opening: within [`REFUTE_WITHIN`] of it, and at least at the pace
+    /// (slower work would end fewer; see [`Gradient::surge`]).
+    fn refuted_baseline(&self, now: Instant, ending: f64) -> Option<f64> {
+        let ((at, before), pace) = (self.floor_opened?, self.pace?);
+        let refuted = now.saturating_duration_since(at) < REFUTE_WITHIN && ending >= pace;
+        refuted.then(|| self.baseline.map_or(before, |b| b.min(before)))
+    }
+
+    /// The floor was slow from a flood: the baseline from before its
+    /// opening comes back, and the floor stays shut for [`FLOOR_SHUT`].
+    fn refute_floor_opening(&mut self, now: Instant, before: f64) -> f64 {
+        self.floor_opened = None;
+        self.baseline = Some(before);
         self.floor_shut_until = Some(now + FLOOR_SHUT);
-        Some(baseline)
+        before
     }
 
     /// Whether the ticks so far look like a surge's first ones: on an open
@@ -430,7 +446,10 @@ impl Gradient {
         if full && !over && self.mode == Mode::Open {
             self.pace = Some(self.pace.map_or(ended / secs, |p| p + PACE_WEIGHT * (ended / secs - p)));
             // Healthy at the baseline the floor set: the work did get slower.
-            self.floor_opened_from = None;
+            self.floor_opened = None;
+        }
+        if self.floor_opened.is_some_and(|(at, _)| now.saturating_duration_since(at) >= REFUTE_WITHIN) {
+            self.floor_opened = None;
         }
         let cut = (self.tolerance * baseline / p90).max(0.5);
         let before = (self.limiting(), self.limit());
@@ -439,7 +458,10 @@ impl Gradient {
             // (the whole ratio: a queue is growing, there is no time to
             // approach it by halves).
             Mode::Open if over && growing && peak > self.min => {
-                let baseline = self.refute_floor_opening(now).unwrap_or(baseline);
+                let baseline = match self.refuted_baseline(now, ended / secs) {
+                    Some(before) => self.refute_floor_opening(now, before),
+                    None => baseline,
+                };
                 Mode::Limiting { limit: (peak * self.tolerance * baseline / p90).max(self.min), calm: 0 }
             }
             // Slower with as many turns working as before: the clients wait
@@ -463,7 +485,7 @@ impl Gradient {
                     // As slow at the floor as above it: the work got slower,
                     // not the gateway busier (unless a surge says otherwise
                     // soon, see `surge`).
-                    self.floor_opened_from = Some(self.floor_opened_from.unwrap_or(baseline).min(baseline));
+                    self.floor_opened = Some((now, baseline));
                     self.baseline = Some(p90);
                     Mode::Open
                 } else {
@@ -896,26 +918,40 @@ mod tests {
         assert!(s.g.limiting() && s.working() <= 64, "the queue stays bounded: {} working, {:?}", s.working(), s.g);
     }
 
-    /// A flood that takes the CPU from the few turns working at the floor
-    /// (here: the gateway ends a fifth of what it did) makes the floor slow;
-    /// the floor opens the gate, the flood surges again, and the baseline
-    /// from before the opening comes back: limits are not set around the
-    /// flood's own latency for the rest of it.
+    /// A flood whose refusals starve the few turns working at the floor
+    /// (the gateway ends a fifth of its capacity while it sheds, all of it
+    /// once open) makes the floor slow; the floor opens the gate, the flood
+    /// surges again with turns ending at the pace, and the baseline from
+    /// before the opening comes back: limits are not set around the flood's
+    /// own latency for the rest of it.
     #[test]
-    fn a_floor_slowed_by_a_flood_does_not_become_the_baseline() {
+    fn a_floor_slowed_by_a_floods_refusals_does_not_become_the_baseline() {
         let mut s = Sim::warm();
         let before = s.g.baseline.expect("a warm gateway has a baseline");
         let mut opened = 0;
         for _ in 0..3000 {
             let limiting = s.g.limiting();
-            s.run(1, 8000.0, 400.0);
+            s.run(1, 8000.0, if limiting { 400.0 } else { 2000.0 });
             opened += usize::from(limiting && !s.g.limiting());
         }
         assert!(opened >= 1, "the floor opened the gate: {:?}", s.g);
         assert!(s.g.limiting(), "{:?}", s.g);
         let now = s.g.baseline.unwrap();
         assert!(now <= 1.5 * before, "baseline {now} µs against {before} before the flood: {:?}", s.g);
-        assert!(opened <= 2, "the floor stays shut after a refuted opening: opened {opened} times in 3 s");
+        assert_eq!(opened, 1, "the floor stays shut for FLOOR_SHUT after a refuted opening");
+    }
+
+    /// Work that got slower at any load (a fifth of the capacity, open or
+    /// not) under the same flood: the surge after the floor opened ends
+    /// fewer turns than the pace, so the floor's baseline stands.
+    #[test]
+    fn a_gateway_whose_work_got_slower_keeps_the_floors_baseline_under_a_flood() {
+        let mut s = Sim::warm();
+        let before = s.g.baseline.expect("a warm gateway has a baseline");
+        s.run(3000, 8000.0, 400.0);
+        assert!(s.g.limiting(), "{:?}", s.g);
+        let now = s.g.baseline.unwrap();
+        assert!(now >= 3.0 * before, "baseline {now} µs against {before}: the slower work is the baseline now");
     }
 
     /// Held turns end later than they would have, so the ticks they wait
