@@ -102,8 +102,8 @@ const HOLD_MAX: Duration = Duration::from_millis(100);
 const PACE_WEIGHT: f64 = 0.25;
 /// A surge brings turns at more than this many times the pace.
 const SURGE_DEMAND: f64 = 2.0;
-/// A surge this soon after the floor opened the gate may refute the
-/// opening ([`Gradient::surge`])…
+/// Limiting again this soon after the floor opened the gate may refute
+/// the opening ([`Gradient::surge`])…
 const REFUTE_WITHIN: Duration = Duration::from_secs(1);
 /// …and then the floor stays shut this long before it may open it again.
 const FLOOR_SHUT: Duration = Duration::from_secs(3);
@@ -149,8 +149,8 @@ pub struct Gradient {
     /// baseline), and the baseline before: for [`REFUTE_WITHIN`], unless a
     /// healthy window confirms the new one first.
     floor_opened: Option<(Instant, f64)>,
-    /// The floor may not open the gate before this (a surge refuted its
-    /// last opening).
+    /// The floor may not open the gate before this (limiting again refuted
+    /// its last opening).
     floor_shut_until: Option<Instant>,
     ticks: Ticks,
 }
@@ -483,8 +483,8 @@ impl Gradient {
             Mode::Limiting { limit, .. } if over => {
                 if limit <= self.min && peak <= self.min && self.floor_shut_until.is_none_or(|t| now >= t) {
                     // As slow at the floor as above it: the work got slower,
-                    // not the gateway busier (unless a surge says otherwise
-                    // soon, see `surge`).
+                    // not the gateway busier (unless limiting again soon
+                    // says otherwise, see `refuted_baseline`).
                     self.floor_opened = Some((now, baseline));
                     self.baseline = Some(p90);
                     Mode::Open
