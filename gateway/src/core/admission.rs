@@ -54,8 +54,8 @@
 //!   passes `maxConcurrentTurns`, or ten healthy windows find demand under
 //!   half of it, or no turn ends for ten seconds, the gateway is Open
 //!   again. The baseline does not rise while limiting, except when the
-//!   floor itself is as slow (the work got slower, not the gateway busier);
-//!   limiting again (a surge, or a queue growing) within [`REFUTE_WITHIN`]
+//!   floor itself is as slow, [`FLOOR_WINDOWS`] windows in a row (the work
+//!   got slower, not the gateway busier); limiting again (a surge, or a queue growing) within [`REFUTE_WITHIN`]
 //!   with turns ending at least at the pace refutes that: the old baseline
 //!   comes back and the floor stays shut for [`FLOOR_SHUT`].
 //!
@@ -107,6 +107,10 @@ const SURGE_DEMAND: f64 = 2.0;
 const REFUTE_WITHIN: Duration = Duration::from_secs(1);
 /// …and then the floor stays shut this long before it may open it again.
 const FLOOR_SHUT: Duration = Duration::from_secs(3);
+/// Windows in a row at the floor over tolerance before it opens the gate:
+/// slower work is slow at the floor window after window; a flood's floor,
+/// its turns competing with the refusals for the CPU, only now and then.
+const FLOOR_WINDOWS: u32 = 3;
 
 /// Whether the gateway sheds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -152,6 +156,8 @@ pub struct Gradient {
     /// The floor may not open the gate before this (limiting again refuted
     /// its last opening).
     floor_shut_until: Option<Instant>,
+    /// Windows in a row at the floor over tolerance ([`FLOOR_WINDOWS`]).
+    slow_floor: u32,
     ticks: Ticks,
 }
 
@@ -204,6 +210,7 @@ impl Gradient {
             pace: None,
             floor_opened: None,
             floor_shut_until: None,
+            slow_floor: 0,
             ticks: Ticks::default(),
         }
     }
@@ -453,6 +460,8 @@ impl Gradient {
         }
         let cut = (self.tolerance * baseline / p90).max(0.5);
         let before = (self.limiting(), self.limit());
+        let at_floor = matches!(self.mode, Mode::Limiting { limit, .. } if limit <= self.min) && peak <= self.min;
+        self.slow_floor = if at_floor && over { self.slow_floor + 1 } else { 0 };
         self.mode = match self.mode {
             // The work the gateway does within tolerance, by Little's law
             // (the whole ratio: a queue is growing, there is no time to
@@ -481,10 +490,12 @@ impl Gradient {
                 Mode::Open
             }
             Mode::Limiting { limit, .. } if over => {
-                if limit <= self.min && peak <= self.min && self.floor_shut_until.is_none_or(|t| now >= t) {
-                    // As slow at the floor as above it: the work got slower,
-                    // not the gateway busier (unless limiting again soon
-                    // says otherwise, see `refuted_baseline`).
+                if self.slow_floor >= FLOOR_WINDOWS && self.floor_shut_until.is_none_or(|t| now >= t) {
+                    // As slow at the floor as above it, window after window:
+                    // the work got slower, not the gateway busier (unless
+                    // limiting again soon says otherwise, see
+                    // `refuted_baseline`).
+                    self.slow_floor = 0;
                     self.floor_opened = Some((now, baseline));
                     self.baseline = Some(p90);
                     Mode::Open
@@ -1113,6 +1124,16 @@ mod tests {
         assert!(seen.iter().all(|l| *l <= 1024) && working < 128, "the queue is bounded: {working} working");
     }
 
+    /// A gateway limiting after an overload: 8 turns a window on a capacity
+    /// of 16, then 64.
+    fn overloaded() -> (Gradient, Instant) {
+        let (mut g, mut now, mut working) = (Gradient::new(&limits(true)), Instant::now(), 0);
+        open_load(&mut g, &mut now, &mut working, 20, 8, 16);
+        open_load(&mut g, &mut now, &mut working, 50, 64, 16);
+        assert!(g.limiting());
+        (g, now)
+    }
+
     /// After an overload, a closed loop whose work is now slower (each
     /// turn 5× the unloaded time at any concurrency) must get the gate
     /// open again: it is not load. (Keeping the floor whenever it was slow
@@ -1120,10 +1141,7 @@ mod tests {
     /// for good, its limit cycling between 32 and 37.)
     #[test]
     fn a_slower_closed_loop_after_an_overload_is_let_in_again() {
-        let (mut g, mut now, mut working) = (Gradient::new(&limits(true)), Instant::now(), 0);
-        open_load(&mut g, &mut now, &mut working, 20, 8, 16);
-        open_load(&mut g, &mut now, &mut working, 50, 64, 16);
-        assert!(g.limiting());
+        let (mut g, mut now) = overloaded();
         let mut seen = Vec::new();
         for _ in 0..400 {
             let w = 64.min(g.limit());
@@ -1131,6 +1149,37 @@ mod tests {
             seen.push(g.limit());
         }
         assert!(!g.limiting(), "a closed loop of 64 still limited after 400 windows: {:?}", &seen[380..]);
+    }
+
+    /// Under a flood the floor's turns compete with the refusals for the
+    /// CPU, and a window at the floor is over tolerance now and then: that
+    /// is not slower work, and opening the gate on it let the flood in
+    /// (traced: 700–870 turns working before its surge was seen). Slower
+    /// work is slow at the floor window after window, and opens it.
+    #[test]
+    fn a_floor_slow_now_and_then_keeps_limiting_and_slow_window_after_window_opens_the_gate() {
+        let (mut g, mut now) = overloaded();
+        let at_floor = |g: &Gradient| matches!(g.mode, Mode::Limiting { limit, .. } if limit <= g.min);
+        let (slow, fine) = (Duration::from_millis(5), Duration::from_millis(3));
+        while !at_floor(&g) {
+            let w = g.limit();
+            window(&mut g, &mut now, w, slow);
+        }
+        // Slow at the floor, then fine (the limit grows), then slow above it
+        // and back down: over and over.
+        for i in 0..60 {
+            let (w, l) = (g.limit(), if i % 2 == 0 || !at_floor(&g) { slow } else { fine });
+            window(&mut g, &mut now, w, l);
+            assert!(g.limiting(), "window {i}: {g:?}");
+        }
+        let mut slow_at_floor = 0;
+        while g.limiting() && slow_at_floor < 10 {
+            slow_at_floor += usize::from(at_floor(&g));
+            let w = g.limit();
+            window(&mut g, &mut now, w, slow);
+        }
+        assert!(!g.limiting(), "{g:?}");
+        assert_eq!(slow_at_floor, super::FLOOR_WINDOWS as usize, "{g:?}");
     }
 
     #[test]
