@@ -33,7 +33,9 @@
 //!   the square root of the turns the window ended (a busy window's
 //!   jitter), is not seen: `maxConcurrentTurns` bounds it.
 //! - **A surge** is seen sooner, at admission: six 5 ms ticks or more in a
-//!   row that each admit more than twice what they end while work grows,
+//!   row that each admit more than twice what they end while work grows
+//!   (a tick closed late, on a busy gateway, counts for the ticks it spans
+//!   if its arrivals came at a surge's rate),
 //!   lasting tolerance × baseline at least (long enough for a gateway that
 //!   keeps up to end as many as arrive), with turns arriving at more than
 //!   twice the *pace* (the turns a second the gateway ended in its recent
@@ -276,8 +278,14 @@ impl Gradient {
         let tick = std::mem::replace(&mut t.now, Tick { working, ..Tick::default() });
         t.start = Some(now);
         // More than twice as many admitted as ended, and more at work at
-        // its end; a tick that spans a silence is none.
-        let surging = age < 2 * TICK && tick.admitted > 2 * tick.ended && working > tick.working;
+        // its end. A tick closed late counts for the ticks it spans when
+        // its arrivals came at a surge's rate over all of it (a busy
+        // gateway handles its events in batches, ticks 10-30 ms long were
+        // traced under a flood, and breaking the streak on them let the
+        // flood in unseen); otherwise it spans a silence and is none.
+        let spans = (age.as_nanos() / TICK.as_nanos()).try_into().unwrap_or(u32::MAX);
+        let busy = spans == 1 || self.pace.is_some_and(|p| tick.admitted as f64 > SURGE_DEMAND * p * age.as_secs_f64());
+        let surging = busy && tick.admitted > 2 * tick.ended && working > tick.working;
         if !surging {
             t.streak_len = 0;
             return;
@@ -288,7 +296,7 @@ impl Gradient {
         }
         t.streak.admitted += tick.admitted;
         t.streak.ended += tick.ended;
-        t.streak_len += 1;
+        t.streak_len = t.streak_len.saturating_add(spans);
         if t.streak_len >= SURGE_TICKS {
             self.surge(now, working);
         }
@@ -927,6 +935,26 @@ mod tests {
         assert!(s.g.limit() <= s.working() / 4 + 1, "{} working: {:?}", s.working(), s.g);
         s.run(2000, 8000.0, 2000.0);
         assert!(s.g.limiting() && s.working() <= 64, "the queue stays bounded: {} working, {:?}", s.working(), s.g);
+    }
+
+    /// A gateway too busy to handle its events as they come handles them
+    /// in batches (its ticks are 12 ms long): a flood is still seen as one
+    /// within a few of them, not once `maxConcurrentTurns` turns work.
+    #[test]
+    fn a_surge_on_a_gateway_handling_its_events_in_batches_is_seen() {
+        let mut s = Sim::warm();
+        let mut waited = 0;
+        while !s.g.limiting() && waited < 500 {
+            // Arrivals and ends queue up for 12 ms, then are handled at once.
+            s.now += Duration::from_millis(12);
+            let n = s.arrivals(8000.0 * 12.0);
+            s.arrive(n);
+            for _ in 0..24.min(s.working.len()) {
+                s.end(Duration::from_secs_f64(s.working() as f64 / 2000.0).max(Duration::from_millis(2)));
+            }
+            waited += 12;
+        }
+        assert!(waited <= 60 && s.working() <= 400, "limiting after {waited} ms, {} working: {:?}", s.working(), s.g);
     }
 
     /// A flood whose refusals starve the few turns working at the floor
