@@ -42,7 +42,7 @@
 //!   healthy windows), work that at least doubled, and a new turn's wait
 //!   by Little's law (working / ending rate) past tolerance × baseline. It
 //!   starts limiting at once, at the work the gateway ends within
-//!   tolerance or a quarter of the work then, whichever is more. A burst
+//!   tolerance (Little's law again). A burst
 //!   shorter than the ticks, a closed loop (it cannot double), a stall (it
 //!   brings no more turns) and more demand on a gateway with room for it
 //!   (its turns end within tolerance) are not surges.
@@ -320,13 +320,14 @@ impl Gradient {
     ///
     /// The limit is the work the gateway ends within tolerance — ending rate
     /// (or the pace, when more work has made it end fewer) × tolerance ×
-    /// baseline — but no less than a quarter of the work now (where two
-    /// windows' cuts at most would put it): a rate over 30 ms of a gateway
-    /// flooded with new turns is a poor estimate, and a limit set too low
-    /// lands on the floor, where latency still over tolerance reads as
-    /// slower work and opens the gate again. The windows take the limit on
-    /// from there. (Half the work measured slower onsets with the window
-    /// engine; the bare rate, a legacy gateway opened again and again.)
+    /// baseline, by Little's law — and the turns admitted in the streak that
+    /// have not started are refused down to it. A rate over 30 ms of a
+    /// gateway flooded with new turns is a poor estimate; the windows take
+    /// the limit on from there, and one slow window on the floor no longer
+    /// opens the gate ([`FLOOR_WINDOWS`]). (A quarter of the work then, the
+    /// least this limit used to be, let held turns start behind the ones
+    /// already working; without it the 4 × legacy p99 measured 7.5–17.6 ms
+    /// against 12.9–60.5 in five alternated runs.)
     ///
     /// A surge (or a queue growing, see [`Gradient::close_window`]) within
     /// [`REFUTE_WITHIN`] of the floor opening the gate, with turns ending at
@@ -353,7 +354,7 @@ impl Gradient {
         let doubled = working >= 2 * t.streak.working && working as f64 >= t.streak.working as f64 + self.min;
         if arriving > SURGE_DEMAND * pace && doubled && working as f64 > ending * target {
             let within = ending.max(pace) * target;
-            self.mode = Mode::Limiting { limit: within.max(working as f64 / 4.0).max(self.min), calm: 0 };
+            self.mode = Mode::Limiting { limit: within.max(self.min), calm: 0 };
             if let Some(before) = refuted {
                 self.refute_floor_opening(now, before);
             }
