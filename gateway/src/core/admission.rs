@@ -57,9 +57,10 @@
 //!   half of it, or no turn ends for ten seconds, the gateway is Open
 //!   again. The baseline does not rise while limiting, except when the
 //!   floor itself is as slow, [`FLOOR_WINDOWS`] windows in a row (the work
-//!   got slower, not the gateway busier); limiting again (a surge, or a queue growing) within [`REFUTE_WITHIN`]
-//!   with turns ending at least at the pace refutes that: the old baseline
-//!   comes back and the floor stays shut for [`FLOOR_SHUT`].
+//!   got slower, not the gateway busier); limiting again (a surge, or a
+//!   queue growing) within [`REFUTE_WITHIN`] with turns ending at least at
+//!   the pace refutes that: the old baseline comes back and the floor
+//!   stays shut for [`FLOOR_SHUT`].
 //!
 //! With `adaptiveConcurrency.enabled: false` only `maxConcurrentTurns`
 //! bounds turns.
