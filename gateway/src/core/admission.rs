@@ -185,6 +185,12 @@ struct Tick {
     working: usize,
 }
 
+/// Whether `admitted` turns over `age` came at more than [`SURGE_DEMAND`]
+/// × the pace.
+fn at_surge_rate(admitted: usize, pace: f64, age: Duration) -> bool {
+    admitted as f64 > SURGE_DEMAND * pace * age.as_secs_f64()
+}
+
 fn p90(samples: &mut [u64]) -> f64 {
     samples.sort_unstable();
     let i = (samples.len() * 9).div_ceil(10).clamp(1, samples.len()) - 1;
@@ -289,7 +295,7 @@ impl Gradient {
         // all fall in its first 5 ms, however late the next event closes it.
         let late = (age.as_nanos() / TICK.as_nanos()).try_into().unwrap_or(u32::MAX);
         let spans = if t.streak_len == 0 { 1 } else { late };
-        let busy = late == 1 || self.pace.is_some_and(|p| tick.admitted as f64 > SURGE_DEMAND * p * age.as_secs_f64());
+        let busy = late == 1 || self.pace.is_some_and(|p| at_surge_rate(tick.admitted, p, age));
         let surging = busy && tick.admitted > 2 * tick.ended && working > tick.working;
         if !surging {
             t.streak_len = 0;
@@ -403,7 +409,14 @@ impl Gradient {
             return false;
         };
         let t = &self.ticks;
-        let current = t.start.is_some_and(|s| now.saturating_duration_since(s) < 2 * TICK);
+        // The tick under way is fresh, or a busy gateway has not closed it
+        // yet while turns came at a surge's rate (a traced flood's held
+        // turns all started 6-12 ms in, the ticks late, and 766 worked
+        // before the surge was seen).
+        let current = t.start.is_some_and(|s| {
+            let age = now.saturating_duration_since(s);
+            age < 2 * TICK || at_surge_rate(t.now.admitted, pace, age)
+        });
         let seen_in_time = self.tolerance * baseline <= (TICK * SURGE_TICKS).as_micros() as f64;
         if !(HOLD_FROM..HOLD_TICKS).contains(&t.streak_len) || !current || !seen_in_time {
             return false;
@@ -962,6 +975,22 @@ mod tests {
             waited += 12;
         }
         assert!(waited <= 60 && s.working() <= 400, "limiting after {waited} ms, {} working: {:?}", s.working(), s.g);
+    }
+
+    /// A flood on a gateway too busy to close its ticks: turns about to
+    /// start keep waiting while the tick under way has admitted at a
+    /// surge's rate, and stop waiting on a silence.
+    #[test]
+    fn a_hold_lasts_through_a_tick_the_busy_gateway_has_not_closed() {
+        for (batch, held) in [(60, true), (1, false)] {
+            let mut s = Sim::warm();
+            while !s.g.suspect(s.now) {
+                s.run(1, 8000.0, 2000.0);
+            }
+            s.arrive(batch);
+            s.now += Duration::from_millis(12);
+            assert_eq!(s.g.suspect(s.now), held, "{batch} admitted in 12 ms: {:?}", s.g);
+        }
     }
 
     /// A burst on a quiet gateway whose turns end only after several ticks,
