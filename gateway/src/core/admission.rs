@@ -91,8 +91,9 @@ const TICK: Duration = Duration::from_millis(5);
 /// …when this many ticks in a row each admit more than twice what they end.
 const SURGE_TICKS: u32 = 6;
 /// A turn about to start waits while this many ticks in a row look like a
-/// surge's first ones ([`Gradient::suspect`]), until the surge is seen or
-/// the streak ends…
+/// surge's first ones ([`Gradient::suspect`]; a late tick counts for the
+/// ticks it spans, see [`Gradient::tick`]), until the surge is seen or the
+/// streak ends…
 const HOLD_FROM: u32 = 2;
 /// …or reaches this many ticks without being seen as a surge (a flood can
 /// take a few ticks more than [`SURGE_TICKS`] to double its work)…
