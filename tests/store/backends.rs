@@ -624,6 +624,7 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     tokio::time::sleep(TTL + Duration::from_millis(100)).await;
     let Claimed::Held(took) = b.claim_session(&id, TTL, false).await.unwrap() else { panic!("the lease lapsed") };
     assert!(took.token > held.token, "every claim gets a newer token");
+    b.open_turn(&id, "tb", vec![user("b0")], None).await.unwrap();
     let stale = a.append(&id, vec![user("stale")]).await;
     assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
     let stale = a.close_turn(&id, TurnClose::Accept { entries: vec![user("stale")], commit: None }).await;
@@ -640,8 +641,12 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     fenced(a.record_projection(&id, "h", "e", "f").await.map(drop), "record_projection");
     fenced(a.delete_sessions("main", "k").await.map(drop), "delete_sessions");
     assert_eq!(a.renew_claim(&held, TTL).await.unwrap(), Renewal::Lost);
-    b.append(&id, vec![user("b1")]).await.unwrap();
-    assert_eq!(texts(&b.branch(&id).await.unwrap()), ["a1", "b1"], "nothing of the stale writes landed");
+    // What a refused write had sent after its fenced statement (the stale
+    // open_turn's end of the turn left open) went back with it.
+    let open = "SELECT COUNT(*) FROM open_turns WHERE turn_id = 'tb'";
+    assert_eq!(pg.count("leases", open).await, 1, "b's turn is still open");
+    b.close_turn(&id, TurnClose::Accept { entries: vec![user("b1")], commit: None }).await.unwrap();
+    assert_eq!(texts(&b.branch(&id).await.unwrap()), ["a1", "b0", "b1"], "nothing of the stale writes landed");
 
     // The stale release changes nothing; a real one frees the session at once.
     a.release_claim(&held).await.unwrap();

@@ -46,7 +46,7 @@
 //! target/release/loadgen held --held 1000 --quick 8
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -96,6 +96,10 @@ struct Args {
     /// PostgreSQL connections per gateway (`store.poolSize`).
     #[arg(long, default_value_t = 16, global = true)]
     pool_size: usize,
+    /// With `--store postgres`, a closed loop also lists how often each
+    /// statement ran per turn (`pg_stat_statements`).
+    #[arg(long, global = true)]
+    statements: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum, PartialEq)]
@@ -406,6 +410,12 @@ impl Stack {
         Some(pg.work("loadgen").await)
     }
 
+    /// How often each statement has run so far, when asked for
+    /// (`--statements`, PostgreSQL only).
+    async fn statement_calls(&self, asked: bool) -> Option<HashMap<String, i64>> {
+        Some(self.postgres.as_ref().filter(|_| asked)?.statement_calls("loadgen").await)
+    }
+
     fn client(&self, i: usize) -> GatewayClient<Channel> {
         GatewayClient::new(self.channels[i % self.channels.len()].clone())
     }
@@ -491,6 +501,21 @@ fn rss_kib(pid: u32) -> u64 {
 
 /// CPU time the process has used (user + system), from /proc: the
 /// gateway's cost per turn, whatever the client's own share of the cores.
+/// Each statement that ran between two readings, per turn, most frequent
+/// first (the readings' own statements and the counters' are left out).
+fn print_statements(before: &HashMap<String, i64>, after: &HashMap<String, i64>, turns: f64) {
+    let mut ran: Vec<(i64, &str)> = after
+        .iter()
+        .map(|(q, n)| (n - before.get(q).copied().unwrap_or(0), q.as_str()))
+        .filter(|(n, q)| *n > 0 && !q.contains("pg_stat_"))
+        .collect();
+    ran.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    for (n, q) in ran {
+        let q = q.split_whitespace().collect::<Vec<_>>().join(" ");
+        println!("    {:>6.2}  {}", n as f64 / turns, q.chars().take(110).collect::<String>());
+    }
+}
+
 fn cpu_time(pid: u32) -> Duration {
     let stat = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces), from field 3.
@@ -686,6 +711,7 @@ async fn run(args: Args) -> Result<bool, String> {
             stack.warm_up(sessions).await?;
             for round in 1..=rounds {
                 let before = stack.store_work().await;
+                let calls_before = stack.statement_calls(args.statements).await;
                 let cpu = cpu_time(stack.gateway().pid());
                 let (t, e) = closed_until(&stack, sessions, limit).await;
                 t.report(&format!("closed loop, {engine}, {sessions} sessions, round {round}"), e);
@@ -703,6 +729,9 @@ async fn run(args: Args) -> Result<bool, String> {
                         w.commits as f64 / turns,
                         w.wal_flushes as f64 / turns
                     );
+                }
+                if let (Some(before), Some(after)) = (calls_before, stack.statement_calls(args.statements).await) {
+                    print_statements(&before, &after, t.latencies.len().max(1) as f64);
                 }
                 ok &= t.errors == 0;
             }

@@ -29,6 +29,19 @@ impl PostgresStore {
         still_held(session_id, token, row.map(|r| r.get::<_, i64>(0)))
     }
 
+    /// `write` (statements of `tx` that need no answer in between) sent
+    /// behind the fencing check of `session_id` ([`fence`](Self::fence)),
+    /// in one round trip: a refused write goes back with its transaction.
+    pub(super) async fn fenced_write<T>(
+        &self,
+        tx: &Transaction<'_>,
+        session_id: &str,
+        write: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let ((), out) = tokio::try_join!(biased; self.fence(tx, session_id), write)?;
+        Ok(out)
+    }
+
     /// A transaction on `c` for a write to `session_id`, its fencing check
     /// ([`fence`](Self::fence)) already run: how every write of a session
     /// begins.

@@ -147,14 +147,13 @@ impl Outbox for PostgresStore {
         advance: Option<Advance>,
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        exec(
-            &tx,
-            "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2",
-            &[&session_id, &advancement_key],
-        )
-        .await?;
-        if let Some(a) = advance {
+        let tx = c.transaction().await?;
+        let done = async {
+            let sql = "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2";
+            exec(&tx, sql, &[&session_id, &advancement_key]).await
+        };
+        let advanced = async {
+            let Some(a) = &advance else { return Ok(0) };
             exec(
                 &tx,
                 "UPDATE cursors SET message_id = $3, seq = $4, message_count = message_count + $5, tokens = tokens + $6
@@ -168,8 +167,9 @@ impl Outbox for PostgresStore {
                     &(a.tokens as i64),
                 ],
             )
-            .await?;
-        }
+            .await
+        };
+        self.fenced_write(&tx, session_id, async { tokio::try_join!(biased; done, advanced) }).await?;
         self.commit(tx).await
     }
 
@@ -181,28 +181,25 @@ impl Outbox for PostgresStore {
         next_attempt_ms: i64,
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        exec(
-            &tx,
-            "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
-             WHERE session_id = $1 AND advancement_key = $2",
-            &[&session_id, &advancement_key, &error, &next_attempt_ms],
-        )
-        .await?;
+        let tx = c.transaction().await?;
+        let refused = async {
+            let sql = "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
+                        WHERE session_id = $1 AND advancement_key = $2";
+            exec(&tx, sql, &[&session_id, &advancement_key, &error, &next_attempt_ms]).await
+        };
+        self.fenced_write(&tx, session_id, refused).await?;
         self.commit(tx).await
     }
 
     async fn fail_commit(&self, session_id: &str, advancement_key: &str) -> Result<u32, StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        let n = q_opt(
-            &tx,
-            "UPDATE outbox SET failures = failures + 1 WHERE session_id = $1 AND advancement_key = $2
-             RETURNING failures",
-            &[&session_id, &advancement_key],
-        )
-        .await?
-        .map_or(0, |r| r.get::<_, i32>(0));
+        let tx = c.transaction().await?;
+        let failed = async {
+            let sql = "UPDATE outbox SET failures = failures + 1 WHERE session_id = $1 AND advancement_key = $2
+                       RETURNING failures";
+            q_opt(&tx, sql, &[&session_id, &advancement_key]).await
+        };
+        let n = self.fenced_write(&tx, session_id, failed).await?.map_or(0, |r| r.get::<_, i32>(0));
         self.commit(tx).await?;
         Ok(n.max(0) as u32)
     }

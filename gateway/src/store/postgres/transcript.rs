@@ -2,6 +2,10 @@
 //! visible tail, rewrites, each read by one recursive query from the
 //! leaf), turns (open, accepted with their queued commit, or rewound) and
 //! DELTA engines' cursors. Every write is fenced by the session's lease.
+//!
+//! Statements of a write that need no answer in between are joined
+//! (`try_join!(biased; …)`): tokio-postgres pipelines requests polled
+//! together, so they share one round trip and run in the order written.
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -10,6 +14,7 @@ use async_trait::async_trait;
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 use deadpool_postgres::{GenericClient, Transaction};
 use prost::Message as _;
+use tokio_postgres::types::ToSql;
 
 use super::{PostgresStore, exec, q, q_opt};
 use crate::store::shared::{
@@ -34,22 +39,15 @@ async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError
 }
 
 impl PostgresStore {
-    /// A write's transaction and the session's head, with the fencing check
+    /// The session's head for a write, with the fencing check
     /// ([`fence`](Self::fence): the same share lock on the lease row) in
     /// the head's statement — one round trip instead of two. It is the
-    /// transaction's first statement, so a refused write stores nothing.
-    async fn fenced_head<'c>(
-        &self,
-        c: &'c mut deadpool_postgres::Object,
-        session_id: &str,
-    ) -> Result<(Transaction<'c>, Head), StoreError> {
-        let tx = c.transaction().await?;
-        let Some(token) = self.held_token(session_id) else {
-            let at = head(&tx, session_id).await?;
-            return Ok((tx, at));
-        };
+    /// transaction's first statement, so a refused write stores nothing
+    /// (what was pipelined after it is rolled back with it).
+    async fn fenced_head(&self, tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError> {
+        let Some(token) = self.held_token(session_id) else { return head(tx, session_id).await };
         let row = q_opt(
-            &tx,
+            tx,
             "SELECT leaf_id, next_seq,
                     (SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE)
                FROM sessions WHERE session_id = $1 FOR UPDATE",
@@ -58,20 +56,38 @@ impl PostgresStore {
         .await?
         .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
         super::claims::still_held(session_id, token, row.get(2))?;
-        Ok((tx, (row.get(0), row.get(1))))
+        Ok((row.get(0), row.get(1)))
     }
 }
 
-async fn insert_entry(tx: &Transaction<'_>, session_id: &str, e: &pb::TranscriptEntry) -> Result<(), StoreError> {
-    let seq = e.seq as i64;
-    let first_kept = match &e.entry {
-        Some(Entry::Compaction(c)) => Some(c.first_kept_entry_id.as_str()),
-        _ => None,
-    };
+/// Inserts `entries`, however many, in one statement.
+async fn insert_entries(
+    tx: &Transaction<'_>,
+    session_id: &str,
+    entries: &[pb::TranscriptEntry],
+) -> Result<(), StoreError> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    fn first_kept(e: &pb::TranscriptEntry) -> Option<&str> {
+        match &e.entry {
+            Some(Entry::Compaction(c)) => Some(c.first_kept_entry_id.as_str()),
+            _ => None,
+        }
+    }
+    let ids: Vec<&str> = entries.iter().map(|e| e.id.as_str()).collect();
+    let parents: Vec<Option<&str>> = entries.iter().map(|e| e.parent_id.as_deref()).collect();
+    let seqs: Vec<i64> = entries.iter().map(|e| e.seq as i64).collect();
+    let kinds: Vec<i64> = entries.iter().map(kind_of).collect();
+    let bodies: Vec<Vec<u8>> = entries.iter().map(|e| e.encode_to_vec()).collect();
+    let kept: Vec<Option<&str>> = entries.iter().map(first_kept).collect();
     exec(
         tx,
-        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept) VALUES ($1, $2, $3, $4, $5, $6, $7)",
-        &[&e.id, &session_id, &e.parent_id, &seq, &kind_of(e), &e.encode_to_vec(), &first_kept],
+        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept)
+         SELECT id, $1, parent_id, seq, kind, body, first_kept
+           FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
+             AS u(id, parent_id, seq, kind, body, first_kept)",
+        &[&session_id, &ids, &parents, &seqs, &kinds, &bodies, &kept],
     )
     .await?;
     Ok(())
@@ -92,7 +108,8 @@ async fn append_in(
     append_at(tx, session_id, at, entries).await
 }
 
-/// Appends after the head the transaction read.
+/// Appends after the head the transaction read: the entries and the new
+/// head in one round trip.
 async fn append_at(
     tx: &Transaction<'_>,
     session_id: &str,
@@ -100,10 +117,11 @@ async fn append_at(
     entries: Vec<NewEntry>,
 ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
     let Placed { entries, leaf, next_seq } = place(entries, leaf, seq);
-    for e in &entries {
-        insert_entry(tx, session_id, e).await?;
-    }
-    set_head(tx, session_id, leaf.as_deref(), next_seq).await?;
+    tokio::try_join!(
+        biased;
+        insert_entries(tx, session_id, &entries),
+        set_head(tx, session_id, leaf.as_deref(), next_seq),
+    )?;
     Ok(entries)
 }
 
@@ -154,30 +172,44 @@ async fn branch_back_to(
     rows.iter().map(|r| decode_entry(r.get(0))).collect::<Result<Vec<_>, _>>().map(Some)
 }
 
+/// Ends the session's open turn, if any: its anchor (the entry a rewind
+/// goes back to).
+async fn take_open_turn(tx: &Transaction<'_>, session_id: &str) -> Result<Option<String>, StoreError> {
+    let row = q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id]).await?;
+    Ok(row.map(|r| r.get(0)))
+}
+
 /// Rewinds the session's open turn, if any; whether the head moved.
 async fn rewind_in(tx: &Transaction<'_>, session_id: &str) -> Result<bool, StoreError> {
-    let anchor: Option<String> =
-        q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id])
-            .await?
-            .map(|r| r.get(0));
-    let Some(anchor) = anchor else { return Ok(false) };
-    let Some(tail) = branch_back_to(tx, session_id, &anchor).await? else {
+    match take_open_turn(tx, session_id).await? {
+        Some(anchor) => rewind_to(tx, session_id, &anchor).await,
+        None => Ok(false),
+    }
+}
+
+/// Rewinds a turn taken out of `open_turns` to its `anchor`; whether the
+/// head moved.
+async fn rewind_to(tx: &Transaction<'_>, session_id: &str, anchor: &str) -> Result<bool, StoreError> {
+    let Some(tail) = branch_back_to(tx, session_id, anchor).await? else {
         tracing::warn!(session = session_id, anchor, "an open turn's anchor is not on the branch; not rewound");
         return Ok(false);
     };
     let Some(carried) = rewind_carries(tail) else { return Ok(false) };
     let (_, seq) = head(tx, session_id).await?;
-    set_head(tx, session_id, Some(&anchor), seq).await?;
+    set_head(tx, session_id, Some(anchor), seq).await?;
     append_in(tx, session_id, carried).await?;
     Ok(true)
 }
 
-async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
-    let first: String = q_opt(tx, "SELECT first_entry_id FROM open_turns WHERE session_id = $1", &[&session_id])
-        .await?
-        .ok_or_else(|| StoreError::Backend("a commit is queued for a turn that is not open".into()))?
-        .get(0);
-    let range = branch_back_to(tx, session_id, &first)
+/// Queues a closed durable turn's commit: the messages from the turn's
+/// `first` entry to the leaf, and the leaf as the terminal anchor.
+async fn queue_commit(
+    tx: &Transaction<'_>,
+    session_id: &str,
+    first: &str,
+    draft: CommitDraft,
+) -> Result<(), StoreError> {
+    let range = branch_back_to(tx, session_id, first)
         .await?
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
     let engine = draft.engine_id.clone();
@@ -194,7 +226,8 @@ async fn queue_commit(tx: &Transaction<'_>, session_id: &str, draft: CommitDraft
 impl Transcript for PostgresStore {
     async fn append(&self, session_id: &str, entries: Vec<NewEntry>) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let (tx, at) = self.fenced_head(&mut c, session_id).await?;
+        let tx = c.transaction().await?;
+        let at = self.fenced_head(&tx, session_id).await?;
         let out = append_at(&tx, session_id, at, entries).await?;
         self.commit(tx).await?;
         Ok(out)
@@ -286,11 +319,12 @@ impl Transcript for PostgresStore {
             Ok(plan) => plan,
             Err(kept) => return Ok(kept),
         };
-        for e in &plan.entries {
-            insert_entry(&tx, session_id, e).await?;
-        }
         let (leaf, next) = plan.leaf_and_next_seq(seq);
-        set_head(&tx, session_id, leaf.as_deref(), next).await?;
+        tokio::try_join!(
+            biased;
+            insert_entries(&tx, session_id, &plan.entries),
+            set_head(&tx, session_id, leaf.as_deref(), next),
+        )?;
         if let Some(r) =
             q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id]).await?
         {
@@ -315,46 +349,63 @@ impl Transcript for PostgresStore {
         seen_by: Option<&str>,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let (tx, mut at) = self.fenced_head(&mut c, session_id).await?;
-        if rewind_in(&tx, session_id).await? {
+        let tx = c.transaction().await?;
+        // The head, and a turn a crash left open (rewound first).
+        let (mut at, left_open) =
+            tokio::try_join!(biased; self.fenced_head(&tx, session_id), take_open_turn(&tx, session_id))?;
+        if let Some(anchor) = left_open
+            && rewind_to(&tx, session_id, &anchor).await?
+        {
             at = head(&tx, session_id).await?;
         }
-        let out = append_at(&tx, session_id, at, entries).await?;
+        let Placed { entries: out, leaf, next_seq } = place(entries, at.0, at.1);
         let (Some(first), Some(last)) = (out.first(), out.last()) else {
             return Err(StoreError::Backend("a turn is admitted with at least one entry".into()));
         };
-        exec(
-            &tx,
-            "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
-            &[&session_id, &turn_id, &first.id, &last.id],
-        )
-        .await?;
-        if let Some(engine) = seen_by {
+        let seen = async {
+            let Some(engine) = seen_by else { return Ok(0) };
+            let sql = "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+            exec(&tx, sql, &[&session_id, &engine]).await
+        };
+        let open = [&session_id as &(dyn ToSql + Sync), &turn_id, &first.id, &last.id];
+        tokio::try_join!(
+            biased;
+            insert_entries(&tx, session_id, &out),
+            set_head(&tx, session_id, leaf.as_deref(), next_seq),
             exec(
                 &tx,
-                "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
-                &[&session_id, &engine],
-            )
-            .await?;
-        }
+                "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
+                &open,
+            ),
+            seen,
+        )?;
         self.commit(tx).await?;
         Ok(out)
     }
 
     async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
         let mut c = self.client().await?;
-        let (tx, at) = self.fenced_head(&mut c, session_id).await?;
+        let tx = c.transaction().await?;
+        let at = self.fenced_head(&tx, session_id).await?;
         let out = match close {
             TurnClose::Rewind => {
                 rewind_in(&tx, session_id).await?;
                 Vec::new()
             }
             TurnClose::Accept { entries, commit } => {
-                let out = append_at(&tx, session_id, at, entries).await?;
+                let Placed { entries: out, leaf, next_seq } = place(entries, at.0, at.1);
+                let id = [&session_id as &(dyn ToSql + Sync)];
+                let ((), (), first) = tokio::try_join!(
+                    biased;
+                    insert_entries(&tx, session_id, &out),
+                    set_head(&tx, session_id, leaf.as_deref(), next_seq),
+                    q_opt(&tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING first_entry_id", &id),
+                )?;
                 if let Some(draft) = commit {
-                    queue_commit(&tx, session_id, draft).await?;
+                    let first = first
+                        .ok_or_else(|| StoreError::Backend("a commit is queued for a turn that is not open".into()))?;
+                    queue_commit(&tx, session_id, first.get(0), draft).await?;
                 }
-                exec(&tx, "DELETE FROM open_turns WHERE session_id = $1", &[&session_id]).await?;
                 out
             }
         };
@@ -413,31 +464,34 @@ impl Cursors for PostgresStore {
         cursor: Option<pb::HistoryCursor>,
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        match cursor {
-            None => {
-                exec(&tx, "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2", &[&session_id, &engine_id])
-                    .await?
-            }
-            Some(k) => {
-                exec(
-                    &tx,
-                    "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
-                     VALUES ($1, $2, $3, $4, $5, $6)
-                     ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
-                        seq = EXCLUDED.seq, message_count = EXCLUDED.message_count, tokens = EXCLUDED.tokens",
-                    &[
-                        &session_id,
-                        &engine_id,
-                        &k.message_id,
-                        &(k.seq as i64),
-                        &(k.message_count as i64),
-                        &(k.tokens as i64),
-                    ],
-                )
-                .await?
+        let tx = c.transaction().await?;
+        let set = async {
+            match cursor {
+                None => {
+                    let sql = "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2";
+                    exec(&tx, sql, &[&session_id, &engine_id]).await
+                }
+                Some(k) => {
+                    exec(
+                        &tx,
+                        "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
+                         VALUES ($1, $2, $3, $4, $5, $6)
+                         ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
+                            seq = EXCLUDED.seq, message_count = EXCLUDED.message_count, tokens = EXCLUDED.tokens",
+                        &[
+                            &session_id,
+                            &engine_id,
+                            &k.message_id,
+                            &(k.seq as i64),
+                            &(k.message_count as i64),
+                            &(k.tokens as i64),
+                        ],
+                    )
+                    .await
+                }
             }
         };
+        self.fenced_write(&tx, session_id, set).await?;
         self.commit(tx).await
     }
 
