@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use deadpool_postgres::{Object, Transaction};
+use deadpool_postgres::Transaction;
 
 use super::{PostgresStore, exec, millis, q, q_opt};
 use crate::store::{Claim, Claimed, Claims, Renewal, StoreError, Transcript, TurnClose};
@@ -40,15 +40,6 @@ impl PostgresStore {
     ) -> Result<T, StoreError> {
         let ((), out) = tokio::try_join!(biased; self.fence(tx, session_id), write)?;
         Ok(out)
-    }
-
-    /// A transaction on `c` for a write to `session_id`, its fencing check
-    /// ([`fence`](Self::fence)) already run: how every write of a session
-    /// begins.
-    pub(super) async fn fenced<'c>(&self, c: &'c mut Object, session_id: &str) -> Result<Transaction<'c>, StoreError> {
-        let tx = c.transaction().await?;
-        self.fence(&tx, session_id).await?;
-        Ok(tx)
     }
 }
 

@@ -313,21 +313,21 @@ impl Transcript for PostgresStore {
     ) -> Result<RewriteOutcome, StoreError> {
         let branch = self.branch(session_id).await?;
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        let (leaf, seq) = head(&tx, session_id).await?;
+        let tx = c.transaction().await?;
+        let (leaf, seq) = self.fenced_head(&tx, session_id).await?;
         let plan = match plan_rewrite(&branch, replacements, leaf.as_deref(), seq) {
             Ok(plan) => plan,
             Err(kept) => return Ok(kept),
         };
         let (leaf, next) = plan.leaf_and_next_seq(seq);
-        tokio::try_join!(
+        let id = [&session_id as &(dyn ToSql + Sync)];
+        let ((), (), open) = tokio::try_join!(
             biased;
             insert_entries(&tx, session_id, &plan.entries),
             set_head(&tx, session_id, leaf.as_deref(), next),
+            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &id),
         )?;
-        if let Some(r) =
-            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &[&session_id]).await?
-        {
+        if let Some(r) = open {
             let follow = |old: String| plan.outcome.remap.get(&old).cloned().unwrap_or(old);
             let (first, anchor) = (follow(r.get(0)), follow(r.get(1)));
             exec(
@@ -421,14 +421,13 @@ impl Transcript for PostgresStore {
         fingerprint: &str,
     ) -> Result<bool, StoreError> {
         let mut c = self.client().await?;
-        let tx = self.fenced(&mut c, session_id).await?;
-        let before = q_opt(
-            &tx,
-            "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2",
-            &[&session_id, &host_id],
-        )
-        .await?
-        .map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
+        let tx = c.transaction().await?;
+        let before = async {
+            let sql = "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2";
+            q_opt(&tx, sql, &[&session_id, &host_id]).await
+        };
+        let before = self.fenced_write(&tx, session_id, before).await?;
+        let before = before.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
         let changed = before.as_ref().is_none_or(|(e, f)| e != epoch || f != fingerprint);
         if changed {
             exec(&tx,
