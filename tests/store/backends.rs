@@ -625,6 +625,8 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     let Claimed::Held(took) = b.claim_session(&id, TTL, false).await.unwrap() else { panic!("the lease lapsed") };
     assert!(took.token > held.token, "every claim gets a newer token");
     b.open_turn(&id, "tb", vec![user("b0")], None).await.unwrap();
+    let cursor = pb::HistoryCursor { message_id: "m1".into(), seq: 1, message_count: 1, tokens: 1 };
+    b.set_cursor(&id, "e", Some(cursor.clone())).await.unwrap();
     let stale = a.append(&id, vec![user("stale")]).await;
     assert!(matches!(stale, Err(StoreError::Fenced(_))), "{stale:?}");
     let stale = a.close_turn(&id, TurnClose::Accept { entries: vec![user("stale")], commit: None }).await;
@@ -645,6 +647,7 @@ async fn a_session_lease_excludes_other_gateways_and_fences_a_holder_that_lost_i
     // open_turn's end of the turn left open) went back with it.
     let open = "SELECT COUNT(*) FROM open_turns WHERE turn_id = 'tb'";
     assert_eq!(pg.count("leases", open).await, 1, "b's turn is still open");
+    assert_eq!(b.cursor(&id, "e").await.unwrap(), Some(cursor), "the stale set_cursor went back");
     b.close_turn(&id, TurnClose::Accept { entries: vec![user("b1")], commit: None }).await.unwrap();
     assert_eq!(texts(&b.branch(&id).await.unwrap()), ["a1", "b0", "b1"], "nothing of the stale writes landed");
 

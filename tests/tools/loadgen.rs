@@ -499,8 +499,6 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU time the process has used (user + system), from /proc: the
-/// gateway's cost per turn, whatever the client's own share of the cores.
 /// Each statement that ran between two readings, per turn, most frequent
 /// first (the readings' own statements and the counters' are left out).
 fn print_statements(before: &HashMap<String, i64>, after: &HashMap<String, i64>, turns: f64) {
@@ -516,6 +514,8 @@ fn print_statements(before: &HashMap<String, i64>, after: &HashMap<String, i64>,
     }
 }
 
+/// CPU time the process has used (user + system), from /proc: the
+/// gateway's cost per turn, whatever the client's own share of the cores.
 fn cpu_time(pid: u32) -> Duration {
     let stat = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces), from field 3.

@@ -24,24 +24,30 @@ impl PostgresStore {
     /// makes a takeover wait for this transaction (or this one see it).
     pub(super) async fn fence(&self, tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
         let Some(token) = self.held_token(session_id) else { return Ok(()) };
-        let sql = "SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE";
-        let row = q_opt(tx, sql, &[&session_id, &self.owner]).await?;
+        let row = q_opt(tx, FENCE, &[&session_id, &self.owner]).await?;
         still_held(session_id, token, row.map(|r| r.get::<_, i64>(0)))
     }
 
     /// `write` (statements of `tx` that need no answer in between) sent
     /// behind the fencing check of `session_id` ([`fence`](Self::fence)),
-    /// in one round trip: a refused write goes back with its transaction.
+    /// in one round trip: a refused write goes back with its transaction
+    /// (though the server runs what was sent behind the check first).
     pub(super) async fn fenced_write<T>(
         &self,
         tx: &Transaction<'_>,
         session_id: &str,
         write: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
+        if self.held_token(session_id).is_some() {
+            super::first_in_pipeline(tx, FENCE).await?;
+        }
         let ((), out) = tokio::try_join!(biased; self.fence(tx, session_id), write)?;
         Ok(out)
     }
 }
+
+/// The fencing check's statement ([`PostgresStore::fence`]).
+const FENCE: &str = "SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE";
 
 /// The fencing verdict: the lease's token (`found`, read under a share
 /// lock where this gateway is the owner) must still be the one this

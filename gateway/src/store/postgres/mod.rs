@@ -308,6 +308,17 @@ async fn q_one<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) ->
     Ok(c.query_one(&st, p).await?)
 }
 
+/// Prepares `sql` (once per connection) before a pipeline that sends it
+/// first: an unprepared statement sends its Parse and only its execution
+/// once that is answered, behind the statements joined after it. The
+/// first of a pipeline takes the locks the rest rely on (the fencing
+/// check, the session's head), so it must go out first; the others are
+/// independent of each other.
+async fn first_in_pipeline<C: GenericClient>(c: &C, sql: &str) -> Result<(), StoreError> {
+    c.prepare_cached(sql).await?;
+    Ok(())
+}
+
 async fn exec<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> Result<u64, StoreError> {
     let st = c.prepare_cached(sql).await?;
     Ok(c.execute(&st, p).await?)

@@ -5,7 +5,9 @@
 //!
 //! Statements of a write that need no answer in between are joined
 //! (`try_join!(biased; …)`): tokio-postgres pipelines requests polled
-//! together, so they share one round trip and run in the order written.
+//! together, so they share one round trip. The first of them (the head's
+//! lock, the fencing check) is prepared beforehand so that it runs first
+//! (`first_in_pipeline`); the rest do not depend on each other's order.
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -31,10 +33,15 @@ use crate::transcript::Tail;
 /// the write's transaction.
 type Head = (Option<String>, i64);
 
+const HEAD: &str = "SELECT leaf_id, next_seq FROM sessions WHERE session_id = $1 FOR UPDATE";
+
+/// [`HEAD`] with the fencing check folded in ([`PostgresStore::fenced_head`]).
+const FENCED_HEAD: &str = "SELECT leaf_id, next_seq,
+       (SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE)
+  FROM sessions WHERE session_id = $1 FOR UPDATE";
+
 async fn head(tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError> {
-    let row = q_opt(tx, "SELECT leaf_id, next_seq FROM sessions WHERE session_id = $1 FOR UPDATE", &[&session_id])
-        .await?
-        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
+    let row = q_opt(tx, HEAD, &[&session_id]).await?.ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
     Ok((row.get(0), row.get(1)))
 }
 
@@ -46,17 +53,16 @@ impl PostgresStore {
     /// (what was pipelined after it is rolled back with it).
     async fn fenced_head(&self, tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError> {
         let Some(token) = self.held_token(session_id) else { return head(tx, session_id).await };
-        let row = q_opt(
-            tx,
-            "SELECT leaf_id, next_seq,
-                    (SELECT token FROM session_leases WHERE session_id = $1 AND owner = $2 FOR SHARE)
-               FROM sessions WHERE session_id = $1 FOR UPDATE",
-            &[&session_id, &self.owner],
-        )
-        .await?
-        .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
+        let row = q_opt(tx, FENCED_HEAD, &[&session_id, &self.owner])
+            .await?
+            .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
         super::claims::still_held(session_id, token, row.get(2))?;
         Ok((row.get(0), row.get(1)))
+    }
+
+    /// The statement [`fenced_head`](Self::fenced_head) runs.
+    fn head_statement(&self, session_id: &str) -> &'static str {
+        if self.held_token(session_id).is_some() { FENCED_HEAD } else { HEAD }
     }
 }
 
@@ -320,12 +326,12 @@ impl Transcript for PostgresStore {
             Err(kept) => return Ok(kept),
         };
         let (leaf, next) = plan.leaf_and_next_seq(seq);
-        let id = [&session_id as &(dyn ToSql + Sync)];
+        let by_session = [&session_id as &(dyn ToSql + Sync)];
         let ((), (), open) = tokio::try_join!(
             biased;
             insert_entries(&tx, session_id, &plan.entries),
             set_head(&tx, session_id, leaf.as_deref(), next),
-            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &id),
+            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &by_session),
         )?;
         if let Some(r) = open {
             let follow = |old: String| plan.outcome.remap.get(&old).cloned().unwrap_or(old);
@@ -351,6 +357,7 @@ impl Transcript for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         // The head, and a turn a crash left open (rewound first).
+        super::first_in_pipeline(&tx, self.head_statement(session_id)).await?;
         let (mut at, left_open) =
             tokio::try_join!(biased; self.fenced_head(&tx, session_id), take_open_turn(&tx, session_id))?;
         if let Some(anchor) = left_open
@@ -367,7 +374,7 @@ impl Transcript for PostgresStore {
             let sql = "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
             exec(&tx, sql, &[&session_id, &engine]).await
         };
-        let open = [&session_id as &(dyn ToSql + Sync), &turn_id, &first.id, &last.id];
+        let open_params = [&session_id as &(dyn ToSql + Sync), &turn_id, &first.id, &last.id];
         tokio::try_join!(
             biased;
             insert_entries(&tx, session_id, &out),
@@ -375,7 +382,7 @@ impl Transcript for PostgresStore {
             exec(
                 &tx,
                 "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
-                &open,
+                &open_params,
             ),
             seen,
         )?;
