@@ -154,9 +154,14 @@ async fn a_closed_turn_queues_its_commit_with_the_turn_messages_and_a_delivery_m
         request: pb::CommitTurnRequest { advancement_key: "t1".into(), ..Default::default() },
     };
     let closed = TurnClose::Accept { entries: vec![user("answer")], commit: Some(draft) };
-    let reply = store.close_turn(&id, closed).await.unwrap();
+    let closed = store.close_turn(&id, closed).await.unwrap();
+    let reply = closed.entries;
     let pending = store.pending_commits(&id, "e").await.unwrap();
     assert_eq!(pending.len(), 1);
+    // What the close says it queued is what the queue holds.
+    let queued = closed.queued.expect("the close queued a commit");
+    assert_eq!((queued.engine_id.as_str(), queued.attempts), ("e", 0));
+    assert_eq!(queued.request, pending[0].request);
     let req = &pending[0].request;
     let texts: Vec<String> = req.messages.iter().map(ctxgate::provider::message_text).collect();
     assert_eq!(texts, ["question", "tool", "answer"], "the turn's messages, from admission to reply");

@@ -171,7 +171,20 @@ impl Core {
         force: bool,
     ) -> Result<Backlog, CoreError> {
         let pending = self.store.pending_commits(session_id, engine_id).await?;
-        let Some(engine) = self.registry().get(engine_id).cloned() else { return Ok(Backlog::at(&pending)) };
+        self.deliver_commits(session_id, engine_id, &pending, cancel, force).await
+    }
+
+    /// [`drain_commits`](Self::drain_commits) of `pending`, the session's
+    /// queue for `engine_id` as the caller knows it.
+    pub(super) async fn deliver_commits(
+        &self,
+        session_id: &str,
+        engine_id: &str,
+        pending: &[PendingCommit],
+        cancel: &CancellationToken,
+        force: bool,
+    ) -> Result<Backlog, CoreError> {
+        let Some(engine) = self.registry().get(engine_id).cloned() else { return Ok(Backlog::at(pending)) };
         // Due unless every commit delivered here said it is not.
         let mut upkeep = None;
         for (i, p) in pending.iter().enumerate() {

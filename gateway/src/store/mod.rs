@@ -184,9 +184,8 @@ pub trait Transcript: Send + Sync + 'static {
         entries: Vec<NewEntry>,
         seen_by: Option<&str>,
     ) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
-    /// Closes the session's open turn (see [`TurnClose`]); returns the
-    /// entries appended by an accepting close.
-    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError>;
+    /// Closes the session's open turn (see [`TurnClose`]).
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Closed, StoreError>;
     /// Records the thread-bootstrap projection delivered to `host_id` for a
     /// session; true when it differs from the one recorded before (the
     /// host must re-inject).
@@ -446,6 +445,17 @@ pub enum TurnClose {
     Rewind,
 }
 
+/// What closing a turn stored.
+#[derive(Debug, Default)]
+pub struct Closed {
+    /// The entries an accepting close appended.
+    pub entries: Vec<pb::TranscriptEntry>,
+    /// The commit it queued, as [`Outbox::pending_commits`] would read it
+    /// back: a turn that found its session's queue empty delivers it
+    /// without that read.
+    pub queued: Option<PendingCommit>,
+}
+
 /// A queued commit.
 #[derive(Debug, Clone)]
 pub struct PendingCommit {
@@ -456,6 +466,13 @@ pub struct PendingCommit {
     pub last_error: Option<String>,
     /// Not retried before this time (unix ms; 0 = now).
     pub next_attempt_ms: i64,
+}
+
+impl PendingCommit {
+    /// A commit just queued: never refused, due now.
+    pub(crate) fn queued(engine_id: String, request: pb::CommitTurnRequest) -> Self {
+        Self { engine_id, request, attempts: 0, last_error: None, next_attempt_ms: 0 }
+    }
 }
 
 /// A delivered commit's messages, added to the engine's cursor.

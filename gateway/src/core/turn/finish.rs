@@ -111,10 +111,10 @@ impl Turn {
         };
         let entries =
             last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
-        let stored = core.store.close_turn(&session.session_id, TurnClose::Accept { entries, commit }).await?;
+        let closed = core.store.close_turn(&session.session_id, TurnClose::Accept { entries, commit }).await?;
         // The after-turn request carries the turn's last messages too.
         if after_turn {
-            history.extend(stored.iter().filter_map(|e| match &e.entry {
+            history.extend(closed.entries.iter().filter_map(|e| match &e.entry {
                 Some(Entry::Message(m)) => Some(m.clone()),
                 _ => None,
             }));
@@ -124,7 +124,13 @@ impl Turn {
             // The engine gets no after-turn or ingest for a durable turn. The
             // turn is accepted and its commit queued: a failure to deliver
             // it now is the outbox's to retry, not the turn's.
-            let (waiting, upkeep) = match core.drain_commits(&session.session_id, engine, &self.cancel, false).await {
+            let delivered = match closed.queued {
+                Some(queued) if self.emptied_queue.as_deref() == Some(engine) => {
+                    core.deliver_commits(&session.session_id, engine, &[queued], &self.cancel, false).await
+                }
+                _ => core.drain_commits(&session.session_id, engine, &self.cancel, false).await,
+            };
+            let (waiting, upkeep) = match delivered {
                 Ok(b) => (b.waiting, b.upkeep),
                 Err(e) => {
                     tracing::warn!(error = %e, "delivering queued commits failed; they stay queued");
@@ -146,7 +152,7 @@ impl Turn {
         if upkeep == Upkeep::Due {
             core.maintain_after_turn(&lease, &session, budget, &self.call).await;
         }
-        Ok(Finished { entries: stored, engine_committed })
+        Ok(Finished { entries: closed.entries, engine_committed })
     }
 
     /// after-turn with the history sent since `cursor` (all of it without

@@ -108,6 +108,11 @@ pub struct Turn {
     guard: Option<Held>,
     /// The turn's admission permit, released with the turn.
     admission: Permit,
+    /// The durable engine whose commit queue for the session the turn's
+    /// start delivered to the end: the commit this turn queues is then the
+    /// queue's only one, delivered without reading it back (the turn holds
+    /// the session, so nothing else queues meanwhile).
+    emptied_queue: Option<String>,
 }
 
 impl Core {
@@ -222,6 +227,7 @@ impl Core {
             trace,
             guard: Some(guard),
             admission,
+            emptied_queue: None,
         };
         let span = turn.trace.span.clone();
         turn.start().instrument(span).await
@@ -254,6 +260,7 @@ impl Turn {
                 self.close(Outcome::Failed(failure.clone()), Vec::new()).await?;
                 return Ok(Begun::Failed(failure));
             }
+            self.emptied_queue = Some(self.lease.key.clone());
         }
         let budget = self.budget(0);
         let fence = self.admitted[0].id.clone();

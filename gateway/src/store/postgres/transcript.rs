@@ -25,7 +25,8 @@ use crate::store::shared::{
 };
 use crate::store::tails;
 use crate::store::{
-    CommitDraft, Cursors, Delta, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
+    Closed, CommitDraft, Cursors, Delta, NewEntry, PageOutcome, PageRequest, PendingCommit, RewriteOutcome, StoreError,
+    Transcript, TurnClose,
 };
 use crate::transcript::Tail;
 
@@ -214,7 +215,7 @@ async fn queue_commit(
     session_id: &str,
     first: &str,
     draft: CommitDraft,
-) -> Result<(), StoreError> {
+) -> Result<PendingCommit, StoreError> {
     let range = branch_back_to(tx, session_id, first)
         .await?
         .ok_or_else(|| StoreError::Backend(format!("the open turn's first entry {first} is not on the branch")))?;
@@ -225,7 +226,7 @@ async fn queue_commit(
         &[&session_id, &req.advancement_key, &engine, &req.encode_to_vec(), &now_ms()],
     )
     .await?;
-    Ok(())
+    Ok(PendingCommit::queued(engine, req))
 }
 
 #[async_trait]
@@ -390,34 +391,38 @@ impl Transcript for PostgresStore {
         Ok(out)
     }
 
-    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Closed, StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         let at = self.fenced_head(&tx, session_id).await?;
-        let out = match close {
+        let closed = match close {
             TurnClose::Rewind => {
                 rewind_in(&tx, session_id).await?;
-                Vec::new()
+                Closed::default()
             }
             TurnClose::Accept { entries, commit } => {
                 let Placed { entries: out, leaf, next_seq } = place(entries, at.0, at.1);
-                let id = [&session_id as &(dyn ToSql + Sync)];
+                let by_session = [&session_id as &(dyn ToSql + Sync)];
                 let ((), (), first) = tokio::try_join!(
                     biased;
                     insert_entries(&tx, session_id, &out),
                     set_head(&tx, session_id, leaf.as_deref(), next_seq),
-                    q_opt(&tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING first_entry_id", &id),
+                    q_opt(&tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING first_entry_id", &by_session),
                 )?;
-                if let Some(draft) = commit {
-                    let first = first
-                        .ok_or_else(|| StoreError::Backend("a commit is queued for a turn that is not open".into()))?;
-                    queue_commit(&tx, session_id, first.get(0), draft).await?;
-                }
-                out
+                let queued = match commit {
+                    None => None,
+                    Some(draft) => {
+                        let first = first.ok_or_else(|| {
+                            StoreError::Backend("a commit is queued for a turn that is not open".into())
+                        })?;
+                        Some(queue_commit(&tx, session_id, first.get(0), draft).await?)
+                    }
+                };
+                Closed { entries: out, queued }
             }
         };
         self.commit(tx).await?;
-        Ok(out)
+        Ok(closed)
     }
 
     async fn record_projection(

@@ -162,7 +162,7 @@ async fn a_turn_left_open_by_a_crash_is_rewound_at_open_and_keeps_its_compaction
     // Closing an accepted turn moves nothing back.
     store.open_turn(&s.session_id, "t2", vec![user("next")], None).await.unwrap();
     let closed = TurnClose::Accept { entries: vec![user("reply")], commit: None };
-    assert_eq!(store.close_turn(&s.session_id, closed).await.unwrap().len(), 1);
+    assert_eq!(store.close_turn(&s.session_id, closed).await.unwrap().entries.len(), 1);
     drop(store);
     let store = SqliteStore::open(dir.path()).unwrap();
     assert_eq!(store.branch(&s.session_id).await.unwrap().len(), 5);

@@ -18,7 +18,8 @@ use crate::store::shared::{
 };
 use crate::store::tails;
 use crate::store::{
-    CommitDraft, Cursors, Delta, NewEntry, PageOutcome, PageRequest, RewriteOutcome, StoreError, Transcript, TurnClose,
+    Closed, CommitDraft, Cursors, Delta, NewEntry, PageOutcome, PageRequest, PendingCommit, RewriteOutcome, StoreError,
+    Transcript, TurnClose,
 };
 use crate::transcript::Tail;
 
@@ -163,7 +164,7 @@ fn scan_branch(c: &Connection, session_id: &str, walk: &mut TailWalk) -> Result<
 
 /// Queues a closed durable turn's commit: the messages from the first
 /// admitted entry to the leaf, and the leaf as the terminal anchor.
-fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Result<(), StoreError> {
+fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Result<PendingCommit, StoreError> {
     let first: String = tx
         .prepare_cached("SELECT first_entry_id FROM open_turns WHERE session_id = ?1")?
         .query_row([session_id], |r| r.get(0))?;
@@ -172,7 +173,7 @@ fn queue_commit_in(tx: &Connection, session_id: &str, draft: CommitDraft) -> Res
     let engine = draft.engine_id.clone();
     let req = commit_request(draft, range);
     tx.prepare_cached("INSERT INTO outbox (session_id, advancement_key, engine_id, payload, created_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)")?.execute(params![session_id, req.advancement_key, engine, req.encode_to_vec(), now_ms()])?;
-    Ok(())
+    Ok(PendingCommit::queued(engine, req))
 }
 
 /// Rewinds the session's open turn (if any): the leaf goes back to the
@@ -376,25 +377,20 @@ impl Transcript for SqliteStore {
             .await
     }
 
-    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
+    async fn close_turn(&self, session_id: &str, close: TurnClose) -> Result<Closed, StoreError> {
         let session_id = session_id.to_owned();
         self.db
-            .write(move |tx| {
-                let out = match close {
-                    TurnClose::Rewind => {
-                        rewind_in(tx, &session_id)?;
-                        Vec::new()
-                    }
-                    TurnClose::Accept { entries, commit } => {
-                        let out = append_in(tx, &session_id, entries)?;
-                        if let Some(draft) = commit {
-                            queue_commit_in(tx, &session_id, draft)?;
-                        }
-                        tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
-                        out
-                    }
-                };
-                Ok(out)
+            .write(move |tx| match close {
+                TurnClose::Rewind => {
+                    rewind_in(tx, &session_id)?;
+                    Ok(Closed::default())
+                }
+                TurnClose::Accept { entries, commit } => {
+                    let entries = append_in(tx, &session_id, entries)?;
+                    let queued = commit.map(|draft| queue_commit_in(tx, &session_id, draft)).transpose()?;
+                    tx.prepare_cached("DELETE FROM open_turns WHERE session_id = ?1")?.execute([&session_id])?;
+                    Ok(Closed { entries, queued })
+                }
             })
             .await
     }
