@@ -210,26 +210,26 @@ impl Postgres {
     /// what a piece of work ran.
     pub async fn statement_calls(&self, db: &str) -> std::collections::HashMap<String, i64> {
         self.sql(db, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements").await;
-        let (client, conn) = tokio_postgres::connect(&self.url(db), tokio_postgres::NoTls).await.expect("connect");
-        let conn = tokio::spawn(conn);
         let sql = format!(
             "SELECT s.query, sum(s.calls)::bigint FROM pg_stat_statements s
                JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = '{db}' GROUP BY s.query"
         );
-        let rows = client.query(&sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e:?}"));
-        drop(client);
-        let _ = conn.await;
-        rows.iter().map(|r| (r.get(0), r.get(1))).collect()
+        self.rows(db, &sql).await.iter().map(|r| (r.get(0), r.get(1))).collect()
     }
 
     /// The first column of the first row of `sql` in database `db`, as i64.
     pub async fn count(&self, db: &str, sql: &str) -> i64 {
+        self.rows(db, sql).await.first().unwrap_or_else(|| panic!("{sql}: no row")).get(0)
+    }
+
+    /// The rows of `sql` in database `db`, on a connection of its own.
+    async fn rows(&self, db: &str, sql: &str) -> Vec<tokio_postgres::Row> {
         let (client, conn) = tokio_postgres::connect(&self.url(db), tokio_postgres::NoTls).await.expect("connect");
         let conn = tokio::spawn(conn);
-        let n = client.query_one(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e:?}")).get(0);
+        let rows = client.query(sql, &[]).await.unwrap_or_else(|e| panic!("{sql}: {e:?}"));
         drop(client);
         let _ = conn.await;
-        n
+        rows
     }
 }
 
