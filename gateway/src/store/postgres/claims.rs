@@ -28,19 +28,19 @@ impl PostgresStore {
         still_held(session_id, token, row.map(|r| r.get::<_, i64>(0)))
     }
 
-    /// `write` (statements of `tx` that need no answer in between) sent
+    /// `write` (`statements` of `tx` that need no answer in between) sent
     /// behind the fencing check of `session_id` ([`fence`](Self::fence)),
     /// in one round trip: a refused write goes back with its transaction
     /// (though the server runs what was sent behind the check first).
-    pub(super) async fn fenced_write<T>(
+    pub(super) async fn fenced_write<'a, T>(
         &self,
         tx: &Transaction<'_>,
         session_id: &str,
+        statements: impl IntoIterator<Item = &'a str>,
         write: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        if self.held_token(session_id).is_some() {
-            super::first_in_pipeline(tx, FENCE).await?;
-        }
+        let fence = self.held_token(session_id).is_some().then_some(FENCE);
+        super::prepare_pipeline(tx, fence.into_iter().chain(statements)).await?;
         let ((), out) = tokio::try_join!(biased; self.fence(tx, session_id), write)?;
         Ok(out)
     }

@@ -308,14 +308,22 @@ async fn q_one<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) ->
     Ok(c.query_one(&st, p).await?)
 }
 
-/// Prepares `sql` (once per connection) before a pipeline that sends it
-/// first: an unprepared statement sends its Parse and only its execution
-/// once that is answered, behind the statements joined after it. The
+/// Prepares a pipeline's statements (once per connection) before it is
+/// sent. An unprepared statement sends its Parse and its execution only
+/// once that is answered, behind the statements joined after it; the
 /// first of a pipeline takes the locks the rest rely on (the fencing
-/// check, the session's head), so it must go out first; the others are
-/// independent of each other.
-async fn first_in_pipeline<C: GenericClient>(c: &C, sql: &str) -> Result<(), StoreError> {
-    c.prepare_cached(sql).await?;
+/// check, the session's head), so it must go out first. And a Parse still
+/// in flight when its pipeline failed would be dropped unanswered, its
+/// statement left prepared on the server until the connection closed.
+/// Every Parse is answered before this returns (`join_all`, not a
+/// `try_join` that would drop the rest at the first error).
+async fn prepare_pipeline<'a, C: GenericClient>(
+    c: &C,
+    statements: impl IntoIterator<Item = &'a str>,
+) -> Result<(), StoreError> {
+    for prepared in futures_util::future::join_all(statements.into_iter().map(|sql| c.prepare_cached(sql))).await {
+        prepared?;
+    }
     Ok(())
 }
 

@@ -148,16 +148,16 @@ impl Outbox for PostgresStore {
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
-        let done = async {
-            let sql = "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2";
-            exec(&tx, sql, &[&session_id, &advancement_key]).await
-        };
+        const DONE: &str = "DELETE FROM outbox WHERE session_id = $1 AND advancement_key = $2";
+        const ADVANCE: &str = "UPDATE cursors
+            SET message_id = $3, seq = $4, message_count = message_count + $5, tokens = tokens + $6
+          WHERE session_id = $1 AND engine_id = $2 AND seq < $4";
+        let done = async { exec(&tx, DONE, &[&session_id, &advancement_key]).await };
         let advanced = async {
             let Some(a) = &advance else { return Ok(0) };
             exec(
                 &tx,
-                "UPDATE cursors SET message_id = $3, seq = $4, message_count = message_count + $5, tokens = tokens + $6
-                 WHERE session_id = $1 AND engine_id = $2 AND seq < $4",
+                ADVANCE,
                 &[
                     &session_id,
                     &a.engine_id,
@@ -169,7 +169,7 @@ impl Outbox for PostgresStore {
             )
             .await
         };
-        self.fenced_write(&tx, session_id, async { tokio::try_join!(biased; done, advanced) }).await?;
+        self.fenced_write(&tx, session_id, [DONE, ADVANCE], async { tokio::try_join!(biased; done, advanced) }).await?;
         self.commit(tx).await
     }
 
@@ -182,24 +182,20 @@ impl Outbox for PostgresStore {
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
-        let refused = async {
-            let sql = "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
-                        WHERE session_id = $1 AND advancement_key = $2";
-            exec(&tx, sql, &[&session_id, &advancement_key, &error, &next_attempt_ms]).await
-        };
-        self.fenced_write(&tx, session_id, refused).await?;
+        const REFUSE: &str = "UPDATE outbox SET attempts = attempts + 1, last_error = $3, next_attempt_ms = $4
+                               WHERE session_id = $1 AND advancement_key = $2";
+        let refused = async { exec(&tx, REFUSE, &[&session_id, &advancement_key, &error, &next_attempt_ms]).await };
+        self.fenced_write(&tx, session_id, [REFUSE], refused).await?;
         self.commit(tx).await
     }
 
     async fn fail_commit(&self, session_id: &str, advancement_key: &str) -> Result<u32, StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
-        let failed = async {
-            let sql = "UPDATE outbox SET failures = failures + 1 WHERE session_id = $1 AND advancement_key = $2
-                       RETURNING failures";
-            q_opt(&tx, sql, &[&session_id, &advancement_key]).await
-        };
-        let n = self.fenced_write(&tx, session_id, failed).await?.map_or(0, |r| r.get::<_, i32>(0));
+        const FAIL: &str = "UPDATE outbox SET failures = failures + 1 WHERE session_id = $1 AND advancement_key = $2
+                            RETURNING failures";
+        let failed = async { q_opt(&tx, FAIL, &[&session_id, &advancement_key]).await };
+        let n = self.fenced_write(&tx, session_id, [FAIL], failed).await?.map_or(0, |r| r.get::<_, i32>(0));
         self.commit(tx).await?;
         Ok(n.max(0) as u32)
     }

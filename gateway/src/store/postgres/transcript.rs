@@ -5,9 +5,10 @@
 //!
 //! Statements of a write that need no answer in between are joined
 //! (`try_join!(biased; …)`): tokio-postgres pipelines requests polled
-//! together, so they share one round trip. The first of them (the head's
-//! lock, the fencing check) is prepared beforehand so that it runs first
-//! (`first_in_pipeline`); the rest do not depend on each other's order.
+//! together, so they share one round trip. A pipeline's statements are
+//! prepared before it is sent (`prepare_pipeline`), so they run in the
+//! order written: the first of them takes the locks the rest rely on (the
+//! head's, the fencing check's).
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use deadpool_postgres::{GenericClient, Transaction};
 use prost::Message as _;
 use tokio_postgres::types::ToSql;
 
-use super::{PostgresStore, exec, q, q_opt};
+use super::{PostgresStore, exec, prepare_pipeline, q, q_opt};
 use crate::store::shared::{
     AfterCursor, Placed, commit_request, decode_entry, ends_walk_to, kind_of, now_ms, order_page, place, plan_page,
     plan_rewrite, rewind_carries,
@@ -67,6 +68,17 @@ impl PostgresStore {
     }
 }
 
+const INSERT_ENTRIES: &str = "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept)
+     SELECT id, $1, parent_id, seq, kind, body, first_kept
+       FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
+         AS u(id, parent_id, seq, kind, body, first_kept)";
+const SET_HEAD: &str = "UPDATE sessions SET leaf_id = $2, next_seq = $3 WHERE session_id = $1";
+const OPEN: &str = "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)";
+const SEEN_BY: &str = "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
+const TAKE_OPEN: &str = "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id";
+const CLOSE: &str = "DELETE FROM open_turns WHERE session_id = $1 RETURNING first_entry_id";
+const OPEN_OF: &str = "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1";
+
 /// Inserts `entries`, however many, in one statement.
 async fn insert_entries(
     tx: &Transaction<'_>,
@@ -88,21 +100,12 @@ async fn insert_entries(
     let kinds: Vec<i64> = entries.iter().map(kind_of).collect();
     let bodies: Vec<Vec<u8>> = entries.iter().map(|e| e.encode_to_vec()).collect();
     let kept: Vec<Option<&str>> = entries.iter().map(first_kept).collect();
-    exec(
-        tx,
-        "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept)
-         SELECT id, $1, parent_id, seq, kind, body, first_kept
-           FROM unnest($2::text[], $3::text[], $4::bigint[], $5::bigint[], $6::bytea[], $7::text[])
-             AS u(id, parent_id, seq, kind, body, first_kept)",
-        &[&session_id, &ids, &parents, &seqs, &kinds, &bodies, &kept],
-    )
-    .await?;
+    exec(tx, INSERT_ENTRIES, &[&session_id, &ids, &parents, &seqs, &kinds, &bodies, &kept]).await?;
     Ok(())
 }
 
 async fn set_head(tx: &Transaction<'_>, session_id: &str, leaf: Option<&str>, next: i64) -> Result<(), StoreError> {
-    exec(tx, "UPDATE sessions SET leaf_id = $2, next_seq = $3 WHERE session_id = $1", &[&session_id, &leaf, &next])
-        .await?;
+    exec(tx, SET_HEAD, &[&session_id, &leaf, &next]).await?;
     Ok(())
 }
 
@@ -124,6 +127,7 @@ async fn append_at(
     entries: Vec<NewEntry>,
 ) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
     let Placed { entries, leaf, next_seq } = place(entries, leaf, seq);
+    prepare_pipeline(tx, [INSERT_ENTRIES, SET_HEAD]).await?;
     tokio::try_join!(
         biased;
         insert_entries(tx, session_id, &entries),
@@ -182,7 +186,7 @@ async fn branch_back_to(
 /// Ends the session's open turn, if any: its anchor (the entry a rewind
 /// goes back to).
 async fn take_open_turn(tx: &Transaction<'_>, session_id: &str) -> Result<Option<String>, StoreError> {
-    let row = q_opt(tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING anchor_id", &[&session_id]).await?;
+    let row = q_opt(tx, TAKE_OPEN, &[&session_id]).await?;
     Ok(row.map(|r| r.get(0)))
 }
 
@@ -328,11 +332,12 @@ impl Transcript for PostgresStore {
         };
         let (leaf, next) = plan.leaf_and_next_seq(seq);
         let by_session = [&session_id as &(dyn ToSql + Sync)];
+        prepare_pipeline(&tx, [INSERT_ENTRIES, SET_HEAD, OPEN_OF]).await?;
         let ((), (), open) = tokio::try_join!(
             biased;
             insert_entries(&tx, session_id, &plan.entries),
             set_head(&tx, session_id, leaf.as_deref(), next),
-            q_opt(&tx, "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1", &by_session),
+            q_opt(&tx, OPEN_OF, &by_session),
         )?;
         if let Some(r) = open {
             let follow = |old: String| plan.outcome.remap.get(&old).cloned().unwrap_or(old);
@@ -358,7 +363,7 @@ impl Transcript for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         // The head, and a turn a crash left open (rewound first).
-        super::first_in_pipeline(&tx, self.head_statement(session_id)).await?;
+        prepare_pipeline(&tx, [self.head_statement(session_id), TAKE_OPEN]).await?;
         let (mut at, left_open) =
             tokio::try_join!(biased; self.fenced_head(&tx, session_id), take_open_turn(&tx, session_id))?;
         if let Some(anchor) = left_open
@@ -372,19 +377,15 @@ impl Transcript for PostgresStore {
         };
         let seen = async {
             let Some(engine) = seen_by else { return Ok(0) };
-            let sql = "INSERT INTO engine_sessions (session_id, engine_id) VALUES ($1, $2) ON CONFLICT DO NOTHING";
-            exec(&tx, sql, &[&session_id, &engine]).await
+            exec(&tx, SEEN_BY, &[&session_id, &engine]).await
         };
         let open_params = [&session_id as &(dyn ToSql + Sync), &turn_id, &first.id, &last.id];
+        prepare_pipeline(&tx, [INSERT_ENTRIES, SET_HEAD, OPEN, SEEN_BY]).await?;
         tokio::try_join!(
             biased;
             insert_entries(&tx, session_id, &out),
             set_head(&tx, session_id, leaf.as_deref(), next_seq),
-            exec(
-                &tx,
-                "INSERT INTO open_turns (session_id, turn_id, first_entry_id, anchor_id) VALUES ($1, $2, $3, $4)",
-                &open_params,
-            ),
+            exec(&tx, OPEN, &open_params),
             seen,
         )?;
         self.commit(tx).await?;
@@ -403,11 +404,12 @@ impl Transcript for PostgresStore {
             TurnClose::Accept { entries, commit } => {
                 let Placed { entries: out, leaf, next_seq } = place(entries, at.0, at.1);
                 let by_session = [&session_id as &(dyn ToSql + Sync)];
+                prepare_pipeline(&tx, [INSERT_ENTRIES, SET_HEAD, CLOSE]).await?;
                 let ((), (), first) = tokio::try_join!(
                     biased;
                     insert_entries(&tx, session_id, &out),
                     set_head(&tx, session_id, leaf.as_deref(), next_seq),
-                    q_opt(&tx, "DELETE FROM open_turns WHERE session_id = $1 RETURNING first_entry_id", &by_session),
+                    q_opt(&tx, CLOSE, &by_session),
                 )?;
                 let queued = match commit {
                     None => None,
@@ -434,11 +436,9 @@ impl Transcript for PostgresStore {
     ) -> Result<bool, StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
-        let before = async {
-            let sql = "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2";
-            q_opt(&tx, sql, &[&session_id, &host_id]).await
-        };
-        let before = self.fenced_write(&tx, session_id, before).await?;
+        const BEFORE: &str = "SELECT epoch, fingerprint FROM projections WHERE session_id = $1 AND host_id = $2";
+        let before = async { q_opt(&tx, BEFORE, &[&session_id, &host_id]).await };
+        let before = self.fenced_write(&tx, session_id, [BEFORE], before).await?;
         let before = before.map(|r| (r.get::<_, String>(0), r.get::<_, String>(1)));
         let changed = before.as_ref().is_none_or(|(e, f)| e != epoch || f != fingerprint);
         if changed {
@@ -476,19 +476,19 @@ impl Cursors for PostgresStore {
     ) -> Result<(), StoreError> {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
+        const FORGET: &str = "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2";
+        const SET: &str = "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
+                           VALUES ($1, $2, $3, $4, $5, $6)
+                           ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
+                              seq = EXCLUDED.seq, message_count = EXCLUDED.message_count, tokens = EXCLUDED.tokens";
+        let sql = if cursor.is_some() { SET } else { FORGET };
         let set = async {
             match cursor {
-                None => {
-                    let sql = "DELETE FROM cursors WHERE session_id = $1 AND engine_id = $2";
-                    exec(&tx, sql, &[&session_id, &engine_id]).await
-                }
+                None => exec(&tx, FORGET, &[&session_id, &engine_id]).await,
                 Some(k) => {
                     exec(
                         &tx,
-                        "INSERT INTO cursors (session_id, engine_id, message_id, seq, message_count, tokens)
-                         VALUES ($1, $2, $3, $4, $5, $6)
-                         ON CONFLICT (session_id, engine_id) DO UPDATE SET message_id = EXCLUDED.message_id,
-                            seq = EXCLUDED.seq, message_count = EXCLUDED.message_count, tokens = EXCLUDED.tokens",
+                        SET,
                         &[
                             &session_id,
                             &engine_id,
@@ -502,7 +502,7 @@ impl Cursors for PostgresStore {
                 }
             }
         };
-        self.fenced_write(&tx, session_id, set).await?;
+        self.fenced_write(&tx, session_id, [sql], set).await?;
         self.commit(tx).await
     }
 
