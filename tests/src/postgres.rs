@@ -188,9 +188,10 @@ impl Postgres {
 
     /// What the server has done so far for database `db` (a durable
     /// cluster's only: it needs `pg_stat_statements`): statements run,
-    /// transactions committed, and WAL flushes (cluster-wide). PostgreSQL
-    /// publishes the last two about once a second, so a caller waits that
-    /// long after the work it measures.
+    /// transactions committed, and (cluster-wide) WAL flushes and the CPU
+    /// time of all its processes. PostgreSQL publishes commits and flushes
+    /// about once a second, so a caller waits that long after the work it
+    /// measures.
     pub async fn work(&self, db: &str) -> Work {
         self.sql(db, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements").await;
         let count = |sql: String| async move { self.count(db, &sql).await };
@@ -202,19 +203,37 @@ impl Postgres {
             .await,
             commits: count(format!("SELECT xact_commit FROM pg_stat_database WHERE datname = '{db}'")).await,
             wal_flushes: count("SELECT wal_sync FROM pg_stat_wal".into()).await,
+            cpu: self.cpu(),
         }
     }
 
-    /// How often each statement ran in database `db` so far (normalized
-    /// text, as `pg_stat_statements` keeps it); subtract two readings to see
-    /// what a piece of work ran.
-    pub async fn statement_calls(&self, db: &str) -> std::collections::HashMap<String, i64> {
+    /// CPU time (user + system) the server has used: the postmaster, its
+    /// live children (backends, WAL writer, checkpointer…) and the exited
+    /// children it has reaped.
+    fn cpu(&self) -> Duration {
+        let postmaster = self.child.id();
+        let mut ticks = proc_stat(postmaster).map_or(0, |f| f.ticks(true));
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            if let Some(f) = proc_stat(pid).filter(|f| f.ppid() == Some(postmaster)) {
+                ticks += f.ticks(false);
+            }
+        }
+        // USER_HZ is 100 on Linux.
+        Duration::from_millis(ticks * 10)
+    }
+
+    /// How often each statement ran in database `db` so far, and the
+    /// milliseconds it took to run (normalized text, as
+    /// `pg_stat_statements` keeps it); subtract two readings to see what a
+    /// piece of work ran.
+    pub async fn statement_calls(&self, db: &str) -> std::collections::HashMap<String, (i64, f64)> {
         self.sql(db, "CREATE EXTENSION IF NOT EXISTS pg_stat_statements").await;
         let sql = format!(
-            "SELECT s.query, sum(s.calls)::bigint FROM pg_stat_statements s
+            "SELECT s.query, sum(s.calls)::bigint, sum(s.total_exec_time)::float8 FROM pg_stat_statements s
                JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = '{db}' GROUP BY s.query"
         );
-        self.rows(db, &sql).await.iter().map(|r| (r.get(0), r.get(1))).collect()
+        self.rows(db, &sql).await.iter().map(|r| (r.get(0), (r.get(1), r.get(2)))).collect()
     }
 
     /// The first column of the first row of `sql` in database `db`, as i64.
@@ -240,6 +259,7 @@ pub struct Work {
     pub statements: i64,
     pub commits: i64,
     pub wal_flushes: i64,
+    pub cpu: Duration,
 }
 
 impl std::ops::Sub for Work {
@@ -249,6 +269,7 @@ impl std::ops::Sub for Work {
             statements: self.statements - o.statements,
             commits: self.commits - o.commits,
             wal_flushes: self.wal_flushes - o.wal_flushes,
+            cpu: self.cpu.saturating_sub(o.cpu),
         }
     }
 }
@@ -272,5 +293,28 @@ impl Drop for Postgres {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The fields of `/proc/<pid>/stat` after the command name (which may hold
+/// spaces), from its third on.
+struct ProcStat(Vec<u64>);
+
+fn proc_stat(pid: u32) -> Option<ProcStat> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    // The state is a letter: read as 0, it is never used.
+    Some(ProcStat(rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect()))
+}
+
+impl ProcStat {
+    fn ppid(&self) -> Option<u32> {
+        self.0.get(1).map(|&p| p as u32)
+    }
+
+    /// utime + stime, and with `reaped` the exited children's too.
+    fn ticks(&self, reaped: bool) -> u64 {
+        let fields: &[usize] = if reaped { &[11, 12, 13, 14] } else { &[11, 12] };
+        fields.iter().filter_map(|&i| self.0.get(i)).sum()
     }
 }

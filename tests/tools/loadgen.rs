@@ -412,7 +412,7 @@ impl Stack {
 
     /// How often each statement has run so far, when asked for
     /// (`--statements`, PostgreSQL only).
-    async fn statement_calls(&self, asked: bool) -> Option<HashMap<String, i64>> {
+    async fn statement_calls(&self, asked: bool) -> Option<HashMap<String, (i64, f64)>> {
         Some(self.postgres.as_ref().filter(|_| asked)?.statement_calls("loadgen").await)
     }
 
@@ -501,16 +501,25 @@ fn rss_kib(pid: u32) -> u64 {
 
 /// Each statement that ran between two readings, per turn, most frequent
 /// first (the readings' own statements and the counters' are left out).
-fn print_statements(before: &HashMap<String, i64>, after: &HashMap<String, i64>, turns: f64) {
-    let mut ran: Vec<(i64, &str)> = after
+fn print_statements(before: &HashMap<String, (i64, f64)>, after: &HashMap<String, (i64, f64)>, turns: f64) {
+    let mut ran: Vec<(i64, f64, &str)> = after
         .iter()
-        .map(|(q, n)| (n - before.get(q).copied().unwrap_or(0), q.as_str()))
-        .filter(|(n, q)| *n > 0 && !q.contains("pg_stat_"))
+        .map(|(q, &(n, ms))| {
+            let (n0, ms0) = before.get(q).copied().unwrap_or_default();
+            (n - n0, ms - ms0, q.as_str())
+        })
+        .filter(|(n, _, q)| *n > 0 && !q.contains("pg_stat_"))
         .collect();
-    ran.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
-    for (n, q) in ran {
+    ran.sort_by(|a, b| b.0.cmp(&a.0).then(a.2.cmp(b.2)));
+    println!("    calls  µs run  (per turn; the run is the executor's, not parsing or the round trip)");
+    for (n, ms, q) in ran {
         let q = q.split_whitespace().collect::<Vec<_>>().join(" ");
-        println!("    {:>6.2}  {}", n as f64 / turns, q.chars().take(110).collect::<String>());
+        println!(
+            "    {:>5.2}  {:>6.0}  {}",
+            n as f64 / turns,
+            ms * 1e3 / turns,
+            q.chars().take(100).collect::<String>()
+        );
     }
 }
 
@@ -724,10 +733,11 @@ async fn run(args: Args) -> Result<bool, String> {
                 if let (Some(before), Some(after)) = (before, stack.store_work().await) {
                     let (w, turns) = (after - before, t.latencies.len().max(1) as f64);
                     println!(
-                        "  PostgreSQL per turn: {:.1} statements, {:.2} commits, {:.2} WAL flushes",
+                        "  PostgreSQL per turn: {:.1} statements, {:.2} commits, {:.2} WAL flushes, {:.0} µs of CPU",
                         w.statements as f64 / turns,
                         w.commits as f64 / turns,
-                        w.wal_flushes as f64 / turns
+                        w.wal_flushes as f64 / turns,
+                        w.cpu.as_secs_f64() * 1e6 / turns
                     );
                 }
                 if let (Some(before), Some(after)) = (calls_before, stack.statement_calls(args.statements).await) {
