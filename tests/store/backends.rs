@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ctxgate::store::postgres::PostgresStore;
+use ctxgate::store::postgres::{PostgresStore, WALKS};
 use ctxgate::store::{
     Claimed, Claims, CommitDraft, Cursors, Delta, NewEntry, Outbox, PageOutcome, PageRequest, Renewal, Session,
     Sessions, SqliteStore, Store, StoreError, Transcript, TurnClose,
@@ -713,6 +713,51 @@ async fn a_turn_left_open_by_a_dead_gateway_is_rewound_once_its_lease_lapses() {
     assert_eq!(pg.count("abandoned", "SELECT COUNT(*) FROM entries").await, 5, "nothing left the tree");
     assert!(b.abandoned_turns().await.unwrap().is_empty());
     b.release_claim(&claim).await.unwrap();
+}
+
+/// A connection keeps a statement's generic plan, made when `entries` was
+/// small on a fresh database. Written as a join, a walk's step was then a
+/// hash of its one row and a scan of the whole table at every step (half
+/// the throughput in a benchmark); each step must look its parent up by
+/// the key whatever the statistics.
+#[tokio::test]
+async fn every_walk_from_a_leaf_looks_parents_up_by_key_under_a_plan_made_on_a_small_table() {
+    let pg = Postgres::start(false).await;
+    let url = pg.database("plans").await;
+    drop(PostgresStore::open(&url, &pg_options(1, None)).await.unwrap());
+    // Sessions `from..=to` of 70 entries each, in one chain.
+    let sessions = |from: u32, to: u32| {
+        format!(
+            "INSERT INTO sessions (session_id, agent_id, session_key, state, created_at_ms, leaf_id)
+               SELECT 's' || s, 'main', 'k' || s, 'active', 0, 's' || s || '-70' FROM generate_series({from}, {to}) s;
+             INSERT INTO entries (id, session_id, parent_id, seq, kind, body)
+               SELECT 's' || s || '-' || i, 's' || s, CASE WHEN i > 1 THEN 's' || s || '-' || (i - 1) END, i, 1, '\\x00'
+                 FROM generate_series({from}, {to}) s, generate_series(1, 70) i;"
+        )
+    };
+    pg.sql("plans", &format!("{} ANALYZE;", sessions(1, 10))).await;
+    pg.sql("plans", &sessions(11, 20)).await;
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    client.batch_execute("SET plan_cache_mode = force_generic_plan").await.unwrap();
+    for (i, walk) in WALKS.iter().enumerate() {
+        let params = client.prepare(walk).await.unwrap().params().len();
+        client.batch_execute(&format!("PREPARE walk{i} AS {walk}")).await.unwrap();
+        let explain = format!("EXPLAIN EXECUTE walk{i}({})", vec!["NULL"; params].join(", "));
+        let plan: Vec<String> = client
+            .simple_query(&explain)
+            .await
+            .unwrap()
+            .iter()
+            .filter_map(|m| match m {
+                tokio_postgres::SimpleQueryMessage::Row(r) => r.get(0).map(str::to_owned),
+                _ => None,
+            })
+            .collect();
+        let plan = plan.join("\n");
+        assert!(plan.contains("Index Scan using entries_pkey"), "{walk}\n{plan}");
+        assert!(!plan.contains("Seq Scan on entries") && !plan.contains("Hash Join"), "{walk}\n{plan}");
+    }
 }
 
 #[tokio::test]

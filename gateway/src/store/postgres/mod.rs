@@ -62,6 +62,7 @@ mod sessions;
 mod transcript;
 
 pub use schema::SCHEMA_VERSION;
+pub use transcript::WALKS;
 
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {

@@ -86,6 +86,48 @@ const TAKE_OPEN: &str = "DELETE FROM open_turns WHERE session_id = $1 RETURNING 
 const CLOSE: &str = "DELETE FROM open_turns WHERE session_id = $1 RETURNING first_entry_id";
 const OPEN_OF: &str = "SELECT first_entry_id, anchor_id FROM open_turns WHERE session_id = $1";
 
+/// The recursive walks from a session's leaf, for a test that checks
+/// their plans (see the module's note on `LATERAL`).
+pub const WALKS: [&str; 4] = [BRANCH, BRANCH_BACK_TO, BRANCH_SIZES, VISIBLE_TAIL];
+/// The active branch from the leaf back (bodies).
+const BRANCH: &str = "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
+         SELECT e.id, e.parent_id, e.body, 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+          WHERE s.session_id = $1
+         UNION ALL
+         SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM chain, LATERAL (SELECT * FROM entries
+          WHERE id = chain.parent_id LIMIT 1) e
+       ) SELECT body FROM chain ORDER BY depth DESC";
+/// From the leaf back to `$2`, which ends the walk (`done`).
+const BRANCH_BACK_TO: &str = "WITH RECURSIVE walk(id, parent_id, body, depth, done) AS (
+         SELECT e.id, e.parent_id, e.body, 0, e.id = $2 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+          WHERE s.session_id = $1
+         UNION ALL
+         SELECT e.id, e.parent_id, e.body, w.depth + 1, e.id = $2 FROM walk w, LATERAL (SELECT * FROM entries
+          WHERE id = w.parent_id LIMIT 1) e
+          WHERE NOT w.done
+       ) SELECT body, done FROM walk ORDER BY depth";
+/// The active branch from the leaf back: ids and encoded sizes, not bodies.
+const BRANCH_SIZES: &str = "WITH RECURSIVE chain(id, parent_id, size, depth) AS (
+         SELECT e.id, e.parent_id, octet_length(e.body), 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
+          WHERE s.session_id = $1
+         UNION ALL
+         SELECT e.id, e.parent_id, octet_length(e.body), chain.depth + 1
+           FROM chain, LATERAL (SELECT * FROM entries WHERE id = chain.parent_id LIMIT 1) e
+       ) SELECT id, size FROM chain ORDER BY depth DESC";
+/// The visible tail from the leaf back ([`PostgresStore::visible_tail`]).
+const VISIBLE_TAIL: &str = "WITH RECURSIVE walk(id, parent_id, body, depth, target, done, hit) AS (
+         SELECT e.id, e.parent_id, e.body, 0, e.first_kept,
+                e.id = $2 OR COALESCE(e.first_kept = '', false), e.id = $2
+           FROM sessions s JOIN entries e ON e.id = s.leaf_id WHERE s.session_id = $1
+         UNION ALL
+         SELECT e.id, e.parent_id, e.body, w.depth + 1, COALESCE(w.target, e.first_kept),
+                CASE WHEN w.target IS NULL THEN e.id = $2 OR COALESCE(e.first_kept = '', false)
+                     ELSE e.id = w.target END,
+                w.target IS NULL AND e.id = $2
+           FROM walk w, LATERAL (SELECT * FROM entries WHERE id = w.parent_id LIMIT 1) e
+          WHERE NOT w.done
+       ) SELECT CASE WHEN hit THEN NULL ELSE body END, hit FROM walk ORDER BY depth DESC";
+
 /// Inserts `entries`, however many, in one statement.
 async fn insert_entries(
     tx: &Transaction<'_>,
@@ -147,18 +189,7 @@ async fn append_at(
 async fn branch_of(c: &impl GenericClient, session_id: &str) -> Result<Vec<pb::TranscriptEntry>, StoreError> {
     // One statement from the session's leaf; an empty answer is an empty
     // session or none at all (told apart only then).
-    let rows = q(
-        c,
-        "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
-               SELECT e.id, e.parent_id, e.body, 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
-                WHERE s.session_id = $1
-               UNION ALL
-               SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM chain, LATERAL (SELECT * FROM entries
-                WHERE id = chain.parent_id LIMIT 1) e
-             ) SELECT body FROM chain ORDER BY depth DESC",
-        &[&session_id],
-    )
-    .await?;
+    let rows = q(c, BRANCH, &[&session_id]).await?;
     if rows.is_empty() && q_opt(c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none() {
         return Err(StoreError::NoSession(session_id.to_owned()));
     }
@@ -173,19 +204,7 @@ async fn branch_back_to(
     stop: &str,
 ) -> Result<Option<Vec<pb::TranscriptEntry>>, StoreError> {
     // From the leaf back, stopping at `stop`: what is new, not the session's age.
-    let rows = q(
-        tx,
-        "WITH RECURSIVE walk(id, parent_id, body, depth, done) AS (
-               SELECT e.id, e.parent_id, e.body, 0, e.id = $2 FROM sessions s JOIN entries e ON e.id = s.leaf_id
-                WHERE s.session_id = $1
-               UNION ALL
-               SELECT e.id, e.parent_id, e.body, w.depth + 1, e.id = $2 FROM walk w, LATERAL (SELECT * FROM entries
-                WHERE id = w.parent_id LIMIT 1) e
-                WHERE NOT w.done
-             ) SELECT body, done FROM walk ORDER BY depth",
-        &[&session_id, &stop],
-    )
-    .await?;
+    let rows = q(tx, BRANCH_BACK_TO, &[&session_id, &stop]).await?;
     if !rows.last().is_some_and(|r| r.get::<_, bool>(1)) {
         return Ok(None);
     }
@@ -261,18 +280,7 @@ impl Transcript for PostgresStore {
     async fn branch_page(&self, session_id: &str, page: PageRequest) -> Result<PageOutcome, StoreError> {
         let c = self.client().await?;
         // The walk reads ids and sizes, not bodies.
-        let rows = q(
-            &c,
-            "WITH RECURSIVE chain(id, parent_id, size, depth) AS (
-               SELECT e.id, e.parent_id, octet_length(e.body), 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
-                WHERE s.session_id = $1
-               UNION ALL
-               SELECT e.id, e.parent_id, octet_length(e.body), chain.depth + 1
-                 FROM chain, LATERAL (SELECT * FROM entries WHERE id = chain.parent_id LIMIT 1) e
-             ) SELECT id, size FROM chain ORDER BY depth DESC",
-            &[&session_id],
-        )
-        .await?;
+        let rows = q(&c, BRANCH_SIZES, &[&session_id]).await?;
         if rows.is_empty() && q_opt(&c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none()
         {
             return Err(StoreError::NoSession(session_id.to_owned()));
@@ -298,23 +306,7 @@ impl Transcript for PostgresStore {
         let cached = tails::take(&self.tails, session_id);
         let cached_leaf = cached.as_ref().and_then(|t| t.entries.last()).map_or("", |e| e.id.as_str());
         let c = self.client().await?;
-        let rows = q(
-            &c,
-            "WITH RECURSIVE walk(id, parent_id, body, depth, target, done, hit) AS (
-               SELECT e.id, e.parent_id, e.body, 0, e.first_kept,
-                      e.id = $2 OR COALESCE(e.first_kept = '', false), e.id = $2
-                 FROM sessions s JOIN entries e ON e.id = s.leaf_id WHERE s.session_id = $1
-               UNION ALL
-               SELECT e.id, e.parent_id, e.body, w.depth + 1, COALESCE(w.target, e.first_kept),
-                      CASE WHEN w.target IS NULL THEN e.id = $2 OR COALESCE(e.first_kept = '', false)
-                           ELSE e.id = w.target END,
-                      w.target IS NULL AND e.id = $2
-                 FROM walk w, LATERAL (SELECT * FROM entries WHERE id = w.parent_id LIMIT 1) e
-                WHERE NOT w.done
-             ) SELECT CASE WHEN hit THEN NULL ELSE body END, hit FROM walk ORDER BY depth DESC",
-            &[&session_id, &cached_leaf],
-        )
-        .await?;
+        let rows = q(&c, VISIBLE_TAIL, &[&session_id, &cached_leaf]).await?;
         if rows.is_empty() && q_opt(&c, "SELECT 1 FROM sessions WHERE session_id = $1", &[&session_id]).await?.is_none()
         {
             return Err(StoreError::NoSession(session_id.to_owned()));
