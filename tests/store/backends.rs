@@ -718,8 +718,8 @@ async fn a_turn_left_open_by_a_dead_gateway_is_rewound_once_its_lease_lapses() {
 /// A connection keeps a statement's generic plan, made when `entries` was
 /// small on a fresh database. Written as a join, a walk's step was then a
 /// hash of its one row and a scan of the whole table at every step (half
-/// the throughput in a benchmark); each step must look its parent up by
-/// the key whatever the statistics.
+/// the throughput in a benchmark) at 700 rows analyzed and more; a step
+/// must look its parent up by the key once the table is past a few pages.
 #[tokio::test]
 async fn every_walk_from_a_leaf_looks_parents_up_by_key_under_a_plan_made_on_a_small_table() {
     let pg = Postgres::start(false).await;

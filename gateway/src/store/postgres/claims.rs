@@ -23,7 +23,13 @@ impl PostgresStore {
     /// the session, its token must still be the lease's. The share lock
     /// makes a takeover wait for this transaction (or this one see it).
     pub(super) async fn fence(&self, tx: &Transaction<'_>, session_id: &str) -> Result<(), StoreError> {
-        let Some(token) = self.held_token(session_id) else { return Ok(()) };
+        self.fence_held(tx, session_id, self.held_token(session_id)).await
+    }
+
+    /// [`fence`](Self::fence) with the token as read before: a pipeline
+    /// reads it once, for the statements it prepares and the check alike.
+    async fn fence_held(&self, tx: &Transaction<'_>, session_id: &str, held: Option<i64>) -> Result<(), StoreError> {
+        let Some(token) = held else { return Ok(()) };
         let row = q_opt(tx, FENCE, &[&session_id, &self.owner]).await?;
         still_held(session_id, token, row.map(|r| r.get::<_, i64>(0)))
     }
@@ -39,9 +45,9 @@ impl PostgresStore {
         statements: impl IntoIterator<Item = &'a str>,
         write: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
-        let fence = self.held_token(session_id).is_some().then_some(FENCE);
-        super::prepare_pipeline(tx, fence.into_iter().chain(statements)).await?;
-        let ((), out) = tokio::try_join!(biased; self.fence(tx, session_id), write)?;
+        let held = self.held_token(session_id);
+        super::prepare_pipeline(tx, held.map(|_| FENCE).into_iter().chain(statements)).await?;
+        let ((), out) = tokio::try_join!(biased; self.fence_held(tx, session_id, held), write)?;
         Ok(out)
     }
 }

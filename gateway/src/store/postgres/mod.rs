@@ -317,7 +317,8 @@ async fn q_one<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) ->
 /// in flight when its pipeline failed would be dropped unanswered, its
 /// statement left prepared on the server until the connection closed.
 /// Every Parse is answered before this returns (`join_all`, not a
-/// `try_join` that would drop the rest at the first error).
+/// `try_join` that would drop the rest at the first error), unless the
+/// caller's own future is dropped meanwhile (a cancelled request).
 async fn prepare_pipeline<'a, C: GenericClient>(
     c: &C,
     statements: impl IntoIterator<Item = &'a str>,

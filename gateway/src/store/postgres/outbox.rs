@@ -169,7 +169,8 @@ impl Outbox for PostgresStore {
             )
             .await
         };
-        self.fenced_write(&tx, session_id, [DONE, ADVANCE], async { tokio::try_join!(biased; done, advanced) }).await?;
+        let statements = [Some(DONE), advance.is_some().then_some(ADVANCE)].into_iter().flatten();
+        self.fenced_write(&tx, session_id, statements, async { tokio::try_join!(biased; done, advanced) }).await?;
         self.commit(tx).await
     }
 

@@ -4,18 +4,14 @@
 //! DELTA engines' cursors. Every write is fenced by the session's lease.
 //!
 //! A walk's step looks its parent up through a `LATERAL … LIMIT 1`
-//! subquery, not a join: one index lookup a step whatever the table's
-//! statistics. Written as a join, a connection's cached plan made while
-//! `entries` was small hashed the step's one row and scanned the whole
-//! table at every step (measured: PostgreSQL's CPU per turn doubled, and
-//! the gateway's throughput halved, until an ANALYZE replanned it).
-//!
-//! Statements of a write that need no answer in between are joined
-//! (`try_join!(biased; …)`): tokio-postgres pipelines requests polled
-//! together, so they share one round trip. A pipeline's statements are
-//! prepared before it is sent (`prepare_pipeline`), so they run in the
-//! order written: the first of them takes the locks the rest rely on (the
-//! head's, the fencing check's).
+//! subquery, not a join, so that it stays one index lookup a step. A
+//! connection keeps a statement's generic plan until an ANALYZE replans
+//! it, and written as a join the step was planned as a hash of its one row
+//! and a scan of all of `entries` up to a thousand rows and more (measured:
+//! PostgreSQL's CPU per turn doubled and the gateway's throughput halved).
+//! The lookup alone scans only while the table is a few pages (about 160
+//! short entries), where a scan costs little; a plan made then still
+//! lasts until the next ANALYZE (`WALKS`' test, docs/benchmarks.md).
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -61,18 +57,24 @@ impl PostgresStore {
     /// transaction's first statement, so a refused write stores nothing
     /// (what was pipelined after it is rolled back with it).
     async fn fenced_head(&self, tx: &Transaction<'_>, session_id: &str) -> Result<Head, StoreError> {
-        let Some(token) = self.held_token(session_id) else { return head(tx, session_id).await };
+        self.head_held(tx, session_id, self.held_token(session_id)).await
+    }
+
+    /// [`fenced_head`](Self::fenced_head) with the token as read before,
+    /// for a pipeline that prepared [`head_statement`] from that reading.
+    async fn head_held(&self, tx: &Transaction<'_>, session_id: &str, held: Option<i64>) -> Result<Head, StoreError> {
+        let Some(token) = held else { return head(tx, session_id).await };
         let row = q_opt(tx, FENCED_HEAD, &[&session_id, &self.owner])
             .await?
             .ok_or_else(|| StoreError::NoSession(session_id.to_owned()))?;
         super::claims::still_held(session_id, token, row.get(2))?;
         Ok((row.get(0), row.get(1)))
     }
+}
 
-    /// The statement [`fenced_head`](Self::fenced_head) runs.
-    fn head_statement(&self, session_id: &str) -> &'static str {
-        if self.held_token(session_id).is_some() { FENCED_HEAD } else { HEAD }
-    }
+/// The statement [`PostgresStore::head_held`] runs.
+fn head_statement(held: Option<i64>) -> &'static str {
+    if held.is_some() { FENCED_HEAD } else { HEAD }
 }
 
 const INSERT_ENTRIES: &str = "INSERT INTO entries (id, session_id, parent_id, seq, kind, body, first_kept)
@@ -89,21 +91,22 @@ const OPEN_OF: &str = "SELECT first_entry_id, anchor_id FROM open_turns WHERE se
 /// The recursive walks from a session's leaf, for a test that checks
 /// their plans (see the module's note on `LATERAL`).
 pub const WALKS: [&str; 4] = [BRANCH, BRANCH_BACK_TO, BRANCH_SIZES, VISIBLE_TAIL];
+
 /// The active branch from the leaf back (bodies).
 const BRANCH: &str = "WITH RECURSIVE chain(id, parent_id, body, depth) AS (
          SELECT e.id, e.parent_id, e.body, 0 FROM sessions s JOIN entries e ON e.id = s.leaf_id
           WHERE s.session_id = $1
          UNION ALL
-         SELECT e.id, e.parent_id, e.body, chain.depth + 1 FROM chain, LATERAL (SELECT * FROM entries
-          WHERE id = chain.parent_id LIMIT 1) e
+         SELECT e.id, e.parent_id, e.body, chain.depth + 1
+           FROM chain, LATERAL (SELECT id, parent_id, body FROM entries WHERE id = chain.parent_id LIMIT 1) e
        ) SELECT body FROM chain ORDER BY depth DESC";
 /// From the leaf back to `$2`, which ends the walk (`done`).
 const BRANCH_BACK_TO: &str = "WITH RECURSIVE walk(id, parent_id, body, depth, done) AS (
          SELECT e.id, e.parent_id, e.body, 0, e.id = $2 FROM sessions s JOIN entries e ON e.id = s.leaf_id
           WHERE s.session_id = $1
          UNION ALL
-         SELECT e.id, e.parent_id, e.body, w.depth + 1, e.id = $2 FROM walk w, LATERAL (SELECT * FROM entries
-          WHERE id = w.parent_id LIMIT 1) e
+         SELECT e.id, e.parent_id, e.body, w.depth + 1, e.id = $2
+           FROM walk w, LATERAL (SELECT id, parent_id, body FROM entries WHERE id = w.parent_id LIMIT 1) e
           WHERE NOT w.done
        ) SELECT body, done FROM walk ORDER BY depth";
 /// The active branch from the leaf back: ids and encoded sizes, not bodies.
@@ -112,7 +115,7 @@ const BRANCH_SIZES: &str = "WITH RECURSIVE chain(id, parent_id, size, depth) AS 
           WHERE s.session_id = $1
          UNION ALL
          SELECT e.id, e.parent_id, octet_length(e.body), chain.depth + 1
-           FROM chain, LATERAL (SELECT * FROM entries WHERE id = chain.parent_id LIMIT 1) e
+           FROM chain, LATERAL (SELECT id, parent_id, body FROM entries WHERE id = chain.parent_id LIMIT 1) e
        ) SELECT id, size FROM chain ORDER BY depth DESC";
 /// The visible tail from the leaf back ([`PostgresStore::visible_tail`]).
 const VISIBLE_TAIL: &str = "WITH RECURSIVE walk(id, parent_id, body, depth, target, done, hit) AS (
@@ -124,7 +127,7 @@ const VISIBLE_TAIL: &str = "WITH RECURSIVE walk(id, parent_id, body, depth, targ
                 CASE WHEN w.target IS NULL THEN e.id = $2 OR COALESCE(e.first_kept = '', false)
                      ELSE e.id = w.target END,
                 w.target IS NULL AND e.id = $2
-           FROM walk w, LATERAL (SELECT * FROM entries WHERE id = w.parent_id LIMIT 1) e
+           FROM walk w, LATERAL (SELECT id, parent_id, body, first_kept FROM entries WHERE id = w.parent_id LIMIT 1) e
           WHERE NOT w.done
        ) SELECT CASE WHEN hit THEN NULL ELSE body END, hit FROM walk ORDER BY depth DESC";
 
@@ -364,9 +367,10 @@ impl Transcript for PostgresStore {
         let mut c = self.client().await?;
         let tx = c.transaction().await?;
         // The head, and a turn a crash left open (rewound first).
-        prepare_pipeline(&tx, [self.head_statement(session_id), TAKE_OPEN]).await?;
+        let held = self.held_token(session_id);
+        prepare_pipeline(&tx, [head_statement(held), TAKE_OPEN]).await?;
         let (mut at, left_open) =
-            tokio::try_join!(biased; self.fenced_head(&tx, session_id), take_open_turn(&tx, session_id))?;
+            tokio::try_join!(biased; self.head_held(&tx, session_id, held), take_open_turn(&tx, session_id))?;
         if let Some(anchor) = left_open
             && rewind_to(&tx, session_id, &anchor).await?
         {
