@@ -77,7 +77,7 @@ struct Args {
     /// Extra JSON5 lines inside the gateway config's `gateway: { limits: { … } }`.
     #[arg(long, default_value = "", global = true)]
     limits: String,
-    /// SQLite's cache of visible tails (`store.tailCacheMiB`; unset: the
+    /// The store's cache of visible tails (`store.tailCacheMiB`; unset: the
     /// gateway's default).
     #[arg(long, global = true)]
     tail_cache_mib: Option<u32>,
@@ -349,10 +349,11 @@ impl Stack {
             StoreKind::Sqlite => None,
             StoreKind::Postgres => Some(ctxgate_tests::postgres::Postgres::start(true).await),
         };
+        let tails = args.tail_cache_mib.map_or(String::new(), |m| format!("tailCacheMiB: {m},"));
         let store = match &postgres {
-            None => args.tail_cache_mib.map_or(String::new(), |m| format!("store: {{ tailCacheMiB: {m} }},")),
+            None => format!("store: {{ {tails} }},"),
             Some(pg) => {
-                format!("store: {{ url: '{}', poolSize: {} }},", pg.database("loadgen").await, args.pool_size)
+                format!("store: {{ url: '{}', poolSize: {}, {tails} }},", pg.database("loadgen").await, args.pool_size)
             }
         };
         let config = format!("{{ gateway: {{ limits: {{ {limits} }} }}, {plugins} {store} }}\n");
