@@ -12,6 +12,13 @@
 //! The lookup alone scans only while the table is a few pages (about 160
 //! short entries), where a scan costs little; a plan made then still
 //! lasts until the next ANALYZE (`WALKS`' test, docs/benchmarks.md).
+//!
+//! Statements of a write that need no answer in between are joined
+//! (`try_join!(biased; …)`): tokio-postgres pipelines requests polled
+//! together, so they share one round trip. A pipeline's statements are
+//! prepared before it is sent (`prepare_pipeline`), so they run in the
+//! order written: the first of them takes the locks the rest rely on (the
+//! head's, the fencing check's).
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
