@@ -6,6 +6,7 @@ pub mod fake_openai;
 pub mod harness;
 pub mod hosting;
 pub mod postgres;
+pub mod proc_stat;
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};

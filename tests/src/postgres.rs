@@ -9,6 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::proc_stat::proc_stat;
+
 pub struct Postgres {
     child: Child,
     port: u16,
@@ -212,15 +214,14 @@ impl Postgres {
     /// children it has reaped.
     fn cpu(&self) -> Duration {
         let postmaster = self.child.id();
-        let mut ticks = proc_stat(postmaster).map_or(0, |f| f.ticks(true));
+        let mut used = proc_stat(postmaster).map_or(Duration::ZERO, |p| p.cpu() + p.reaped());
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-            if let Some(f) = proc_stat(pid).filter(|f| f.ppid() == Some(postmaster)) {
-                ticks += f.ticks(false);
+            if let Some(child) = proc_stat(pid).filter(|p| p.ppid() == Some(postmaster)) {
+                used += child.cpu();
             }
         }
-        // USER_HZ is 100 on Linux.
-        Duration::from_millis(ticks * 10)
+        used
     }
 
     /// How often each statement ran in database `db` so far, and the
@@ -293,28 +294,5 @@ impl Drop for Postgres {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
-    }
-}
-
-/// The fields of `/proc/<pid>/stat` after the command name (which may hold
-/// spaces), from its third on.
-struct ProcStat(Vec<u64>);
-
-fn proc_stat(pid: u32) -> Option<ProcStat> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(')')?;
-    // The state is a letter: read as 0, it is never used.
-    Some(ProcStat(rest.split_whitespace().map(|f| f.parse().unwrap_or(0)).collect()))
-}
-
-impl ProcStat {
-    fn ppid(&self) -> Option<u32> {
-        self.0.get(1).map(|&p| p as u32)
-    }
-
-    /// utime + stime, and with `reaped` the exited children's too.
-    fn ticks(&self, reaped: bool) -> u64 {
-        let fields: &[usize] = if reaped { &[11, 12, 13, 14] } else { &[11, 12] };
-        fields.iter().filter_map(|&i| self.0.get(i)).sum()
     }
 }

@@ -527,12 +527,7 @@ fn print_statements(before: &HashMap<String, (i64, f64)>, after: &HashMap<String
 /// CPU time the process has used (user + system), from /proc: the
 /// gateway's cost per turn, whatever the client's own share of the cores.
 fn cpu_time(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces), from field 3.
-    let fields: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace().collect();
-    let ticks: u64 = [11, 12].iter().filter_map(|&i| fields.get(i)?.parse::<u64>().ok()).sum();
-    // USER_HZ is 100 on Linux.
-    Duration::from_millis(ticks * 10)
+    ctxgate_tests::proc_stat::proc_stat(pid).map_or(Duration::ZERO, |p| p.cpu())
 }
 
 /// Peak RSS while `f` runs (sampled every 100 ms).
