@@ -58,6 +58,14 @@ func RegisterFlags(fs *flag.FlagSet, opts *Options) {
 	fs.StringVar(&opts.TLSCert, "tls-cert", opts.TLSCert, "serve TLS with this certificate (PEM), with --tls-key; re-read on SIGHUP")
 	fs.StringVar(&opts.TLSKey, "tls-key", opts.TLSKey, "the key (PEM) of --tls-cert")
 	fs.StringVar(&opts.TLSClientCA, "tls-client-ca", opts.TLSClientCA, "with TLS: serve only clients presenting a certificate this CA (PEM) signed (mTLS)")
+	fs.Func("tls-client-name", "with --tls-client-ca: serve only a client whose certificate names NAME (a DNS subjectAltName), such as the gateway's service name; repeatable", func(v string) error {
+		if v == "" {
+			return errors.New("an empty name")
+		}
+		opts.TLSClientNames = append(opts.TLSClientNames, v)
+		return nil
+	})
+	fs.StringVar(&opts.HealthListen, "health-listen", opts.HealthListen, "also serve grpc.health.v1, and nothing else, in plaintext here: a loopback HOST:PORT or unix:///PATH, for a container's own health check when --tls-client-ca serves only the gateway")
 	fs.StringVar(&opts.HostCA, "host-ca", opts.HostCA, "the CA (PEM) an https:// host endpoint's certificate must chain to (default: the system roots)")
 	fs.StringVar(&opts.OTLPEndpoint, "otlp-endpoint", opts.OTLPEndpoint, "export a span per traced engine method over OTLP/gRPC to this collector (http://HOST:PORT)")
 	fs.StringVar(&opts.OTLPServiceName, "otlp-service-name", opts.OTLPServiceName, "the service.name of those spans (default: $OTEL_SERVICE_NAME or ctxgate-engine)")

@@ -49,6 +49,13 @@ type Options struct {
 	// TLSCert and TLSKey serve TLS; TLSClientCA then requires client
 	// certificates it signed (mTLS). Re-read on SIGHUP.
 	TLSCert, TLSKey, TLSClientCA string
+	// TLSClientNames, with TLSClientCA: a client's certificate must name one
+	// of them (a DNS subjectAltName), or its handshake fails.
+	TLSClientNames []string
+	// HealthListen also serves grpc.health.v1, and nothing else, in
+	// plaintext: a loopback HOST:PORT or unix:///PATH (a container's own
+	// health check when TLSClientCA serves only the gateway).
+	HealthListen string
 	// HostCA is what https:// host endpoints' certificates must chain to
 	// (default: the system roots); callbacks present TLSCert when given.
 	HostCA string
@@ -83,6 +90,10 @@ type Server struct {
 	listener  net.Listener
 	addr      Endpoint
 	hangup    chan os.Signal
+	// HealthListen: health alone, in plaintext.
+	healthOnly     *grpc.Server
+	healthListener net.Listener
+	healthAddr     Endpoint
 }
 
 // NewServer builds a server for engine with opts (Listen is used by
@@ -98,6 +109,9 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 	if opts.TLSClientCA != "" && opts.TLSCert == "" {
 		return nil, errors.New("--tls-client-ca needs --tls-cert and --tls-key")
 	}
+	if len(opts.TLSClientNames) > 0 && opts.TLSClientCA == "" {
+		return nil, errors.New("--tls-client-name needs --tls-client-ca")
+	}
 	serverOpts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(contract.MaxGRPCMessageBytes), grpc.MaxSendMsgSize(contract.MaxGRPCMessageBytes),
 		// Stop (a drain that timed out) returns once every handler has:
@@ -105,7 +119,7 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 		grpc.WaitForHandlers(true),
 	}
 	if opts.TLSCert != "" {
-		live, err := NewLiveTLS(TLSFiles{Cert: opts.TLSCert, Key: opts.TLSKey, ClientCA: opts.TLSClientCA})
+		live, err := NewLiveTLS(TLSFiles{Cert: opts.TLSCert, Key: opts.TLSKey, ClientCA: opts.TLSClientCA, ClientNames: opts.TLSClientNames})
 		if err != nil {
 			return nil, err
 		}
@@ -140,6 +154,10 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 	s.healthSvc = &healthService{Server: s.health, ended: make(chan struct{})}
 	healthpb.RegisterHealthServer(s.grpc, s.healthSvc)
 	reflection.Register(s.grpc)
+	if opts.HealthListen != "" {
+		s.healthOnly = grpc.NewServer()
+		healthpb.RegisterHealthServer(s.healthOnly, s.healthSvc)
+	}
 	s.health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	s.health.SetServingStatus(contract.EngineService, healthpb.HealthCheckResponse_SERVING)
 	return s, nil
@@ -172,11 +190,47 @@ func (s *Server) Listen() error {
 		}
 		s.listener, s.addr = l, Endpoint{Addr: l.Addr().(*net.TCPAddr)}
 	}
+	if s.healthOnly != nil {
+		if s.healthListener, s.healthAddr, err = listenHealth(s.opts.HealthListen); err != nil {
+			_ = s.listener.Close()
+			return err
+		}
+	}
 	if s.tls != nil {
 		s.hangup = make(chan os.Signal, 1)
 		signal.Notify(s.hangup, syscall.SIGHUP)
 	}
 	return nil
+}
+
+// listenHealth binds --health-listen: only this machine may reach it, since
+// nothing there is authenticated.
+func listenHealth(at string) (net.Listener, Endpoint, error) {
+	e, err := ParseEndpoint(at)
+	if err != nil {
+		return nil, Endpoint{}, fmt.Errorf("--health-listen: %w", err)
+	}
+	if e.Unix != "" {
+		l, err := listenUnix(e.Unix)
+		return l, e, err
+	}
+	if e.Addr == nil || !e.Addr.IP.IsLoopback() {
+		return nil, Endpoint{}, fmt.Errorf("--health-listen %s: health is served there without TLS or authentication, so only on a loopback address or a unix socket", at)
+	}
+	l, err := net.Listen("tcp", e.String())
+	if err != nil {
+		return nil, Endpoint{}, err
+	}
+	return l, Endpoint{Addr: l.Addr().(*net.TCPAddr)}, nil
+}
+
+// HealthAddr is where HealthListen serves health alone (port 0 resolved),
+// empty without it.
+func (s *Server) HealthAddr() string {
+	if s.healthListener == nil {
+		return ""
+	}
+	return s.healthAddr.String()
 }
 
 // listenUnix binds a unix socket readable and writable by its owner only:
@@ -219,6 +273,11 @@ func (s *Server) Serve(ctx context.Context) error {
 	if s.hangup != nil {
 		defer signal.Stop(s.hangup)
 		go s.reloadOnHangup(ctx)
+	}
+	if s.healthOnly != nil {
+		// Health alone reads NOT_SERVING through the drain, until Serve returns.
+		go func() { _ = s.healthOnly.Serve(s.healthListener) }()
+		defer s.healthOnly.Stop()
 	}
 	served := make(chan error, 1)
 	go func() { served <- s.grpc.Serve(s.listener) }()

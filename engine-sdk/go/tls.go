@@ -4,8 +4,10 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 )
 
@@ -81,9 +83,11 @@ func hasKey(b []byte) bool {
 }
 
 // TLSFiles are where a server's certificate, key and (for mTLS) client CA
-// come from.
+// come from, and the names a client's certificate must carry one of (none:
+// any client the CA signed).
 type TLSFiles struct {
 	Cert, Key, ClientCA string
+	ClientNames         []string
 }
 
 // LiveTLS is a server's TLS that a reload (SIGHUP) can replace while it
@@ -115,8 +119,29 @@ func serverConfig(f TLSFiles) (*tls.Config, error) {
 			return nil, err
 		}
 		c.ClientCAs, c.ClientAuth = pool, tls.RequireAndVerifyClientCert
+		if len(f.ClientNames) > 0 {
+			c.VerifyConnection = clientNamed(f.ClientNames)
+		}
 	}
 	return c, nil
+}
+
+// clientNamed fails a handshake whose verified client certificate names
+// none of names (checked as a server's name is: VerifyHostname), so an
+// engine serves the gateway, not every holder of a certificate from the
+// deployment's CA.
+func clientNamed(names []string) func(tls.ConnectionState) error {
+	return func(cs tls.ConnectionState) error {
+		if len(cs.PeerCertificates) == 0 {
+			return errors.New("no client certificate")
+		}
+		for _, n := range names {
+			if cs.PeerCertificates[0].VerifyHostname(n) == nil {
+				return nil
+			}
+		}
+		return fmt.Errorf("the client's certificate names none of %s", strings.Join(names, ", "))
+	}
 }
 
 // Reload re-reads the files; on a mistake the running certificate stays

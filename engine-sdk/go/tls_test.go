@@ -18,7 +18,11 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
 
 	"github.com/ctxgate/ctxgate/engine-sdk/go/pb"
 )
@@ -50,11 +54,17 @@ func newCA(t *testing.T) *testCA {
 // into dir as NAME.pem and NAME.key.
 func (ca *testCA) issue(t *testing.T, dir, name string, serial int64) (certPath, keyPath string) {
 	t.Helper()
+	return ca.issueFor(t, dir, name, serial, "localhost")
+}
+
+// issueFor is issue for the DNS name dns (and 127.0.0.1).
+func (ca *testCA) issueFor(t *testing.T, dir, name string, serial int64, dns string) (certPath, keyPath string) {
+	t.Helper()
 	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	tmpl := &x509.Certificate{
 		SerialNumber: big.NewInt(serial), Subject: pkix.Name{CommonName: name},
 		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		DNSNames: []string{"localhost"}, IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		DNSNames: []string{dns}, IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
 		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth},
 		KeyUsage:    x509.KeyUsageDigitalSignature,
 	}
@@ -92,6 +102,23 @@ func servedSerial(t *testing.T, addr string, roots *x509.CertPool, client *tls.C
 	return conn.ConnectionState().PeerCertificates[0].SerialNumber.Int64(), nil
 }
 
+// mtlsClient dials addr over TLS (trusting roots) presenting the
+// certificate in certPath and keyPath; closed when the test ends.
+func mtlsClient(t *testing.T, addr string, roots *x509.CertPool, certPath, keyPath string) (*grpc.ClientConn, tls.Certificate) {
+	t.Helper()
+	pair, err := tls.LoadX509KeyPair(certPath, keyPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(
+		credentials.NewTLS(&tls.Config{RootCAs: roots, ServerName: "localhost", Certificates: []tls.Certificate{pair}})))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn, pair
+}
+
 func TestTLSAndMTLSWithTheCertificateReReadOnSIGHUP(t *testing.T) {
 	dir := t.TempDir()
 	ca := newCA(t)
@@ -102,16 +129,7 @@ func TestTLSAndMTLSWithTheCertificateReReadOnSIGHUP(t *testing.T) {
 	e := serve(t, newProbe(), Options{TLSCert: cert, TLSKey: key, TLSClientCA: caPath})
 	roots := x509.NewCertPool()
 	roots.AppendCertsFromPEM(ca.pem)
-	pair, err := tls.LoadX509KeyPair(clientCert, clientKey)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn, err := grpc.NewClient("passthrough:///"+e.server.Addr(), grpc.WithTransportCredentials(
-		credentials.NewTLS(&tls.Config{RootCAs: roots, ServerName: "localhost", Certificates: []tls.Certificate{pair}})))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	conn, pair := mtlsClient(t, e.server.Addr(), roots, clientCert, clientKey)
 	if _, err := pb.NewContextEngineClient(conn).GetInfo(timeout(5*time.Second), &pb.GetInfoRequest{}); err != nil {
 		t.Fatalf("an mTLS call: %v", err)
 	}
@@ -156,6 +174,55 @@ func TestTLSAndMTLSWithTheCertificateReReadOnSIGHUP(t *testing.T) {
 	waitSerial(200)
 	if _, err := pb.NewContextEngineClient(conn).GetInfo(timeout(5*time.Second), &pb.GetInfoRequest{}); err != nil {
 		t.Fatalf("the open connection after the reloads: %v", err)
+	}
+}
+
+func TestTLSClientNameServesOnlyTheNamedClientAndHealthListenServesHealthAlone(t *testing.T) {
+	dir := t.TempDir()
+	ca := newCA(t)
+	caPath := filepath.Join(dir, "ca.pem")
+	write(t, caPath, ca.pem)
+	cert, key := ca.issue(t, dir, "engine", 1)
+	e := serve(t, newProbe(), Options{TLSCert: cert, TLSKey: key, TLSClientCA: caPath,
+		TLSClientNames: []string{"gateway"}, HealthListen: "127.0.0.1:0"})
+	roots := x509.NewCertPool()
+	roots.AppendCertsFromPEM(ca.pem)
+	call := func(name string, serial int64) error {
+		c, k := ca.issueFor(t, dir, name, serial, name)
+		conn, _ := mtlsClient(t, e.server.Addr(), roots, c, k)
+		_, err := pb.NewContextEngineClient(conn).GetInfo(timeout(5*time.Second), &pb.GetInfoRequest{})
+		return err
+	}
+	if err := call("gateway", 2); err != nil {
+		t.Fatalf("the named client: %v", err)
+	}
+	if err := call("engine-lossless", 3); err == nil {
+		t.Fatal("a client whose certificate names another service was served")
+	}
+	// Health alone, in plaintext: SERVING, and no engine method.
+	conn, err := grpc.NewClient("passthrough:///"+e.server.HealthAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	h, err := healthpb.NewHealthClient(conn).Check(timeout(5*time.Second), &healthpb.HealthCheckRequest{Service: "contextengine.v1.ContextEngine"})
+	if err != nil || h.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health at --health-listen: %v %v", h, err)
+	}
+	if _, err := pb.NewContextEngineClient(conn).GetInfo(timeout(5*time.Second), &pb.GetInfoRequest{}); status.Code(err) != codes.Unimplemented {
+		t.Fatalf("an engine call at --health-listen: %v, want UNIMPLEMENTED", err)
+	}
+	// Health without authentication is served on this machine only.
+	s, err := NewServer(newProbe(), Options{Listen: "127.0.0.1:0", HealthListen: "0.0.0.0:0", MaxConcurrentCalls: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Listen(); err == nil || !strings.Contains(err.Error(), "only on a loopback address") {
+		t.Errorf("--health-listen on every interface: %v", err)
+	}
+	if _, err := NewServer(newProbe(), Options{TLSCert: cert, TLSKey: key, TLSClientNames: []string{"gateway"}}); err == nil ||
+		!strings.Contains(err.Error(), "--tls-client-name needs --tls-client-ca") {
+		t.Errorf("--tls-client-name alone: %v", err)
 	}
 }
 

@@ -210,8 +210,15 @@ async fn a_tls_key_that_is_not_pem_stops_serve_before_binding() {
     assert!(err.contains("gateway.tls.key") && err.contains("private key"), "{err}");
 }
 
+/// `ctxgate-engine-window health` with `args`: exit code and stderr.
+async fn window_health(args: &[&str]) -> (Option<i32>, String) {
+    let out =
+        tokio::process::Command::new(bin("ctxgate-engine-window")).arg("health").args(args).output().await.unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 #[tokio::test]
-async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_certificate_keeps_it_out() {
+async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_name_or_no_client_certificate_keeps_it_out() {
     use ctxgate::config::EngineTls;
     use ctxgate_tests::TestGateway;
     use ctxgate_tests::hosting::{attached, engine_status, hosting, run_turn, selected, wait_engine};
@@ -222,41 +229,57 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
     let other_pem = write_file(d, "other.pem", &other.pem);
     let (crt, key) = ca.leaf_files(d, "engine", &["localhost", "127.0.0.1"], true, false);
     let (gw, gw_key) = ca.leaf_files(d, "gateway", &["ctxgate-gateway"], false, false);
+    // A client certificate from the same CA for another service.
+    let (stranger, stranger_key) = ca.leaf_files(d, "stranger", &["engine-lossless"], false, false);
+    let health_sock = d.join("health.sock");
+    let health_at = format!("unix://{}", health_sock.display());
     let flags = ["--tls-cert", crt.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
-    let flags = [&flags[..], &["--tls-client-ca", ca_pem.to_str().unwrap()]].concat();
+    let flags = [
+        &flags[..],
+        &["--tls-client-ca", ca_pem.to_str().unwrap(), "--tls-client-name", "ctxgate-gateway"],
+        &["--health-listen", &health_at],
+    ]
+    .concat();
     let engine = ctxgate_tests::start_window(&d.join("window"), &flags).await;
     let endpoint = engine.endpoint.replace("http://", "https://");
 
-    let config = |ca: &Path, client: bool| {
+    let config = |ca: &Path, client: Option<(&PathBuf, &PathBuf)>| {
         let mut c = hosting("window", &endpoint, &[]);
         let tls = EngineTls {
             ca: Some(ca.to_owned()),
-            cert: client.then(|| gw.clone()),
-            key: client.then(|| gw_key.clone()),
+            cert: client.map(|(c, _)| c.clone()),
+            key: client.map(|(_, k)| k.clone()),
             server_name: None,
         };
         c.plugins.entries.get_mut("window").unwrap().tls = Some(tls);
         c
     };
-    // The engine's own health check, over mTLS (a NaN timeout is no panic).
+    // The engine's own health check, over mTLS with the gateway's
+    // certificate (a NaN timeout is no panic), and over --health-listen in
+    // plaintext with none; a certificate naming another service fails the
+    // handshake.
+    let tls_check = ["--endpoint", &endpoint, "--tls-ca", ca_pem.to_str().unwrap()];
     for timeout in ["3", "NaN"] {
-        let out = tokio::process::Command::new(bin("ctxgate-engine-window"))
-            .args(["health", "--endpoint", &endpoint, "--tls-ca", ca_pem.to_str().unwrap()])
-            .args(["--tls-cert", gw.to_str().unwrap(), "--tls-key", gw_key.to_str().unwrap()])
-            .args(["--timeout-seconds", timeout])
-            .output()
-            .await
-            .unwrap();
-        assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+        let pair = ["--tls-cert", gw.to_str().unwrap(), "--tls-key", gw_key.to_str().unwrap()];
+        let (code, err) = window_health(&[&tls_check[..], &pair, &["--timeout-seconds", timeout]].concat()).await;
+        assert_eq!(code, Some(0), "{err}");
     }
-    let good = TestGateway::start(config(&ca_pem, true)).await;
+    let (code, err) = window_health(&["--endpoint", &health_at]).await;
+    assert_eq!(code, Some(0), "health alone at --health-listen: {err}");
+    let pair = ["--tls-cert", stranger.to_str().unwrap(), "--tls-key", stranger_key.to_str().unwrap()];
+    let (code, err) = window_health(&[&tls_check[..], &pair].concat()).await;
+    assert_eq!(code, Some(1), "a client certificate naming another service: {err}");
+
+    let good = TestGateway::start(config(&ca_pem, Some((&gw, &gw_key)))).await;
     attached(&good, "window").await;
     let events = run_turn(&good, "over-mtls", "hello").await;
     assert_eq!(selected(&events).engine_id, "window", "the turn ran on the engine over mTLS");
 
-    for (what, c) in
-        [("a CA that did not sign it", config(&other_pem, true)), ("no client certificate", config(&ca_pem, false))]
-    {
+    for (what, c) in [
+        ("a CA that did not sign it", config(&other_pem, Some((&gw, &gw_key)))),
+        ("no client certificate", config(&ca_pem, None)),
+        ("a certificate for another name", config(&ca_pem, Some((&stranger, &stranger_key)))),
+    ] {
         let g = TestGateway::start(c).await;
         // The attach has been tried and refused (the handshake failed, so
         // health reads UNREACHABLE) before anything is asserted: a fast
@@ -268,6 +291,17 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_or_no_client_cer
         let e = engine_status(&g, "window").await;
         assert!(e.name.is_empty() || e.quarantine.is_some(), "{what}: the engine never attached: {e:?}");
     }
+
+    // Health without authentication is served on this machine only.
+    let out = tokio::process::Command::new(bin("ctxgate-engine-window"))
+        .args(["--listen", "127.0.0.1:0", "--state-dir", d.join("w2").to_str().unwrap()])
+        .args(["--health-listen", "0.0.0.0:0"])
+        .output()
+        .await
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(err.contains("--health-listen 0.0.0.0:0") && err.contains("only"), "{err}");
 }
 
 #[tokio::test]
@@ -357,10 +391,12 @@ async fn the_conformance_kit_checks_the_python_engine_over_mtls() {
 }
 
 /// The compose stack's TLS as `docker-compose.yml` wires it, on loopback:
-/// the certificates `.ci/certs` makes, the gateway config
-/// `docs/examples/compose.json5` (its paths and addresses pointed here),
-/// the window engine with the compose file's flags, and the containers'
-/// health-check commands.
+/// the certificates `.ci/certs` makes (a folder per service holding only
+/// the CA and its own pair), the gateway config `docs/examples/compose.json5`
+/// (its paths and addresses pointed here), the engines with the compose
+/// file's flags (only the gateway's certificate is served; health alone on
+/// a socket of its own), and the containers' health-check commands. The
+/// lossless-claw host's certificate cannot call the window engine.
 #[tokio::test]
 async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_over_mtls() {
     let dir = tempfile::tempdir().unwrap();
@@ -368,7 +404,17 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
     let certs = d.join("certs");
     let made = std::process::Command::new(ctxgate_tests::repo_root().join(".ci/certs")).arg(&certs).output().unwrap();
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
-    let c = |f: &str| certs.join(f).to_str().unwrap().to_owned();
+    let c = |service: &str, f: &str| certs.join(service).join(f).to_str().unwrap().to_owned();
+    for service in ["gateway", "engine-window", "engine-python", "engine-lossless"] {
+        let mut held: Vec<_> = std::fs::read_dir(certs.join(service))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        held.sort();
+        let want = ["ca.pem".to_owned(), format!("{service}.key"), format!("{service}.pem")];
+        assert_eq!(held, want, "{service}'s folder holds the CA and its own pair, nothing else");
+    }
+    let window_health = d.join("window-health.sock");
     let window_state = d.join("window");
     let window_args = [
         "--listen",
@@ -376,24 +422,44 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
         "--state-dir",
         window_state.to_str().unwrap(),
         "--tls-cert",
-        &c("engine-window.pem"),
+        &c("engine-window", "engine-window.pem"),
         "--tls-key",
-        &c("engine-window.key"),
+        &c("engine-window", "engine-window.key"),
         "--tls-client-ca",
-        &c("ca.pem"),
+        &c("engine-window", "ca.pem"),
+        "--tls-client-name",
+        "gateway",
+        "--health-listen",
+        &format!("unix://{}", window_health.display()),
         "--host-ca",
-        &c("ca.pem"),
+        &c("engine-window", "ca.pem"),
     ];
     let window = EngineProcess::start(bin("ctxgate-engine-window"), &window_args).await.unwrap();
     let port = window.endpoint.rsplit_once(':').unwrap().1.to_owned();
-    let (py_crt, py_key, ca_pem) = (c("engine-python.pem"), c("engine-python.key"), c("ca.pem"));
-    let python_args = ["--tls-cert", &py_crt, "--tls-key", &py_key, "--tls-client-ca", &ca_pem];
+    let (py_crt, py_key, py_ca) = (
+        c("engine-python", "engine-python.pem"),
+        c("engine-python", "engine-python.key"),
+        c("engine-python", "ca.pem"),
+    );
+    let py_health = format!("unix://{}", d.join("python-health.sock").display());
+    let python_args = [
+        "--tls-cert",
+        &py_crt,
+        "--tls-key",
+        &py_key,
+        "--tls-client-ca",
+        &py_ca,
+        "--tls-client-name",
+        "gateway",
+        "--health-listen",
+        &py_health,
+    ];
     let python = ctxgate_tests::start_python_with(&d.join("python"), &python_args).await;
     let py_port = python.endpoint.rsplit_once(':').unwrap().1.to_owned();
 
     let compose = std::fs::read_to_string(ctxgate_tests::repo_root().join("docs/examples/compose.json5")).unwrap();
     let config = compose
-        .replace("\"/certs/", &format!("\"{}/", certs.display()))
+        .replace("\"/certs/", &format!("\"{}/", certs.join("gateway").display()))
         .replace("dns:///engine-window:7401", &format!("dns:///localhost:{port}"))
         .replace("https://engine-python:7402", &format!("https://localhost:{py_port}"))
         // The derived host endpoint is this gateway's own Host listener.
@@ -408,7 +474,8 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
     cmd.env("CTXGATE_METRICS_LISTEN", "127.0.0.1:0");
     let g = EngineProcess::spawn(cmd).await.unwrap();
     let url = https(&g);
-    let ca = ["--tls-ca", &c("ca.pem")];
+    let ca_pem = certs.join("ca.pem").to_str().unwrap().to_owned();
+    let ca = ["--tls-ca", &ca_pem];
 
     let engines =
         engines_until(&url, &ca, "the engines attached over mTLS", |e| attached(e, "window") && attached(e, "python"))
@@ -426,26 +493,48 @@ async fn the_compose_certificates_and_config_carry_a_turn_to_the_window_engine_o
     let (_, out, _) = status(&url, &ca).await;
     assert!(out.contains(&format!("window (Window engine) at dns:///localhost:{port}: SERVING")), "{out}");
 
-    // The containers' health checks, as docker-compose.yml runs them.
+    // The containers' health checks, as docker-compose.yml runs them: the
+    // engines' on their health sockets, in plaintext.
     let py = ctxgate_tests::repo_root().join("engines/python");
-    let py_check = [&s(&py.join("health.py")), &format!("127.0.0.1:{py_port}"), "--tls-ca", &ca_pem];
-    let py_check = [&py_check[..], &["--tls-cert", &py_crt, "--tls-key", &py_key]].concat();
     let venv_python = py.join(".venv/bin/python");
     let checks: [(PathBuf, Vec<String>); 3] = [
-        (venv_python, py_check.iter().map(|s| (*s).to_owned()).collect()),
-        (bin("ctxgate"), vec!["health".into(), "--gateway".into(), url.clone(), "--tls-ca".into(), c("ca.pem")]),
+        (venv_python, vec![s(&py.join("health.py")), py_health.clone()]),
+        (bin("ctxgate"), vec!["health".into(), "--gateway".into(), url.clone(), "--tls-ca".into(), ca_pem.clone()]),
         (
             bin("ctxgate-engine-window"),
-            ["health", "--endpoint", &format!("https://127.0.0.1:{port}"), "--tls-ca", &c("ca.pem")]
-                .into_iter()
-                .map(str::to_owned)
-                .chain(["--tls-cert".into(), c("engine-window.pem"), "--tls-key".into(), c("engine-window.key")])
-                .collect(),
+            vec!["health".into(), "--endpoint".into(), format!("unix://{}", window_health.display())],
         ),
     ];
     for (program, args) in checks {
         let out = tokio::process::Command::new(&program).args(&args).output().await.unwrap();
         assert!(out.status.success(), "{program:?} {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+
+    // The window engine serves the gateway's certificate, not another
+    // engine's: the lossless-claw host's pair is refused at the handshake
+    // (a server-only certificate, and not named gateway).
+    let over_tls = |service: &str| {
+        vec![
+            "health".to_owned(),
+            "--endpoint".into(),
+            format!("https://localhost:{port}"),
+            "--tls-ca".into(),
+            ca_pem.clone(),
+            "--tls-cert".into(),
+            c(service, &format!("{service}.pem")),
+            "--tls-key".into(),
+            c(service, &format!("{service}.key")),
+        ]
+    };
+    let run = async |args: Vec<String>| {
+        let out = tokio::process::Command::new(bin("ctxgate-engine-window")).args(&args).output().await.unwrap();
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, err) = run(over_tls("gateway")).await;
+    assert_eq!(code, Some(0), "the gateway's certificate is served: {err}");
+    for service in ["engine-lossless", "engine-python"] {
+        let (code, err) = run(over_tls(service)).await;
+        assert_eq!(code, Some(1), "{service}'s certificate calling the window engine: {err}");
     }
 }
 

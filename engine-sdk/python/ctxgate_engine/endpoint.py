@@ -62,6 +62,11 @@ class Endpoint:
             return f"[{self.ip}]:{self.port}"
         return f"{self.host}:{self.port}"
 
+    def is_local(self) -> bool:
+        """Whether only this machine can reach it: a loopback address or a
+        unix socket (a host name is not: it may resolve anywhere)."""
+        return self.unix is not None or (self.ip is not None and self.ip.is_loopback)
+
     def grpc_target(self) -> str:
         """The address as grpcio takes it (dial or bind)."""
         if self.unix is not None:

@@ -52,6 +52,8 @@ class ServeArgs:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    tls_client_names: list[str] = field(default_factory=list)
+    health_listen: Endpoint | None = None
     host_ca: str | None = None
     otlp_endpoint: str | None = None
     otlp_service_name: str = "ctxgate-engine"
@@ -90,6 +92,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, state_dir: str | Non
     a("--tls-cert", help="serve TLS with this certificate (PEM), with --tls-key")
     a("--tls-key", help="the certificate's private key (PEM)")
     a("--tls-client-ca", help="with TLS: only clients presenting a certificate this CA (PEM) signed are served")
+    a("--tls-client-name", dest="tls_client_names", action="append", default=[], metavar="NAME",
+      help="with --tls-client-ca: serve engine calls only from a client whose certificate names NAME "
+           "(a DNS subjectAltName), such as the gateway's service name; repeatable")
+    a("--health-listen", type=_endpoint, metavar="ADDR",
+      help="also serve grpc.health.v1, and nothing else, in plaintext here: a loopback HOST:PORT or "
+           "unix:///PATH, for a container's own health check when --tls-client-ca serves only the gateway")
     a("--host-ca", help="the CA (PEM) an https:// host endpoint's certificate must chain to "
                         "(default: the system roots); callbacks present --tls-cert when given")
     a("--otlp-endpoint", help="export a span per traced engine method over OTLP/gRPC to this collector "
@@ -99,7 +107,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, state_dir: str | Non
 
 
 _SHARED = ("listen", "state_dir", "drain_seconds", "max_concurrent_calls", "host_allow", "tls_cert", "tls_key",
-           "tls_client_ca", "host_ca", "otlp_endpoint", "otlp_service_name")
+           "tls_client_ca", "tls_client_names", "health_listen", "host_ca", "otlp_endpoint", "otlp_service_name")
 
 
 def parse_serve_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> ServeArgs:
@@ -108,6 +116,11 @@ def parse_serve_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None
         parser.error("--tls-cert and --tls-key go together")
     if ns.tls_client_ca and not ns.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert")
+    if ns.tls_client_names and not ns.tls_client_ca:
+        parser.error("--tls-client-name needs --tls-client-ca")
+    if ns.health_listen is not None and not ns.health_listen.is_local():
+        parser.error(f"--health-listen {ns.health_listen}: health is served there without TLS or "
+                     "authentication, so only on a loopback address or a unix socket")
     shared = {k: getattr(ns, k) for k in _SHARED}
     extra = argparse.Namespace(**{k: v for k, v in vars(ns).items() if k not in _SHARED})
     return ServeArgs(**shared, extra=extra)
@@ -136,6 +149,9 @@ class Server:
         self.health = health.aio.HealthServicer()
         self.stop = asyncio.Event()
         self._server: grpc.aio.Server | None = None
+        # `--health-listen`: health alone, in plaintext.
+        self._health_server: grpc.aio.Server | None = None
+        self.health_local: Endpoint | None = None
         self.service: EngineService | None = None
 
     def _host_tls(self) -> HostTls:
@@ -179,7 +195,7 @@ class Server:
                    ("grpc.so_reuseport", 0)]
         server = grpc.aio.server(options=options)
         self.service = EngineService(self.engine, HostChannels(HostPolicy(a.host_allow), host_tls),
-                                     a.max_concurrent_calls, spans)
+                                     a.max_concurrent_calls, spans, tuple(a.tls_client_names))
         server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = (ENGINE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection")
@@ -213,7 +229,29 @@ class Server:
             await server.start()
             self.local = Endpoint(host=listen.host, port=port, ip=listen.ip)
         self._server = server
+        if a.health_listen is not None:
+            await self._bind_health(a.health_listen)
         return self.local
+
+    async def _bind_health(self, at: Endpoint) -> None:
+        """Serves the same health statuses, and nothing else, in plaintext."""
+        if not at.is_local():
+            raise ServeError(f"--health-listen {at}: health is served there without TLS or authentication, "
+                             "so only on a loopback address or a unix socket")
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        if at.unix is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(at.unix)
+        try:
+            port = server.add_insecure_port(at.grpc_target())
+        except RuntimeError as e:
+            raise ServeError(f"cannot listen on {at} (--health-listen): {e}") from None
+        if at.unix is None and port == 0:
+            raise ServeError(f"cannot listen on {at} (--health-listen)")
+        await server.start()
+        self.health_local = at if at.unix is not None else Endpoint(host=at.host, port=port, ip=at.ip)
+        self._health_server = server
 
     def reload_tls(self) -> None:
         """Re-reads the certificate files (SIGHUP): new connections use them;
@@ -240,9 +278,12 @@ class Server:
             log.warning("drain timed out after %s s; dropping remaining calls", self.args.drain_seconds)
         # What is left are streams that never end by themselves (health Watch).
         await self._server.stop(grace=0.2)
-        if self.local is not None and self.local.unix is not None:
-            with contextlib.suppress(OSError):
-                os.remove(self.local.unix)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=0.2)
+        for local in (self.local, self.health_local):
+            if local is not None and local.unix is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(local.unix)
 
 
 async def serve(engine: ContextEngine, args: ServeArgs | None = None,

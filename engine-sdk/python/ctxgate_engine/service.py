@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, NoReturn
 
 import grpc
@@ -85,13 +85,31 @@ def info_with_tools(engine: ContextEngine, info: pb.EngineInfo) -> pb.EngineInfo
     return info
 
 
+def client_named(auth: Mapping[str, Iterable[bytes]], names: tuple[str, ...]) -> bool:
+    """Whether the verified client certificate in `auth` (grpcio's auth
+    context) names one of `names`, as a server's name is checked: a DNS
+    subjectAltName, equal or matched by a `*.` wildcard over one label."""
+    presented = [p.decode("ascii", "replace").lower() for p in auth.get("x509_subject_alternative_name", [])]
+
+    def matches(pattern: str, name: str) -> bool:
+        if pattern.startswith("*."):
+            head, _, rest = name.partition(".")
+            return bool(head) and rest == pattern[2:]
+        return pattern == name
+
+    return any(matches(p, n.lower()) for p in presented for n in names)
+
+
 class EngineService:
     """The generic handler serving `contextengine.v1.ContextEngine` over an
     engine; `draining` refuses new calls, `idle` is set while none runs."""
 
     def __init__(self, engine: ContextEngine, hosts: HostChannels, max_calls: int = DEFAULT_MAX_CONCURRENT_CALLS,
-                 spans: Exporter | None = None) -> None:
+                 spans: Exporter | None = None, client_names: tuple[str, ...] = ()) -> None:
         self.engine = engine
+        # `--tls-client-name`: grpcio has no hook in the handshake, so each
+        # engine call checks the verified client certificate's names.
+        self.client_names = client_names
         self.hosts = hosts
         self.max_calls = max(1, max_calls)
         self.spans = spans
@@ -114,9 +132,13 @@ class EngineService:
 
     # --- admission and context --------------------------------------------
 
-    def _admit(self, method: str, request: Any) -> bool:
+    def _admit(self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bool:
         """Validates and takes a slot; raises the refusal. Returns whether a
         slot was taken (GetInfo is always admitted, without one)."""
+        if self.client_names and not client_named(context.auth_context(), self.client_names):
+            raise _Refusal(grpc.StatusCode.UNAUTHENTICATED,
+                           "this engine serves only a client whose certificate names "
+                           + " or ".join(self.client_names))
         if self.draining:
             raise _Refusal(grpc.StatusCode.UNAVAILABLE, "the engine is shutting down")
         try:
@@ -193,7 +215,7 @@ class EngineService:
     async def _unary(self, method: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         _, _, call, has_host = UNARY[method]
         try:
-            slot = self._admit(method, request)
+            slot = self._admit(method, request, context)
         except _Refusal as r:
             await _abort(context, r)
         self._enter()
@@ -245,7 +267,7 @@ class EngineService:
                        context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[pb.CompactEvent]:
         method = "Compact"
         try:
-            slot = self._admit(method, request)
+            slot = self._admit(method, request, context)
         except _Refusal as r:
             await _abort(context, r)
         self._enter()

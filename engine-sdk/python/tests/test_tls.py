@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
+from ctxgate_engine.pb import pb
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import EngineProcess
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "probe.py")
@@ -27,9 +30,10 @@ def ca(d: Path, name: str) -> tuple[Path, Path]:
     return pem, key
 
 
-def leaf(d: Path, name: str, signer: tuple[Path, Path]) -> tuple[Path, Path]:
+def leaf(d: Path, name: str, signer: tuple[Path, Path],
+         san: str = "DNS:localhost,IP:127.0.0.1") -> tuple[Path, Path]:
     pem, key, csr, ext = d / f"{name}.pem", d / f"{name}.key", d / f"{name}.csr", d / f"{name}.ext"
-    ext.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    ext.write_text(f"subjectAltName={san}\nextendedKeyUsage=serverAuth,clientAuth\n")
     openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
             "-out", str(csr), "-subj", f"/CN={name}")
     openssl("x509", "-req", "-in", str(csr), "-CA", str(signer[0]), "-CAkey", str(signer[1]), "-CAcreateserial",
@@ -74,3 +78,49 @@ def test_mtls_serves_only_signed_clients_and_sighup_reloads_the_certificate(tmp_
     assert engine.proc.poll() is None, "still serving"
     assert engine.stop() == 0
     assert "not re-read; keeping the running one" in engine.stderr()
+
+
+def get_info(endpoint: str, ca_pem: Path, client: tuple[Path, Path]) -> grpc.StatusCode:
+    """One GetInfo over mTLS with `client`'s certificate: its status."""
+    creds = grpc.ssl_channel_credentials(ca_pem.read_bytes(), client[1].read_bytes(), client[0].read_bytes())
+    with grpc.secure_channel(endpoint, creds, options=[("grpc.ssl_target_name_override", "localhost")]) as channel:
+        call = channel.unary_unary("/contextengine.v1.ContextEngine/GetInfo",
+                                   request_serializer=pb.GetInfoRequest.SerializeToString,
+                                   response_deserializer=pb.EngineInfo.FromString)
+        try:
+            call(pb.GetInfoRequest(), timeout=10)
+        except grpc.RpcError as e:
+            return e.code()
+    return grpc.StatusCode.OK
+
+
+def test_tls_client_name_serves_only_the_named_client_and_health_listen_serves_health_alone(tmp_path: Path) -> None:
+    signer = ca(tmp_path, "ca")
+    cert, key = leaf(tmp_path, "engine", signer)
+    gateway = leaf(tmp_path, "gateway", signer, "DNS:gateway")
+    other = leaf(tmp_path, "engine-lossless", signer, "DNS:engine-lossless")
+    health_at = f"unix://{tmp_path / 'health.sock'}"
+    engine = EngineProcess.python(PROBE, "--listen", "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key", str(key),
+                                  "--tls-client-ca", str(signer[0]), "--tls-client-name", "gateway",
+                                  "--health-listen", health_at)
+    endpoint = f"127.0.0.1:{engine.endpoint.rsplit(':', 1)[1]}"
+    assert get_info(endpoint, signer[0], gateway) == grpc.StatusCode.OK
+    assert get_info(endpoint, signer[0], other) == grpc.StatusCode.UNAUTHENTICATED, \
+        "a certificate naming another service is refused"
+    with grpc.insecure_channel(f"unix:{tmp_path / 'health.sock'}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="contextengine.v1.ContextEngine"), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        call = channel.unary_unary("/contextengine.v1.ContextEngine/GetInfo",
+                                   request_serializer=pb.GetInfoRequest.SerializeToString,
+                                   response_deserializer=pb.EngineInfo.FromString)
+        try:
+            call(pb.GetInfoRequest(), timeout=10)
+            raise AssertionError("an engine call was served where health is served alone")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert engine.stop() == 0
+
+    refused = subprocess.run([sys.executable, PROBE, "--listen", "127.0.0.1:0", "--health-listen", "0.0.0.0:0"],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "only on a loopback address" in refused.stderr, refused.stderr

@@ -53,6 +53,18 @@ impl FromStr for Endpoint {
     }
 }
 
+impl Endpoint {
+    /// Whether only this machine can reach it: a loopback address or a
+    /// unix socket (a host name is not: it may resolve anywhere).
+    pub fn is_local(&self) -> bool {
+        match self {
+            Self::Tcp(addr) => addr.ip().is_loopback(),
+            Self::Host(..) => false,
+            Self::Unix(_) => true,
+        }
+    }
+}
+
 impl std::fmt::Display for Endpoint {
     /// The form engines print after `listening on`: `HOST:PORT` or `unix:///PATH`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

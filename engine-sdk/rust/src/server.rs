@@ -52,6 +52,16 @@ pub struct ServeArgs {
     /// (PEM) signed are served (mTLS).
     #[arg(long, requires = "tls_cert")]
     pub tls_client_ca: Option<std::path::PathBuf>,
+    /// With `--tls-client-ca`: serve only a client whose certificate names
+    /// NAME (a DNS subjectAltName), such as the gateway's service name;
+    /// repeatable. Others fail the handshake. None: any client the CA signed.
+    #[arg(long = "tls-client-name", value_name = "NAME", requires = "tls_client_ca")]
+    pub tls_client_names: Vec<String>,
+    /// Also serve grpc.health.v1, and nothing else, in plaintext here: a
+    /// loopback HOST:PORT or unix:///PATH, for a container's own health
+    /// check when `--tls-client-ca` serves only the gateway on `--listen`.
+    #[arg(long, value_name = "ADDR")]
+    pub health_listen: Option<Endpoint>,
     /// The CA (PEM) an https:// host endpoint's certificate must chain to
     /// (default: the public web roots); host callbacks then present
     /// `--tls-cert` as the client certificate, when given.
@@ -79,6 +89,7 @@ impl ServeArgs {
             cert: named(TLS_PAIR.0, cert),
             key: named(TLS_PAIR.1, key),
             client_ca: self.tls_client_ca.as_ref().map(|p| named("--tls-client-ca", p)),
+            client_names: self.tls_client_names.clone(),
         };
         crate::tls::LiveServerTls::new(files).map(Some)
     }
@@ -195,6 +206,7 @@ pub struct Server<E> {
     host_tls: Option<tonic::transport::ClientTlsConfig>,
     spans: Option<crate::otlp::Exporter>,
     socket_mode: u32,
+    health_listen: Option<Endpoint>,
 }
 
 enum Listener {
@@ -207,6 +219,8 @@ pub struct Bound<E> {
     server: Server<E>,
     listener: Listener,
     local: Endpoint,
+    /// `--health-listen`: health alone, in plaintext.
+    health_listener: Option<(Listener, Endpoint)>,
     reporter: tonic_health::server::HealthReporter,
     health: tonic_health::pb::health_server::HealthServer<tonic_health::server::HealthService>,
     /// With TLS: SIGHUP, to re-read the certificate.
@@ -228,6 +242,7 @@ impl<E: ContextEngine> Server<E> {
             host_tls: None,
             spans: None,
             socket_mode: 0o600,
+            health_listen: None,
         }
     }
 
@@ -250,7 +265,16 @@ impl<E: ContextEngine> Server<E> {
             .tls(args.tls()?)
             .host_tls(args.host_tls()?)
             .socket_mode(args.socket_mode)
+            .health_listen(args.health_listen.clone())
             .spans(spans))
+    }
+
+    /// Also serves grpc.health.v1 alone, in plaintext, at `endpoint`: a
+    /// loopback address or a unix socket (`bind` refuses any other, since
+    /// nothing there is authenticated).
+    pub fn health_listen(mut self, endpoint: Option<Endpoint>) -> Self {
+        self.health_listen = endpoint;
+        self
     }
 
     /// The permissions a unix socket is given (default 0o600).
@@ -308,28 +332,16 @@ impl<E: ContextEngine> Server<E> {
         if self.tls.is_some() && matches!(endpoint, Endpoint::Unix(_)) {
             return Err(std::io::Error::other("TLS is served over TCP only: --listen HOST:PORT with --tls-cert"));
         }
-        let (listener, local) = match endpoint {
-            Endpoint::Tcp(addr) => {
-                let l = tokio::net::TcpListener::bind(addr).await?;
-                let local = Endpoint::Tcp(l.local_addr()?);
-                (Listener::Tcp(l), local)
+        let (listener, local) = listen(endpoint, self.socket_mode).await?;
+        let health_listener = match &self.health_listen {
+            None => None,
+            Some(at) if !at.is_local() => {
+                return Err(std::io::Error::other(format!(
+                    "--health-listen {at}: health is served there without TLS or authentication, so only \
+                     on a loopback address or a unix socket"
+                )));
             }
-            Endpoint::Host(host, port) => {
-                let l = tokio::net::TcpListener::bind((host.as_str(), *port)).await?;
-                let local = Endpoint::Tcp(l.local_addr()?);
-                (Listener::Tcp(l), local)
-            }
-            Endpoint::Unix(path) => {
-                if tokio::fs::metadata(path).await.is_ok() {
-                    tokio::fs::remove_file(path).await?;
-                }
-                let l = tokio::net::UnixListener::bind(path)?;
-                // Before anything is accepted: a socket created with the
-                // umask's permissions would let every local user in.
-                use std::os::unix::fs::PermissionsExt;
-                tokio::fs::set_permissions(path, std::fs::Permissions::from_mode(self.socket_mode)).await?;
-                (Listener::Unix(l, path.clone()), endpoint.clone())
-            }
+            Some(at) => Some(listen(at, self.socket_mode).await?),
         };
         let reporter = tonic_health::server::HealthReporter::new();
         reporter.set_service_status(ENGINE_SERVICE, ServingStatus::Serving).await;
@@ -337,7 +349,61 @@ impl<E: ContextEngine> Server<E> {
             tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
         );
         let hangup = if self.tls.is_some() { hangup() } else { None };
-        Ok(Bound { server: self, listener, local, reporter, health, hangup })
+        Ok(Bound { server: self, listener, local, health_listener, reporter, health, hangup })
+    }
+}
+
+/// Binds `endpoint`; a unix socket gets `mode` before anything is accepted.
+async fn listen(endpoint: &Endpoint, mode: u32) -> std::io::Result<(Listener, Endpoint)> {
+    Ok(match endpoint {
+        Endpoint::Tcp(addr) => {
+            let l = tokio::net::TcpListener::bind(addr).await?;
+            let local = Endpoint::Tcp(l.local_addr()?);
+            (Listener::Tcp(l), local)
+        }
+        Endpoint::Host(host, port) => {
+            let l = tokio::net::TcpListener::bind((host.as_str(), *port)).await?;
+            let local = Endpoint::Tcp(l.local_addr()?);
+            (Listener::Tcp(l), local)
+        }
+        Endpoint::Unix(path) => {
+            if tokio::fs::metadata(path).await.is_ok() {
+                tokio::fs::remove_file(path).await?;
+            }
+            let l = tokio::net::UnixListener::bind(path)?;
+            // Before anything is accepted: a socket created with the
+            // umask's permissions would let every local user in.
+            use std::os::unix::fs::PermissionsExt;
+            tokio::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).await?;
+            (Listener::Unix(l, path.clone()), endpoint.clone())
+        }
+    })
+}
+
+/// Serves `router` on `listener` (with TLS when given) until `stopped`.
+fn serve_on<F>(
+    router: tonic::transport::server::Router,
+    listener: Listener,
+    tls: Option<&crate::tls::LiveServerTls>,
+    stopped: F,
+) -> Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    match listener {
+        Listener::Tcp(l) => {
+            // Nagle off on accepted sockets (the builder's tcp_nodelay only
+            // covers sockets it binds itself).
+            let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+            let limits = crate::accept::Limits::default();
+            match tls {
+                Some(tls) => Box::pin(
+                    router.serve_with_incoming_shutdown(crate::accept::tls(incoming, limits, tls.clone()), stopped),
+                ),
+                None => Box::pin(router.serve_with_incoming_shutdown(crate::accept::plain(incoming, limits), stopped)),
+            }
+        }
+        Listener::Unix(l, _) => Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)),
     }
 }
 
@@ -351,6 +417,11 @@ impl<E: ContextEngine> Bound<E> {
     /// The address actually bound (port 0 resolved).
     pub fn local_endpoint(&self) -> &Endpoint {
         &self.local
+    }
+
+    /// Where `--health-listen` serves health alone (port 0 resolved).
+    pub fn health_endpoint(&self) -> Option<&Endpoint> {
+        self.health_listener.as_ref().map(|(_, at)| at)
     }
 
     /// Serves until `shutdown` resolves, then reports NOT_SERVING, stops
@@ -374,33 +445,27 @@ impl<E: ContextEngine> Bound<E> {
             .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES);
 
+        let unix_paths: Vec<_> = [Some(&self.listener), self.health_listener.as_ref().map(|(l, _)| l)]
+            .into_iter()
+            .flatten()
+            .filter_map(|l| match l {
+                Listener::Unix(_, path) => Some(path.clone()),
+                Listener::Tcp(_) => None,
+            })
+            .collect();
+        // Health alone, in plaintext, until this server returns (it reads
+        // NOT_SERVING through the drain).
+        let _health_only = self.health_listener.map(|(l, _)| {
+            let router = tonic::transport::Server::builder().add_service(health.clone());
+            AbortOnDrop(tokio::spawn(serve_on(router, l, None, std::future::pending())).abort_handle())
+        });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let router =
             tonic::transport::Server::builder().add_service(health).add_service(reflection).add_service(engine);
-        let stopped = async {
+        let stopped = async move {
             let _ = stop_rx.await;
         };
-        let (serving, unix_path): (Pin<Box<dyn Future<Output = _> + Send>>, _) = match self.listener {
-            Listener::Tcp(l) => {
-                // Nagle off on accepted sockets (the builder's tcp_nodelay only
-                // covers sockets it binds itself).
-                let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
-                let limits = crate::accept::Limits::default();
-                match &self.server.tls {
-                    Some(tls) => {
-                        let admitted = crate::accept::tls(incoming, limits, tls.clone());
-                        (Box::pin(router.serve_with_incoming_shutdown(admitted, stopped)), None)
-                    }
-                    None => {
-                        let admitted = crate::accept::plain(incoming, limits);
-                        (Box::pin(router.serve_with_incoming_shutdown(admitted, stopped)), None)
-                    }
-                }
-            }
-            Listener::Unix(l, path) => {
-                (Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)), Some(path))
-            }
-        };
+        let serving = serve_on(router, self.listener, self.server.tls.as_ref(), stopped);
         tokio::pin!(serving);
         tokio::pin!(shutdown);
         let result = tokio::select! {
@@ -418,7 +483,7 @@ impl<E: ContextEngine> Bound<E> {
                 }
             }
         };
-        if let Some(path) = unix_path {
+        for path in unix_paths {
             let _ = std::fs::remove_file(path);
         }
         result

@@ -111,12 +111,14 @@ pub fn pair<'a>(
 }
 
 /// Where a server's certificate, key and (for mTLS) client CA come from,
-/// each with the option that named it.
+/// each with the option that named it, and the names a client's
+/// certificate must carry one of (none: any client the CA signed).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerFiles {
     pub cert: (String, PathBuf),
     pub key: (String, PathBuf),
     pub client_ca: Option<(String, PathBuf)>,
+    pub client_names: Vec<String>,
 }
 
 fn read_named((option, path): &(String, PathBuf)) -> Result<Vec<u8>, TlsError> {
@@ -158,7 +160,11 @@ pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, TlsErr
             let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .build()
                 .map_err(|e| invalid(ca, &e))?;
-            builder.with_client_cert_verifier(verifier)
+            if files.client_names.is_empty() {
+                builder.with_client_cert_verifier(verifier)
+            } else {
+                builder.with_client_cert_verifier(Arc::new(NamedClients::new(verifier, &files.client_names)?))
+            }
         }
     };
     let mut config = builder.with_single_cert(chain, key).map_err(|e| TlsError::Invalid {
@@ -167,6 +173,81 @@ pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, TlsErr
     })?;
     config.alpn_protocols = vec![b"h2".to_vec()];
     Ok(config)
+}
+
+/// A client verifier that, past the CA's checks, requires the client's
+/// certificate to name one of `names` (a DNS subjectAltName, as a server's
+/// name is checked): an engine serves the gateway, not every holder of a
+/// certificate from the deployment's CA. The handshake fails otherwise.
+#[derive(Debug)]
+struct NamedClients {
+    inner: Arc<dyn rustls::server::danger::ClientCertVerifier>,
+    names: Vec<rustls_pki_types::ServerName<'static>>,
+}
+
+impl NamedClients {
+    fn new(inner: Arc<dyn rustls::server::danger::ClientCertVerifier>, names: &[String]) -> Result<Self, TlsError> {
+        let names = names
+            .iter()
+            .map(|n| {
+                rustls_pki_types::ServerName::try_from(n.clone())
+                    .map_err(|_| TlsError::Settings(format!("--tls-client-name {n:?}: not a DNS name or IP address")))
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self { inner, names })
+    }
+}
+
+impl rustls::server::danger::ClientCertVerifier for NamedClients {
+    fn offer_client_auth(&self) -> bool {
+        self.inner.offer_client_auth()
+    }
+
+    fn client_auth_mandatory(&self) -> bool {
+        self.inner.client_auth_mandatory()
+    }
+
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &rustls_pki_types::CertificateDer<'_>,
+        intermediates: &[rustls_pki_types::CertificateDer<'_>],
+        now: rustls_pki_types::UnixTime,
+    ) -> Result<rustls::server::danger::ClientCertVerified, rustls::Error> {
+        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let cert = webpki::EndEntityCert::try_from(end_entity)
+            .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
+        if self.names.iter().any(|n| cert.verify_is_valid_for_subject_name(n).is_ok()) {
+            Ok(verified)
+        } else {
+            Err(rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName))
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls_pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
 }
 
 /// A server's TLS that a reload (SIGHUP) can replace while it serves:

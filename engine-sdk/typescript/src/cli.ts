@@ -1,7 +1,7 @@
 // The command line every engine shares (the Rust SDK's ServeArgs):
 // `--listen`, `--state-dir`, `--drain-seconds`, `--max-concurrent-calls`,
 // `--host-allow` (repeatable), `--tls-cert`/`--tls-key`/`--tls-client-ca`,
-// `--host-ca`, `--otlp-endpoint`/`--otlp-service-name`, and the `health`
+// `--tls-client-name` (repeatable), `--health-listen`, `--host-ca`, `--otlp-endpoint`/`--otlp-service-name`, and the `health`
 // subcommand. stdout carries exactly one line, `listening on ADDR`; logs
 // go to stderr.
 import { readFileSync } from "node:fs";
@@ -10,7 +10,7 @@ import * as grpc from "@grpc/grpc-js";
 import type { ContextEngine } from "./engine.js";
 import { CallContext } from "./context.js";
 import { withTools } from "./service.js";
-import { grpcTarget } from "./endpoint.js";
+import { grpcTarget, isLocal, parseEndpoint } from "./endpoint.js";
 import { type HostTls, HostPolicy, parseHostEndpoint } from "./host.js";
 import { Exporter } from "./otlp.js";
 import { ENGINE_SERVICE } from "./proto.js";
@@ -26,6 +26,8 @@ export interface ServeArgs {
   tlsCert?: string;
   tlsKey?: string;
   tlsClientCa?: string;
+  tlsClientNames: string[];
+  healthListen?: string;
   hostCa?: string;
   otlpEndpoint?: string;
   otlpServiceName: string;
@@ -42,6 +44,8 @@ export const SERVE_OPTIONS = {
   "tls-cert": { type: "string" },
   "tls-key": { type: "string" },
   "tls-client-ca": { type: "string" },
+  "tls-client-name": { type: "string", multiple: true },
+  "health-listen": { type: "string" },
   "host-ca": { type: "string" },
   "otlp-endpoint": { type: "string" },
   "otlp-service-name": { type: "string" },
@@ -73,6 +77,18 @@ export function parseServeArgs(
   requires("tls-cert", "tls-key");
   requires("tls-key", "tls-cert");
   requires("tls-client-ca", "tls-cert");
+  const tlsClientNames = (values["tls-client-name"] as string[] | undefined) ?? [];
+  if (tlsClientNames.length > 0 && s("tls-client-ca") === undefined) throw new UsageError("--tls-client-name requires --tls-client-ca");
+  const healthListen = s("health-listen");
+  if (healthListen !== undefined) {
+    let at;
+    try {
+      at = parseEndpoint(healthListen);
+    } catch (e) {
+      throw new UsageError(`--health-listen: ${e instanceof Error ? e.message : String(e)}`);
+    }
+    if (!isLocal(at)) throw new UsageError(`--health-listen ${healthListen}: health is served there without TLS or authentication, so only on a loopback address or a unix socket`);
+  }
   const hostAllow = (values["host-allow"] as string[] | undefined) ?? [];
   for (const h of hostAllow) {
     try {
@@ -86,9 +102,10 @@ export function parseServeArgs(
     drainSeconds: count("drain-seconds", s("drain-seconds")!, 0),
     maxConcurrentCalls: count("max-concurrent-calls", s("max-concurrent-calls")!, 1),
     hostAllow,
+    tlsClientNames,
     otlpServiceName: s("otlp-service-name") ?? process.env["OTEL_SERVICE_NAME"] ?? "ctxgate-engine",
   };
-  const optional = { stateDir: "state-dir", tlsCert: "tls-cert", tlsKey: "tls-key", tlsClientCa: "tls-client-ca", hostCa: "host-ca", otlpEndpoint: "otlp-endpoint" } as const;
+  const optional = { stateDir: "state-dir", tlsCert: "tls-cert", tlsKey: "tls-key", tlsClientCa: "tls-client-ca", healthListen: "health-listen", hostCa: "host-ca", otlpEndpoint: "otlp-endpoint" } as const;
   for (const [field, flag] of Object.entries(optional)) {
     const v = s(flag);
     if (v !== undefined) (serveArgs as unknown as Record<string, string>)[field] = v;
@@ -127,8 +144,9 @@ export async function serveWith(engine: ContextEngine, args: ServeArgs): Promise
     drainMs: args.drainSeconds * 1000,
     hostPolicy: new HostPolicy(args.hostAllow.map(parseHostEndpoint)),
     hostTls,
-    ...(tls ? { tls } : {}),
+    ...(tls ? { tls, clientNames: args.tlsClientNames } : {}),
     ...(spans ? { spans } : {}),
+    ...(args.healthListen !== undefined ? { healthListen: args.healthListen } : {}),
   });
 }
 

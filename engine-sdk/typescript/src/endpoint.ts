@@ -38,6 +38,14 @@ export function parseEndpoint(s: string): Endpoint {
   throw new BadEndpoint(s);
 }
 
+/** Whether only this machine can reach it: a loopback address or a unix
+ * socket (a host name is not: it may resolve anywhere). */
+export function isLocal(e: Endpoint): boolean {
+  if (e.kind === "unix") return true;
+  if (e.kind === "host") return false;
+  return e.ip === "::1" || /^127\./.test(e.ip);
+}
+
 /** The form engines print after `listening on`: `HOST:PORT` or `unix:///PATH`. */
 export function endpointString(e: Endpoint): string {
   switch (e.kind) {

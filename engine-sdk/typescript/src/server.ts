@@ -7,7 +7,7 @@ import * as protoLoader from "@grpc/proto-loader";
 import { ReflectionService } from "@grpc/reflection";
 import { HealthImplementation, protoPath as healthProtoPath } from "grpc-health-check";
 import type { ContextEngine } from "./engine.js";
-import { type Endpoint, endpointString, parseEndpoint } from "./endpoint.js";
+import { type Endpoint, endpointString, isLocal, parseEndpoint } from "./endpoint.js";
 import { HostChannels, HostPolicy, type HostTls } from "./host.js";
 import { MAX_GRPC_MESSAGE_BYTES } from "./limits.js";
 import type { Exporter } from "./otlp.js";
@@ -32,6 +32,12 @@ export interface ServerOptions {
   tls?: LiveServerTls;
   /** Export a span per traced engine method. */
   spans?: Exporter;
+  /** With a client CA: serve engine calls only to a client whose
+   * certificate names one of these (a DNS subjectAltName). */
+  clientNames?: string[];
+  /** Also serve grpc.health.v1, and nothing else, in plaintext here: a
+   * loopback address or a unix socket. */
+  healthListen?: string;
 }
 
 const healthDefinition = protoLoader.loadSync(healthProtoPath, { keepCase: true, longs: String, enums: String, defaults: true, oneofs: true });
@@ -49,6 +55,8 @@ export class Bound {
     private readonly hosts: HostChannels,
     private readonly spans: Exporter | undefined,
     readonly tls: LiveServerTls | undefined,
+    /** `healthListen`: health alone, in plaintext, and where. */
+    readonly healthOnly?: { server: grpc.Server; endpoint: Endpoint },
   ) {}
 
   /** Re-reads the TLS files: new connections use them; a mistake keeps
@@ -102,10 +110,13 @@ export class Bound {
         });
       });
       this.server.forceShutdown();
+      this.healthOnly?.server.forceShutdown();
       this.hosts.close();
       await this.spans?.flush();
       this.spans?.close();
-      if (this.endpoint.kind === "unix" && existsSync(this.endpoint.path)) rmSync(this.endpoint.path, { force: true });
+      for (const e of [this.endpoint, this.healthOnly?.endpoint]) {
+        if (e?.kind === "unix" && existsSync(e.path)) rmSync(e.path, { force: true });
+      }
     })();
     return this.stopped;
   }
@@ -117,9 +128,13 @@ export async function serve(engine: ContextEngine, listen: string | Endpoint, op
   if (options.tls && endpoint.kind === "unix") {
     throw new Error("TLS is served over TCP only: --listen HOST:PORT with --tls-cert");
   }
+  const healthAt = options.healthListen === undefined ? undefined : parseEndpoint(options.healthListen);
+  if (healthAt && !isLocal(healthAt)) {
+    throw new Error(`--health-listen ${options.healthListen}: health is served there without TLS or authentication, so only on a loopback address or a unix socket`);
+  }
   const maxCalls = Math.max(1, options.maxConcurrentCalls ?? DEFAULT_MAX_CONCURRENT_CALLS);
   const hosts = new HostChannels(options.hostPolicy ?? new HostPolicy(), options.hostTls);
-  const state = new ServiceState(engine, hosts, maxCalls, options.spans);
+  const state = new ServiceState(engine, hosts, maxCalls, options.spans, options.clientNames ?? []);
   const server = new grpc.Server({
     "grpc.max_receive_message_length": MAX_GRPC_MESSAGE_BYTES,
     "grpc.max_send_message_length": MAX_GRPC_MESSAGE_BYTES,
@@ -129,11 +144,27 @@ export async function serve(engine: ContextEngine, listen: string | Endpoint, op
   health.addToServer(server);
   new ReflectionService({ ...packageDefinition, ...healthDefinition }).addToServer(server);
 
-  const credentials = options.tls ?? grpc.ServerCredentials.createInsecure();
+  const local = await bindTo(server, endpoint, options.tls ?? grpc.ServerCredentials.createInsecure());
+  let healthOnly: { server: grpc.Server; endpoint: Endpoint } | undefined;
+  if (healthAt) {
+    const healthServer = new grpc.Server();
+    health.addToServer(healthServer);
+    try {
+      healthOnly = { server: healthServer, endpoint: await bindTo(healthServer, healthAt, grpc.ServerCredentials.createInsecure()) };
+    } catch (e) {
+      server.forceShutdown();
+      throw e;
+    }
+  }
+  return new Bound(server, local, health, state, options.drainMs ?? DEFAULT_DRAIN_MS, hosts, options.spans, options.tls, healthOnly);
+}
+
+/** Binds `endpoint` on `server` (a stale unix socket file is replaced; a
+ * new one is made mode 0600); the address bound, port 0 resolved. */
+async function bindTo(server: grpc.Server, endpoint: Endpoint, credentials: grpc.ServerCredentials): Promise<Endpoint> {
   let target: string;
   switch (endpoint.kind) {
     case "unix":
-      // A stale socket file is replaced.
       if (existsSync(endpoint.path)) rmSync(endpoint.path, { force: true });
       target = `unix://${endpoint.path}`;
       break;
@@ -147,13 +178,13 @@ export async function serve(engine: ContextEngine, listen: string | Endpoint, op
   const port = await new Promise<number>((resolve, reject) =>
     server.bindAsync(target, credentials, (err, p) => (err ? reject(err) : resolve(p))),
   );
-  let local: Endpoint;
-  if (endpoint.kind === "unix") {
-    chmodSync(endpoint.path, 0o600);
-    local = endpoint;
-  } else {
-    local = { kind: "tcp", ip: endpoint.kind === "tcp" ? endpoint.ip : "127.0.0.1", port };
-    if (endpoint.kind === "host") local = { kind: "host", host: endpoint.host, port };
+  switch (endpoint.kind) {
+    case "unix":
+      chmodSync(endpoint.path, 0o600);
+      return endpoint;
+    case "tcp":
+      return { kind: "tcp", ip: endpoint.ip, port };
+    case "host":
+      return { kind: "host", host: endpoint.host, port };
   }
-  return new Bound(server, local, health, state, options.drainMs ?? DEFAULT_DRAIN_MS, hosts, options.spans, options.tls);
 }

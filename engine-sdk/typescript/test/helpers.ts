@@ -198,18 +198,20 @@ export function grant(token = "tok", operations = ["read_transcript", "llm_compl
 }
 
 /** A CA and certificates it signed (openssl), in a temp folder. */
-export function certificates(): { dir: string; ca: string; cert: string; key: string; cert2: string; key2: string; client: string; clientKey: string } {
+export function certificates(): { dir: string; ca: string; cert: string; key: string; cert2: string; key2: string; client: string; clientKey: string; other: string; otherKey: string } {
   const dir = tempDir("ctxgate-ts-tls-");
   const run = (...args: string[]) => execFileSync("openssl", args, { cwd: dir, stdio: "pipe" });
   run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=test ca");
-  const leaf = (name: string, cn: string) => {
+  const leaf = (name: string, cn: string, san = "DNS:localhost,IP:127.0.0.1") => {
     run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", `${name}.key`, "-out", `${name}.csr`, "-subj", `/CN=${cn}`);
-    require_ext(dir, name);
+    require_ext(dir, name, san);
     run("x509", "-req", "-in", `${name}.csr`, "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", `${name}.pem`, "-days", "2", "-extfile", `${name}.ext`);
   };
   leaf("server", "localhost");
   leaf("server2", "localhost");
-  leaf("client", "gateway");
+  // Clients named as services are: the gateway, and another service.
+  leaf("client", "gateway", "DNS:gateway");
+  leaf("other", "engine-lossless", "DNS:engine-lossless");
   return {
     dir,
     ca: join(dir, "ca.pem"),
@@ -219,10 +221,12 @@ export function certificates(): { dir: string; ca: string; cert: string; key: st
     key2: join(dir, "server2.key"),
     client: join(dir, "client.pem"),
     clientKey: join(dir, "client.key"),
+    other: join(dir, "other.pem"),
+    otherKey: join(dir, "other.key"),
   };
 }
 
 import { writeFileSync } from "node:fs";
-function require_ext(dir: string, name: string): void {
-  writeFileSync(join(dir, `${name}.ext`), "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n");
+function require_ext(dir: string, name: string, san: string): void {
+  writeFileSync(join(dir, `${name}.ext`), `subjectAltName=${san}\nextendedKeyUsage=serverAuth,clientAuth\n`);
 }

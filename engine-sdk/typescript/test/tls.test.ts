@@ -5,7 +5,7 @@ import { copyFileSync, readFileSync, writeFileSync } from "node:fs";
 import { connect } from "node:tls";
 import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
-import { LiveServerTls, TlsError, serve } from "./sdk.js";
+import { LiveServerTls, TlsError, checkHealth, serve } from "./sdk.js";
 import { Probe, certificates, engineClient, unary } from "./helpers.js";
 
 function fingerprint(port: number, ca: Buffer, cert?: Buffer, key?: Buffer): Promise<string> {
@@ -53,6 +53,38 @@ describe("TLS", () => {
     } finally {
       await bound.shutdown();
     }
+  });
+
+  test("--tls-client-name serves only the named client; --health-listen serves health alone, on this machine only", async () => {
+    const c = certificates();
+    const ca = readFileSync(c.ca);
+    const mtls = new LiveServerTls({
+      cert: { option: "--tls-cert", path: c.cert },
+      key: { option: "--tls-key", path: c.key },
+      clientCa: { option: "--tls-client-ca", path: c.ca },
+    });
+    const bound = await serve(new Probe(), "127.0.0.1:0", { tls: mtls, clientNames: ["gateway"], healthListen: "127.0.0.1:0" });
+    try {
+      const gateway = tlsClient(bound.address, ca, readFileSync(c.clientKey), readFileSync(c.client));
+      assert.equal((await unary<{ id: string }>(gateway, "GetInfo", {}, { deadlineMs: 5000 })).value?.id, "probe");
+      gateway.close();
+      const other = tlsClient(bound.address, ca, readFileSync(c.otherKey), readFileSync(c.other));
+      const refused = await unary(other, "GetInfo", {}, { deadlineMs: 5000 });
+      assert.equal(refused.err?.code, grpc.status.UNAUTHENTICATED, "a certificate naming another service is refused");
+      assert.match(refused.err?.details ?? "", /names gateway/);
+      other.close();
+      const health = bound.healthOnly!.endpoint;
+      assert.equal(health.kind, "tcp");
+      const at = `127.0.0.1:${health.kind === "tcp" ? health.port : 0}`;
+      assert.equal(await checkHealth(at, grpc.credentials.createInsecure(), {}, 3000), "SERVING");
+      const plain = engineClient(at, grpc.credentials.createInsecure());
+      const none = await unary(plain, "GetInfo", {}, { deadlineMs: 5000 });
+      assert.equal(none.err?.code, grpc.status.UNIMPLEMENTED, "no engine method where health is served alone");
+      plain.close();
+    } finally {
+      await bound.shutdown();
+    }
+    await assert.rejects(serve(new Probe(), "127.0.0.1:0", { healthListen: "0.0.0.0:0" }), /only on a loopback address/);
   });
 
   test("a reload serves the new certificate to new connections; a bad file keeps the running one", async () => {

@@ -70,6 +70,7 @@ impl TlsSection {
             cert: named("gateway.tls.cert", &self.cert),
             key: named("gateway.tls.key", &self.key),
             client_ca: self.client_ca.as_ref().map(|p| named("gateway.tls.clientCa", p)),
+            client_names: Vec::new(),
         }
     }
 
