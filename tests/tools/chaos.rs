@@ -1,18 +1,27 @@
-//! `chaos`: faults across containers, with the compose stack up
-//! (`.ci/images up`) and turns flowing from this process on the host
-//! through the gateway container (TLS) to the window engine's replicas
-//! (mTLS). Run from the repository root; `.ci/run` runs it.
+//! `chaos [--profile openclaw]`: faults across containers, with the compose
+//! stack up (`.ci/images up`, with `--profile openclaw` for that profile)
+//! and turns flowing from this process on the host through a gateway
+//! container (TLS) to an engine's three replicas (mTLS): the window engine,
+//! or with `--profile openclaw` lossless-claw under the OpenClaw host
+//! (through `gateway-openclaw`). Run from the repository root; `.ci/run`
+//! runs both.
 //!
-//! In order, each step bounded in time: `docker kill` the busiest window
-//! replica (its sessions move and resync, no turn fails), kill the other
-//! two (legacy answers, the quarantine shows), start all three again
-//! (re-admitted), `docker network disconnect` one (a deadline, fallback,
-//! that replica quarantined) and reconnect it, restart the gateway
-//! container (state on its volume), `docker pause` one replica (a hang)
-//! and unpause it. It prints what it did and saw, then checks that every
-//! turn was answered or failed with a clear status, and that every
-//! acknowledged turn's message is in its session's transcript exactly once.
-//! Exit 1 on any violation.
+//! First the secrets: every container of the profile mounts only its own
+//! folder of certificates; with `openclaw`, the lossless-claw container can
+//! read no key but its own, and a call from it to the window engine with
+//! its certificate is refused. Then, in order, each step bounded in time:
+//! `docker kill` the busiest replica (its sessions move, no turn fails; a
+//! DELTA engine resyncs them), kill the other two (legacy answers, the
+//! quarantine shows), start all three again (re-admitted), `docker network
+//! disconnect` one (a deadline, fallback, that replica quarantined) and
+//! reconnect it, restart the gateway container (state on its volume),
+//! `docker pause` one replica (a hang) and unpause it. It prints what it
+//! did and saw, then checks that every turn was answered or failed with a
+//! clear status, and that every acknowledged turn's message is in its
+//! session's transcript exactly once; with `openclaw`, also that
+//! lossless-claw's databases (read from the stopped replicas) hold every
+//! acknowledged turn of a session exactly once on one replica and no turn
+//! twice on any. Exit 1 on any violation.
 
 use std::collections::BTreeMap;
 use std::process::ExitCode;
@@ -26,9 +35,9 @@ use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig};
 
-const GATEWAY: &str = "https://127.0.0.1:7300";
-const METRICS: &str = "127.0.0.1:9464";
 const CA: &str = "target/compose-certs/ca.pem";
+/// Where .ci/certs made each service's folder (mounted at its /certs).
+const CERTS: &str = "target/compose-certs";
 /// The client API's bearer token (`CTXGATE_AUTH_TOKEN=…`), made with the certificates.
 const TOKEN_ENV: &str = "target/compose-certs/gateway.env";
 const WORKERS: usize = 4;
@@ -42,16 +51,69 @@ const CALL_LIMIT: Duration = Duration::from_secs(10);
 
 type R<T> = Result<T, String>;
 
+/// What a compose profile runs: which gateway, which engine, where.
+struct Profile {
+    /// The gateway container's client API and metrics, published on the host.
+    gateway: &'static str,
+    metrics: &'static str,
+    gateway_service: &'static str,
+    /// The engine's `plugins.entries` id, the id it declares (what turns
+    /// report), its compose service (its DNS name) and whether it takes
+    /// DELTA history (a moved session is then resynced by a history gap).
+    entry: &'static str,
+    declared: &'static str,
+    service: &'static str,
+    delta: bool,
+    /// Every service of the profile and the certificate folder it mounts
+    /// (its own: the gateways share the gateway's).
+    services: &'static [(&'static str, &'static str)],
+    /// The compose flags that show the profile's services.
+    compose_flags: &'static [&'static str],
+}
+
+const DEFAULT: Profile = Profile {
+    gateway: "https://127.0.0.1:7300",
+    metrics: "127.0.0.1:9464",
+    gateway_service: "gateway",
+    entry: "window",
+    declared: "window",
+    service: "engine-window",
+    delta: true,
+    services: &[("gateway", "gateway"), ("engine-window", "engine-window"), ("engine-python", "engine-python")],
+    compose_flags: &[],
+};
+
+const OPENCLAW: Profile = Profile {
+    gateway: "https://127.0.0.1:7310",
+    metrics: "127.0.0.1:9474",
+    gateway_service: "gateway-openclaw",
+    entry: "lossless",
+    declared: "lossless-claw",
+    service: "engine-lossless",
+    delta: false,
+    services: &[("gateway-openclaw", "gateway"), ("engine-lossless", "engine-lossless")],
+    compose_flags: &["--profile", "openclaw"],
+};
+
 /// The compose stack, driven with the docker CLI.
 struct Stack {
     compose: Vec<String>,
 }
 
 impl Stack {
-    async fn new() -> Self {
+    async fn new(flags: &[&str]) -> Self {
         let v1 = Self::run("docker-compose", &["version"]).await.is_ok();
-        let compose = if v1 { vec!["docker-compose".into()] } else { vec!["docker".into(), "compose".into()] };
+        let mut compose: Vec<String> =
+            if v1 { vec!["docker-compose".into()] } else { vec!["docker".into(), "compose".into()] };
+        compose.extend(flags.iter().map(|f| (*f).to_owned()));
         Self { compose }
+    }
+
+    /// One compose command, bounded by [`DOCKER_LIMIT`].
+    async fn compose(&self, args: &[&str]) -> R<String> {
+        let mut all: Vec<&str> = self.compose[1..].iter().map(String::as_str).collect();
+        all.extend(args);
+        Self::run(&self.compose[0], &all).await
     }
 
     /// One docker command, bounded by [`DOCKER_LIMIT`].
@@ -74,9 +136,7 @@ impl Stack {
 
     /// The containers of a compose service.
     async fn ids(&self, service: &str) -> R<Vec<String>> {
-        let mut args: Vec<&str> = self.compose[1..].iter().map(String::as_str).collect();
-        args.extend(["ps", "-q", service]);
-        let out = Self::run(&self.compose[0], &args).await?;
+        let out = self.compose(&["ps", "-q", service]).await?;
         Ok(out.lines().map(str::to_owned).filter(|l| !l.is_empty()).collect())
     }
 
@@ -120,7 +180,7 @@ impl tonic::service::Interceptor for Bearer {
     }
 }
 
-async fn connect() -> R<Client> {
+async fn connect(gateway: &'static str) -> R<Client> {
     let ca = std::fs::read(CA).map_err(|e| format!("{CA}: {e}"))?;
     let env = std::fs::read_to_string(TOKEN_ENV).map_err(|e| format!("{TOKEN_ENV}: {e}"))?;
     let token = env
@@ -129,7 +189,7 @@ async fn connect() -> R<Client> {
         .ok_or_else(|| format!("{TOKEN_ENV}: no CTXGATE_AUTH_TOKEN= line"))?;
     let bearer = format!("Bearer {}", token.trim()).parse().map_err(|_| format!("{TOKEN_ENV}: not a header value"))?;
     let tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca)).domain_name("localhost");
-    let ep = Channel::from_static(GATEWAY).tls_config(tls).map_err(|e| e.to_string())?;
+    let ep = Channel::from_static(gateway).tls_config(tls).map_err(|e| e.to_string())?;
     Ok(GatewayClient::with_interceptor(ep.connect_timeout(Duration::from_secs(2)).connect_lazy(), Bearer(bearer)))
 }
 
@@ -155,8 +215,8 @@ async fn turn(client: &mut Client, key: &str, text: &str) -> Result<String, toni
 }
 
 /// Runs turns on its sessions until `stop`.
-async fn worker(run: u64, w: usize, tally: Arc<Mutex<Tally>>, stop: Arc<AtomicBool>) {
-    let Ok(mut client) = connect().await else { return };
+async fn worker(gateway: &'static str, run: u64, w: usize, tally: Arc<Mutex<Tally>>, stop: Arc<AtomicBool>) {
+    let Ok(mut client) = connect(gateway).await else { return };
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
         // Sessions of this run only (the gateway keeps earlier runs').
@@ -199,11 +259,11 @@ fn record(
     }
 }
 
-async fn status(client: &mut Client) -> R<api::EngineStatus> {
+async fn status(client: &mut Client, entry: &str) -> R<api::EngineStatus> {
     let mut req = tonic::Request::new(api::StatusRequest {});
     req.set_timeout(CALL_LIMIT);
     let s = client.get_status(req).await.map_err(|s| s.message().to_owned())?.into_inner();
-    s.engines.into_iter().find(|e| e.id == "window").ok_or_else(|| "no window engine in status".into())
+    s.engines.into_iter().find(|e| e.id == entry).ok_or_else(|| format!("no engine {entry} in status"))
 }
 
 fn in_service(r: &api::ReplicaStatus) -> bool {
@@ -213,6 +273,7 @@ fn in_service(r: &api::ReplicaStatus) -> bool {
 /// Polls status until `ok` (at most `within`); how long it took.
 async fn until(
     client: &mut Client,
+    entry: &str,
     what: &str,
     within: Duration,
     ok: impl Fn(&api::EngineStatus) -> bool,
@@ -220,7 +281,7 @@ async fn until(
     let start = Instant::now();
     let mut last = None;
     while start.elapsed() < within {
-        match status(client).await {
+        match status(client, entry).await {
             Ok(e) if ok(&e) => return Ok(start.elapsed()),
             Ok(e) => last = Some(e),
             Err(_) => {}
@@ -240,25 +301,27 @@ fn describe(e: &api::EngineStatus) -> String {
     format!("[{}]{q}", replicas.join(", "))
 }
 
-/// The window engine's history gaps so far (each one a resync); 0 when
-/// the metrics cannot be read within [`CALL_LIMIT`].
-async fn resyncs() -> u64 {
+/// The engine's history gaps so far (each one a resync); 0 when the
+/// metrics cannot be read within [`CALL_LIMIT`].
+async fn resyncs(metrics: &str, entry: &str) -> u64 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let read = async {
-        let mut s = tokio::net::TcpStream::connect(METRICS).await.ok()?;
+        let mut s = tokio::net::TcpStream::connect(metrics).await.ok()?;
         s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await.ok()?;
         let mut out = String::new();
         s.read_to_string(&mut out).await.ok()?;
         Some(out)
     };
     let out = tokio::time::timeout(CALL_LIMIT, read).await.ok().flatten().unwrap_or_default();
+    let series = format!("ctxgate_engine_history_gaps_total{{engine=\"{entry}\"");
     out.lines()
-        .filter(|l| l.starts_with("ctxgate_engine_history_gaps_total{engine=\"window\""))
+        .filter(|l| l.starts_with(&series))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum()
 }
 
 struct Run {
+    profile: &'static Profile,
     stack: Stack,
     client: Client,
     tally: Arc<Mutex<Tally>>,
@@ -291,7 +354,7 @@ impl Run {
 
     /// How a replica left service, as the gateway shows it now.
     async fn how_out(&mut self, address: &str) -> &'static str {
-        match status(&mut self.client).await {
+        match status(&mut self.client, self.profile.entry).await {
             Ok(e) => match e.replicas.iter().find(|r| r.address == address) {
                 Some(r) if r.quarantine.is_some() => "quarantined",
                 Some(_) => "in service again",
@@ -334,7 +397,7 @@ impl Run {
     /// The replica that has served the most calls: its address and the
     /// container behind it (one of `windows`).
     async fn busiest(&mut self, windows: &[String]) -> R<(String, String)> {
-        let e = status(&mut self.client).await?;
+        let e = status(&mut self.client, self.profile.entry).await?;
         let address = e.replicas.iter().max_by_key(|r| r.calls).map(|r| r.address.clone()).ok_or("no replicas")?;
         let container = self.container_at(windows, &address).await?;
         Ok((address, container))
@@ -345,102 +408,229 @@ impl Run {
     /// it, and says how long that took and which it was (then `note`).
     async fn until_out(&mut self, address: &str, what: &str, within: Duration, note: &str) {
         let gone = |e: &api::EngineStatus| e.replicas.iter().all(|r| r.address != address || !in_service(r));
-        let d = until(&mut self.client, what, within, gone).await;
+        let d = until(&mut self.client, self.profile.entry, what, within, gone).await;
         let how = self.how_out(address).await;
         self.waited(d, &format!("replica {address} {how}{note}"));
     }
 
+    /// Polls the engine's status until `ok` (at most `within`).
+    async fn until(&mut self, what: &str, within: Duration, ok: impl Fn(&api::EngineStatus) -> bool) -> R<Duration> {
+        until(&mut self.client, self.profile.entry, what, within, ok).await
+    }
+
+    async fn status(&mut self) -> R<api::EngineStatus> {
+        status(&mut self.client, self.profile.entry).await
+    }
+
+    /// Turns served by `engine` in `seen`.
+    fn served(seen: &BTreeMap<String, u64>, engine: &str) -> u64 {
+        seen.get(engine).copied().unwrap_or(0)
+    }
+
     async fn scenario(&mut self) -> R<()> {
-        let windows = self.stack.ids("engine-window").await?;
-        let gateway = self.stack.ids("gateway").await?.first().cloned().ok_or("no gateway container")?;
-        self.check(windows.len() == 3, format!("3 window replicas expected, found {}", windows.len()));
+        let p = self.profile;
+        let replicas = self.stack.ids(p.service).await?;
+        let gateway =
+            self.stack.ids(p.gateway_service).await?.first().cloned().ok_or("no gateway container")?;
+        self.check(replicas.len() == 3, format!("3 {} replicas expected, found {}", p.service, replicas.len()));
         let all = |e: &api::EngineStatus| e.replicas.len() == 3 && e.replicas.iter().all(in_service);
-        let d = until(&mut self.client, "three replicas in service", Duration::from_secs(30), all).await;
-        self.waited(d, "three window replicas in service");
+        let d = self.until("three replicas in service", Duration::from_secs(30), all).await;
+        self.waited(d, &format!("three {} replicas in service", p.service));
 
         self.say("baseline");
         let (seen, failed) = self.flow(Duration::from_secs(3)).await;
-        self.check(failed == 0 && seen.get("window").copied().unwrap_or(0) > 0, "baseline: served by window".into());
+        self.check(failed == 0 && Self::served(&seen, p.declared) > 0, format!("baseline: served by {}", p.declared));
 
-        // 1. The busiest replica dies: its sessions move, resync, no turn fails.
-        let (busiest, victim) = self.busiest(&windows).await?;
-        let gaps = resyncs().await;
+        // 1. The busiest replica dies: its sessions move (a DELTA engine
+        // resyncs them), no turn fails.
+        let (busiest, victim) = self.busiest(&replicas).await?;
+        let gaps = resyncs(p.metrics, p.entry).await;
         self.docker(&["kill", &victim]).await;
         self.until_out(&busiest, "the killed replica out of service", Duration::from_secs(20), "").await;
         let (seen, failed) = self.flow(Duration::from_secs(4)).await;
-        let moved = resyncs().await.saturating_sub(gaps);
-        self.say(&format!("{moved} session(s) resynced on another replica"));
         self.check(failed == 0, format!("kill one replica: {failed} turn(s) failed"));
-        self.check(moved > 0, "kill one replica: its sessions should resync elsewhere".into());
+        if p.delta {
+            let moved = resyncs(p.metrics, p.entry).await.saturating_sub(gaps);
+            self.say(&format!("{moved} session(s) resynced on another replica"));
+            self.check(moved > 0, "kill one replica: its sessions should resync elsewhere".into());
+        }
         self.check(
-            seen.get("legacy").copied().unwrap_or(0) == 0,
+            Self::served(&seen, "legacy") == 0,
             format!("kill one replica: turns degraded to legacy: {seen:?}"),
         );
-        let e = status(&mut self.client).await?;
+        let e = self.status().await?;
         self.check(
             e.quarantine.is_none(),
             format!("two replicas left, yet the engine is quarantined: {}", describe(&e)),
         );
 
         // 2. All of them die: legacy answers, the quarantine shows.
-        for id in windows.iter().filter(|id| **id != victim) {
+        for id in replicas.iter().filter(|id| **id != victim) {
             self.docker(&["kill", id]).await;
         }
         let out = |e: &api::EngineStatus| e.quarantine.is_some();
-        let d = until(&mut self.client, "the engine quarantined", Duration::from_secs(20), out).await;
+        let d = self.until("the engine quarantined", Duration::from_secs(20), out).await;
         self.waited(d, "engine quarantined (every replica down)");
-        let e = status(&mut self.client).await?;
+        let e = self.status().await?;
         self.say(&format!("status: {}", describe(&e)));
         let (seen, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("all replicas down: {failed} turn(s) failed"));
-        self.check(seen.get("legacy").copied().unwrap_or(0) > 0, "all replicas down: legacy should answer".into());
+        self.check(Self::served(&seen, "legacy") > 0, "all replicas down: legacy should answer".into());
 
         // 3. They come back: re-admitted.
-        for id in &windows {
+        for id in &replicas {
             self.docker(&["start", id]).await;
         }
-        let d = until(&mut self.client, "three replicas re-admitted", Duration::from_secs(60), all).await;
+        let d = self.until("three replicas re-admitted", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas re-admitted");
         let (seen, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(
-            failed == 0 && seen.get("window").copied().unwrap_or(0) > 0,
-            "after restart: served by window".into(),
+            failed == 0 && Self::served(&seen, p.declared) > 0,
+            format!("after restart: served by {}", p.declared),
         );
 
         // 4. One replica cut off the network: a deadline, fallback, quarantined.
-        let (busiest, cut) = self.busiest(&windows).await?;
+        let (busiest, cut) = self.busiest(&replicas).await?;
         let (net, _) = self.stack.network(&cut).await?;
         self.docker(&["network", "disconnect", &net, &cut]).await;
         // Out of service either way: quarantined when a call to it reached
         // its deadline, or dropped when its name stopped resolving to it.
         self.until_out(&busiest, "the cut-off replica out of service", Duration::from_secs(40), "").await;
-        let e = status(&mut self.client).await?;
+        let e = self.status().await?;
         self.say(&format!("status: {}", describe(&e)));
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("network disconnect: {failed} turn(s) failed"));
         // Back on the network under its service name (compose's alias).
-        self.docker(&["network", "connect", "--alias", "engine-window", &net, &cut]).await;
-        let d = until(&mut self.client, "three replicas in service again", Duration::from_secs(60), all).await;
+        self.docker(&["network", "connect", "--alias", p.service, &net, &cut]).await;
+        let d = self.until("three replicas in service again", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas in service again (reconnected)");
 
         // 5. The gateway restarts: its state is on its volume.
         self.docker(&["restart", "-t", "5", &gateway]).await;
         let up = |e: &api::EngineStatus| !e.replicas.is_empty() && e.replicas.iter().any(in_service);
-        let d = until(&mut self.client, "the gateway back", Duration::from_secs(60), up).await;
-        self.waited(d, "gateway back, serving through the window engine");
+        let d = self.until("the gateway back", Duration::from_secs(60), up).await;
+        self.waited(d, &format!("gateway back, serving through {}", p.declared));
         let (seen, _) = self.flow(Duration::from_secs(3)).await;
-        self.check(seen.get("window").copied().unwrap_or(0) > 0, "after the gateway restart: served by window".into());
+        self.check(
+            Self::served(&seen, p.declared) > 0,
+            format!("after the gateway restart: served by {}", p.declared),
+        );
 
         // 6. One replica paused: a hang, then a deadline; unpaused: back.
-        let (busiest, paused) = self.busiest(&windows).await?;
+        let (busiest, paused) = self.busiest(&replicas).await?;
         self.docker(&["pause", &paused]).await;
         self.until_out(&busiest, "the paused replica out of service", Duration::from_secs(40), " (a hang)").await;
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("pause: {failed} turn(s) failed"));
         self.docker(&["unpause", &paused]).await;
-        let d = until(&mut self.client, "three replicas in service after unpause", Duration::from_secs(60), all).await;
+        let d = self.until("three replicas in service after unpause", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas in service again (unpaused)");
         self.flow(Duration::from_secs(2)).await;
+        Ok(())
+    }
+
+    /// Each container mounts only its own folder of certificates, and that
+    /// folder holds the CA and its own pair.
+    async fn mounts(&mut self) -> R<()> {
+        for (service, folder) in self.profile.services {
+            let mut held: Vec<String> = std::fs::read_dir(format!("{CERTS}/{folder}"))
+                .map_err(|e| format!("{CERTS}/{folder}: {e}"))?
+                .filter_map(|e| e.ok()?.file_name().into_string().ok())
+                .collect();
+            held.sort();
+            let want = vec!["ca.pem".to_owned(), format!("{folder}.key"), format!("{folder}.pem")];
+            self.check(held == want, format!("{CERTS}/{folder} holds {held:?}, not just the CA and its own pair"));
+            for id in self.stack.ids(service).await? {
+                let f = "{{range .Mounts}}{{.Source}} {{.Destination}}\n{{end}}";
+                let mounts = self.stack.docker(&["inspect", "-f", f, &id]).await?;
+                let certs: Vec<&str> = mounts
+                    .lines()
+                    .filter(|l| l.contains("compose-certs") || l.ends_with(" /certs") || l.contains(" /certs/"))
+                    .collect();
+                let own = certs.len() == 1 && certs[0].ends_with(&format!("/compose-certs/{folder} /certs"));
+                self.check(own, format!("{service} ({id:.12}) mounts {certs:?}, not only its own certificates"));
+            }
+            self.say(&format!("{service}: mounts only {CERTS}/{folder} (the CA and its own pair)"));
+        }
+        Ok(())
+    }
+
+    /// From inside a lossless-claw container (where third-party plugin code
+    /// runs): the private keys it can read, and a call to the window engine
+    /// made with its own certificate.
+    async fn plugin_reach(&mut self) -> R<()> {
+        let id = self.stack.ids(self.profile.service).await?.first().cloned().ok_or("no lossless-claw container")?;
+        let find = "find / \\( -path /proc -o -path /sys \\) -prune -o -type f \\( -name '*.key' -o -name '*.pem' \\) \
+                    -readable -print0 | xargs -0 grep -l 'PRIVATE KEY'";
+        let keys = self.stack.docker(&["exec", &id, "sh", "-c", find]).await?;
+        let keys: Vec<&str> = keys.lines().collect();
+        self.say(&format!("lossless-claw container: readable private keys {keys:?}"));
+        self.check(keys == ["/certs/engine-lossless.key"], format!("the lossless-claw container can read {keys:?}"));
+        // GetInfo on the window engine, over mTLS with the lossless-claw
+        // pair, with the grpc-js the host itself runs on.
+        let call = r#"
+            const grpc = require("/app/engine-sdk/typescript/node_modules/@grpc/grpc-js");
+            const fs = require("fs");
+            const creds = grpc.credentials.createSsl(fs.readFileSync("/certs/ca.pem"),
+              fs.readFileSync("/certs/engine-lossless.key"), fs.readFileSync("/certs/engine-lossless.pem"));
+            const c = new grpc.Client("dns:engine-window:7401", creds);
+            c.makeUnaryRequest("/contextengine.v1.ContextEngine/GetInfo", (b) => b, (b) => b, Buffer.alloc(0),
+              new grpc.Metadata(), { deadline: Date.now() + 10000 }, (err) => {
+                console.log(err ? `refused: ${grpc.status[err.code]}: ${err.details}` : "served");
+                process.exit(0);
+              });"#;
+        let answer = self.stack.docker(&["exec", &id, "node", "-e", call]).await?;
+        self.say(&format!("a call to the window engine with the lossless-claw certificate: {answer}"));
+        self.check(answer.starts_with("refused"), format!("the window engine served the lossless-claw certificate: {answer}"));
+        Ok(())
+    }
+
+    /// lossless-claw's own record, read from its stopped replicas: each
+    /// acknowledged turn of a session once on one replica, no turn twice on
+    /// any (a replica a session left keeps what it had then).
+    async fn lossless_record(&mut self) -> R<()> {
+        let ids = self.stack.ids(self.profile.service).await?;
+        self.say(&format!("stopping the {} replicas to read their databases", ids.len()));
+        self.stack.compose(&["stop", "-t", "20", self.profile.service]).await?;
+        let dir = std::path::Path::new("target/chaos-lossless");
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut held: Vec<(String, Vec<String>)> = Vec::new();
+        for id in &ids {
+            let to = dir.join(&id[..12]);
+            self.stack.docker(&["cp", &format!("{id}:/state"), to.to_str().ok_or("path")?]).await?;
+            let db = to.join("lcm.db");
+            let texts = (|| -> rusqlite::Result<Vec<String>> {
+                let c = rusqlite::Connection::open(&db)?;
+                let mut q = c.prepare("SELECT content FROM messages WHERE role = 'user'")?;
+                q.query_map([], |r| r.get(0))?.collect()
+            })()
+            .map_err(|e| format!("{}: {e}", db.display()))?;
+            held.push((id[..12].to_owned(), texts));
+        }
+        let acked = self.tally.lock().unwrap_or_else(|e| e.into_inner()).acked.clone();
+        let (mut complete, mut sessions) = (0, 0);
+        for (key, texts) in &acked {
+            sessions += 1;
+            let counts: Vec<Vec<usize>> =
+                held.iter().map(|(_, h)| texts.iter().map(|t| h.iter().filter(|m| *m == t).count()).collect()).collect();
+            for ((replica, _), c) in held.iter().zip(&counts) {
+                for (t, n) in texts.iter().zip(c) {
+                    self.check(*n <= 1, format!("{key}: replica {replica} holds {t:?} {n} times"));
+                }
+            }
+            if counts.iter().any(|c| c.iter().all(|n| *n == 1)) {
+                complete += 1;
+            } else {
+                let best = counts.iter().map(|c| c.iter().filter(|n| **n == 1).count()).max().unwrap_or(0);
+                self.check(false, format!("{key}: no replica holds all {} acknowledged turns (at most {best})", texts.len()));
+            }
+        }
+        let total: usize = held.iter().map(|(_, h)| h.len()).sum();
+        self.say(&format!(
+            "lossless-claw's databases: {total} user messages over {} replicas; {complete} of {sessions} sessions held whole, once, on one replica",
+            held.len()
+        ));
         Ok(())
     }
 
@@ -482,7 +672,16 @@ impl Run {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let client = match connect().await {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let profile: &'static Profile = match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        [] | ["--profile", "default"] => &DEFAULT,
+        ["--profile", "openclaw"] => &OPENCLAW,
+        _ => {
+            eprintln!("usage: chaos [--profile default|openclaw]");
+            return ExitCode::from(2);
+        }
+    };
+    let client = match connect(profile.gateway).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("chaos: {e} (is the stack up? `.ci/images up`)");
@@ -491,15 +690,24 @@ async fn main() -> ExitCode {
     };
     let tally = Arc::new(Mutex::new(Tally::default()));
     let stop = Arc::new(AtomicBool::new(false));
-    let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let workers: Vec<_> = (0..WORKERS).map(|w| tokio::spawn(worker(run, w, tally.clone(), stop.clone()))).collect();
     let mut run = Run {
-        stack: Stack::new().await,
+        profile,
+        stack: Stack::new(profile.compose_flags).await,
         client,
         tally: tally.clone(),
         violations: Vec::new(),
         started: Instant::now(),
     };
+    let secrets = async {
+        run.mounts().await?;
+        if profile.entry == OPENCLAW.entry { run.plugin_reach().await } else { Ok(()) }
+    };
+    if let Err(e) = secrets.await {
+        run.check(false, e);
+    }
+    let id = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let workers: Vec<_> =
+        (0..WORKERS).map(|w| tokio::spawn(worker(profile.gateway, id, w, tally.clone(), stop.clone()))).collect();
     if let Err(e) = run.scenario().await {
         run.check(false, e);
     }
@@ -521,7 +729,14 @@ async fn main() -> ExitCode {
     for u in &unclear {
         run.check(false, format!("unclear: {u}"));
     }
-    println!("resyncs (history gaps) since the gateway's restart: {}", resyncs().await);
+    if profile.delta {
+        println!("resyncs (history gaps) since the gateway's restart: {}", resyncs(profile.metrics, profile.entry).await);
+    }
+    if profile.entry == OPENCLAW.entry
+        && let Err(e) = run.lossless_record().await
+    {
+        run.check(false, e);
+    }
     if run.violations.is_empty() {
         println!("chaos: every turn answered or failed with a clear status; nothing acknowledged was lost");
         ExitCode::SUCCESS
