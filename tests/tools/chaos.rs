@@ -314,10 +314,7 @@ async fn resyncs(metrics: &str, entry: &str) -> u64 {
     };
     let out = tokio::time::timeout(CALL_LIMIT, read).await.ok().flatten().unwrap_or_default();
     let series = format!("ctxgate_engine_history_gaps_total{{engine=\"{entry}\"");
-    out.lines()
-        .filter(|l| l.starts_with(&series))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum()
+    out.lines().filter(|l| l.starts_with(&series)).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum()
 }
 
 struct Run {
@@ -430,8 +427,7 @@ impl Run {
     async fn scenario(&mut self) -> R<()> {
         let p = self.profile;
         let replicas = self.stack.ids(p.service).await?;
-        let gateway =
-            self.stack.ids(p.gateway_service).await?.first().cloned().ok_or("no gateway container")?;
+        let gateway = self.stack.ids(p.gateway_service).await?.first().cloned().ok_or("no gateway container")?;
         self.check(replicas.len() == 3, format!("3 {} replicas expected, found {}", p.service, replicas.len()));
         let all = |e: &api::EngineStatus| e.replicas.len() == 3 && e.replicas.iter().all(in_service);
         let d = self.until("three replicas in service", Duration::from_secs(30), all).await;
@@ -454,10 +450,7 @@ impl Run {
             self.say(&format!("{moved} session(s) resynced on another replica"));
             self.check(moved > 0, "kill one replica: its sessions should resync elsewhere".into());
         }
-        self.check(
-            Self::served(&seen, "legacy") == 0,
-            format!("kill one replica: turns degraded to legacy: {seen:?}"),
-        );
+        self.check(Self::served(&seen, "legacy") == 0, format!("kill one replica: turns degraded to legacy: {seen:?}"));
         let e = self.status().await?;
         self.check(
             e.quarantine.is_none(),
@@ -511,10 +504,7 @@ impl Run {
         let d = self.until("the gateway back", Duration::from_secs(60), up).await;
         self.waited(d, &format!("gateway back, serving through {}", p.declared));
         let (seen, _) = self.flow(Duration::from_secs(3)).await;
-        self.check(
-            Self::served(&seen, p.declared) > 0,
-            format!("after the gateway restart: served by {}", p.declared),
-        );
+        self.check(Self::served(&seen, p.declared) > 0, format!("after the gateway restart: served by {}", p.declared));
 
         // 6. One replica paused: a hang, then a deadline; unpaused: back.
         let (busiest, paused) = self.busiest(&replicas).await?;
@@ -581,7 +571,10 @@ impl Run {
               });"#;
         let answer = self.stack.docker(&["exec", &id, "node", "-e", call]).await?;
         self.say(&format!("a call to the window engine with the lossless-claw certificate: {answer}"));
-        self.check(answer.starts_with("refused"), format!("the window engine served the lossless-claw certificate: {answer}"));
+        self.check(
+            answer.starts_with("refused"),
+            format!("the window engine served the lossless-claw certificate: {answer}"),
+        );
         Ok(())
     }
 
@@ -612,8 +605,10 @@ impl Run {
         let (mut complete, mut sessions) = (0, 0);
         for (key, texts) in &acked {
             sessions += 1;
-            let counts: Vec<Vec<usize>> =
-                held.iter().map(|(_, h)| texts.iter().map(|t| h.iter().filter(|m| *m == t).count()).collect()).collect();
+            let counts: Vec<Vec<usize>> = held
+                .iter()
+                .map(|(_, h)| texts.iter().map(|t| h.iter().filter(|m| *m == t).count()).collect())
+                .collect();
             for ((replica, _), c) in held.iter().zip(&counts) {
                 for (t, n) in texts.iter().zip(c) {
                     self.check(*n <= 1, format!("{key}: replica {replica} holds {t:?} {n} times"));
@@ -623,7 +618,10 @@ impl Run {
                 complete += 1;
             } else {
                 let best = counts.iter().map(|c| c.iter().filter(|n| **n == 1).count()).max().unwrap_or(0);
-                self.check(false, format!("{key}: no replica holds all {} acknowledged turns (at most {best})", texts.len()));
+                self.check(
+                    false,
+                    format!("{key}: no replica holds all {} acknowledged turns (at most {best})", texts.len()),
+                );
             }
         }
         let total: usize = held.iter().map(|(_, h)| h.len()).sum();
@@ -730,7 +728,10 @@ async fn main() -> ExitCode {
         run.check(false, format!("unclear: {u}"));
     }
     if profile.delta {
-        println!("resyncs (history gaps) since the gateway's restart: {}", resyncs(profile.metrics, profile.entry).await);
+        println!(
+            "resyncs (history gaps) since the gateway's restart: {}",
+            resyncs(profile.metrics, profile.entry).await
+        );
     }
     if profile.entry == OPENCLAW.entry
         && let Err(e) = run.lossless_record().await
