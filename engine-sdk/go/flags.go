@@ -59,8 +59,8 @@ func RegisterFlags(fs *flag.FlagSet, opts *Options) {
 	fs.StringVar(&opts.TLSKey, "tls-key", opts.TLSKey, "the key (PEM) of --tls-cert")
 	fs.StringVar(&opts.TLSClientCA, "tls-client-ca", opts.TLSClientCA, "with TLS: serve only clients presenting a certificate this CA (PEM) signed (mTLS)")
 	fs.Func("tls-client-name", "with --tls-client-ca: serve only a client whose certificate names NAME (a DNS subjectAltName), such as the gateway's service name; repeatable", func(v string) error {
-		if v == "" {
-			return errors.New("an empty name")
+		if problem := ClientNameProblem(v); problem != "" {
+			return errors.New(problem)
 		}
 		opts.TLSClientNames = append(opts.TLSClientNames, v)
 		return nil

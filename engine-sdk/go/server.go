@@ -112,6 +112,11 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 	if len(opts.TLSClientNames) > 0 && opts.TLSClientCA == "" {
 		return nil, errors.New("--tls-client-name needs --tls-client-ca")
 	}
+	for _, n := range opts.TLSClientNames {
+		if problem := ClientNameProblem(n); problem != "" {
+			return nil, errors.New(problem)
+		}
+	}
 	serverOpts := []grpc.ServerOption{
 		grpc.MaxRecvMsgSize(contract.MaxGRPCMessageBytes), grpc.MaxSendMsgSize(contract.MaxGRPCMessageBytes),
 		// Stop (a drain that timed out) returns once every handler has:
@@ -155,6 +160,9 @@ func NewServer(engine Engine, opts Options) (*Server, error) {
 	healthpb.RegisterHealthServer(s.grpc, s.healthSvc)
 	reflection.Register(s.grpc)
 	if opts.HealthListen != "" {
+		if s.healthAddr, err = healthEndpoint(opts.HealthListen); err != nil {
+			return nil, err
+		}
 		s.healthOnly = grpc.NewServer()
 		healthpb.RegisterHealthServer(s.healthOnly, s.healthSvc)
 	}
@@ -191,8 +199,9 @@ func (s *Server) Listen() error {
 		s.listener, s.addr = l, Endpoint{Addr: l.Addr().(*net.TCPAddr)}
 	}
 	if s.healthOnly != nil {
-		if s.healthListener, s.healthAddr, err = listenHealth(s.opts.HealthListen); err != nil {
+		if s.healthListener, s.healthAddr, err = listenHealth(s.healthAddr); err != nil {
 			_ = s.listener.Close()
+			s.listener = nil
 			return err
 		}
 	}
@@ -203,19 +212,24 @@ func (s *Server) Listen() error {
 	return nil
 }
 
-// listenHealth binds --health-listen: only this machine may reach it, since
-// nothing there is authenticated.
-func listenHealth(at string) (net.Listener, Endpoint, error) {
+// healthEndpoint reads --health-listen: only this machine may reach it,
+// since nothing there is authenticated.
+func healthEndpoint(at string) (Endpoint, error) {
 	e, err := ParseEndpoint(at)
 	if err != nil {
-		return nil, Endpoint{}, fmt.Errorf("--health-listen: %w", err)
+		return Endpoint{}, fmt.Errorf("--health-listen: %w", err)
 	}
+	if e.Unix == "" && (e.Addr == nil || !e.Addr.IP.IsLoopback()) {
+		return Endpoint{}, fmt.Errorf("--health-listen %s: health is served there without TLS or authentication, so only on a loopback address or a unix socket", at)
+	}
+	return e, nil
+}
+
+// listenHealth binds the health endpoint (port 0 resolved).
+func listenHealth(e Endpoint) (net.Listener, Endpoint, error) {
 	if e.Unix != "" {
 		l, err := listenUnix(e.Unix)
 		return l, e, err
-	}
-	if e.Addr == nil || !e.Addr.IP.IsLoopback() {
-		return nil, Endpoint{}, fmt.Errorf("--health-listen %s: health is served there without TLS or authentication, so only on a loopback address or a unix socket", at)
 	}
 	l, err := net.Listen("tcp", e.String())
 	if err != nil {

@@ -6,6 +6,7 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"strings"
 	"sync/atomic"
@@ -126,18 +127,36 @@ func serverConfig(f TLSFiles) (*tls.Config, error) {
 	return c, nil
 }
 
-// clientNamed fails a handshake whose verified client certificate names
-// none of names (checked as a server's name is: VerifyHostname), so an
-// engine serves the gateway, not every holder of a certificate from the
-// deployment's CA.
+// ClientNameProblem says why name cannot be a --tls-client-name, or ""
+// when it can: a DNS name (letters, digits, '-' and '.'), matched exactly,
+// so no wildcard and no IP address (every SDK applies this rule).
+func ClientNameProblem(name string) string {
+	dns := name != "" && len(name) <= 253
+	for _, label := range strings.Split(name, ".") {
+		dns = dns && label != "" && !strings.ContainsFunc(label, func(c rune) bool {
+			return !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-')
+		})
+	}
+	if dns && net.ParseIP(name) == nil {
+		return ""
+	}
+	return fmt.Sprintf("--tls-client-name %q: expected a DNS name (matched exactly against a DNS subjectAltName of the client's certificate; no wildcard, no IP address)", name)
+}
+
+// clientNamed fails a handshake whose verified client certificate carries
+// none of names as a DNS subjectAltName, exactly (ASCII case aside; a
+// wildcard it presents matches nothing), so an engine serves the gateway,
+// not every holder of a certificate from the deployment's CA.
 func clientNamed(names []string) func(tls.ConnectionState) error {
 	return func(cs tls.ConnectionState) error {
 		if len(cs.PeerCertificates) == 0 {
 			return errors.New("no client certificate")
 		}
-		for _, n := range names {
-			if cs.PeerCertificates[0].VerifyHostname(n) == nil {
-				return nil
+		for _, presented := range cs.PeerCertificates[0].DNSNames {
+			for _, n := range names {
+				if strings.EqualFold(presented, n) {
+					return nil
+				}
 			}
 		}
 		return fmt.Errorf("the client's certificate names none of %s", strings.Join(names, ", "))

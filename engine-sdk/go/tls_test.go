@@ -196,8 +196,12 @@ func TestTLSClientNameServesOnlyTheNamedClientAndHealthListenServesHealthAlone(t
 	if err := call("gateway", 2); err != nil {
 		t.Fatalf("the named client: %v", err)
 	}
-	if err := call("engine-lossless", 3); err == nil {
-		t.Fatal("a client whose certificate names another service was served")
+	if err := call("engine-lossless", 3); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("a client whose certificate names another service: %v, want a refused handshake", err)
+	}
+	// A wildcard the certificate presents matches no name.
+	if err := call("*.gateway", 4); err == nil || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("a wildcard client certificate: %v, want a refused handshake", err)
 	}
 	// Health alone, in plaintext: SERVING, and no engine method.
 	conn, err := grpc.NewClient("passthrough:///"+e.server.HealthAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -213,12 +217,16 @@ func TestTLSClientNameServesOnlyTheNamedClientAndHealthListenServesHealthAlone(t
 		t.Fatalf("an engine call at --health-listen: %v, want UNIMPLEMENTED", err)
 	}
 	// Health without authentication is served on this machine only.
-	s, err := NewServer(newProbe(), Options{Listen: "127.0.0.1:0", HealthListen: "0.0.0.0:0", MaxConcurrentCalls: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := s.Listen(); err == nil || !strings.Contains(err.Error(), "only on a loopback address") {
+	if _, err := NewServer(newProbe(), Options{Listen: "127.0.0.1:0", HealthListen: "0.0.0.0:0", MaxConcurrentCalls: 1}); err == nil ||
+		!strings.Contains(err.Error(), "only on a loopback address") {
 		t.Errorf("--health-listen on every interface: %v", err)
+	}
+	// Names are DNS names, matched exactly: no wildcard, no address.
+	for _, bad := range []string{"*.example", "127.0.0.1", "", "gate way"} {
+		if _, err := NewServer(newProbe(), Options{TLSCert: cert, TLSKey: key, TLSClientCA: caPath, TLSClientNames: []string{bad}}); err == nil ||
+			!strings.Contains(err.Error(), "expected a DNS name") {
+			t.Errorf("--tls-client-name %q: %v", bad, err)
+		}
 	}
 	if _, err := NewServer(newProbe(), Options{TLSCert: cert, TLSKey: key, TLSClientNames: []string{"gateway"}}); err == nil ||
 		!strings.Contains(err.Error(), "--tls-client-name needs --tls-client-ca") {

@@ -292,16 +292,25 @@ async fn the_gateway_reaches_an_engine_over_mtls_and_a_wrong_ca_name_or_no_clien
         assert!(e.name.is_empty() || e.quarantine.is_some(), "{what}: the engine never attached: {e:?}");
     }
 
-    // Health without authentication is served on this machine only.
-    let out = tokio::process::Command::new(bin("ctxgate-engine-window"))
-        .args(["--listen", "127.0.0.1:0", "--state-dir", d.join("w2").to_str().unwrap()])
-        .args(["--health-listen", "0.0.0.0:0"])
-        .output()
-        .await
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_ne!(out.status.code(), Some(0), "{err}");
-    assert!(err.contains("--health-listen 0.0.0.0:0") && err.contains("only"), "{err}");
+    // Health without authentication is served on this machine only, and a
+    // client name is a DNS name, matched exactly (no wildcard, no address).
+    let refused = async |args: &[&str], says: &str| {
+        let out = tokio::process::Command::new(bin("ctxgate-engine-window"))
+            .args(["--listen", "127.0.0.1:0", "--state-dir", d.join("w2").to_str().unwrap()])
+            .args(args)
+            .output()
+            .await
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    };
+    refused(&["--health-listen", "0.0.0.0:0"], "--health-listen 0.0.0.0:0: health is served there without").await;
+    let tls = ["--tls-cert", crt.to_str().unwrap(), "--tls-key", key.to_str().unwrap()];
+    for bad in ["*.example", "127.0.0.1", "gate way"] {
+        let args = [&tls[..], &["--tls-client-ca", ca_pem.to_str().unwrap(), "--tls-client-name", bad]].concat();
+        refused(&args, "expected a DNS name").await;
+    }
 }
 
 #[tokio::test]

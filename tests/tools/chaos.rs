@@ -301,6 +301,52 @@ fn describe(e: &api::EngineStatus) -> String {
     format!("[{}]{q}", replicas.join(", "))
 }
 
+/// Whether a call's answer is a refusal at the TLS handshake (a certificate
+/// the engine would not take), not any other failure.
+fn refused_at_handshake(answer: &str) -> bool {
+    answer.starts_with("refused: UNAVAILABLE") && answer.contains("certificate")
+}
+
+/// A client certificate (PEM certificate and key) the compose CA signs for
+/// DNS name `name`, made with openssl in `target/chaos-certs`.
+async fn client_certificate(name: &str) -> R<(String, String)> {
+    let dir = std::path::Path::new("target/chaos-certs");
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let [key, csr, ext, pem] =
+        ["key", "csr", "ext", "pem"].map(|x| dir.join(format!("{name}.{x}")).to_string_lossy().into_owned());
+    std::fs::write(&ext, format!("subjectAltName=DNS:{name}\nextendedKeyUsage=clientAuth\n"))
+        .map_err(|e| format!("{ext}: {e}"))?;
+    let ca = format!("{CERTS}/ca.pem");
+    let ca_key = format!("{CERTS}/ca/ca.key");
+    let steps: [&[&str]; 3] = [
+        &["genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", &key],
+        &["req", "-new", "-key", &key, "-subj", &format!("/CN={name}"), "-out", &csr],
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            &ca,
+            "-CAkey",
+            &ca_key,
+            "-set_serial",
+            "7",
+            "-days",
+            "1",
+            "-extfile",
+            &ext,
+            "-out",
+            &pem,
+        ],
+    ];
+    for args in steps {
+        Stack::run("openssl", args).await?;
+    }
+    let read = |p: &str| std::fs::read_to_string(p).map_err(|e| format!("{p}: {e}"));
+    Ok((read(&pem)?, read(&key)?))
+}
+
 /// The engine's history gaps so far (each one a resync); 0 when the
 /// metrics cannot be read within [`CALL_LIMIT`].
 async fn resyncs(metrics: &str, entry: &str) -> u64 {
@@ -546,8 +592,10 @@ impl Run {
     }
 
     /// From inside a lossless-claw container (where third-party plugin code
-    /// runs): the private keys it can read, and a call to the window engine
-    /// made with its own certificate.
+    /// runs): the private keys it can read, and calls to the window engine
+    /// with its own certificate (server-only), with a client certificate
+    /// the CA signed for another name (the name check alone refuses it),
+    /// and, as the control, with one the CA signed for the gateway's name.
     async fn plugin_reach(&mut self) -> R<()> {
         let id = self.stack.ids(self.profile.service).await?.first().cloned().ok_or("no lossless-claw container")?;
         let find = "find / \\( -path /proc -o -path /sys \\) -prune -o -type f \\( -name '*.key' -o -name '*.pem' \\) \
@@ -556,26 +604,41 @@ impl Run {
         let keys: Vec<&str> = keys.lines().collect();
         self.say(&format!("lossless-claw container: readable private keys {keys:?}"));
         self.check(keys == ["/certs/engine-lossless.key"], format!("the lossless-claw container can read {keys:?}"));
-        // GetInfo on the window engine, over mTLS with the lossless-claw
-        // pair, with the grpc-js the host itself runs on.
+        let own = self.call_window(&id, None).await?;
+        self.say(&format!("GetInfo on the window engine with the lossless-claw certificate: {own}"));
+        self.check(refused_at_handshake(&own), format!("the lossless-claw certificate: {own}"));
+        let stranger = self.call_window(&id, Some(client_certificate("engine-lossless").await?)).await?;
+        self.say(&format!("… with a client certificate the CA signed for engine-lossless: {stranger}"));
+        self.check(refused_at_handshake(&stranger), format!("a client certificate for another name: {stranger}"));
+        let gateway = self.call_window(&id, Some(client_certificate("gateway").await?)).await?;
+        self.say(&format!("… with one the CA signed for gateway (the control): {gateway}"));
+        self.check(gateway == "served", format!("a client certificate naming the gateway: {gateway}"));
+        Ok(())
+    }
+
+    /// GetInfo on the window engine from inside container `id`, over mTLS
+    /// with the grpc-js the host itself runs on, presenting `pair` (PEM
+    /// certificate and key) or the container's own: "served" or "refused:
+    /// STATUS: DETAILS".
+    async fn call_window(&self, id: &str, pair: Option<(String, String)>) -> R<String> {
         let call = r#"
             const grpc = require("/app/engine-sdk/typescript/node_modules/@grpc/grpc-js");
             const fs = require("fs");
-            const creds = grpc.credentials.createSsl(fs.readFileSync("/certs/ca.pem"),
-              fs.readFileSync("/certs/engine-lossless.key"), fs.readFileSync("/certs/engine-lossless.pem"));
+            const cert = process.env.CLIENT_CERT || fs.readFileSync("/certs/engine-lossless.pem");
+            const key = process.env.CLIENT_KEY || fs.readFileSync("/certs/engine-lossless.key");
+            const creds = grpc.credentials.createSsl(fs.readFileSync("/certs/ca.pem"), Buffer.from(key), Buffer.from(cert));
             const c = new grpc.Client("dns:engine-window:7401", creds);
             c.makeUnaryRequest("/contextengine.v1.ContextEngine/GetInfo", (b) => b, (b) => b, Buffer.alloc(0),
               new grpc.Metadata(), { deadline: Date.now() + 10000 }, (err) => {
-                console.log(err ? `refused: ${grpc.status[err.code]}: ${err.details}` : "served");
+                console.log(err ? `refused: ${grpc.status[err.code]}: ${err.details}`.split("\n")[0] : "served");
                 process.exit(0);
               });"#;
-        let answer = self.stack.docker(&["exec", &id, "node", "-e", call]).await?;
-        self.say(&format!("a call to the window engine with the lossless-claw certificate: {answer}"));
-        self.check(
-            answer.starts_with("refused"),
-            format!("the window engine served the lossless-claw certificate: {answer}"),
-        );
-        Ok(())
+        let mut args = vec!["exec".to_owned()];
+        if let Some((cert, key)) = pair {
+            args.extend(["-e".into(), format!("CLIENT_CERT={cert}"), "-e".into(), format!("CLIENT_KEY={key}")]);
+        }
+        args.extend([id.to_owned(), "node".into(), "-e".into(), call.into()]);
+        self.stack.docker(&args.iter().map(String::as_str).collect::<Vec<_>>()).await
     }
 
     /// lossless-claw's own record, read from its stopped replicas: each

@@ -30,7 +30,7 @@ from .host import HostChannels, HostEndpoint, HostPolicy, HostTls
 from .limits import MAX_GRPC_MESSAGE_BYTES
 from .methods import ENGINE_SERVICE
 from .otlp import Exporter
-from .service import DEFAULT_MAX_CONCURRENT_CALLS, EngineService, info_with_tools
+from .service import DEFAULT_MAX_CONCURRENT_CALLS, EngineService, client_name_problem, info_with_tools
 from .tls import LiveServerTls, Pem, ServerFiles, TlsError
 
 log = logging.getLogger("ctxgate_engine")
@@ -118,6 +118,9 @@ def parse_serve_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None
         parser.error("--tls-client-ca needs --tls-cert")
     if ns.tls_client_names and not ns.tls_client_ca:
         parser.error("--tls-client-name needs --tls-client-ca")
+    for name in ns.tls_client_names:
+        if (problem := client_name_problem(name)) is not None:
+            parser.error(problem)
     if ns.health_listen is not None and not ns.health_listen.is_local():
         parser.error(f"--health-listen {ns.health_listen}: health is served there without TLS or "
                      "authentication, so only on a loopback address or a unix socket")
@@ -230,7 +233,14 @@ class Server:
             self.local = Endpoint(host=listen.host, port=port, ip=listen.ip)
         self._server = server
         if a.health_listen is not None:
-            await self._bind_health(a.health_listen)
+            try:
+                await self._bind_health(a.health_listen)
+            except ServeError:
+                await server.stop(grace=0)
+                if self.local.unix is not None:
+                    with contextlib.suppress(OSError):
+                        os.remove(self.local.unix)
+                raise
         return self.local
 
     async def _bind_health(self, at: Endpoint) -> None:
@@ -243,13 +253,19 @@ class Server:
         if at.unix is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(at.unix)
+        # A unix socket is its owner's only, as the engine's own is.
+        old = os.umask(0o177)
         try:
             port = server.add_insecure_port(at.grpc_target())
+            if at.unix is None and port == 0:
+                raise ServeError(f"cannot listen on {at} (--health-listen)")
+            await server.start()
         except RuntimeError as e:
             raise ServeError(f"cannot listen on {at} (--health-listen): {e}") from None
-        if at.unix is None and port == 0:
-            raise ServeError(f"cannot listen on {at} (--health-listen)")
-        await server.start()
+        finally:
+            os.umask(old)
+        if at.unix is not None:
+            os.chmod(at.unix, 0o600)
         self.health_local = at if at.unix is not None else Endpoint(host=at.host, port=port, ip=at.ip)
         self._health_server = server
 

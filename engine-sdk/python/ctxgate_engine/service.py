@@ -7,6 +7,9 @@ the context's event; a failure is a status for that call only."""
 from __future__ import annotations
 
 import asyncio
+import re
+import json
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -85,19 +88,32 @@ def info_with_tools(engine: ContextEngine, info: pb.EngineInfo) -> pb.EngineInfo
     return info
 
 
+def client_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a `--tls-client-name`, if it cannot: a DNS name
+    (letters, digits, `-` and `.`), matched exactly, so no wildcard and no IP
+    address (every SDK applies this rule)."""
+    dns = 0 < len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
+    try:
+        ipaddress.ip_address(name)
+        ip = True
+    except ValueError:
+        ip = False
+    if dns and not ip:
+        return None
+    return (f"--tls-client-name {json.dumps(name)}: expected a DNS name (matched exactly against a DNS "
+            "subjectAltName of the client's certificate; no wildcard, no IP address)")
+
+
+_LABEL = re.compile(r"[A-Za-z0-9-]+")
+
+
 def client_named(auth: Mapping[str, Iterable[bytes]], names: tuple[str, ...]) -> bool:
     """Whether the verified client certificate in `auth` (grpcio's auth
-    context) names one of `names`, as a server's name is checked: a DNS
-    subjectAltName, equal or matched by a `*.` wildcard over one label."""
-    presented = [p.decode("ascii", "replace").lower() for p in auth.get("x509_subject_alternative_name", [])]
-
-    def matches(pattern: str, name: str) -> bool:
-        if pattern.startswith("*."):
-            head, _, rest = name.partition(".")
-            return bool(head) and rest == pattern[2:]
-        return pattern == name
-
-    return any(matches(p, n.lower()) for p in presented for n in names)
+    context) carries one of `names` as a DNS subjectAltName (`peer_dns`:
+    not a URI, an e-mail or an address), exactly (case aside; a wildcard it
+    presents matches nothing)."""
+    presented = {p.decode("ascii", "replace").lower() for p in auth.get("peer_dns", [])}
+    return any(n.lower() in presented for n in names)
 
 
 class EngineService:

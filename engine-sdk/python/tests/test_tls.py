@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 from ctxgate_engine.pb import pb
+from ctxgate_engine.service import client_named
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import EngineProcess
 
@@ -119,8 +120,22 @@ def test_tls_client_name_serves_only_the_named_client_and_health_listen_serves_h
             raise AssertionError("an engine call was served where health is served alone")
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert os.stat(tmp_path / "health.sock").st_mode & 0o777 == 0o600, "the health socket is its owner's only"
     assert engine.stop() == 0
 
     refused = subprocess.run([sys.executable, PROBE, "--listen", "127.0.0.1:0", "--health-listen", "0.0.0.0:0"],
                              capture_output=True, text=True, timeout=30)
     assert refused.returncode != 0 and "only on a loopback address" in refused.stderr, refused.stderr
+    for bad in ("*.example", "127.0.0.1", "gate way"):
+        refused = subprocess.run([sys.executable, PROBE, "--listen", "127.0.0.1:0", "--tls-cert", str(cert),
+                                  "--tls-key", str(key), "--tls-client-ca", str(signer[0]), "--tls-client-name", bad],
+                                 capture_output=True, text=True, timeout=30)
+        assert refused.returncode != 0 and "expected a DNS name" in refused.stderr, (bad, refused.stderr)
+
+
+def test_a_client_name_matches_a_dns_name_exactly() -> None:
+    assert client_named({"peer_dns": [b"gateway"], "x509_subject_alternative_name": [b"gateway"]}, ("gateway",))
+    assert client_named({"peer_dns": [b"GATEWAY"]}, ("gateway",)), "case aside"
+    assert not client_named({"peer_dns": [b"*.internal"]}, ("gateway.internal",)), "a wildcard names no one"
+    assert not client_named({"x509_subject_alternative_name": [b"gateway"], "peer_uri": [b"gateway"]}, ("gateway",)), \
+        "a URI or e-mail name is not a DNS name"

@@ -55,7 +55,7 @@ pub struct ServeArgs {
     /// With `--tls-client-ca`: serve only a client whose certificate names
     /// NAME (a DNS subjectAltName), such as the gateway's service name;
     /// repeatable. Others fail the handshake. None: any client the CA signed.
-    #[arg(long = "tls-client-name", value_name = "NAME", requires = "tls_client_ca")]
+    #[arg(long = "tls-client-name", value_name = "NAME", requires = "tls_client_ca", value_parser = parse_client_name)]
     pub tls_client_names: Vec<String>,
     /// Also serve grpc.health.v1, and nothing else, in plaintext here: a
     /// loopback HOST:PORT or unix:///PATH, for a container's own health
@@ -99,6 +99,11 @@ impl ServeArgs {
         let ca = self.host_ca.as_deref().map(|p| crate::tls::Pem::new("--host-ca", p));
         crate::tls::client(ca, crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR))
     }
+}
+
+/// A `--tls-client-name`: a DNS name (see [`crate::tls::client_name_problem`]).
+fn parse_client_name(s: &str) -> Result<String, String> {
+    crate::tls::client_name_problem(s).map_or_else(|| Ok(s.to_owned()), Err)
 }
 
 /// An octal file mode of at most 777.
@@ -332,16 +337,24 @@ impl<E: ContextEngine> Server<E> {
         if self.tls.is_some() && matches!(endpoint, Endpoint::Unix(_)) {
             return Err(std::io::Error::other("TLS is served over TCP only: --listen HOST:PORT with --tls-cert"));
         }
+        if let Some(at) = self.health_listen.as_ref().filter(|at| !at.is_local()) {
+            return Err(std::io::Error::other(format!(
+                "--health-listen {at}: health is served there without TLS or authentication, so only on a \
+                 loopback address or a unix socket"
+            )));
+        }
         let (listener, local) = listen(endpoint, self.socket_mode).await?;
         let health_listener = match &self.health_listen {
             None => None,
-            Some(at) if !at.is_local() => {
-                return Err(std::io::Error::other(format!(
-                    "--health-listen {at}: health is served there without TLS or authentication, so only \
-                     on a loopback address or a unix socket"
-                )));
-            }
-            Some(at) => Some(listen(at, self.socket_mode).await?),
+            Some(at) => match listen(at, self.socket_mode).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    if let Endpoint::Unix(path) = endpoint {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    return Err(e);
+                }
+            },
         };
         let reporter = tonic_health::server::HealthReporter::new();
         reporter.set_service_status(ENGINE_SERVICE, ServingStatus::Serving).await;

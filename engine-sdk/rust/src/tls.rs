@@ -151,6 +151,10 @@ pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, TlsErr
         detail: e.to_string(),
     };
     let builder = match &files.client_ca {
+        // Names to check with no CA to check them against would serve anyone.
+        None if !files.client_names.is_empty() => {
+            return Err(TlsError::Settings("--tls-client-name needs --tls-client-ca".into()));
+        }
         None => builder.with_no_client_auth(),
         Some(ca) => {
             let mut roots = rustls::RootCertStore::empty();
@@ -175,26 +179,39 @@ pub fn server_config(files: &ServerFiles) -> Result<rustls::ServerConfig, TlsErr
     Ok(config)
 }
 
+/// Why `name` cannot be a `--tls-client-name`, if it cannot: it must be a
+/// DNS name (letters, digits, `-` and `.`), matched exactly, so no
+/// wildcard and no IP address (every SDK applies this rule).
+pub fn client_name_problem(name: &str) -> Option<String> {
+    let dns = !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|l| !l.is_empty() && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-'));
+    let ip = name.parse::<std::net::IpAddr>().is_ok();
+    (!dns || ip).then(|| {
+        format!(
+            "--tls-client-name {name:?}: expected a DNS name (matched exactly against a DNS subjectAltName \
+             of the client's certificate; no wildcard, no IP address)"
+        )
+    })
+}
+
 /// A client verifier that, past the CA's checks, requires the client's
-/// certificate to name one of `names` (a DNS subjectAltName, as a server's
-/// name is checked): an engine serves the gateway, not every holder of a
-/// certificate from the deployment's CA. The handshake fails otherwise.
+/// certificate to carry one of `names` as a DNS subjectAltName, exactly
+/// (ASCII case aside; a wildcard the certificate presents matches nothing):
+/// an engine serves the gateway, not every holder of a certificate from the
+/// deployment's CA. The handshake fails otherwise.
 #[derive(Debug)]
 struct NamedClients {
     inner: Arc<dyn rustls::server::danger::ClientCertVerifier>,
-    names: Vec<rustls_pki_types::ServerName<'static>>,
+    names: Vec<String>,
 }
 
 impl NamedClients {
     fn new(inner: Arc<dyn rustls::server::danger::ClientCertVerifier>, names: &[String]) -> Result<Self, TlsError> {
-        let names = names
-            .iter()
-            .map(|n| {
-                rustls_pki_types::ServerName::try_from(n.clone())
-                    .map_err(|_| TlsError::Settings(format!("--tls-client-name {n:?}: not a DNS name or IP address")))
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Self { inner, names })
+        if let Some(problem) = names.iter().find_map(|n| client_name_problem(n)) {
+            return Err(TlsError::Settings(problem));
+        }
+        Ok(Self { inner, names: names.to_vec() })
     }
 }
 
@@ -220,7 +237,7 @@ impl rustls::server::danger::ClientCertVerifier for NamedClients {
         let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
         let cert = webpki::EndEntityCert::try_from(end_entity)
             .map_err(|_| rustls::Error::InvalidCertificate(rustls::CertificateError::BadEncoding))?;
-        if self.names.iter().any(|n| cert.verify_is_valid_for_subject_name(n).is_ok()) {
+        if cert.valid_dns_names().any(|d| self.names.iter().any(|n| d.eq_ignore_ascii_case(n))) {
             Ok(verified)
         } else {
             Err(rustls::Error::InvalidCertificate(rustls::CertificateError::NotValidForName))
@@ -247,6 +264,10 @@ impl rustls::server::danger::ClientCertVerifier for NamedClients {
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
         self.inner.supported_verify_schemes()
+    }
+
+    fn requires_raw_public_keys(&self) -> bool {
+        self.inner.requires_raw_public_keys()
     }
 }
 
@@ -292,5 +313,21 @@ impl LiveServerTls {
     /// accepted after a reload use the new certificate).
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.config())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::client_name_problem;
+
+    #[test]
+    fn a_client_name_is_a_dns_name_without_wildcard_or_address() {
+        for good in ["gateway", "gateway-openclaw", "ctxgate.svc.cluster.local", "GATEWAY"] {
+            assert_eq!(client_name_problem(good), None, "{good}");
+        }
+        for bad in ["", "*.example", "*", "127.0.0.1", "::1", "gate way", "a..b", ".gateway", "gateway."] {
+            let problem = client_name_problem(bad).expect(bad);
+            assert!(problem.contains("expected a DNS name"), "{problem}");
+        }
     }
 }

@@ -5,6 +5,8 @@
 # venv of its own under CACHE_DIR, made once, under a lock, so a fresh
 # machine needs nothing by hand.
 #   scripts/node.sh 22.5 engines/openclaw-host/.cache
+# NODE_FROM_WHEEL=1 takes the wheel's Node whatever the machine has (an
+# image needs one that runs on its own base, not the machine's build).
 set -euo pipefail
 min=${1:?usage: node.sh MIN_VERSION CACHE_DIR}
 cache=${2:?usage: node.sh MIN_VERSION CACHE_DIR}
@@ -17,7 +19,8 @@ new_enough() { # $1: a node binary
   ' "$min" 2>/dev/null
 }
 
-if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && new_enough "$(command -v node)"; then
+if [ -z "${NODE_FROM_WHEEL:-}" ] && command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 &&
+  new_enough "$(command -v node)"; then
   dirname "$(command -v node)"
   exit 0
 fi

@@ -9,7 +9,7 @@ import { parseArgs, type ParseArgsConfig } from "node:util";
 import * as grpc from "@grpc/grpc-js";
 import type { ContextEngine } from "./engine.js";
 import { CallContext } from "./context.js";
-import { withTools } from "./service.js";
+import { clientNameProblem, withTools } from "./service.js";
 import { grpcTarget, isLocal, parseEndpoint } from "./endpoint.js";
 import { type HostTls, HostPolicy, parseHostEndpoint } from "./host.js";
 import { Exporter } from "./otlp.js";
@@ -78,7 +78,11 @@ export function parseServeArgs(
   requires("tls-key", "tls-cert");
   requires("tls-client-ca", "tls-cert");
   const tlsClientNames = (values["tls-client-name"] as string[] | undefined) ?? [];
-  if (tlsClientNames.length > 0 && s("tls-client-ca") === undefined) throw new UsageError("--tls-client-name requires --tls-client-ca");
+  if (tlsClientNames.length > 0 && s("tls-client-ca") === undefined) throw new UsageError("--tls-client-name needs --tls-client-ca");
+  for (const n of tlsClientNames) {
+    const problem = clientNameProblem(n);
+    if (problem) throw new UsageError(problem);
+  }
   const healthListen = s("health-listen");
   if (healthListen !== undefined) {
     let at;

@@ -12,7 +12,7 @@ import { HostChannels, HostPolicy, type HostTls } from "./host.js";
 import { MAX_GRPC_MESSAGE_BYTES } from "./limits.js";
 import type { Exporter } from "./otlp.js";
 import { ENGINE_SERVICE, engineService, packageDefinition } from "./proto.js";
-import { ServiceState, handlers } from "./service.js";
+import { ServiceState, clientNameProblem, handlers } from "./service.js";
 import type { LiveServerTls } from "./tls.js";
 
 export const DEFAULT_MAX_CONCURRENT_CALLS = 1024;
@@ -128,6 +128,9 @@ export async function serve(engine: ContextEngine, listen: string | Endpoint, op
   if (options.tls && endpoint.kind === "unix") {
     throw new Error("TLS is served over TCP only: --listen HOST:PORT with --tls-cert");
   }
+  const badName = (options.clientNames ?? []).map(clientNameProblem).find((p) => p !== undefined);
+  if (badName) throw new Error(badName);
+  if ((options.clientNames ?? []).length > 0 && !options.tls?.files.clientCa) throw new Error("--tls-client-name needs --tls-client-ca");
   const healthAt = options.healthListen === undefined ? undefined : parseEndpoint(options.healthListen);
   if (healthAt && !isLocal(healthAt)) {
     throw new Error(`--health-listen ${options.healthListen}: health is served there without TLS or authentication, so only on a loopback address or a unix socket`);

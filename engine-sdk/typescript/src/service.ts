@@ -3,6 +3,7 @@
 // CallContext (deadline and cancellation as an AbortSignal, the host
 // client, the trace) and run isolated: whatever the method throws is that
 // call's status, never a crashed server (engine-sdk/rust/src/service.rs).
+import { isIP } from "node:net";
 import * as grpc from "@grpc/grpc-js";
 import { CallContext } from "./context.js";
 import type { CompactOutcome, ContextEngine, Progress } from "./engine.js";
@@ -81,21 +82,25 @@ export function statusOf(method: Method, err: unknown): StatusLike {
 
 type AnyCall = grpc.ServerUnaryCall<unknown, unknown> | grpc.ServerWritableStream<unknown, unknown>;
 
+/** Why `name` cannot be a `--tls-client-name`, if it cannot: a DNS name
+ * (letters, digits, `-` and `.`), matched exactly, so no wildcard and no IP
+ * address (every SDK applies this rule). */
+export function clientNameProblem(name: string): string | undefined {
+  const dns = name.length > 0 && name.length <= 253 && name.split(".").every((l) => /^[A-Za-z0-9-]+$/.test(l));
+  if (dns && isIP(name) === 0) return undefined;
+  return `--tls-client-name ${JSON.stringify(name)}: expected a DNS name (matched exactly against a DNS subjectAltName of the client's certificate; no wildcard, no IP address)`;
+}
+
 /** Whether a certificate's subjectAltName (Node's "DNS:a, IP Address:b"
- * form) names one of `names`, as a server's name is checked: equal, or a
- * `*.` wildcard over one label. */
+ * form) carries one of `names` as a DNS name, exactly (case aside; a
+ * wildcard it presents matches nothing). */
 export function certificateNames(subjectAltName: string | undefined, names: readonly string[]): boolean {
   const presented = (subjectAltName ?? "")
     .split(",")
     .map((s) => s.trim())
-    .filter((s) => s.startsWith("DNS:") || s.startsWith("IP Address:"))
-    .map((s) => s.slice(s.indexOf(":") + 1).toLowerCase());
-  const matches = (pattern: string, name: string) => {
-    if (!pattern.startsWith("*.")) return pattern === name;
-    const dot = name.indexOf(".");
-    return dot > 0 && name.slice(dot + 1) === pattern.slice(2);
-  };
-  return presented.some((p) => names.some((n) => matches(p, n.toLowerCase())));
+    .filter((s) => s.startsWith("DNS:"))
+    .map((s) => s.slice("DNS:".length).toLowerCase());
+  return presented.some((p) => names.some((n) => p === n.toLowerCase()));
 }
 
 /** The first gate every call passes: the client's name, draining,

@@ -5,7 +5,7 @@ import { copyFileSync, readFileSync, writeFileSync } from "node:fs";
 import { connect } from "node:tls";
 import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
-import { LiveServerTls, TlsError, checkHealth, serve } from "./sdk.js";
+import { LiveServerTls, TlsError, certificateNames, checkHealth, serve } from "./sdk.js";
 import { Probe, certificates, engineClient, unary } from "./helpers.js";
 
 function fingerprint(port: number, ca: Buffer, cert?: Buffer, key?: Buffer): Promise<string> {
@@ -73,6 +73,7 @@ describe("TLS", () => {
       assert.equal(refused.err?.code, grpc.status.UNAUTHENTICATED, "a certificate naming another service is refused");
       assert.match(refused.err?.details ?? "", /names gateway/);
       other.close();
+
       const health = bound.healthOnly!.endpoint;
       assert.equal(health.kind, "tcp");
       const at = `127.0.0.1:${health.kind === "tcp" ? health.port : 0}`;
@@ -85,6 +86,18 @@ describe("TLS", () => {
       await bound.shutdown();
     }
     await assert.rejects(serve(new Probe(), "127.0.0.1:0", { healthListen: "0.0.0.0:0" }), /only on a loopback address/);
+    for (const bad of ["*.example", "127.0.0.1", "", "gate way"]) {
+      await assert.rejects(serve(new Probe(), "127.0.0.1:0", { tls: mtls, clientNames: [bad] }), /expected a DNS name/, bad);
+    }
+  });
+
+  test("a client name matches a DNS subjectAltName exactly: no wildcard, no address, no other kind of name", () => {
+    assert.equal(certificateNames("DNS:gateway, IP Address:127.0.0.1", ["gateway"]), true);
+    assert.equal(certificateNames("DNS:GATEWAY", ["gateway"]), true, "case aside");
+    assert.equal(certificateNames("DNS:*.internal", ["gateway.internal"]), false, "a wildcard names no one");
+    assert.equal(certificateNames("URI:gateway, email:gateway", ["gateway"]), false);
+    assert.equal(certificateNames("IP Address:127.0.0.1", ["127.0.0.1"]), false);
+    assert.equal(certificateNames(undefined, ["gateway"]), false);
   });
 
   test("a reload serves the new certificate to new connections; a bad file keeps the running one", async () => {
