@@ -196,12 +196,15 @@ func TestTLSClientNameServesOnlyTheNamedClientAndHealthListenServesHealthAlone(t
 	if err := call("gateway", 2); err != nil {
 		t.Fatalf("the named client: %v", err)
 	}
-	if err := call("engine-lossless", 3); err == nil || !strings.Contains(err.Error(), "certificate") {
-		t.Fatalf("a client whose certificate names another service: %v, want a refused handshake", err)
+	// Refused at the handshake: the connection fails (UNAVAILABLE; with TLS
+	// 1.3 the client may see the close as a broken pipe rather than the
+	// alert), never an answer from the engine.
+	if err := call("engine-lossless", 3); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a client whose certificate names another service: %v, want a refused connection", err)
 	}
 	// A wildcard the certificate presents matches no name.
-	if err := call("*.gateway", 4); err == nil || !strings.Contains(err.Error(), "certificate") {
-		t.Fatalf("a wildcard client certificate: %v, want a refused handshake", err)
+	if err := call("*.gateway", 4); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a wildcard client certificate: %v, want a refused connection", err)
 	}
 	// Health alone, in plaintext: SERVING, and no engine method.
 	conn, err := grpc.NewClient("passthrough:///"+e.server.HealthAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))

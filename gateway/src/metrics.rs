@@ -88,8 +88,11 @@ pub struct Metrics {
     pub turn_seconds: Histogram,
     pub turns_in_flight: Gauge,
     pub turns_shed: Counter,
-    /// The admission limit (it follows latency: `core::admission`).
+    /// The work limit (it follows latency: `core::admission`).
     pub turn_limit: Gauge,
+    /// How long turns waited to start their work (behind their session,
+    /// or held by admission).
+    pub turn_wait_seconds: Histogram,
     pub compactions: Family<TriggerOutcome, Counter>,
     pub compaction_seconds: Family<Trigger, Histogram>,
     pub compaction_tokens_before: Counter,
@@ -139,6 +142,7 @@ impl Metrics {
         let turns_in_flight = Gauge::default();
         let turns_shed = Counter::default();
         let turn_limit = Gauge::default();
+        let turn_wait_seconds = Histogram::new(exponential_buckets(0.000_25, 2.0, 16));
         let compactions = Family::<TriggerOutcome, Counter>::default();
         let compaction_seconds = Family::<Trigger, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         let compaction_tokens_before = Counter::default();
@@ -148,7 +152,12 @@ impl Metrics {
         r.register("turn_duration_seconds", "Managed turn duration", turn_seconds.clone());
         r.register("turns_in_flight", "Turns running now", turns_in_flight.clone());
         r.register("turns_shed", "Turns refused at once over the admission limit", turns_shed.clone());
-        r.register("turn_limit", "Turns admitted at once now (adaptive: follows latency)", turn_limit.clone());
+        r.register("turn_limit", "Turns that may work at once now (adaptive: follows latency)", turn_limit.clone());
+        r.register(
+            "turn_wait_seconds",
+            "How long turns waited to start their work, behind their session or held by admission",
+            turn_wait_seconds.clone(),
+        );
         r.register("compactions", "Compactions by trigger and outcome", compactions.clone());
         r.register("compaction_duration_seconds", "Compaction duration by trigger", compaction_seconds.clone());
         r.register(
@@ -213,6 +222,7 @@ impl Metrics {
             turns_in_flight,
             turns_shed,
             turn_limit,
+            turn_wait_seconds,
             compactions,
             compaction_seconds,
             compaction_tokens_before,

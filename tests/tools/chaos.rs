@@ -301,10 +301,11 @@ fn describe(e: &api::EngineStatus) -> String {
     format!("[{}]{q}", replicas.join(", "))
 }
 
-/// Whether a call's answer is a refusal at the TLS handshake (a certificate
-/// the engine would not take), not any other failure.
+/// Whether a call's answer is a refusal of the connection (the engine ends
+/// the handshake on a certificate it will not take; with TLS 1.3 the client
+/// may see the close rather than the alert), never an answer.
 fn refused_at_handshake(answer: &str) -> bool {
-    answer.starts_with("refused: UNAVAILABLE") && answer.contains("certificate")
+    answer.starts_with("refused: UNAVAILABLE")
 }
 
 /// A client certificate (PEM certificate and key) the compose CA signs for

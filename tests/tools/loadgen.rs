@@ -141,6 +141,10 @@ enum Run {
         factor: f64,
         #[arg(long, default_value_t = 10.0)]
         seconds: f64,
+        /// The open loops go round-robin over this many sessions (fewer
+        /// sessions: turns wait behind their session's running turn).
+        #[arg(long, default_value_t = 4096)]
+        open_sessions: usize,
     },
     Soak {
         #[arg(long, default_value_t = 30.0)]
@@ -754,20 +758,20 @@ async fn run(args: Args) -> Result<bool, String> {
             println!("gateway RSS: idle {:.1} MiB, peak {:.1} MiB", mib(idle), mib(watch.peak()));
             ok &= t.errors == 0;
         }
-        Run::Overload { sessions, factor, seconds } => {
+        Run::Overload { sessions, factor, seconds, open_sessions } => {
             stack.warm_up(sessions).await?;
             let (base, e) = closed(&stack, sessions, seconds).await;
             base.report(&format!("closed loop, {engine}, {sessions} sessions"), e);
             let saturation = base.latencies.len() as f64 / e.as_secs_f64();
-            stack.warm_up(4096).await?;
+            stack.warm_up(open_sessions).await?;
             // Unloaded: the same open-loop traffic at half of saturation.
-            let (calm, e) = open(&stack, saturation / 2.0, seconds / 2.0, 4096, false).await;
+            let (calm, e) = open(&stack, saturation / 2.0, seconds / 2.0, open_sessions, false).await;
             calm.report(&format!("open loop, {engine}, {:.0}/s offered (unloaded: ½ saturation)", saturation / 2.0), e);
             let rate = saturation * factor;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
             let cpu = cpu_time(stack.gateway().pid());
-            let (t, e) = open(&stack, rate, seconds / 2.0, 4096, true).await;
+            let (t, e) = open(&stack, rate, seconds / 2.0, open_sessions, true).await;
             let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
             print_call_cpu(used, &t, e);

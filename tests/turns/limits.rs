@@ -171,7 +171,7 @@ async fn turns_over_max_concurrent_turns_are_shed_at_once_with_a_pushback() {
 
     let shed = turn_status(&g, request("another session".into())).await.unwrap_err();
     assert_eq!(shed.code(), Code::ResourceExhausted, "{shed:?}");
-    assert!(shed.message().contains("limit of 1 concurrent turns"), "{}", shed.message());
+    assert!(shed.message().contains("limit of 1 open turns (gateway.limits.maxConcurrentTurns)"), "{}", shed.message());
     assert_eq!(shed.metadata().get("grpc-retry-pushback-ms").and_then(|v| v.to_str().ok()), Some("100"));
     let metrics = ctxgate_tests::metrics_text(g.metrics.unwrap()).await;
     assert!(metrics.contains("ctxgate_turns_shed_total 1"), "{metrics}");
@@ -253,4 +253,84 @@ async fn streams_over_the_per_connection_limit_wait_at_the_client_and_other_conn
     assert!(matches!(last, Some(api::turn_event::Event::Completed(_))), "{last:?}");
     b.end(TurnOutcome::Aborted).await.unwrap();
     g.stop().await;
+}
+
+/// A burst the gateway drains is never refused, on a fresh gateway that has
+/// measured nothing yet: 64 RunTurns and 50 DriveTurn streams opened at
+/// once (each on its own session), all admitted and completed.
+#[tokio::test]
+async fn bursts_of_run_turns_and_drive_turns_at_once_on_a_fresh_gateway_are_never_refused() {
+    use ctxgate_proto::gateway::TurnOutcome;
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{Drive, begin, client, text};
+    let g = TestGateway::start(Config::default()).await;
+    let runs = (0..64).map(|i| {
+        let r = api::RunTurnRequest {
+            session: Some(api::SessionRef { agent_id: String::new(), session_key: format!("burst-{i}") }),
+            message: "hello".into(),
+            ..Default::default()
+        };
+        turn_status(&g, r)
+    });
+    let refused: Vec<_> = futures_util::future::join_all(runs).await.into_iter().filter_map(Result::err).collect();
+    assert!(refused.is_empty(), "{} of 64 RunTurns refused: {:?}", refused.len(), refused.first());
+
+    let fresh = TestGateway::start(Config::default()).await;
+    let hc = client(&fresh.endpoint);
+    let drives = (0..50).map(|i| {
+        let hc = hc.clone();
+        async move {
+            let mut d = Drive::open(&hc, begin(&format!("drive-{i}"), "hello")).await?;
+            d.context().await?;
+            d.append(vec![text(Role::Assistant, "done")]).await?;
+            d.end(TurnOutcome::Accepted).await
+        }
+    });
+    let refused: Vec<_> = futures_util::future::join_all(drives).await.into_iter().filter_map(Result::err).collect();
+    assert!(refused.is_empty(), "{} of 50 DriveTurn streams refused: {:?}", refused.len(), refused.first());
+    g.stop().await;
+    fresh.stop().await;
+}
+
+/// Turns waiting to start are bounded: past `maxWaitingTurns` (here 2, all
+/// waiting behind one session's running turn) a turn is refused at once,
+/// naming the limit; a waiting turn that starts frees its place.
+#[tokio::test]
+async fn waiting_turns_past_max_waiting_turns_are_refused_naming_the_limit() {
+    use ctxgate_proto::gateway::TurnOutcome;
+    use ctxgate_proto::pb::Role;
+    use ctxgate_tests::harness::{Drive, begin, client, text};
+    let g = limited_gateway(|l| l.max_waiting_turns = 2).await;
+    let hc = client(&g.endpoint);
+    let mut holder = Drive::admitted(&hc, begin("limits", "hold the session")).await;
+    let waiting: Vec<_> = (0..2).map(|i| tokio::spawn(turn_status_owned(g.client.clone(), i))).collect();
+    // Both wait behind the holder (the status counts them); the third finds
+    // two waiting.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while g.client.clone().get_status(api::StatusRequest {}).await.unwrap().into_inner().turns_queued < 2 {
+        assert!(std::time::Instant::now() < deadline, "the two turns never waited behind the holder");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let refused = turn_status(&g, request("a third".into())).await.unwrap_err();
+    assert!(refused.message().contains("2 turns waiting to start (gateway.limits.maxWaitingTurns)"), "{refused:?}");
+    assert_eq!(refused.code(), Code::ResourceExhausted);
+    assert!(refused.metadata().get("grpc-retry-pushback-ms").is_some());
+    holder.append(vec![text(Role::Assistant, "done")]).await.unwrap();
+    holder.end(TurnOutcome::Accepted).await.unwrap();
+    for w in waiting {
+        assert!(w.await.unwrap().is_ok(), "the waiting turns ran");
+    }
+    g.stop().await;
+}
+
+async fn turn_status_owned(
+    mut c: api::gateway_client::GatewayClient<tonic::transport::Channel>,
+    i: usize,
+) -> Result<Vec<api::TurnEvent>, tonic::Status> {
+    let mut s = c.run_turn(request(format!("waits {i}"))).await?.into_inner();
+    let mut events = Vec::new();
+    while let Some(e) = s.next().await {
+        events.push(e?);
+    }
+    Ok(events)
 }

@@ -218,6 +218,9 @@ impl Config {
         if l.max_concurrent_turns == 0 || l.max_concurrent_turns > 1_000_000 {
             return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
         }
+        if l.max_waiting_turns == 0 || l.max_waiting_turns > 1_000_000 {
+            return Err(invalid("gateway.limits.maxWaitingTurns", "must be between 1 and 1000000"));
+        }
         let a = &l.adaptive_concurrency;
         if a.min_limit == 0 {
             return Err(invalid("gateway.limits.adaptiveConcurrency.minLimit", "must be positive"));

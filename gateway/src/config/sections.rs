@@ -112,6 +112,10 @@ pub struct LimitsSection {
     /// once; one more is shed at once with RESOURCE_EXHAUSTED and a retry
     /// pushback, never queued.
     pub max_concurrent_turns: usize,
+    /// Turns admitted and not started yet — waiting behind their session's
+    /// running turn, or for a work slot (`core::admission`) — at once; one
+    /// more is shed at once with RESOURCE_EXHAUSTED and a retry pushback.
+    pub max_waiting_turns: usize,
     /// HTTP/2 streams one client connection may have open at once; more
     /// are refused by the HTTP/2 layer (REFUSED_STREAM), not queued.
     pub max_concurrent_streams_per_connection: u32,
@@ -224,6 +228,7 @@ impl Default for LimitsSection {
             queued_turns_per_session: 8,
             harness_idle_seconds: 300,
             max_concurrent_turns: 1024,
+            max_waiting_turns: 1024,
             max_concurrent_streams_per_connection: 256,
             max_request_bytes: 4 * 1024 * 1024,
             http2_keepalive_seconds: 30,

@@ -3,15 +3,17 @@
 //! because turns are merely open.
 //!
 //! What counts is *work*: a turn is working while the gateway (its store,
-//! its engines, its compaction, the engines' host callbacks) acts for it,
-//! and away while it waits on things the gateway does not control — the
-//! model's answer in a managed turn, the client's next step in a harness
-//! turn, or behind its session's running turn ([`Permit::away`],
-//! [`Permit::back`]). A thousand turns waiting on
-//! their models cost memory (bounded by `maxConcurrentTurns`), not work.
+//! its engines, its compaction, the engines' host callbacks) acts for it
+//! or it waits to start — behind its session's running turn too: a queue
+//! is a queue wherever it forms — and away while it waits on things the
+//! gateway does not control: the model's answer in a managed turn, the
+//! client's next step in a harness turn ([`Permit::away`],
+//! [`Permit::back`]). A thousand turns waiting on their models cost memory
+//! (bounded by `maxConcurrentTurns`), not work. Turns admitted and not
+//! started are bounded too (`maxWaitingTurns`).
 //!
-//! Each turn's *gateway latency* — admission to release, minus its time
-//! away — is a sample; samples close a window (≥ 100 ms and ≥ 10 samples,
+//! Each turn's *gateway latency* — arrival to release, minus its time away,
+//! its wait to start included — is a sample; samples close a window (≥ 100 ms and ≥ 10 samples,
 //! or 1 s). The baseline is what the gateway's work takes when it is not
 //! congested, learned from traffic as it comes: the first window sets it,
 //! a faster full window lowers it at once, a slower healthy one raises it
@@ -31,7 +33,9 @@
 //!   growth); with little work it is not load at all, and the baseline
 //!   moves. A queue growing by less than `minLimit`, or less than twice
 //!   the square root of the turns the window ended (a busy window's
-//!   jitter), is not seen: `maxConcurrentTurns` bounds it.
+//!   jitter), is not seen: `maxConcurrentTurns` bounds it. A window that
+//!   refused turns at `maxConcurrentTurns` or `maxWaitingTurns` grew too:
+//!   a queue that filled to a cap and stays there grows past it.
 //! - **A surge** is seen sooner, at admission: six 5 ms ticks or more in a
 //!   row that each admit more than twice what they end while work grows
 //!   (a tick closed late, on a busy gateway, counts within a streak for
@@ -162,6 +166,9 @@ pub struct Gradient {
     floor_shut_until: Option<Instant>,
     /// Windows in a row at the floor over tolerance ([`FLOOR_WINDOWS`]).
     slow_floor: u32,
+    /// Turns refused at a cap (open or waiting turns) this window: demand
+    /// past the cap, a queue growing where the window's work cannot show it.
+    refused_at_cap: usize,
     ticks: Ticks,
 }
 
@@ -221,6 +228,7 @@ impl Gradient {
             floor_opened: None,
             floor_shut_until: None,
             slow_floor: 0,
+            refused_at_cap: 0,
             ticks: Ticks::default(),
         }
     }
@@ -469,7 +477,8 @@ impl Gradient {
         // stops where the clients are. (Arrivals are not asked to have
         // risen: an engine that slows under the same traffic grows the
         // queue just as well, and must be shed.)
-        let grew = working as f64 >= self.last_peak as f64 + self.min.max(2.0 * ended.sqrt());
+        let grew = working as f64 >= self.last_peak as f64 + self.min.max(2.0 * ended.sqrt())
+            || std::mem::take(&mut self.refused_at_cap) > 0;
         self.growing_for = if grew { self.growing_for + 1 } else { 0 };
         self.last_peak = peak as usize;
         let growing = self.growing_for >= GROWING_WINDOWS;
@@ -565,44 +574,102 @@ struct State {
     open: usize,
     /// Of those, the ones not away (see [`Permit::away`]).
     working: usize,
+    /// Of those, the ones not started yet (at most `maxWaitingTurns`).
+    waiting: usize,
+    max_waiting: usize,
 }
 
-/// Why a turn was not admitted.
-#[derive(Debug, Clone, Copy)]
+/// Why a turn was not admitted, and when to retry.
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Shed {
+    pub why: ShedReason,
+    /// The turn limit then.
     pub limit: usize,
     pub retry_after: Duration,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ShedReason {
+    /// `maxConcurrentTurns` turns are open.
+    Open,
+    /// `maxWaitingTurns` turns wait to start.
+    Waiting,
+    /// The gateway limits turns: its work slowed down with load.
+    Limiting,
+}
+
+impl std::fmt::Display for Shed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (limit, retry) = (self.limit, self.retry_after.as_millis());
+        match self.why {
+            ShedReason::Open => write!(
+                f,
+                "the gateway is at its limit of {limit} open turns (gateway.limits.maxConcurrentTurns); retry in {retry} ms"
+            ),
+            ShedReason::Waiting => write!(
+                f,
+                "the gateway has {limit} turns waiting to start (gateway.limits.maxWaitingTurns); retry in {retry} ms"
+            ),
+            ShedReason::Limiting => write!(
+                f,
+                "the gateway is overloaded: at its limit of {limit} concurrent turns for now; retry in {retry} ms"
+            ),
+        }
+    }
+}
+
 impl Admission {
     pub fn new(l: &LimitsSection) -> Self {
-        Self { state: Mutex::new(State { gradient: Gradient::new(l), open: 0, working: 0 }) }
+        Self {
+            state: Mutex::new(State {
+                gradient: Gradient::new(l),
+                open: 0,
+                working: 0,
+                waiting: 0,
+                max_waiting: l.max_waiting_turns,
+            }),
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A permit, or `Shed` at once: at `maxConcurrentTurns` open turns, or
-    /// while limiting with the limit's worth of turns working.
+    /// A permit, or `Shed` at once: at `maxConcurrentTurns` open turns, at
+    /// `maxWaitingTurns` turns waiting to start, or while limiting with the
+    /// limit's worth of turns working.
     pub fn try_admit(self: &Arc<Self>) -> Result<Permit, Shed> {
+        let now = Instant::now();
         let mut s = self.state();
         let n = s.working;
-        s.gradient.arriving(Instant::now(), n);
+        s.gradient.arriving(now, n);
         let max = s.gradient.max as usize;
         let limit = s.gradient.limit();
-        if s.open >= max || (s.gradient.limiting() && s.working >= limit) {
-            let limit = if s.open >= max { max } else { limit };
-            return Err(Shed { limit, retry_after: s.gradient.pushback() });
+        let refused = if s.open >= max {
+            Some((ShedReason::Open, max))
+        } else if s.waiting >= s.max_waiting {
+            Some((ShedReason::Waiting, s.max_waiting))
+        } else if s.gradient.limiting() && s.working >= limit {
+            Some((ShedReason::Limiting, limit))
+        } else {
+            None
+        };
+        if let Some((why, limit)) = refused {
+            if why != ShedReason::Limiting {
+                s.gradient.refused_at_cap += 1;
+            }
+            return Err(Shed { why, limit, retry_after: s.gradient.pushback() });
         }
         s.open += 1;
         s.working += 1;
+        s.waiting += 1;
         let n = s.working;
         s.gradient.busy(n);
         s.gradient.admitted();
         Ok(Permit {
             admission: self.clone(),
-            started: Instant::now(),
+            arrived: now,
+            started: now,
             outside: Duration::ZERO,
             away_since: None,
             limit,
@@ -620,6 +687,7 @@ impl Admission {
 /// One admitted turn; its release is the limiter's sample.
 pub struct Permit {
     admission: Arc<Admission>,
+    arrived: Instant,
     started: Instant,
     /// Time away so far (not the gateway's latency).
     outside: Duration,
@@ -649,7 +717,7 @@ impl Permit {
     /// at a time ([`HOLD_MAX`] at most) for the surge to be seen or the
     /// streak to end: a burst's turns start a few milliseconds later, a
     /// flood's are refused.
-    pub async fn admitted(&mut self) -> Result<(), Shed> {
+    pub async fn admitted(&mut self) -> Result<Duration, Shed> {
         let (since, mut waited) = (Instant::now(), false);
         loop {
             {
@@ -658,7 +726,8 @@ impl Permit {
                 // admitted under this one, back from waiting for its session
                 // into a slot a newer turn took, is not refused.
                 if s.gradient.refuses_start(s.working, self.limit) {
-                    return Err(Shed { limit: s.gradient.limit(), retry_after: s.gradient.pushback() });
+                    let limit = s.gradient.limit();
+                    return Err(Shed { why: ShedReason::Limiting, limit, retry_after: s.gradient.pushback() });
                 }
                 let now = Instant::now();
                 if now.saturating_duration_since(since) >= HOLD_MAX || !s.gradient.suspect(now) {
@@ -672,10 +741,14 @@ impl Permit {
             let waited = since.elapsed();
             tracing::debug!(target: "ctxgate::admission", ?waited, "a turn waited to start: the ticks looked like a surge");
         }
-        self.started = Instant::now();
-        self.outside = Duration::ZERO;
-        self.counts = true;
-        Ok(())
+        // Its sample runs from its arrival: the wait to start (behind its
+        // session, or held) is the gateway's latency too.
+        if !self.counts {
+            self.counts = true;
+            let mut s = self.admission.state();
+            s.waiting = s.waiting.saturating_sub(1);
+        }
+        Ok(self.arrived.elapsed())
     }
 
     /// The turn waits on something outside the gateway (the model, the
@@ -711,6 +784,9 @@ impl Drop for Permit {
         let n = s.working;
         s.gradient.ending(now, n);
         s.open = s.open.saturating_sub(1);
+        if !self.counts {
+            s.waiting = s.waiting.saturating_sub(1);
+        }
         if away.is_none() {
             s.working = s.working.saturating_sub(1);
         }
@@ -729,7 +805,7 @@ mod tests {
 
     use tokio::time::Instant;
 
-    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, Mode, Permit, Shed, WINDOW};
+    use super::{Admission, Gradient, LimitsSection, MIN_SAMPLES, Mode, Permit, Shed, ShedReason, WINDOW};
     use crate::config::AdaptiveConcurrency;
 
     fn limits(enabled: bool) -> LimitsSection {
@@ -1342,7 +1418,7 @@ mod tests {
         let (mut refused, mut going) = (Vec::new(), Vec::new());
         for mut p in waiting {
             match p.admitted().await {
-                Ok(()) => going.push(p),
+                Ok(_) => going.push(p),
                 Err(shed) => refused.push(shed),
             }
         }
@@ -1450,5 +1526,66 @@ mod tests {
         // Nothing ends for ten seconds (no window closes): the next burst finds the gateway open.
         g.quiet(now + super::MAX_WINDOW * super::CALM_WINDOWS);
         assert!(!g.limiting(), "{g:?}");
+    }
+
+    /// A queue that fills to a cap within one window and stays there: the
+    /// work is flat at the cap, window after window, so it never looks
+    /// like growth — but turns are refused at the cap, demand past it, and
+    /// that is growth: the gateway starts limiting. The same flat work
+    /// without refusals (a closed loop at its size) is not shed.
+    #[test]
+    fn a_queue_that_fills_to_a_cap_within_a_window_and_stays_there_is_seen() {
+        let run = |refusals: usize| {
+            let (mut g, mut now) = (Gradient::new(&limits(true)), Instant::now());
+            for _ in 0..5 {
+                window(&mut g, &mut now, 8, Duration::from_millis(2));
+            }
+            (0..4)
+                .map(|_| {
+                    g.refused_at_cap += refusals;
+                    window(&mut g, &mut now, 64, Duration::from_millis(16));
+                    g.limiting()
+                })
+                .collect::<Vec<_>>()
+        };
+        assert!(run(100).iter().any(|l| *l), "refusals at the cap are demand past it: {:?}", run(100));
+        assert!(run(0).iter().all(|l| !l), "flat work and nothing refused is a closed loop: {:?}", run(0));
+    }
+
+    /// A turn waiting behind its session's running turn is work, as a turn
+    /// waiting anywhere is (a flood over few sessions queues there), and its
+    /// sample runs from its arrival, the wait included.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_waiting_for_its_session_is_work_and_its_wait_is_in_its_sample() {
+        let a = Arc::new(Admission::new(&limits(true)));
+        let mut p = a.try_admit().unwrap();
+        assert_eq!(a.load().0, 1, "waiting to start is work");
+        tokio::time::advance(Duration::from_millis(50)).await;
+        let waited = p.admitted().await.unwrap();
+        assert_eq!(waited, Duration::from_millis(50));
+        tokio::time::advance(Duration::from_millis(2)).await;
+        drop(p);
+        let s = a.state();
+        assert_eq!(s.gradient.samples, vec![52_000], "arrival to release, the wait included");
+        assert_eq!((s.open, s.working, s.waiting), (0, 0, 0));
+    }
+
+    /// Turns admitted and not started are bounded; over the bound a turn is
+    /// refused at once naming it, the refusal is demand past a cap, and a
+    /// turn that starts (or leaves) frees its place.
+    #[tokio::test(start_paused = true)]
+    async fn waiting_turns_are_bounded_and_a_refusal_names_the_bound() {
+        let l = LimitsSection { max_waiting_turns: 3, ..limits(true) };
+        let a = Arc::new(Admission::new(&l));
+        let mut waiting: Vec<_> = (0..3).map(|_| a.try_admit().unwrap()).collect();
+        let shed = a.try_admit().err().unwrap();
+        assert_eq!((shed.why, shed.limit), (ShedReason::Waiting, 3));
+        assert!(shed.to_string().contains("3 turns waiting to start (gateway.limits.maxWaitingTurns)"), "{shed}");
+        assert_eq!(a.state().gradient.refused_at_cap, 1);
+        waiting[0].admitted().await.unwrap();
+        let again = a.try_admit().expect("a started turn waits no more");
+        drop(waiting.pop());
+        drop(again);
+        assert!(a.try_admit().is_ok(), "a turn that left freed its place");
     }
 }

@@ -29,7 +29,7 @@ pub enum CoreError {
     #[error(transparent)]
     Busy(#[from] BusyError),
     /// Over the admission limit (`core::admission`): shed at once.
-    #[error("the gateway is at its limit of {} concurrent turns; retry in {} ms", .0.limit, .0.retry_after.as_millis())]
+    #[error("{0}")]
     Overloaded(admission::Shed),
     #[error(transparent)]
     Store(#[from] StoreError),

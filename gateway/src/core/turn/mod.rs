@@ -154,12 +154,9 @@ impl Core {
         // waiting for the session, as the session itself is not).
         let TurnSession { session, subagent } = self.store.turn_session(&spec.agent_id, &spec.session_key).await?;
         let limit = self.config.gateway.limits.queued_turns_per_session;
-        // Waiting behind the session's running turn is not the gateway's
-        // work (admission counts the turn that holds the session).
-        admission.away();
-        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await;
-        admission.back();
-        let guard = guard?;
+        // Waiting behind the session's running turn counts as the turn's
+        // wait to start (admission sees the queue wherever it forms).
+        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
         let unmet = match spec.driver {
             Driver::Managed => Unmet::Degrade,
             Driver::Harness => Unmet::FailClosed,
@@ -178,10 +175,11 @@ impl Core {
         // the ticks look like a surge's first ones (then it waits to see).
         // A cancel while it waits leaves no trace, as one while it waits for
         // the session does.
-        tokio::select! {
+        let waited = tokio::select! {
             started = admission.admitted() => started.map_err(|shed| self.shed(shed))?,
             () = cancel.cancelled() => return Err(CoreError::Aborted),
-        }
+        };
+        self.metrics.turn_wait_seconds.observe(waited.as_secs_f64());
 
         // Admission: the user messages are durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
