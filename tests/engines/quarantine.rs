@@ -163,3 +163,30 @@ async fn a_health_check_that_never_answers_times_out_and_the_engine_stays_out_of
     assert!(completed(&events) && selected(&events).engine_id == "legacy", "{events:?}");
     g.stop().await;
 }
+
+/// An engine that hangs while its Watch stream stays open (SIGSTOP, as a
+/// paused container): no call is in flight and Watch reports nothing new,
+/// yet the monitor's liveness Check (every 5 s, bounded at 5 s) finds it
+/// unreachable and quarantines it; SIGCONT, and it is re-admitted.
+#[tokio::test]
+async fn a_hung_engine_with_its_watch_open_is_quarantined_and_readmitted_when_it_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let engine = ctxgate_tests::start_window(dir.path(), &[]).await;
+    let g = TestGateway::start(hosting("window", &engine.endpoint, &[])).await;
+    attached(&g, "window").await;
+    let signal = |s: &str| {
+        let ok = std::process::Command::new("kill").args([s, &engine.pid().to_string()]).status().unwrap();
+        assert!(ok.success());
+    };
+    signal("-STOP");
+    let started = Instant::now();
+    let e = wait_engine(&g, "window", "quarantined while hung", |e| e.quarantine.is_some()).await;
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(15), "within one probe interval and its timeout: {took:?}");
+    assert_eq!(e.health, "UNREACHABLE", "{e:?}");
+    signal("-CONT");
+    wait_engine(&g, "window", "re-admitted once it answers", |e| e.quarantine.is_none()).await;
+    let events = run_turn(&g, "after", "hello again").await;
+    assert_eq!(selected(&events).engine_id, "window", "{events:?}");
+    g.stop().await;
+}

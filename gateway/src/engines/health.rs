@@ -11,8 +11,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use ctxgate_engine_sdk::AbortOnDrop;
 use ctxgate_proto::ENGINE_SERVICE;
+use ctxgate_runtime::AbortOnDrop;
 use tokio::sync::watch;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
@@ -28,6 +28,13 @@ const BACKOFF_START: Duration = Duration::from_millis(100);
 /// back is seen within about a second.
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 const CHECK_INTERVAL: Duration = Duration::from_millis(500);
+/// While a Watch stream is open, a Check this often too: a Watch says only
+/// when health changes, and an engine that hangs (a paused container, a
+/// stopped process whose socket stays open) changes nothing — it would
+/// read SERVING until a call with a long deadline (a summary's AfterTurn)
+/// ran out. A Check it cannot answer within [`CHECK_TIMEOUT`] is
+/// unreachable.
+const LIVENESS_INTERVAL: Duration = Duration::from_secs(5);
 
 fn status_health(status: i32) -> Health {
     if status == ServingStatus::Serving as i32 { Health::Serving } else { Health::NotServing }
@@ -130,6 +137,11 @@ pub async fn monitor(engine: Arc<Guarded>, stop: CancellationToken) {
         let session = tokio::spawn(watch(engine.remote.channel(), seen_tx));
         let _abort = AbortOnDrop(session.abort_handle());
         let mut session = Box::pin(session);
+        let probe = |channel: Channel| async move {
+            tokio::time::sleep(LIVENESS_INTERVAL).await;
+            check(channel).await
+        };
+        let mut liveness = Box::pin(probe(engine.remote.channel()));
         let end = loop {
             tokio::select! {
                 Ok(()) = seen.changed() => {
@@ -139,6 +151,13 @@ pub async fn monitor(engine: Arc<Guarded>, stop: CancellationToken) {
                     }
                 }
                 end = &mut session => break end.unwrap_or(WatchEnd::Broken),
+                h = &mut liveness => {
+                    if h == Health::Unreachable {
+                        engine.set_health(h);
+                        break WatchEnd::Broken;
+                    }
+                    liveness.set(probe(engine.remote.channel()));
+                }
                 () = readmit_if_due(&engine, &stop) => {}
                 () = stop.cancelled() => return,
             }
