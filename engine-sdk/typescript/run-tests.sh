@@ -45,3 +45,15 @@ echo "== the conformance kit against the docs' minimal engine (docs/engines-in-t
 kit_against "$sdk/dist/example/minimal.js"
 echo "== the conformance kit against the example engine"
 kit_against "$sdk/dist/example/main.js" --state-dir "$state/engine"
+
+echo "== the packed SDK in a project of its own (docs/engines-in-typescript.md, \"Use it in your project\")"
+# npm pack builds first (prepack); the project installs the tarball and its
+# registry dependencies, and its engine starts from its own node_modules.
+(cd "$sdk" && npm pack --silent --pack-destination "$state" >/dev/null)
+mkdir -p "$state/project"
+cp "$sdk/example/minimal.ts" "$state/project/engine.ts"
+sed -i 's#"../src/index.js"#"@ctxgate/engine-sdk"#' "$state/project/engine.ts"
+(cd "$state/project" && npm init -y >/dev/null && npm pkg set type=module >/dev/null &&
+  npm install --no-audit --no-fund --loglevel=error "$state"/ctxgate-engine-sdk-*.tgz typescript@5.9.3 @types/node@20.19.43 >/dev/null &&
+  npx tsc --strict --module nodenext --moduleResolution nodenext --target es2022 --outDir dist engine.ts)
+kit_against "$state/project/dist/engine.js"

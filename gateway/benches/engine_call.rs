@@ -226,8 +226,8 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
-    let direct = ctxgate_engine_sdk::engine_client(ctxgate_engine_sdk::connect(&sdk_url).unwrap());
-    let echo = ContextEngineClient::new(ctxgate_engine_sdk::connect(&echo_url).unwrap())
+    let direct = ctxgate_runtime::engine_client(ctxgate_runtime::connect(&sdk_url).unwrap());
+    let echo = ContextEngineClient::new(ctxgate_runtime::connect(&echo_url).unwrap())
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);
     let req = Arc::new(request());

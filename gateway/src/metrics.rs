@@ -117,7 +117,7 @@ pub struct Metrics {
     pub engine_tool_seconds: Family<EngineTool, Histogram>,
     /// Where finished spans go (`gateway.otlp`): telemetry, like the
     /// counters, so it travels with them to every turn and engine call.
-    pub spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
+    pub spans: Option<ctxgate_runtime::otlp::Exporter>,
 }
 
 fn seconds() -> Histogram {
@@ -246,7 +246,7 @@ impl Metrics {
     }
 
     /// These metrics, with spans exported to `spans` when given.
-    pub fn with_spans(mut self, spans: Option<ctxgate_engine_sdk::otlp::Exporter>) -> Self {
+    pub fn with_spans(mut self, spans: Option<ctxgate_runtime::otlp::Exporter>) -> Self {
         self.spans = spans;
         self
     }

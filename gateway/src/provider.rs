@@ -89,7 +89,7 @@ pub fn from_config(m: &ModelsSection) -> Result<Arc<dyn ModelProvider>, String> 
 
 /// The plain text of a message, tool traffic rendered inline (the managed
 /// driver defines no tools, so tool turns travel as text).
-pub use ctxgate_engine_sdk::extractive::message_text;
+pub use ctxgate_proto::extractive::message_text;
 
 // ---------------------------------------------------------------------------
 

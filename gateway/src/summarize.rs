@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::provider::{ChatRequest, ModelError, ModelProvider, message_text};
 
-pub use ctxgate_engine_sdk::extractive::{
+pub use ctxgate_proto::extractive::{
     FILES_MODIFIED, FILES_READ, HEADINGS, SUMMARY_CAP, cap, extractive, identifiers, role_name,
 };
 

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use ctxgate_proto::pb::{AgentMessage, Role, content_part::Part};
+use crate::pb::{AgentMessage, Role, content_part::Part};
 
 /// The safeguard headings every summary carries, in order.
 pub const HEADINGS: [&str; 5] =
@@ -265,7 +265,7 @@ pub fn cap(s: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ctxgate_proto::pb::ContentPart;
+    use crate::pb::ContentPart;
 
     fn m(role: Role, text: &str) -> AgentMessage {
         AgentMessage {

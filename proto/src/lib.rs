@@ -4,6 +4,7 @@
 //! one token [`estimate`], and the RPCs' typed names ([`Method`]).
 
 pub mod estimate;
+pub mod extractive;
 pub mod history;
 pub mod limits;
 pub mod method;

@@ -10,10 +10,10 @@
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use ctxgate_engine_sdk::extractive::HEADINGS;
 use ctxgate_engine_sdk::pb;
 use ctxgate_engine_sdk::testkit::{TestEngine, msg};
 use ctxgate_engine_sdk::{CallContext, CompactOutcome, ContextEngine, EngineError, Progress};
+use ctxgate_proto::extractive::HEADINGS;
 use ctxgate_proto::gateway as api;
 use ctxgate_proto::pb::Role;
 use ctxgate_tests::harness::{Drive, begin, client, text};

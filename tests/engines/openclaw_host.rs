@@ -130,7 +130,7 @@ async fn the_host_passes_its_tests_and_lossless_claw_under_it_passes_the_kit() {
 async fn lossless_claw_declares_its_tools_with_their_audience() {
     let state = tempfile::tempdir().unwrap();
     let host = start_host(state.path(), "127.0.0.1:0", SMALL_WINDOW_CONFIG).await;
-    let mut c = ctxgate_engine_sdk::engine_client(ctxgate_engine_sdk::connect(&host.endpoint).unwrap());
+    let mut c = ctxgate_runtime::engine_client(ctxgate_runtime::connect(&host.endpoint).unwrap());
     let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!((info.id.as_str(), info.version.as_str()), ("lossless-claw", "0.15.3"));
     let tools: Vec<(&str, i32)> = info.tools.iter().map(|t| (t.name.as_str(), t.audience)).collect();

@@ -26,7 +26,7 @@ async fn the_python_engines_history_search_finds_held_messages_and_forgets_them(
     use ctxgate_engine_sdk::testkit::msg;
     let py_state = tempfile::tempdir().unwrap();
     let engine = ctxgate_tests::start_python(py_state.path()).await;
-    let mut c = ctxgate_engine_sdk::engine_client(ctxgate_engine_sdk::connect(&engine.endpoint).unwrap());
+    let mut c = ctxgate_runtime::engine_client(ctxgate_runtime::connect(&engine.endpoint).unwrap());
     let info = c.get_info(pb::GetInfoRequest {}).await.unwrap().into_inner();
     assert_eq!(info.tools.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["history_search"]);
     assert!(info.implemented_methods.iter().any(|m| m == "CallTool"), "{info:?}");

@@ -12,8 +12,8 @@ use ctxgate_engine_sdk::pb::{self, compact_event::Event};
 use ctxgate_engine_sdk::testkit::{TestEngine, TestHost, msg};
 use ctxgate_engine_sdk::{
     CallContext, CompactOutcome, ContextEngine, Endpoint, EngineError, HostPolicy, Progress, READ_TRANSCRIPT, Server,
-    connect, engine_client,
 };
+use ctxgate_runtime::{connect, engine_client};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 use tokio_stream::StreamExt;

@@ -12,9 +12,10 @@ use std::time::Duration;
 use ctxgate::config::ProviderKind;
 use ctxgate_engine_sdk::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
 use ctxgate_engine_sdk::testkit::{TestEngine, TestHost, msg};
-use ctxgate_engine_sdk::{LLM_COMPLETE, READ_TRANSCRIPT, connect, engine_client};
+use ctxgate_engine_sdk::{LLM_COMPLETE, READ_TRANSCRIPT};
 use ctxgate_engine_window::{Config, WindowEngine};
 use ctxgate_proto::gateway as api;
+use ctxgate_runtime::{connect, engine_client};
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
 use ctxgate_tests::hosting::{
     attached, compaction_stream, completed, engine_status, hosting, messages, run_turn, selected,

@@ -72,7 +72,7 @@ fn request() -> pb::AssembleRequest {
 
 /// `calls` calls from `concurrency` callers; sorted latencies.
 async fn measure(endpoint: &str, concurrency: usize, calls: usize, req: Arc<pb::AssembleRequest>) -> Vec<Duration> {
-    let client = ctxgate_engine_sdk::engine_client(ctxgate_engine_sdk::connect(endpoint).unwrap());
+    let client = ctxgate_runtime::engine_client(ctxgate_runtime::connect(endpoint).unwrap());
     // Warm the connection (and the engine) first.
     for _ in 0..20 {
         let out = client.clone().assemble((*req).clone()).await.unwrap().into_inner();

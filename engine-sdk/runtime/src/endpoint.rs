@@ -9,7 +9,7 @@ use std::time::Duration;
 use hyper_util::rt::TokioIo;
 use tonic::transport::{Channel, Endpoint as TonicEndpoint};
 
-use crate::limits::MAX_GRPC_MESSAGE_BYTES;
+use ctxgate_proto::limits::MAX_GRPC_MESSAGE_BYTES;
 
 /// A parsed endpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,7 +23,7 @@ pub enum Endpoint {
 #[derive(Debug, thiserror::Error)]
 #[error("invalid endpoint {input:?}: expected http://HOST:PORT, HOST:PORT or unix:///PATH")]
 pub struct BadEndpoint {
-    pub(crate) input: String,
+    pub input: String,
 }
 
 impl FromStr for Endpoint {
@@ -128,8 +128,8 @@ pub fn tls_channel(
 }
 
 /// The generated engine client over `channel`, with the contract's limits.
-pub fn engine_client(channel: Channel) -> crate::pb::context_engine_client::ContextEngineClient<Channel> {
-    crate::pb::context_engine_client::ContextEngineClient::new(channel)
+pub fn engine_client(channel: Channel) -> ctxgate_proto::pb::context_engine_client::ContextEngineClient<Channel> {
+    ctxgate_proto::pb::context_engine_client::ContextEngineClient::new(channel)
         .max_decoding_message_size(MAX_GRPC_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_GRPC_MESSAGE_BYTES)
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus, health_client::HealthClient};
 
-use crate::endpoint::channel;
+use ctxgate_runtime::endpoint::channel;
 
 /// The `health` subcommand's options.
 #[derive(clap::Parser, Debug)]
@@ -33,15 +33,16 @@ pub struct HealthArgs {
 }
 
 impl HealthArgs {
-    fn channel(&self) -> Result<tonic::transport::Channel, crate::tls::TlsError> {
+    fn channel(&self) -> Result<tonic::transport::Channel, ctxgate_runtime::tls::TlsError> {
         let e = &self.endpoint;
         if !e.https {
             return Ok(channel(&e.endpoint));
         }
-        let ca = self.tls_ca.as_deref().map(|p| crate::tls::Pem::new("--tls-ca", p));
-        let identity = crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
-        let tls = crate::tls::client(ca, identity)?.domain_name(e.host.clone());
-        crate::endpoint::tls_channel(&e.endpoint, tls)
+        let ca = self.tls_ca.as_deref().map(|p| ctxgate_runtime::tls::Pem::new("--tls-ca", p));
+        let identity =
+            ctxgate_runtime::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
+        let tls = ctxgate_runtime::tls::client(ca, identity)?.domain_name(e.host.clone());
+        ctxgate_runtime::endpoint::tls_channel(&e.endpoint, tls)
     }
 }
 

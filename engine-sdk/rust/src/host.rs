@@ -9,10 +9,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
-use crate::endpoint::{Endpoint, channel};
 use crate::limits::MAX_GRPC_MESSAGE_BYTES;
 use crate::pb::{self, host_client::HostClient as RawHostClient};
 use crate::{CallContext, EngineError};
+use ctxgate_runtime::endpoint::{Endpoint, channel};
 
 /// Host operations a grant can allow.
 pub const READ_TRANSCRIPT: &str = "read_transcript";
@@ -229,7 +229,7 @@ pub struct HostEndpoint {
 }
 
 impl std::str::FromStr for HostEndpoint {
-    type Err = crate::endpoint::BadEndpoint;
+    type Err = ctxgate_runtime::endpoint::BadEndpoint;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let (https, rest) = match s.strip_prefix("https://") {
@@ -379,13 +379,13 @@ impl HostChannels {
         Self { policy, tls, channels: Mutex::default() }
     }
 
-    fn open(&self, c: &Checked) -> Result<Channel, crate::tls::TlsError> {
+    fn open(&self, c: &Checked) -> Result<Channel, ctxgate_runtime::tls::TlsError> {
         if !c.https {
             return Ok(channel(&c.dial));
         }
         let tls = self.tls.clone().unwrap_or_else(|| tonic::transport::ClientTlsConfig::new().with_webpki_roots());
         // Dialled by address, verified by the name the endpoint was written with.
-        crate::endpoint::tls_channel(&c.dial, tls.domain_name(c.server_name.clone()))
+        ctxgate_runtime::endpoint::tls_channel(&c.dial, tls.domain_name(c.server_name.clone()))
     }
 
     /// A client for `access` from `peer`, or `None` when the call carries no

@@ -11,28 +11,21 @@
 //! [`testkit`] runs an engine in-process for tests; [`conformance`] is the
 //! black-box suite behind the `ctxgate-conformance` binary.
 
-pub mod accept;
 pub mod conformance;
 mod context;
-mod endpoint;
 mod engine;
 mod error;
-pub mod extractive;
 pub mod health;
 mod host;
-pub mod otlp;
 mod server;
 mod service;
-#[cfg(feature = "sqlite")]
-pub mod sqlite;
 pub mod testkit;
-pub mod tls;
 
 pub use context::CallContext;
 pub use ctxgate_proto::{self as proto, estimate, limits, pb, validate};
-pub use endpoint::{Endpoint, channel, connect, engine_client, tls_channel};
+pub use ctxgate_runtime::Endpoint;
 pub use engine::{CompactOutcome, ContextEngine, Progress, tool, tool_error, tool_text};
 pub use error::EngineError;
 pub use host::{HostClient, HostPolicy, LLM_COMPLETE, Peer, READ_TRANSCRIPT, Refused};
-pub use server::{AbortOnDrop, Bound, ServeArgs, Server, serve_main, shutdown_signal};
+pub use server::{Bound, ServeArgs, Server, serve_main, shutdown_signal};
 pub use service::parse_grpc_timeout;

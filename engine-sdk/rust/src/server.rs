@@ -12,12 +12,12 @@ use tokio::task::AbortHandle;
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic_health::ServingStatus;
 
-use crate::endpoint::Endpoint;
 use crate::engine::ContextEngine;
 use crate::host::{HostChannels, HostPolicy};
 use crate::limits::MAX_GRPC_MESSAGE_BYTES;
 use crate::pb::context_engine_server as raw;
 use crate::service::EngineService;
+use ctxgate_runtime::endpoint::Endpoint;
 
 /// Command-line options every engine binary shares; `#[command(flatten)]`
 /// them into the engine's own parser.
@@ -82,28 +82,31 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The server TLS the options ask for, read now (a mistake is a
     /// sentence naming its option); SIGHUP re-reads the same files.
-    pub fn tls(&self) -> Result<Option<crate::tls::LiveServerTls>, crate::tls::TlsError> {
+    pub fn tls(&self) -> Result<Option<ctxgate_runtime::tls::LiveServerTls>, ctxgate_runtime::tls::TlsError> {
         let (Some(cert), Some(key)) = (&self.tls_cert, &self.tls_key) else { return Ok(None) };
         let named = |option: &str, path: &std::path::PathBuf| (option.to_owned(), path.clone());
-        let files = crate::tls::ServerFiles {
+        let files = ctxgate_runtime::tls::ServerFiles {
             cert: named(TLS_PAIR.0, cert),
             key: named(TLS_PAIR.1, key),
             client_ca: self.tls_client_ca.as_ref().map(|p| named("--tls-client-ca", p)),
             client_names: self.tls_client_names.clone(),
         };
-        crate::tls::LiveServerTls::new(files).map(Some)
+        ctxgate_runtime::tls::LiveServerTls::new(files).map(Some)
     }
 
     /// The client TLS for https:// host endpoints.
-    pub fn host_tls(&self) -> Result<tonic::transport::ClientTlsConfig, crate::tls::TlsError> {
-        let ca = self.host_ca.as_deref().map(|p| crate::tls::Pem::new("--host-ca", p));
-        crate::tls::client(ca, crate::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR))
+    pub fn host_tls(&self) -> Result<tonic::transport::ClientTlsConfig, ctxgate_runtime::tls::TlsError> {
+        let ca = self.host_ca.as_deref().map(|p| ctxgate_runtime::tls::Pem::new("--host-ca", p));
+        ctxgate_runtime::tls::client(
+            ca,
+            ctxgate_runtime::tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), TLS_PAIR),
+        )
     }
 }
 
-/// A `--tls-client-name`: a DNS name (see [`crate::tls::client_name_problem`]).
+/// A `--tls-client-name`: a DNS name (see [`ctxgate_runtime::tls::client_name_problem`]).
 fn parse_client_name(s: &str) -> Result<String, String> {
-    crate::tls::client_name_problem(s).map_or_else(|| Ok(s.to_owned()), Err)
+    ctxgate_runtime::tls::client_name_problem(s).map_or_else(|| Ok(s.to_owned()), Err)
 }
 
 /// An octal file mode of at most 777.
@@ -168,7 +171,7 @@ fn hangup() -> Option<Hangup> {
 
 /// Re-reads the server's certificate files on every SIGHUP: new
 /// connections use them; a mistake keeps the running certificate.
-async fn reload_tls_on_sighup(tls: crate::tls::LiveServerTls, mut hup: Hangup) {
+async fn reload_tls_on_sighup(tls: ctxgate_runtime::tls::LiveServerTls, mut hup: Hangup) {
     #[cfg(unix)]
     while hup.recv().await.is_some() {
         match tls.reload(tls.files()) {
@@ -207,9 +210,9 @@ pub struct Server<E> {
     drain: Duration,
     max_calls: usize,
     hosts: HostPolicy,
-    tls: Option<crate::tls::LiveServerTls>,
+    tls: Option<ctxgate_runtime::tls::LiveServerTls>,
     host_tls: Option<tonic::transport::ClientTlsConfig>,
-    spans: Option<crate::otlp::Exporter>,
+    spans: Option<ctxgate_runtime::otlp::Exporter>,
     socket_mode: u32,
     health_listen: Option<Endpoint>,
 }
@@ -258,7 +261,7 @@ impl<E: ContextEngine> Server<E> {
     pub fn options(self, args: &ServeArgs) -> Result<Self, String> {
         let spans = match &args.otlp_endpoint {
             Some(e) => Some(
-                crate::otlp::Exporter::start(e, &args.otlp_service_name)
+                ctxgate_runtime::otlp::Exporter::start(e, &args.otlp_service_name)
                     .map_err(|m| format!("--otlp-endpoint: {m}"))?,
             ),
             None => None,
@@ -289,7 +292,7 @@ impl<E: ContextEngine> Server<E> {
     }
 
     /// Exports a span per engine method (see [`crate::otlp`]).
-    pub fn spans(mut self, spans: Option<crate::otlp::Exporter>) -> Self {
+    pub fn spans(mut self, spans: Option<ctxgate_runtime::otlp::Exporter>) -> Self {
         self.spans = spans;
         self
     }
@@ -303,8 +306,8 @@ impl<E: ContextEngine> Server<E> {
 
     /// Serves TLS (rustls) when given: over TCP only (`bind` refuses a unix
     /// socket with TLS). Its certificate can be replaced while serving
-    /// ([`crate::tls::LiveServerTls::reload`]).
-    pub fn tls(mut self, tls: Option<crate::tls::LiveServerTls>) -> Self {
+    /// ([`ctxgate_runtime::tls::LiveServerTls::reload`]).
+    pub fn tls(mut self, tls: Option<ctxgate_runtime::tls::LiveServerTls>) -> Self {
         self.tls = tls;
         self
     }
@@ -397,7 +400,7 @@ async fn listen(endpoint: &Endpoint, mode: u32) -> std::io::Result<(Listener, En
 fn serve_on<F>(
     router: tonic::transport::server::Router,
     listener: Listener,
-    tls: Option<&crate::tls::LiveServerTls>,
+    tls: Option<&ctxgate_runtime::tls::LiveServerTls>,
     stopped: F,
 ) -> Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>>
 where
@@ -408,12 +411,15 @@ where
             // Nagle off on accepted sockets (the builder's tcp_nodelay only
             // covers sockets it binds itself).
             let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
-            let limits = crate::accept::Limits::default();
+            let limits = ctxgate_runtime::accept::Limits::default();
             match tls {
-                Some(tls) => Box::pin(
-                    router.serve_with_incoming_shutdown(crate::accept::tls(incoming, limits, tls.clone()), stopped),
+                Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
+                    ctxgate_runtime::accept::tls(incoming, limits, tls.clone()),
+                    stopped,
+                )),
+                None => Box::pin(
+                    router.serve_with_incoming_shutdown(ctxgate_runtime::accept::plain(incoming, limits), stopped),
                 ),
-                None => Box::pin(router.serve_with_incoming_shutdown(crate::accept::plain(incoming, limits), stopped)),
             }
         }
         Listener::Unix(l, _) => Box::pin(router.serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)),

@@ -32,7 +32,7 @@ pub(crate) struct EngineService<E> {
     /// One permit per engine call in flight, `max_calls` in all.
     pub(crate) slots: Arc<tokio::sync::Semaphore>,
     pub(crate) max_calls: usize,
-    pub(crate) spans: Option<crate::otlp::Exporter>,
+    pub(crate) spans: Option<ctxgate_runtime::otlp::Exporter>,
 }
 
 /// A traced engine method's span: its own id (what the engine's callbacks
@@ -45,11 +45,16 @@ struct Hop {
 }
 
 impl Hop {
-    fn finish(hop: Option<Self>, spans: Option<&crate::otlp::Exporter>, method: Method, error: Option<String>) {
+    fn finish(
+        hop: Option<Self>,
+        spans: Option<&ctxgate_runtime::otlp::Exporter>,
+        method: Method,
+        error: Option<String>,
+    ) {
         let (Some(hop), Some(spans)) = (hop, spans) else { return };
-        spans.record(crate::otlp::Span {
+        spans.record(ctxgate_runtime::otlp::Span {
             name: format!("{ENGINE_SERVICE}/{method}"),
-            kind: crate::otlp::Kind::Server,
+            kind: ctxgate_runtime::otlp::Kind::Server,
             this: hop.this,
             parent: Some(hop.parent),
             start: hop.start,

@@ -11,9 +11,10 @@ use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::endpoint::Endpoint;
 use crate::pb::{self, context_engine_client::ContextEngineClient, host_server};
-use crate::{ContextEngine, Server, connect, engine_client};
+use crate::{ContextEngine, Server};
+use ctxgate_runtime::endpoint::Endpoint;
+use ctxgate_runtime::{connect, engine_client};
 
 /// An engine served on `127.0.0.1:0` by the real SDK server.
 pub struct TestEngine {

@@ -3,8 +3,8 @@
 //! by sequence number), offered to the model as tools, so compaction stops
 //! being loss — what the summary dropped can be found and read again.
 
-use ctxgate_engine_sdk::extractive::message_text;
 use ctxgate_engine_sdk::pb;
+use ctxgate_engine_sdk::proto::extractive::message_text;
 use ctxgate_engine_sdk::{EngineError, tool, tool_error, tool_text};
 use serde_json::Value;
 

@@ -3,7 +3,7 @@
 //! through [`Store::read`] and [`Store::write`], which run them on the
 //! store's one thread.
 //!
-//! That thread (`ctxgate_engine_sdk::sqlite::Worker`) owns the connection
+//! That thread (`ctxgate_runtime::sqlite::Worker`) owns the connection
 //! and group-commits writes: the writes queued while it was busy share the
 //! next transaction and its one fsync, which with many sessions committing
 //! turns at once is most of what a commit costs. Each write runs in its own
@@ -15,10 +15,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use ctxgate_engine_sdk::extractive::message_text;
 use ctxgate_engine_sdk::pb::{AgentMessage, Role, content_part::Part};
-use ctxgate_engine_sdk::sqlite;
+use ctxgate_engine_sdk::proto::extractive::message_text;
 use ctxgate_engine_sdk::{EngineError, estimate};
+use ctxgate_runtime::sqlite;
 use prost::Message as _;
 use rusqlite::{Connection, OptionalExtension, params};
 

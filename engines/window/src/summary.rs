@@ -2,7 +2,8 @@
 //! deterministic extractive summariser (same input, same summary).
 
 use ctxgate_engine_sdk::pb::{self, AgentMessage};
-use ctxgate_engine_sdk::{CallContext, EngineError, LLM_COMPLETE, extractive};
+use ctxgate_engine_sdk::proto::extractive;
+use ctxgate_engine_sdk::{CallContext, EngineError, LLM_COMPLETE};
 
 /// Longest summary kept; older lines go first when over it.
 pub const MAX_SUMMARY_CHARS: usize = 12_000;
@@ -95,7 +96,7 @@ mod tests {
         assert!(s1.contains("src/main.rs") && s1.contains("ABC-123"), "{s1}");
         let s2 = extractive(&s1, &[msg::user("u2", "now run cargo_test")]);
         assert!(s2.contains("src/main.rs") && s2.contains("cargo_test"), "{s2}");
-        for h in ctxgate_engine_sdk::extractive::HEADINGS {
+        for h in ctxgate_engine_sdk::proto::extractive::HEADINGS {
             assert!(s2.contains(h), "{h} missing: {s2}");
         }
     }
@@ -105,6 +106,6 @@ mod tests {
         let many: Vec<_> = (0..500).map(|i| msg::user(&format!("u{i}"), &"word ".repeat(100))).collect();
         let s = extractive("", &many);
         assert!(s.chars().count() <= MAX_SUMMARY_CHARS);
-        assert!(s.starts_with(ctxgate_engine_sdk::extractive::HEADINGS[0]), "{s}");
+        assert!(s.starts_with(ctxgate_engine_sdk::proto::extractive::HEADINGS[0]), "{s}");
     }
 }

@@ -6,10 +6,10 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ctxgate_engine_sdk::accept;
-use ctxgate_engine_sdk::tls::LiveServerTls;
 use ctxgate_proto::gateway::gateway_server::GatewayServer;
 use ctxgate_proto::gateway::harness_server::HarnessServer;
+use ctxgate_runtime::accept;
+use ctxgate_runtime::tls::LiveServerTls;
 use tokio::net::TcpListener;
 use tonic::{Request, Status};
 use tonic_health::ServingStatus;
@@ -143,8 +143,8 @@ impl ListenerTls {
     }
 }
 
-fn host_files(t: &crate::config::TlsSection) -> ctxgate_engine_sdk::tls::ServerFiles {
-    ctxgate_engine_sdk::tls::ServerFiles { client_ca: None, ..t.files() }
+fn host_files(t: &crate::config::TlsSection) -> ctxgate_runtime::tls::ServerFiles {
+    ctxgate_runtime::tls::ServerFiles { client_ca: None, ..t.files() }
 }
 
 /// Adding or removing TLS takes a restart.
@@ -177,7 +177,7 @@ pub async fn run_with_reloads(
     let OpenedStore { store, counters } = store;
     let spans = match &config.gateway.otlp {
         Some(o) => {
-            Some(ctxgate_engine_sdk::otlp::Exporter::start(&o.endpoint, &o.service_name).map_err(ServeError::Otlp)?)
+            Some(ctxgate_runtime::otlp::Exporter::start(&o.endpoint, &o.service_name).map_err(ServeError::Otlp)?)
         }
         None => None,
     };

@@ -183,7 +183,7 @@ pub enum ConnectError {
     TlsOverPlaintext(String),
     /// The `--tls-*` files, unreadable or unusable (worded by the SDK).
     #[error(transparent)]
-    TlsFiles(ctxgate_engine_sdk::tls::TlsError),
+    TlsFiles(ctxgate_runtime::tls::TlsError),
     /// tonic refused the client TLS settings.
     #[error("TLS: {}", crate::causes(.0))]
     TlsSettings(tonic::transport::Error),
@@ -223,7 +223,7 @@ pub struct Conn {
 impl Conn {
     /// The client TLS settings for an https:// gateway.
     fn tls(&self) -> Result<tonic::transport::ClientTlsConfig, ConnectError> {
-        use ctxgate_engine_sdk::tls;
+        use ctxgate_runtime::tls;
         let ca = self.tls_ca.as_deref().map(|p| tls::Pem::new("--tls-ca", p));
         let identity = tls::pair(self.tls_cert.as_ref(), self.tls_key.as_ref(), ("--tls-cert", "--tls-key"));
         tls::client(ca, identity).map_err(ConnectError::TlsFiles)

@@ -165,8 +165,8 @@ impl Config {
         }
         if let Some(o) = &self.gateway.otlp {
             let ok = matches!(
-                o.endpoint.parse::<ctxgate_engine_sdk::Endpoint>(),
-                Ok(ctxgate_engine_sdk::Endpoint::Tcp(_) | ctxgate_engine_sdk::Endpoint::Host(..))
+                o.endpoint.parse::<ctxgate_runtime::Endpoint>(),
+                Ok(ctxgate_runtime::Endpoint::Tcp(_) | ctxgate_runtime::Endpoint::Host(..))
             );
             if !ok || o.endpoint.starts_with("https://") {
                 return Err(invalid("gateway.otlp.endpoint", format!("{:?}: expected http://HOST:PORT", o.endpoint)));
@@ -201,7 +201,7 @@ impl Config {
             return Err(invalid("gateway.hostEndpoint", "with gateway.tls the Host service is TLS too: use https://"));
         }
         if let Some(e) = &self.gateway.host_endpoint
-            && e.strip_prefix("https://").unwrap_or(e).parse::<ctxgate_engine_sdk::Endpoint>().is_err()
+            && e.strip_prefix("https://").unwrap_or(e).parse::<ctxgate_runtime::Endpoint>().is_err()
         {
             return Err(invalid(
                 "gateway.hostEndpoint",
@@ -344,7 +344,7 @@ impl Config {
                 return Err(invalid(&key("tls"), "TLS needs an https://HOST:PORT or dns:///NAME:PORT endpoint"));
             }
             if e.uses_tls() {
-                if matches!(target, Target::One(ctxgate_engine_sdk::Endpoint::Unix(_))) {
+                if matches!(target, Target::One(ctxgate_runtime::Endpoint::Unix(_))) {
                     return Err(invalid(&key("endpoint"), "a unix socket takes no TLS"));
                 }
                 e.client_tls(id)?;

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use ctxgate_engine_sdk::tls;
+use ctxgate_runtime::tls;
 use serde::Deserialize;
 
 use super::{ConfigError, invalid};
@@ -57,7 +57,7 @@ pub enum OnFailure {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Target {
     /// One address, dialled as written.
-    One(ctxgate_engine_sdk::Endpoint),
+    One(ctxgate_runtime::Endpoint),
     /// `dns:///NAME:PORT`: every A/AAAA record of NAME is a replica
     /// (a Kubernetes headless service, a compose service with replicas).
     Dns { host: String, port: u16 },
@@ -70,13 +70,13 @@ impl Target {
     /// The address to dial when one connection will do (doctor, the
     /// placeholder replica while NAME resolves to nothing): the name,
     /// resolved when connecting.
-    pub fn by_name(&self) -> ctxgate_engine_sdk::Endpoint {
+    pub fn by_name(&self) -> ctxgate_runtime::Endpoint {
         match self {
             Self::One(e) => e.clone(),
-            Self::Static(addrs) => ctxgate_engine_sdk::Endpoint::Tcp(addrs[0]),
+            Self::Static(addrs) => ctxgate_runtime::Endpoint::Tcp(addrs[0]),
             Self::Dns { host, port } => match host.parse::<std::net::IpAddr>() {
-                Ok(ip) => ctxgate_engine_sdk::Endpoint::Tcp(std::net::SocketAddr::new(ip, *port)),
-                Err(_) => ctxgate_engine_sdk::Endpoint::Host(host.clone(), *port),
+                Ok(ip) => ctxgate_runtime::Endpoint::Tcp(std::net::SocketAddr::new(ip, *port)),
+                Err(_) => ctxgate_runtime::Endpoint::Host(host.clone(), *port),
             },
         }
     }

@@ -64,9 +64,9 @@ pub struct TlsSection {
 
 impl TlsSection {
     /// The files, each named by its key.
-    pub fn files(&self) -> ctxgate_engine_sdk::tls::ServerFiles {
+    pub fn files(&self) -> ctxgate_runtime::tls::ServerFiles {
         let named = |key: &str, path: &PathBuf| (key.to_owned(), path.clone());
-        ctxgate_engine_sdk::tls::ServerFiles {
+        ctxgate_runtime::tls::ServerFiles {
             cert: named("gateway.tls.cert", &self.cert),
             key: named("gateway.tls.key", &self.key),
             client_ca: self.client_ca.as_ref().map(|p| named("gateway.tls.clientCa", p)),
@@ -77,8 +77,8 @@ impl TlsSection {
     /// The API's TLS, read now: a file that cannot be read, holds no PEM,
     /// or a key that does not match its certificate is a sentence naming
     /// its key. SIGHUP can replace it while the gateway serves.
-    pub fn live(&self) -> Result<ctxgate_engine_sdk::tls::LiveServerTls, ConfigError> {
-        ctxgate_engine_sdk::tls::LiveServerTls::new(self.files()).map_err(|m| invalid("gateway.tls", m))
+    pub fn live(&self) -> Result<ctxgate_runtime::tls::LiveServerTls, ConfigError> {
+        ctxgate_runtime::tls::LiveServerTls::new(self.files()).map_err(|m| invalid("gateway.tls", m))
     }
 }
 
@@ -176,7 +176,7 @@ pub struct Connections {
 
 impl Default for Connections {
     fn default() -> Self {
-        let d = ctxgate_engine_sdk::accept::Limits::default();
+        let d = ctxgate_runtime::accept::Limits::default();
         Self {
             open_per_peer: d.open_per_peer,
             pending_per_peer: d.pending_per_peer,
@@ -187,8 +187,8 @@ impl Default for Connections {
 }
 
 impl Connections {
-    pub fn limits(&self) -> ctxgate_engine_sdk::accept::Limits {
-        ctxgate_engine_sdk::accept::Limits {
+    pub fn limits(&self) -> ctxgate_runtime::accept::Limits {
+        ctxgate_runtime::accept::Limits {
             open_per_peer: self.open_per_peer,
             pending_per_peer: self.pending_per_peer,
             pending_total: self.pending_total,

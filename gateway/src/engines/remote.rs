@@ -9,9 +9,9 @@ use std::future::Future;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
-use ctxgate_engine_sdk::AbortOnDrop;
 use ctxgate_proto::pb::{self, compact_event::Event, context_engine_client::ContextEngineClient};
 use ctxgate_proto::{Method, validate};
+use ctxgate_runtime::AbortOnDrop;
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
@@ -35,7 +35,7 @@ pub struct Remote {
     /// Shared: every call and every turn's lease reads it.
     info: RwLock<Option<Arc<pb::EngineInfo>>>,
     /// Where each traced call's span goes (`gateway.otlp`).
-    spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
+    spans: Option<ctxgate_runtime::otlp::Exporter>,
 }
 
 /// A status as the call's failure. tonic reports its own expired timeout as
@@ -109,14 +109,14 @@ impl Remote {
         id: &str,
         entry: &EngineEntry,
         compact_timeout: Duration,
-        at: &ctxgate_engine_sdk::Endpoint,
-        spans: Option<ctxgate_engine_sdk::otlp::Exporter>,
+        at: &ctxgate_runtime::Endpoint,
+        spans: Option<ctxgate_runtime::otlp::Exporter>,
     ) -> Result<Self, String> {
         let channel = if entry.uses_tls() {
             let files = entry.client_tls(id).map_err(|e| e.to_string())?;
-            ctxgate_engine_sdk::tls_channel(at, ctxgate_engine_sdk::tls::client_config(&files)?)?
+            ctxgate_runtime::tls_channel(at, ctxgate_runtime::tls::client_config(&files)?)?
         } else {
-            ctxgate_engine_sdk::channel(at)
+            ctxgate_runtime::channel(at)
         };
         let client = ContextEngineClient::with_interceptor(channel.clone(), Propagate)
             .max_decoding_message_size(entry.max_message_bytes)
@@ -158,9 +158,9 @@ impl Remote {
         r: &Result<T, EngineCallError>,
     ) {
         let (Some(spans), Some(this)) = (&self.spans, hop) else { return };
-        spans.record(ctxgate_engine_sdk::otlp::Span {
+        spans.record(ctxgate_runtime::otlp::Span {
             name: format!("{}/{method}", ctxgate_proto::ENGINE_SERVICE),
-            kind: ctxgate_engine_sdk::otlp::Kind::Client,
+            kind: ctxgate_runtime::otlp::Kind::Client,
             this,
             parent: call.trace.map(|t| t.parent_id),
             start,

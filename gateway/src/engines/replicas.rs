@@ -25,8 +25,8 @@ use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use ctxgate_engine_sdk::Endpoint;
 use ctxgate_proto::{Method, pb};
+use ctxgate_runtime::Endpoint;
 use hickory_resolver::TokioResolver;
 use hickory_resolver::config::LookupIpStrategy;
 use tokio_util::sync::CancellationToken;

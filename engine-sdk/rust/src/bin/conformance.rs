@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use ctxgate_engine_sdk::conformance::{Options, run};
-use ctxgate_engine_sdk::tls;
+use ctxgate_runtime::tls;
 
 #[derive(Parser, Debug)]
 #[command(version, about = "Check a context engine against the ctxgate contract")]

@@ -15,7 +15,7 @@ use tonic_health::pb::{HealthCheckRequest, health_check_response::ServingStatus,
 
 use crate::pb::{self, context_engine_client::ContextEngineClient};
 use crate::testkit::msg;
-use crate::{connect, engine_client};
+use ctxgate_runtime::{connect, engine_client};
 
 mod cases;
 mod tools;
@@ -126,11 +126,11 @@ pub const CASES: &[(&str, CaseFn)] = &[
 ];
 
 /// Runs every case against `opts.endpoint`.
-pub async fn run(opts: &Options) -> Result<Report, crate::endpoint::BadEndpoint> {
+pub async fn run(opts: &Options) -> Result<Report, ctxgate_runtime::endpoint::BadEndpoint> {
     let channel = match (opts.endpoint.strip_prefix("https://"), &opts.tls) {
         (Some(address), Some(tls)) => {
-            let bad = || crate::endpoint::BadEndpoint { input: opts.endpoint.clone() };
-            crate::endpoint::tls_channel(&address.parse()?, tls.clone()).map_err(|_| bad())?
+            let bad = || ctxgate_runtime::endpoint::BadEndpoint { input: opts.endpoint.clone() };
+            ctxgate_runtime::endpoint::tls_channel(&address.parse()?, tls.clone()).map_err(|_| bad())?
         }
         _ => connect(&opts.endpoint)?,
     };

@@ -4,8 +4,8 @@
 
 use std::time::{Instant, SystemTime};
 
-use ctxgate_engine_sdk::otlp;
 use ctxgate_proto::trace::TraceParent;
+use ctxgate_runtime::otlp;
 
 use crate::core::types::{Driver, Outcome};
 use crate::metrics::Metrics;

@@ -1,11 +1,11 @@
 //! The SQLite store's one thread: the SDK's group-commit worker
-//! ([`ctxgate_engine_sdk::sqlite`], which says how batches, savepoints and
+//! ([`ctxgate_runtime::sqlite`], which says how batches, savepoints and
 //! panics behave) with the gateway's error type and its commit counters.
 //! Writes that arrive while the thread is busy share the next transaction
 //! and its one fsync; a caller waits for room in the bounded queue, and
 //! callers are bounded by admission control.
 
-use ctxgate_engine_sdk::sqlite::{self, Failure};
+use ctxgate_runtime::sqlite::{self, Failure};
 use rusqlite::Connection;
 
 use super::StoreError;

@@ -1,0 +1,25 @@
+//! `ctxgate-runtime`: what the gateway and the Rust engine SDK share at run
+//! time, apart from the SDK an engine author uses: endpoints and the
+//! channels to them ([`endpoint`]), TLS read from PEM files and replaced on
+//! reload ([`tls`]), the accept loop that bounds what a peer's connections
+//! cost ([`accept`]), OTLP span export ([`otlp`]) and, with the `sqlite`
+//! feature, the group-commit SQLite worker ([`sqlite`]).
+
+pub mod accept;
+pub mod endpoint;
+pub mod otlp;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+pub mod tls;
+
+pub use endpoint::{Endpoint, channel, connect, engine_client, tls_channel};
+
+/// Aborts a spawned task when dropped: work that must not outlive the
+/// call, stream or server it belongs to.
+pub struct AbortOnDrop(pub tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
