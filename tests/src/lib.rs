@@ -217,7 +217,7 @@ impl TestGateway {
         let metrics = listeners.metrics.as_ref().map(|l| l.local_addr().expect("addr"));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (reloads, reload_rx) = tokio::sync::mpsc::channel(1);
-        let store = ctxgate::api::server::open_store(&config).await.expect("the store opens");
+        let store = ctxgate::store::open(&config).await.expect("the store opens");
         let task = tokio::spawn(ctxgate::api::server::run_with_reloads(
             config,
             store,

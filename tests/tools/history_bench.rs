@@ -134,7 +134,7 @@ async fn measure(engine: &str, age: usize, args: &Args) -> R<(f64, f64)> {
     };
     config.state_dir = gw_state;
     config.gateway.listen = "127.0.0.1:0".into();
-    let store = ctxgate::api::server::open_store(&config).await?;
+    let store = ctxgate::store::open(&config).await?;
     let listeners = ctxgate::api::server::Listeners::bind(&config).await?;
     let addr = listeners.api.local_addr()?;
     let stop = tokio_util::sync::CancellationToken::new();

@@ -50,7 +50,7 @@ impl Api {
             last_error: r.last_error.clone(),
             next_attempt_unix_ms: r.next_attempt_ms,
             blocked: r.attempts > 0,
-            engine_state: self.core.engine_state(&r.engine_id).as_str().into(),
+            engine_state: self.core.delivery().engine_state(&r.engine_id).as_str().into(),
             created_at_unix_ms: r.created_at_ms,
         }
     }
@@ -128,7 +128,7 @@ impl Gateway for Api {
                 };
                 out.push(api::CompactionEvent { event: Some(event) });
             };
-            if let Err(e) = core.compact_session(&session, req.custom_instructions, &sink, work).await {
+            if let Err(e) = core.compactor().compact_session(&session, req.custom_instructions, &sink, work).await {
                 out.fail(Status::from(e));
             }
         });
@@ -231,11 +231,11 @@ impl Gateway for Api {
     async fn get_status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResult>, Status> {
         let c = &self.core;
         let registry = c.registry();
-        let OutboxCounts { queued: outbox_queued, blocked: outbox_blocked } = c.outbox_counts().await?;
+        let OutboxCounts { queued: outbox_queued, blocked: outbox_blocked } = c.delivery().outbox_counts().await?;
         let blocked_commits = if outbox_blocked == 0 {
             Vec::new()
         } else {
-            let rows = c.list_outbox(None, MAX_OUTBOX_ROWS).await?.rows;
+            let rows = c.delivery().list_outbox(None, MAX_OUTBOX_ROWS).await?.rows;
             rows.iter().filter(|r| r.attempts > 0).take(STATUS_BLOCKED_ROWS).map(|r| self.outbox_row(r)).collect()
         };
         Ok(Response::new(api::StatusResult {
@@ -260,13 +260,13 @@ impl Gateway for Api {
     ) -> Result<Response<api::ListOutboxResult>, Status> {
         let r = req.into_inner();
         let limit = if r.limit == 0 { MAX_OUTBOX_ROWS } else { r.limit.min(MAX_OUTBOX_ROWS) };
-        let OutboxPage { rows, more } = self.core.list_outbox(r.agent_id.as_deref(), limit).await?;
+        let OutboxPage { rows, more } = self.core.delivery().list_outbox(r.agent_id.as_deref(), limit).await?;
         let rows = rows.iter().map(|row| self.outbox_row(row)).collect();
-        let (forgets, more_forgets) = self.core.list_forgets(limit).await?;
+        let (forgets, more_forgets) = self.core.delivery().list_forgets(limit).await?;
         let forgets = forgets
             .into_iter()
             .map(|f| api::OwedForget {
-                engine_state: self.core.engine_state(&f.engine_id).as_str().into(),
+                engine_state: self.core.delivery().engine_state(&f.engine_id).as_str().into(),
                 agent_id: f.agent_id,
                 session_key: f.session_key,
                 session_id: f.session_id,
@@ -283,7 +283,7 @@ impl Gateway for Api {
         let r = req.into_inner();
         let cancel = self.core.call_token();
         let _guard = cancel.clone().drop_guard();
-        let (done, remaining) = self.core.retry_outbox(&r.agent_id, &r.session_key, cancel).await?;
+        let (done, remaining) = self.core.delivery().retry_outbox(&r.agent_id, &r.session_key, cancel).await?;
         let remaining = remaining.iter().map(|row| self.outbox_row(row)).collect();
         Ok(Response::new(api::OutboxActionResult { done, remaining }))
     }
@@ -292,7 +292,7 @@ impl Gateway for Api {
         let r = req.into_inner();
         let cancel = self.core.call_token();
         let _guard = cancel.clone().drop_guard();
-        let dropped = self.core.drop_outbox(&r.agent_id, &r.session_key, cancel).await?;
+        let dropped = self.core.delivery().drop_outbox(&r.agent_id, &r.session_key, cancel).await?;
         Ok(Response::new(api::OutboxActionResult { done: dropped.len() as u32, remaining: Vec::new() }))
     }
 
@@ -304,7 +304,7 @@ impl Gateway for Api {
         if engine.is_empty() {
             return Err(CoreError::invalid("engine_id", "must name the engine whose forgets to drop").into());
         }
-        let dropped = self.core.drop_forgets(&engine).await?;
+        let dropped = self.core.delivery().drop_forgets(&engine).await?;
         Ok(Response::new(api::OutboxActionResult { done: dropped.len() as u32, remaining: Vec::new() }))
     }
 
@@ -314,7 +314,7 @@ impl Gateway for Api {
     ) -> Result<Response<api::ListOutboxDropsResult>, Status> {
         let limit = req.into_inner().limit;
         let limit = if limit == 0 { MAX_OUTBOX_ROWS } else { limit.min(MAX_OUTBOX_ROWS) };
-        let (drops, more) = self.core.list_drops(limit).await?;
+        let (drops, more) = self.core.delivery().list_drops(limit).await?;
         let drops = drops
             .into_iter()
             .map(|d| api::OutboxDrop {
@@ -365,7 +365,7 @@ impl Gateway for Api {
         req: Request<api::ReadmitEngineRequest>,
     ) -> Result<Response<api::ReadmitEngineResult>, Status> {
         let id = req.into_inner().engine_id;
-        let readmitted = self.core.registry().readmit(&id).ok_or(CoreError::NoEngine(id))?;
+        let readmitted = self.core.readmit_engine(&id).ok_or(CoreError::NoEngine(id))?;
         Ok(Response::new(api::ReadmitEngineResult { readmitted }))
     }
 

@@ -20,9 +20,6 @@ use crate::api::harness::HarnessApi;
 use crate::api::host::HostService;
 use crate::config::Config;
 use crate::core::Core;
-use crate::metrics::Metrics;
-use crate::store::postgres::PostgresStore;
-use crate::store::{SqliteStore, Store};
 
 pub const GATEWAY_SERVICE: &str = "ctxgate.v1.Gateway";
 pub const HARNESS_SERVICE: &str = "ctxgate.v1.Harness";
@@ -33,20 +30,16 @@ pub enum ServeError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error(transparent)]
     Store(#[from] crate::store::OpenError),
-    #[error("model provider: {0}")]
-    Provider(String),
+    #[error(transparent)]
+    Start(#[from] crate::core::StartError),
     #[error("{0}")]
     Config(String),
     #[error("{0}")]
     Tls(String),
-    #[error("reading the store failed: {0}")]
-    StoreRead(String),
     #[error("serving failed: {0}")]
     Transport(#[from] tonic::transport::Error),
     #[error("metrics endpoint failed: {0}")]
     Metrics(std::io::Error),
-    #[error("gateway.otlp: {0}")]
-    Otlp(String),
 }
 
 /// The sockets the gateway serves on, bound before anything else starts:
@@ -99,23 +92,8 @@ impl tonic::service::Interceptor for Auth {
 /// running turns and compactions, and drains.
 pub async fn run(config: Config, listeners: Listeners, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
     let (_keep, reloads) = tokio::sync::mpsc::channel(1);
-    let store = open_store(&config).await?;
+    let store = crate::store::open(&config).await?;
     run_with_reloads(config, store, listeners, shutdown, reloads).await
-}
-
-/// The configured store, opened (and migrated) before any port is bound:
-/// a state dir that cannot be used is a sentence and a non-zero exit.
-pub async fn open_store(config: &Config) -> Result<OpenedStore, ServeError> {
-    Ok(match &config.store.url {
-        Some(url) => {
-            let pg = PostgresStore::open(url, &config.store).await?;
-            OpenedStore { counters: pg.counters(), store: Arc::new(pg) }
-        }
-        None => {
-            let sqlite = SqliteStore::open(&config.state_dir)?.with_tail_cache(config.store.tail_cache_mib);
-            OpenedStore { counters: sqlite.counters(), store: Arc::new(sqlite) }
-        }
-    })
 }
 
 /// The TLS of both listeners: the client API's (with `clientCa`, if set)
@@ -157,35 +135,20 @@ fn reload_tls(live: Option<&ListenerTls>, next: &Config) {
 }
 
 /// The configured store with its commit counters (metrics).
-pub struct OpenedStore {
-    pub store: Arc<dyn Store>,
-    pub counters: crate::metrics::StoreCounters,
-}
-
 /// [`run`] on an opened store, applying every configuration received on
 /// `reloads` to the engines (new clients, quarantines cleared, the slot
 /// re-resolved).
 pub async fn run_with_reloads(
     config: Config,
-    store: OpenedStore,
+    store: crate::store::Opened,
     listeners: Listeners,
     shutdown: impl Future<Output = ()>,
     mut reloads: tokio::sync::mpsc::Receiver<Config>,
 ) -> Result<(), ServeError> {
     let config = Arc::new(config);
-    let provider = crate::provider::from_config(&config.models).map_err(ServeError::Provider)?;
-    let OpenedStore { store, counters } = store;
-    let spans = match &config.gateway.otlp {
-        Some(o) => {
-            Some(ctxgate_runtime::otlp::Exporter::start(&o.endpoint, &o.service_name).map_err(ServeError::Otlp)?)
-        }
-        None => None,
-    };
-    let metrics = Metrics::new(counters).with_spans(spans);
-    let core = Arc::new(Core::new(config.clone(), store, provider, metrics.clone()));
     let host_bound = listeners.host.local_addr().map_err(|e| ServeError::Config(e.to_string()))?;
-    core.set_host_endpoint(config.host_endpoint(host_bound));
-    core.load_durable_engines().await.map_err(|e| ServeError::StoreRead(e.to_string()))?;
+    let core = Core::start(config.clone(), store, config.host_endpoint(host_bound)).await?;
+    let metrics = core.metrics().clone();
 
     // The listeners' TLS (read and checked with the config), swappable on reload.
     let tls = config.gateway.tls.as_ref().map(ListenerTls::new).transpose()?;
@@ -198,38 +161,7 @@ pub async fn run_with_reloads(
             }
         })
     };
-    // Subagents whose ttl ran out are ended with reason "swept"; queued
-    // durable-turn commits are retried.
-    let sweeper = {
-        let core = core.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(500));
-            // The drop audit is pruned at start and hourly.
-            let mut pruned: Option<tokio::time::Instant> = None;
-            loop {
-                tick.tick().await;
-                if pruned.is_none_or(|at| at.elapsed() >= Duration::from_secs(3600)) {
-                    pruned = Some(tokio::time::Instant::now());
-                    match core.prune_audit().await {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(drops = n, "audited outbox drops past store.auditRetentionDays pruned"),
-                        Err(e) => tracing::warn!(error = %e, "pruning the outbox drop audit failed"),
-                    }
-                }
-                if let Err(e) = core.sweep_subagents().await {
-                    tracing::warn!(error = %e, "subagent sweep failed");
-                }
-                // Turns left open by a gateway that died (shared store).
-                if let Err(e) = core.recover_abandoned_turns().await {
-                    tracing::warn!(error = %e, "recovering abandoned turns failed");
-                }
-                // Durable turns an engine has not accepted yet are retried here.
-                if let Err(e) = core.drain_outbox().await {
-                    tracing::warn!(error = %e, "outbox drain failed");
-                }
-            }
-        })
-    };
+    let upkeep = core.spawn_upkeep();
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status(GATEWAY_SERVICE, ServingStatus::Serving).await;
     reporter.set_service_status(HARNESS_SERVICE, ServingStatus::Serving).await;
@@ -285,7 +217,7 @@ pub async fn run_with_reloads(
         }
     };
     reloader.abort();
-    sweeper.abort();
+    upkeep.abort();
     metrics_stop.cancel();
     if let Some(t) = metrics_task {
         t.await.map_err(|e| ServeError::Metrics(std::io::Error::other(e)))?.map_err(ServeError::Metrics)?;

@@ -23,7 +23,7 @@ pub async fn run(config: Option<PathBuf>, listen: Option<String>, state_dir: Opt
     if let Some(d) = state_dir {
         cfg.state_dir = d;
     }
-    let store = crate::api::server::open_store(&cfg).await?;
+    let store = crate::store::open(&cfg).await.map_err(crate::api::server::ServeError::from)?;
     let listeners = crate::api::server::Listeners::bind(&cfg).await?;
     let addr = listeners.api.local_addr()?;
     let host = listeners.host.local_addr()?;

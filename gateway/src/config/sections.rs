@@ -213,7 +213,7 @@ pub struct AdaptiveConcurrency {
 
 impl Default for AdaptiveConcurrency {
     fn default() -> Self {
-        // Tolerance 2, measured with `loadgen overload` (docs/benchmarks.md):
+        // Tolerance 2, measured with `loadgen overload` (docs/benchmarks-history.md, "Adaptive concurrency"):
         // under 4× overload it kept admitted p99 within 1.1× (legacy) and
         // 1.9× (window engine) of unloaded; 4 let the window engine's reach
         // 4×. 4 keeps more closed-loop throughput (legacy 1058 vs 863
@@ -273,6 +273,12 @@ pub struct StoreSection {
     pub tail_cache_mib: u32,
 }
 
+/// The visible-tail cache's size when `store.tailCacheMiB` is not set:
+/// 64 sessions with a full context window's history (~400 KiB each
+/// decoded) fit; many short messages cost more per token
+/// (docs/operations.md).
+pub const DEFAULT_TAIL_CACHE_MIB: u32 = 32;
+
 impl Default for StoreSection {
     fn default() -> Self {
         Self {
@@ -282,7 +288,7 @@ impl Default for StoreSection {
             ca_file: None,
             hold_commit_after_failures: 3,
             audit_retention_days: 90,
-            tail_cache_mib: crate::store::DEFAULT_TAIL_CACHE_MIB,
+            tail_cache_mib: DEFAULT_TAIL_CACHE_MIB,
         }
     }
 }

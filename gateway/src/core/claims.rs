@@ -15,9 +15,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::core::session_locks::{BusyError, SessionGuard};
+use crate::core::CoreError;
+use crate::core::session_locks::{BusyError, SessionGuard, SessionLocks};
 use crate::core::types::BusyPolicy;
-use crate::core::{Core, CoreError};
 use crate::store::{Claim, Claimed, Renewal, Store};
 
 /// First and longest pause between two claims of a session another
@@ -69,11 +69,68 @@ impl Drop for SessionClaim {
     }
 }
 
-impl Core {
+/// The session gate: who may work on a session now — one turn or
+/// compaction at a time in this process (the local locks, with the busy
+/// policies and the bounded queue) and, on a shared store, one gateway at a
+/// time (the session's lease).
+pub struct SessionGate {
+    locks: Arc<SessionLocks>,
+    store: Arc<dyn Store>,
+    /// The lease a claim takes (`store.leaseSeconds`).
+    ttl: Duration,
+    /// How many clients' turns and compactions may wait for one session
+    /// (`gateway.limits.queuedTurnsPerSession`).
+    queue_limit: usize,
+}
+
+impl SessionGate {
+    pub fn new(store: Arc<dyn Store>, ttl: Duration, queue_limit: usize) -> Self {
+        Self { locks: Arc::default(), store, ttl, queue_limit }
+    }
+
+    /// Fires the running work's token on `session_id` here (Abort).
+    pub fn abort(&self, session_id: &str) -> bool {
+        self.locks.abort(session_id)
+    }
+
+    pub fn is_busy(&self, session_id: &str) -> bool {
+        self.locks.is_busy(session_id)
+    }
+
+    /// Sessions with work running here.
+    pub fn running(&self) -> usize {
+        self.locks.running()
+    }
+
+    /// Turns and compactions waiting for a session here.
+    pub fn queued(&self) -> usize {
+        self.locks.queued()
+    }
+
+    /// Waits for the session (Enqueue: the caller's cancel ends the wait)
+    /// for work that is not a turn. `bounded`: a client's (manual
+    /// compaction) waits in the session's bounded queue; the gateway's own
+    /// (the outbox, background maintenance) is bounded by construction.
+    pub async fn enter(&self, session_id: &str, cancel: &CancellationToken, bounded: bool) -> Result<Held, CoreError> {
+        let limit = bounded.then_some(self.queue_limit);
+        self.hold(session_id, cancel, BusyPolicy::Enqueue, limit).await
+    }
+
+    /// Waits for the session as a turn does: under its busy policy, in the
+    /// session's bounded queue (the wait is the turn's wait to start).
+    pub async fn enter_turn(
+        &self,
+        session_id: &str,
+        cancel: &CancellationToken,
+        policy: BusyPolicy,
+    ) -> Result<Held, CoreError> {
+        self.hold(session_id, cancel, policy, Some(self.queue_limit)).await
+    }
+
     /// Enters `session_id` under `policy` here and, on a shared store, claims
     /// it from the other gateways; `cancel` is the work's token (Abort,
     /// interrupts and a lost lease fire it).
-    pub(super) async fn hold(
+    pub async fn hold(
         &self,
         session_id: &str,
         cancel: &CancellationToken,
@@ -84,7 +141,7 @@ impl Core {
         if !self.store.shared() {
             return Ok(Held { claim: None, _local: local });
         }
-        let ttl = self.config.store.lease();
+        let ttl = self.ttl;
         let mut pause = FIRST_POLL;
         // Interrupt asks the holder to stop once, not every holder after it.
         let mut interrupt = policy == BusyPolicy::Interrupt;

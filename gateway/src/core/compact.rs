@@ -1,6 +1,7 @@
 //! Compaction: manual, or inside a turn; the engine's own or the built-in
 //! one it delegates to, in one safety window.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ctxgate_proto::pb::{self, transcript_entry::Entry};
@@ -8,17 +9,47 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::compaction::{self, CompactionError};
-use crate::config::IdentifierPolicy;
-use crate::core::engine_lease::{EngineLease, Unmet, session_target};
-use crate::core::types::{CompactionDone, CompactionEvent, HostProfile, Operation, Trigger};
-use crate::core::{CompactionSink, Core, CoreError};
+use crate::config::{Config, IdentifierPolicy};
+use crate::core::claims::SessionGate;
+use crate::core::engine_lease::{EngineLease, Engines, Unmet, session_target};
+use crate::core::types::{CompactionDone, CompactionEvent, HostProfile, ModelSpec, Operation, Trigger};
+use crate::core::{CompactionSink, CoreError};
 use crate::engines::{Call, CompactReply, EngineCallError};
+use crate::metrics::Metrics;
 use crate::provider::ModelError;
-use crate::store::{NewEntry, Session};
-use crate::transcript::Visible;
+use crate::store::{NewEntry, Session, Store};
+use crate::summarize::Summarizer;
+use crate::transcript::{self, Visible};
 
-impl Core {
-    // --- compaction --------------------------------------------------------
+/// Compaction of a session: the engine's own, or the built-in one (the
+/// summarizer's) it delegates to, within one safety window.
+pub struct Compactor {
+    config: Arc<Config>,
+    store: Arc<dyn Store>,
+    engines: Arc<Engines>,
+    gate: Arc<SessionGate>,
+    summarizer: Arc<dyn Summarizer>,
+    metrics: Metrics,
+    /// The gateway's own model (a manual compaction runs against it).
+    model: ModelSpec,
+}
+
+impl Compactor {
+    pub fn new(
+        config: Arc<Config>,
+        store: Arc<dyn Store>,
+        engines: Arc<Engines>,
+        gate: Arc<SessionGate>,
+        summarizer: Arc<dyn Summarizer>,
+        metrics: Metrics,
+        model: ModelSpec,
+    ) -> Self {
+        Self { config, store, engines, gate, summarizer, metrics, model }
+    }
+
+    async fn visible(&self, session_id: &str) -> Result<Visible, CoreError> {
+        Ok(transcript::visible(&self.store.visible_tail(session_id).await?))
+    }
 
     /// Manual compaction (`/compact`): target=threshold, force. Waits for
     /// a running turn of the session (the caller's cancel ends the wait).
@@ -29,9 +60,9 @@ impl Core {
         sink: &CompactionSink<'_>,
         cancel: CancellationToken,
     ) -> Result<CompactionDone, CoreError> {
-        let _guard = self.enter(&session.session_id, &cancel, true).await?;
+        let _guard = self.gate.enter(&session.session_id, &cancel, true).await?;
         let host = HostProfile::embedded();
-        let lease = self.lease_engine(Operation::ManualCompact, &host, self.provider_model(), Unmet::Degrade)?;
+        let lease = self.engines.lease(Operation::ManualCompact, &host, self.model.clone(), Unmet::Degrade)?;
         self.compact(&lease, session, Trigger::Manual, None, instructions, sink, &cancel).await
     }
 
@@ -58,7 +89,7 @@ impl Core {
         sink(CompactionEvent::Started { trigger, tokens_before });
         let target_kind = if budget.is_some() { pb::CompactionTarget::Budget } else { pb::CompactionTarget::Threshold };
         let call = Call::new(cancel.clone()).with_deadline(window_end);
-        let grant = self.grant(lease, session, None, Some(window_end));
+        let grant = self.engines.grant(lease, session, None, Some(window_end));
         let (force_reason, preflight) = match trigger {
             Trigger::Manual => (Some("manual".to_owned()), None),
             Trigger::Proactive => (Some("preflight_required".to_owned()), Some("tokens".to_owned())),

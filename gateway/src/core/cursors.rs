@@ -9,8 +9,9 @@ use std::collections::HashSet;
 use ctxgate_proto::estimate;
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 
+use crate::core::CoreError;
 use crate::core::engine_lease::EngineLease;
-use crate::core::{Core, CoreError};
+use crate::core::outbox::Delivery;
 use crate::engines::{Call, EngineCallError};
 use crate::store::Session;
 use crate::transcript;
@@ -20,7 +21,7 @@ use crate::transcript;
 const RESYNC_MESSAGES: usize = 1_000;
 const RESYNC_BYTES: usize = 4 * 1024 * 1024;
 
-impl Core {
+impl Delivery {
     /// Delivers the visible history before the turn's first message (by
     /// its message id, which rewrites keep) to the lease's engine and
     /// records the cursor it then holds. `None`: the engine failed on the

@@ -2,18 +2,22 @@
 //! replayed on another engine — and what each call to it carries: a grant
 //! for the host callbacks, the runtime settings and context.
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use ctxgate_proto::pb;
 use tokio::time::Instant;
 
-use crate::config::OnFailure;
+use crate::config::{Config, OnFailure};
+use crate::core::CoreError;
 use crate::core::types::{Capability, HostProfile, ModelSpec, Operation, Selection};
-use crate::core::{Core, CoreError};
+use crate::engines::registry::Registry;
+use crate::engines::replicas::Replicas;
 use crate::engines::{Engine, LEGACY_ID};
-use crate::grants::{GrantGuard, HostOperation, Scope};
-use crate::store::Session;
+use crate::grants::{Callback, GrantError, GrantGuard, Grants, HostOperation, LlmSlot, Scope};
+use crate::metrics::Metrics;
+use crate::store::{Session, Store};
 
 /// How long a host grant lives when the call has no tighter deadline.
 const GRANT_TTL: Duration = Duration::from_secs(600);
@@ -120,12 +124,98 @@ pub(super) fn session_target(s: &Session) -> pb::SessionTarget {
     }
 }
 
-impl Core {
+/// The engines: the registry (the configured engine's replicas, health
+/// and quarantine, and legacy), which of them take durable turns, and the
+/// grants their calls carry back to the Host service. Leases an engine to
+/// each operation.
+pub struct Engines {
+    registry: RwLock<Arc<Registry>>,
+    grants: Arc<Grants>,
+    /// Where engines reach the Host service (set once the API is bound).
+    host_endpoint: OnceLock<String>,
+    /// Engines known to be durable (their last attach said so; kept in the
+    /// store), so turns legacy serves before an attach still reach them.
+    durable: Mutex<HashSet<String>>,
+    store: Arc<dyn Store>,
+    metrics: Metrics,
+}
+
+impl Engines {
+    /// Builds the registry (starts its health monitors: call inside a tokio
+    /// runtime).
+    pub fn new(config: &Config, store: Arc<dyn Store>, metrics: Metrics) -> Self {
+        Self {
+            registry: RwLock::new(Arc::new(Registry::build(config, &metrics))),
+            grants: Arc::new(Grants::new(config.gateway.limits.host_callbacks)),
+            host_endpoint: OnceLock::new(),
+            durable: Mutex::default(),
+            store,
+            metrics,
+        }
+    }
+
+    pub fn registry(&self) -> Arc<Registry> {
+        self.registry.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// New clients and monitors for `config`'s engines, quarantines
+    /// cleared, the slot re-resolved. Leases taken before keep theirs.
+    pub fn reload(&self, config: &Config) {
+        let next = Arc::new(Registry::build(config, &self.metrics));
+        *self.registry.write().unwrap_or_else(|e| e.into_inner()) = next;
+    }
+
+    /// Where engines call the Host service back (set once, after binding).
+    pub fn set_host_endpoint(&self, endpoint: String) {
+        let _ = self.host_endpoint.set(endpoint);
+    }
+
+    /// A host callback under its grant's budget.
+    pub fn authorise(&self, token: &str, session_id: Option<&str>, op: HostOperation) -> Result<Callback, GrantError> {
+        self.grants.authorise(token, session_id, op)
+    }
+
+    /// One of the engine's model-call slots (Host.LlmComplete).
+    pub fn llm_slot(&self, engine_id: &str) -> Result<LlmSlot, GrantError> {
+        self.grants.llm_slot(engine_id)
+    }
+
+    /// Loads the engines known to be durable (call once at start).
+    pub async fn load_durable(&self) -> Result<(), CoreError> {
+        let known = self.store.durable_engines().await?;
+        self.durable.lock().unwrap_or_else(|e| e.into_inner()).extend(known);
+        Ok(())
+    }
+
+    /// Whether `engine` takes durable turns: from its attach when it has
+    /// one (remembered in the store when that changes), else from the last
+    /// one remembered.
+    pub fn durable(&self, engine: &Replicas) -> bool {
+        let id = engine.id();
+        let mut known = self.durable.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(info) = engine.attached_info() else { return known.contains(id) };
+        let durable = crate::engines::durable(&info);
+        if durable != known.contains(id) {
+            if durable {
+                known.insert(id.to_owned());
+            } else {
+                known.remove(id);
+            }
+            let (store, id) = (self.store.clone(), id.to_owned());
+            tokio::spawn(async move {
+                if let Err(e) = store.set_durable(&id, durable).await {
+                    tracing::warn!(engine = id, error = %e, "remembering the engine's durability failed");
+                }
+            });
+        }
+        durable
+    }
+
     /// Chooses the engine for one operation: the configured one if it is in
     /// service and `host` has what it needs; else legacy with one warning
     /// (a quarantine always degrades; unmet host requirements degrade or,
     /// with [`Unmet::FailClosed`], refuse with OpenClaw's message).
-    pub(super) fn lease_engine(
+    pub(super) fn lease(
         &self,
         operation: Operation,
         host: &HostProfile,
@@ -135,7 +225,7 @@ impl Core {
         let registry = self.registry();
         // Known durable from its last attach (in this process or, kept in
         // the store, an earlier one), even while it is quarantined.
-        let record = registry.selected().filter(|g| self.durable_engine(g)).map(|g| g.id().to_owned());
+        let record = registry.selected().filter(|g| self.durable(g)).map(|g| g.id().to_owned());
         let lease = |key: String, engine: Arc<dyn Engine>, info, degraded, remote| EngineLease {
             key,
             engine,

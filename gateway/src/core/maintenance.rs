@@ -3,15 +3,24 @@
 //! the foreground, or on the session's background lane for engines that
 //! ask for it. Rewrites are applied as a new branch.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use ctxgate_proto::{Method, pb};
+use tokio_util::sync::CancellationToken;
 
-use crate::core::engine_lease::{EngineLease, session_target};
+use crate::core::claims::SessionGate;
+use crate::core::engine_lease::{EngineLease, Engines, session_target};
+use crate::core::outbox::Delivery;
 use crate::core::types::Capability;
-use crate::core::{Core, Remap};
+use crate::core::{Forgetful, Remap};
 use crate::engines::{Call, EngineCallError};
-use crate::store::Session;
+use crate::store::{Session, Store};
+
+/// (engine, session) pairs remembered as bootstrapped before the set starts
+/// over (a Bootstrap is idempotent: forgetting one costs a repeated call,
+/// never memory).
+const MAX_BOOTSTRAPPED: usize = 65_536;
 
 /// Whether an engine has Maintain(TURN) work after a turn, as its
 /// CommitTurn or AfterTurn answer says (`maintenance_due`).
@@ -36,7 +45,47 @@ impl Upkeep {
     }
 }
 
-impl Core {
+/// Engines' upkeep of sessions: Bootstrap once per (engine, session) in
+/// this process, Maintain after turns (on a background lane per session
+/// for engines that ask for it), their rewrites applied as a new branch.
+pub struct Maintenance {
+    store: Arc<dyn Store>,
+    engines: Arc<Engines>,
+    delivery: Arc<Delivery>,
+    gate: Arc<SessionGate>,
+    /// (engine, session) pairs bootstrapped by this process.
+    bootstrapped: Mutex<Forgetful<(String, String)>>,
+    /// Background lanes: sessions with a run going, and whether a
+    /// follow-up is queued.
+    lanes: Mutex<HashMap<String, bool>>,
+    shutdown: CancellationToken,
+}
+
+impl Maintenance {
+    pub fn new(
+        store: Arc<dyn Store>,
+        engines: Arc<Engines>,
+        delivery: Arc<Delivery>,
+        gate: Arc<SessionGate>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        Self {
+            store,
+            engines,
+            delivery,
+            gate,
+            bootstrapped: Mutex::new(Forgetful::new(MAX_BOOTSTRAPPED)),
+            lanes: Mutex::default(),
+            shutdown,
+        }
+    }
+
+    /// Forgets which sessions were bootstrapped (new engines: they are
+    /// bootstrapped again).
+    pub fn forget_bootstraps(&self) {
+        self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
     /// Bootstrap (then maintain(bootstrap)) a session the remote engine has
     /// not seen in this process, for hosts with the bootstrap capability.
     /// Returns the rewrite's id map (empty when nothing was rewritten).
@@ -55,7 +104,7 @@ impl Core {
         if !self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).first_time(key) {
             return Remap::new();
         }
-        let grant = self.grant(lease, session, Some(fence), call.deadline);
+        let grant = self.engines.grant(lease, session, Some(fence), call.deadline);
         let req = pb::BootstrapRequest {
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),
@@ -69,7 +118,7 @@ impl Core {
             Ok(r) if r.bootstrapped => {
                 // A DELTA engine that imported the history holds it: no resync.
                 if let Some(n) = r.imported_messages.filter(|_| crate::engines::delta(&lease.info))
-                    && let Err(e) = self.adopt_import(lease, session, fence, n).await
+                    && let Err(e) = self.delivery.adopt_import(lease, session, fence, n).await
                 {
                     tracing::warn!(error = %e, "recording the bootstrapped engine's cursor failed; it is resynced");
                 }
@@ -96,7 +145,7 @@ impl Core {
         if !Method::Maintain.listed_in(&lease.info.implemented_methods) || !lease.host.has(Capability::Maintain) {
             return Remap::new();
         }
-        let grant = self.grant(lease, session, None, call.deadline);
+        let grant = self.engines.grant(lease, session, None, call.deadline);
         let req = pb::MaintainRequest {
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),
@@ -149,21 +198,21 @@ impl Core {
             return;
         }
         {
-            let mut lanes = self.maintenance.lock().unwrap_or_else(|e| e.into_inner());
+            let mut lanes = self.lanes.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(follow_up) = lanes.get_mut(&session.session_id) {
                 *follow_up = true;
                 return;
             }
             lanes.insert(session.session_id.clone(), false);
         }
-        let (core, lease, session) = (self.clone(), lease.clone(), session.clone());
+        let (this, lease, session) = (self.clone(), lease.clone(), session.clone());
         let stop = self.shutdown.child_token();
         tokio::spawn(async move {
             loop {
-                if let Ok(_guard) = core.enter(&session.session_id, &stop, false).await {
-                    core.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
+                if let Ok(_guard) = this.gate.enter(&session.session_id, &stop, false).await {
+                    this.maintain(&lease, &session, pb::MaintainReason::Turn, budget, &Call::new(stop.clone())).await;
                 }
-                let mut lanes = core.maintenance.lock().unwrap_or_else(|e| e.into_inner());
+                let mut lanes = this.lanes.lock().unwrap_or_else(|e| e.into_inner());
                 match lanes.get_mut(&session.session_id) {
                     Some(again) if *again && !stop.is_cancelled() => *again = false,
                     _ => {

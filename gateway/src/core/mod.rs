@@ -21,7 +21,7 @@ mod turn;
 pub mod types;
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, OnceLock, RwLock};
+use std::sync::Arc;
 
 use ctxgate_proto::limits;
 use ctxgate_proto::pb::{AgentMessage, ContentPart, Role, content_part::Part};
@@ -29,26 +29,25 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ProviderKind};
 use crate::engines::registry::Registry;
-use crate::engines::replicas::Replicas;
-use crate::grants::{Callback, GrantError, Grants, HostOperation, LlmSlot, Scope};
+use crate::grants::{Callback, GrantError, HostOperation, LlmSlot, Scope};
 use crate::metrics::Metrics;
 use crate::provider::{ChatRequest, ChatResponse, ModelError, ModelProvider};
 use crate::store::{Session, Store};
 use crate::summarize::{Extractive, ModelSummarizer, Summarizer};
-use crate::transcript::{self, Visible};
 
-use claims::Held;
+use admission::Permit;
+use claims::SessionGate;
+pub use compact::Compactor;
+use engine_lease::Engines;
 pub use error::{CoreError, new_error_id};
+use maintenance::Maintenance;
 pub use managed::{ManagedTurn, TurnEnd};
+pub use outbox::Delivery;
 pub use outbox::{EngineState, HELD};
 pub use preview::{Preview, PreviewMessage, is_summary};
 pub use session_locks::BusyError;
-use session_locks::SessionLocks;
 pub use turn::{Begun, Finished, StepError, Turn, check_client_message};
-use types::{BusyPolicy, CompactionEvent, ModelSpec};
-
-/// (engine, session) pairs remembered as bootstrapped before the set starts over.
-const MAX_BOOTSTRAPPED: usize = 65_536;
+use types::{CompactionEvent, ModelSpec};
 
 /// Old entry id → new, after a maintenance rewrite copied a branch.
 type Remap = std::collections::HashMap<String, String>;
@@ -61,27 +60,18 @@ pub struct Core {
     store: Arc<dyn Store>,
     provider: Arc<dyn ModelProvider>,
     metrics: Metrics,
-    grants: Arc<Grants>,
-    registry: RwLock<Arc<Registry>>,
-    /// Where engines reach the Host service (set once the API is bound).
-    host_endpoint: OnceLock<String>,
-    summarizer: Arc<dyn Summarizer>,
-    /// One turn or compaction at a time per session, and Abort.
-    locks: Arc<SessionLocks>,
-    /// (engine, session) pairs bootstrapped by this process.
-    bootstrapped: Mutex<Forgetful<(String, String)>>,
-    /// Engines known to be durable (their last attach said so; kept in the
-    /// store), so turns legacy serves before an attach still reach them.
-    durable: Mutex<HashSet<String>>,
+    /// The engines, their leases and grants.
+    engines: Arc<Engines>,
+    /// Compaction, the engine's or the built-in one.
+    compactor: Arc<Compactor>,
+    /// One turn or compaction at a time per session (and gateway), Abort.
+    gate: Arc<SessionGate>,
     /// One permit per turn taken (`gateway.limits.maxConcurrentTurns`).
     admission: Arc<admission::Admission>,
-    /// Background maintenance: sessions with a run going, and whether a
-    /// follow-up is queued.
-    maintenance: Arc<Mutex<std::collections::HashMap<String, bool>>>,
-    /// One forget delivery at a time: a delete's own pass and the
-    /// background pass would otherwise both read, and both send, the same
-    /// owed ForgetSession.
-    forgets: tokio::sync::Mutex<()>,
+    /// Bootstrap and Maintain.
+    maintenance: Arc<Maintenance>,
+    /// CommitTurns, ForgetSessions and DELTA cursors.
+    delivery: Arc<Delivery>,
     shutdown: CancellationToken,
 }
 
@@ -124,6 +114,17 @@ fn text_message(role: Role, text: String) -> AgentMessage {
     }
 }
 
+/// The gateway's own model, as a turn sees it.
+fn provider_model(config: &Config, provider: &dyn ModelProvider) -> ModelSpec {
+    ModelSpec {
+        id: provider.model().to_owned(),
+        provider: format!("{:?}", config.models.provider).to_lowercase(),
+        context_window: config.models.context_window,
+        reserve_tokens: config.reserve_tokens(),
+        max_output_tokens: config.models.max_output_tokens,
+    }
+}
+
 /// Validates a session reference; returns (agent, key).
 pub fn session_ref(agent_id: &str, session_key: &str) -> Result<(String, String), CoreError> {
     let key = session_key.trim();
@@ -137,7 +138,73 @@ pub fn session_ref(agent_id: &str, session_key: &str) -> Result<(String, String)
     Ok((agent.to_owned(), key.to_owned()))
 }
 
+/// Why the core could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("model provider: {0}")]
+    Provider(String),
+    #[error("gateway.otlp: {0}")]
+    Otlp(String),
+    #[error("reading the store failed: {0}")]
+    StoreRead(String),
+}
+
 impl Core {
+    /// The core as the gateway runs it, composed from its configuration:
+    /// the model provider, metrics (with OTLP spans when configured), the
+    /// services, the Host endpoint engines call back, the engines known
+    /// durable.
+    pub async fn start(
+        config: Arc<Config>,
+        store: crate::store::Opened,
+        host_endpoint: String,
+    ) -> Result<Arc<Self>, StartError> {
+        let provider = crate::provider::from_config(&config.models).map_err(StartError::Provider)?;
+        let spans = match &config.gateway.otlp {
+            Some(o) => {
+                Some(ctxgate_runtime::otlp::Exporter::start(&o.endpoint, &o.service_name).map_err(StartError::Otlp)?)
+            }
+            None => None,
+        };
+        let metrics = Metrics::new(store.counters).with_spans(spans);
+        let core = Arc::new(Self::new(config, store.store, provider, metrics));
+        core.set_host_endpoint(host_endpoint);
+        core.load_durable_engines().await.map_err(|e| StartError::StoreRead(e.to_string()))?;
+        Ok(core)
+    }
+
+    /// The gateway's own periodic work, every 500 ms until aborted:
+    /// subagents past their ttl ended ("swept"), turns a dead gateway left
+    /// open recovered (shared store), queued durable commits retried, and
+    /// the drop audit pruned at start and hourly.
+    pub fn spawn_upkeep(self: &Arc<Self>) -> tokio::task::JoinHandle<()> {
+        let core = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+            let mut pruned: Option<tokio::time::Instant> = None;
+            loop {
+                tick.tick().await;
+                if pruned.is_none_or(|at| at.elapsed() >= std::time::Duration::from_secs(3600)) {
+                    pruned = Some(tokio::time::Instant::now());
+                    match core.delivery.prune_audit().await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(drops = n, "audited outbox drops past store.auditRetentionDays pruned"),
+                        Err(e) => tracing::warn!(error = %e, "pruning the outbox drop audit failed"),
+                    }
+                }
+                if let Err(e) = core.sweep_subagents().await {
+                    tracing::warn!(error = %e, "subagent sweep failed");
+                }
+                if let Err(e) = core.delivery.recover_abandoned_turns().await {
+                    tracing::warn!(error = %e, "recovering abandoned turns failed");
+                }
+                if let Err(e) = core.delivery.drain_outbox().await {
+                    tracing::warn!(error = %e, "outbox drain failed");
+                }
+            }
+        })
+    }
+
     /// Builds the core and its engine registry (starts health monitors:
     /// call inside a tokio runtime).
     pub fn new(config: Arc<Config>, store: Arc<dyn Store>, provider: Arc<dyn ModelProvider>, metrics: Metrics) -> Self {
@@ -145,48 +212,69 @@ impl Core {
             ProviderKind::Offline => Arc::new(Extractive),
             ProviderKind::Openai => Arc::new(ModelSummarizer { provider: provider.clone(), max_tokens: 2_048 }),
         };
-        let registry = RwLock::new(Arc::new(Registry::build(&config, &metrics)));
+        let engines = Arc::new(Engines::new(&config, store.clone(), metrics.clone()));
         let admission = Arc::new(admission::Admission::new(&config.gateway.limits));
-        let grants = Arc::new(Grants::new(config.gateway.limits.host_callbacks));
-        Self {
-            config,
-            store,
-            provider,
-            metrics,
-            grants,
-            registry,
-            host_endpoint: OnceLock::new(),
+        let shutdown = CancellationToken::new();
+        let gate = Arc::new(SessionGate::new(
+            store.clone(),
+            config.store.lease(),
+            config.gateway.limits.queued_turns_per_session,
+        ));
+        let delivery = Arc::new(Delivery::new(store.clone(), engines.clone(), gate.clone(), &config, shutdown.clone()));
+        let model = provider_model(&config, provider.as_ref());
+        let compactor = Arc::new(Compactor::new(
+            config.clone(),
+            store.clone(),
+            engines.clone(),
+            gate.clone(),
             summarizer,
-            locks: Arc::default(),
-            bootstrapped: Mutex::new(Forgetful::new(MAX_BOOTSTRAPPED)),
-            durable: Mutex::default(),
-            admission,
-            maintenance: Arc::default(),
-            forgets: tokio::sync::Mutex::new(()),
-            shutdown: CancellationToken::new(),
-        }
+            metrics.clone(),
+            model,
+        ));
+        let maintenance = Arc::new(Maintenance::new(
+            store.clone(),
+            engines.clone(),
+            delivery.clone(),
+            gate.clone(),
+            shutdown.clone(),
+        ));
+        Self { config, store, provider, metrics, engines, compactor, gate, admission, maintenance, delivery, shutdown }
     }
 
     pub fn config(&self) -> &Config {
         &self.config
     }
 
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Takes engine `id` out of quarantine now; `None` when no such
+    /// engine is configured.
+    pub fn readmit_engine(&self, id: &str) -> Option<bool> {
+        self.registry().readmit(id)
+    }
+
     /// Where engines call the Host service back (set once, after binding).
     pub fn set_host_endpoint(&self, endpoint: String) {
-        let _ = self.host_endpoint.set(endpoint);
+        self.engines.set_host_endpoint(endpoint);
     }
 
     pub fn registry(&self) -> Arc<Registry> {
-        self.registry.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.engines.registry()
+    }
+
+    /// The outbox, forgets and their audit, for operators.
+    pub fn delivery(&self) -> &Delivery {
+        &self.delivery
     }
 
     /// Applies the engine part of a new configuration: new clients and
     /// monitors, quarantines cleared, the slot re-resolved (an entry that
     /// is gone resets it to legacy). Turns in flight keep their lease.
     pub fn reload_engines(&self, config: &Config) {
-        let next = Arc::new(Registry::build(config, &self.metrics));
-        *self.registry.write().unwrap_or_else(|e| e.into_inner()) = next;
-        self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.engines.reload(config);
+        self.maintenance.forget_bootstraps();
         tracing::info!(selected = %self.registry().selected_id(), "engine configuration reloaded");
     }
 
@@ -202,7 +290,7 @@ impl Core {
     }
 
     pub fn turns_in_flight(&self) -> u32 {
-        self.locks.running() as u32
+        self.gate.running() as u32
     }
 
     /// The admission limit now (it follows latency).
@@ -211,49 +299,22 @@ impl Core {
     }
 
     pub fn turns_queued(&self) -> u32 {
-        self.locks.queued() as u32
+        self.gate.queued() as u32
     }
 
     /// The gateway's own model, as a turn sees it.
     fn provider_model(&self) -> ModelSpec {
-        ModelSpec {
-            id: self.provider.model().to_owned(),
-            provider: self.provider_name(),
-            context_window: self.config.models.context_window,
-            reserve_tokens: self.config.reserve_tokens(),
-            max_output_tokens: self.config.models.max_output_tokens,
-        }
+        provider_model(&self.config, self.provider.as_ref())
+    }
+
+    /// Manual compaction, by the [`Compactor`].
+    pub fn compactor(&self) -> &Compactor {
+        &self.compactor
     }
 
     /// Loads the engines known to be durable (call once at start).
     pub async fn load_durable_engines(&self) -> Result<(), CoreError> {
-        let known = self.store.durable_engines().await?;
-        self.durable.lock().unwrap_or_else(|e| e.into_inner()).extend(known);
-        Ok(())
-    }
-
-    /// Whether `engine` takes durable turns: from its attach when it has
-    /// one (remembered in the store when that changes), else from the last
-    /// one remembered.
-    fn durable_engine(&self, engine: &Replicas) -> bool {
-        let id = engine.id();
-        let mut known = self.durable.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(info) = engine.attached_info() else { return known.contains(id) };
-        let durable = crate::engines::durable(&info);
-        if durable != known.contains(id) {
-            if durable {
-                known.insert(id.to_owned());
-            } else {
-                known.remove(id);
-            }
-            let (store, id) = (self.store.clone(), id.to_owned());
-            tokio::spawn(async move {
-                if let Err(e) = store.set_durable(&id, durable).await {
-                    tracing::warn!(engine = id, error = %e, "remembering the engine's durability failed");
-                }
-            });
-        }
-        durable
+        self.engines.load_durable().await
     }
 
     /// The embedded offline model (no real model configured).
@@ -275,38 +336,54 @@ impl Core {
         self.config.agents.defaults.compaction.reserve_tokens.unwrap_or_else(|| (window / 4).min(16_384))
     }
 
-    /// Waits for the session (Enqueue: the caller's cancel ends the wait)
-    /// for work that is not a turn. `bounded`: a client's (manual
-    /// compaction) waits in the session's bounded queue; the gateway's own
-    /// (the outbox, background maintenance) is bounded by construction.
-    async fn enter(&self, session_id: &str, cancel: &CancellationToken, bounded: bool) -> Result<Held, CoreError> {
-        let limit = bounded.then_some(self.config.gateway.limits.queued_turns_per_session);
-        self.hold(session_id, cancel, BusyPolicy::Enqueue, limit).await
+    /// Admission control: a permit for one turn, or shed at once over the
+    /// limit. Callers ask before any work of the turn, before they spawn
+    /// its task or open its stream: under overload most turns are refused,
+    /// and a refusal that had a task and a stream set up first took the
+    /// CPU the admitted turns needed.
+    pub fn admit(&self) -> Result<Permit, CoreError> {
+        let admission = self.admission.try_admit().map_err(|shed| turn::shed_error(&self.metrics, shed))?;
+        self.metrics.turn_limit.set(admission.limit() as i64);
+        Ok(admission)
     }
 
-    async fn visible(&self, session_id: &str) -> Result<Visible, CoreError> {
-        Ok(transcript::visible(&self.store.visible_tail(session_id).await?))
+    /// Begins a turn under its `admission` ([`Core::admit`]); see
+    /// [`Turn`] for its steps.
+    pub async fn begin(
+        &self,
+        spec: types::TurnSpec,
+        events: types::EventSink,
+        cancel: CancellationToken,
+        admission: Permit,
+    ) -> Result<Begun, CoreError> {
+        Turn::begin(self.turn_services(), &self.gate, spec, events, cancel, admission).await
     }
 
     /// The session's visible history, rendered as the model sees it.
     async fn visible_messages(&self, session: &Session) -> Result<Vec<AgentMessage>, CoreError> {
-        Ok(self.visible_shared(session).await?.into_vec())
+        Ok(self.turn_services().visible(session).await?.into_vec())
     }
 
-    /// The visible history read in place, shared with the store's tail.
-    async fn visible_shared(&self, session: &Session) -> Result<transcript::Messages, CoreError> {
-        let tail = self.store.visible_tail(&session.session_id).await?;
-        Ok(transcript::Messages::Shared(transcript::SharedHistory::new(tail)))
+    /// The services a turn calls (a turn holds these, not the core).
+    fn turn_services(&self) -> turn::TurnServices {
+        turn::TurnServices {
+            store: self.store.clone(),
+            metrics: self.metrics.clone(),
+            engines: self.engines.clone(),
+            delivery: self.delivery.clone(),
+            maintenance: self.maintenance.clone(),
+            compactor: self.compactor.clone(),
+        }
     }
 
     /// A host callback under its grant's budget.
     pub fn authorise(&self, token: &str, session_id: Option<&str>, op: HostOperation) -> Result<Callback, GrantError> {
-        self.grants.authorise(token, session_id, op)
+        self.engines.authorise(token, session_id, op)
     }
 
     /// One of the engine's model-call slots (Host.LlmComplete).
     pub fn llm_slot(&self, engine_id: &str) -> Result<LlmSlot, GrantError> {
-        self.grants.llm_slot(engine_id)
+        self.engines.llm_slot(engine_id)
     }
 
     /// A model request on an engine's behalf (Host.LlmComplete).

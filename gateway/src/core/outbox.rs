@@ -5,20 +5,23 @@
 //! else. Deleting a session queues a ForgetSession for every engine that
 //! saw it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use ctxgate_proto::estimate;
 use ctxgate_proto::pb::{self, Role};
 use tokio_util::sync::CancellationToken;
 
-use crate::core::engine_lease::session_target;
+use crate::core::claims::SessionGate;
+use crate::core::engine_lease::{Engines, session_target};
 use crate::core::maintenance::Upkeep;
 use crate::core::session_locks::BusyError;
 use crate::core::types::BusyPolicy;
-use crate::core::{Core, CoreError, now_unix_ms, session_ref};
+use crate::core::{CoreError, now_unix_ms, session_ref};
 use crate::engines::{Call, Engine, EngineCallError};
 use crate::store::{
     Advance, CommitDraft, DueQueue, Forget, OutboxCounts, OutboxDrop, OutboxPage, OutboxRow, PendingCommit, Session,
+    Store,
 };
 
 /// The first retry of a refused commit; doubled per refusal up to the cap.
@@ -116,7 +119,49 @@ impl EngineState {
     }
 }
 
-impl Core {
+/// Delivery to engines of what they keep: durable turns' CommitTurns
+/// through the outbox, ForgetSession for deleted sessions, and DELTA
+/// engines' cursors (`cursors.rs`). Enters sessions through the gate, as
+/// any work on a session does.
+pub struct Delivery {
+    pub(super) store: Arc<dyn Store>,
+    engines: Arc<Engines>,
+    gate: Arc<SessionGate>,
+    /// One forget delivery at a time: a delete's own pass and the
+    /// background pass would otherwise both read, and both send, the same
+    /// owed ForgetSession.
+    forgets: tokio::sync::Mutex<()>,
+    /// Failures after which a commit is held (`store.holdCommitAfterFailures`).
+    hold_after: u32,
+    /// How long dropped rows stay in the audit (`store.auditRetentionDays`).
+    audit_days: u32,
+    /// The gateway's shutdown: every delivery's calls end with it.
+    shutdown: tokio_util::sync::CancellationToken,
+}
+
+impl Delivery {
+    pub fn new(
+        store: Arc<dyn Store>,
+        engines: Arc<Engines>,
+        gate: Arc<SessionGate>,
+        config: &crate::config::Config,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) -> Self {
+        Self {
+            store,
+            engines,
+            gate,
+            forgets: tokio::sync::Mutex::new(()),
+            hold_after: config.store.hold_commit_after_failures,
+            audit_days: config.store.audit_retention_days,
+            shutdown,
+        }
+    }
+
+    fn call_token(&self) -> CancellationToken {
+        self.shutdown.child_token()
+    }
+
     /// The CommitTurn of a durable turn before it closes; the store adds
     /// the turn's messages and its terminal anchor. `position` is the
     /// admitted message's index in the visible history.
@@ -184,7 +229,7 @@ impl Core {
         cancel: &CancellationToken,
         force: bool,
     ) -> Result<Backlog, CoreError> {
-        let Some(engine) = self.registry().get(engine_id).cloned() else { return Ok(Backlog::at(pending)) };
+        let Some(engine) = self.engines.registry().get(engine_id).cloned() else { return Ok(Backlog::at(pending)) };
         // Due unless every commit delivered here said it is not.
         let mut upkeep = None;
         for (i, p) in pending.iter().enumerate() {
@@ -227,7 +272,7 @@ impl Core {
                     | EngineCallError::ContractViolation { .. }),
                 ) => {
                     let failures = self.store.fail_commit(session_id, key).await?;
-                    let hold_after = self.config.store.hold_commit_after_failures;
+                    let hold_after = self.hold_after;
                     if failures < hold_after {
                         tracing::warn!(session = session_id, key, failures, error = %e, "commit not delivered; it stays queued");
                         return Ok(Backlog::at(&pending[i..]));
@@ -256,16 +301,16 @@ impl Core {
     /// (session, engine) queue with its engine in service gets a turn at
     /// draining (under the session's lock); then owed forgets.
     pub async fn drain_outbox(&self) -> Result<(), CoreError> {
-        let live = self.registry().in_service();
+        let live = self.engines.registry().in_service();
         for DueQueue { session_id, engine_id } in self.store.due_commits(now_unix_ms(), &live).await? {
             // A session with a turn running drains at that turn's start; do
             // not stall every other session's pass behind it.
-            if self.locks.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
+            if self.gate.is_busy(&session_id) || self.engine_state(&engine_id) != EngineState::InService {
                 continue;
             }
             let cancel = self.call_token();
             // Held by another gateway: its turn drains it.
-            let _guard = match self.hold(&session_id, &cancel, BusyPolicy::Reject, None).await {
+            let _guard = match self.gate.hold(&session_id, &cancel, BusyPolicy::Reject, None).await {
                 Ok(held) => held,
                 Err(CoreError::Busy(BusyError::Busy)) => continue,
                 // One session's trouble must not stop the pass for the others.
@@ -287,7 +332,7 @@ impl Core {
         let mut n = 0;
         for session_id in self.store.abandoned_turns().await? {
             // The claim rewinds the turn; a session in use meanwhile is skipped.
-            match self.hold(&session_id, &self.call_token(), BusyPolicy::Reject, None).await {
+            match self.gate.hold(&session_id, &self.call_token(), BusyPolicy::Reject, None).await {
                 Ok(_held) => n += 1,
                 Err(CoreError::Busy(_)) => {}
                 Err(e) => {
@@ -315,7 +360,7 @@ impl Core {
             },
             None => self.forgets.lock().await,
         };
-        let registry = self.registry();
+        let registry = self.engines.registry();
         let due = self.store.pending_forgets(now_unix_ms(), &registry.in_service()).await?;
         let wanted = |f: &Forget| only.is_none_or(|ids| ids.contains(&f.session_id));
         for Forget { session_id, engine_id, agent_id, session_key, attempts, .. } in due.into_iter().filter(wanted) {
@@ -340,7 +385,7 @@ impl Core {
     }
 
     pub fn engine_state(&self, engine_id: &str) -> EngineState {
-        match self.registry().get(engine_id) {
+        match self.engines.registry().get(engine_id) {
             None => EngineState::NotConfigured,
             Some(g) if g.is_quarantined() => EngineState::Quarantined,
             Some(_) => EngineState::InService,
@@ -375,7 +420,7 @@ impl Core {
         queues.sort_unstable();
         queues.dedup();
         for (session_id, engine_id) in queues {
-            let _guard = self.enter(session_id, &cancel, false).await?;
+            let _guard = self.gate.enter(session_id, &cancel, false).await?;
             self.drain_commits(session_id, engine_id, &cancel, true).await?;
         }
         let remaining = self.store.outbox_of_key(&agent, &key).await?;
@@ -393,7 +438,7 @@ impl Core {
         let (agent, key) = session_ref(agent, key)?;
         let mut guards = Vec::new();
         for session_id in self.store.session_ids(&agent, &key).await? {
-            guards.push(self.enter(&session_id, &cancel, false).await?);
+            guards.push(self.gate.enter(&session_id, &cancel, false).await?);
         }
         let dropped = self.store.drop_outbox(&agent, &key).await?;
         for r in &dropped {
@@ -440,7 +485,7 @@ impl Core {
 
     /// Forgets audited drops older than `store.auditRetentionDays`.
     pub async fn prune_audit(&self) -> Result<u32, CoreError> {
-        let days = i64::from(self.config.store.audit_retention_days);
+        let days = i64::from(self.audit_days);
         Ok(self.store.prune_drops(now_unix_ms().saturating_sub(days * 86_400_000)).await?)
     }
 }

@@ -43,7 +43,7 @@ impl Core {
         let (agent, key) = session_ref(agent, key)?;
         let session = self.store.session(&agent, &key, false).await?.ok_or(CoreError::NoSession(key))?;
         let lease =
-            self.lease_engine(Operation::AgentRun, &HostProfile::embedded(), self.provider_model(), Unmet::Degrade)?;
+            self.engines.lease(Operation::AgentRun, &HostProfile::embedded(), self.provider_model(), Unmet::Degrade)?;
         let m = &lease.model;
         let budget = m.context_window.saturating_sub(m.reserve_tokens);
         // A DELTA engine holding its cursor is asked as a turn would ask it;
@@ -62,7 +62,7 @@ impl Core {
             None => self.visible_messages(&session).await?,
         };
         let tokens = cursor.as_ref().map_or(0, |c| c.tokens) + estimate::messages_tokens(&messages);
-        let grant = self.grant(&lease, &session, None, None);
+        let grant = self.engines.grant(&lease, &session, None, None);
         let request = pb::AssembleRequest {
             session_id: session.session_id.clone(),
             session_key: Some(session.session_key.clone()),

@@ -12,7 +12,7 @@ impl Core {
     /// also another gateway's, at its next lease renewal). True if one ran.
     pub async fn abort(&self, agent: &str, key: &str) -> Result<bool, CoreError> {
         let Some(s) = self.store.session(agent, key, false).await? else { return Ok(false) };
-        Ok(self.locks.abort(&s.session_id) || self.store.interrupt_holder(&s.session_id).await?)
+        Ok(self.gate.abort(&s.session_id) || self.store.interrupt_holder(&s.session_id).await?)
     }
 
     pub async fn session(&self, agent: &str, key: &str) -> Result<Session, CoreError> {
@@ -82,7 +82,7 @@ impl Core {
         let (agent, key) = session_ref(agent, key)?;
         let cancel = self.call_token();
         let _guard = match self.store.session(&agent, &key, false).await? {
-            Some(active) => Some(self.enter(&active.session_id, &cancel, true).await?),
+            Some(active) => Some(self.gate.enter(&active.session_id, &cancel, true).await?),
             None => None,
         };
         Ok(self.store.replace_session(&agent, &key, archive).await?)
@@ -100,7 +100,7 @@ impl Core {
         let children = self.store.children_of(&agent, &key).await?;
         let mut guards = Vec::new();
         for session_id in &ids {
-            guards.push(self.enter(session_id, &cancel, false).await?);
+            guards.push(self.gate.enter(session_id, &cancel, false).await?);
         }
         let deleted = self.store.delete_sessions(&agent, &key).await?;
         drop(guards);
@@ -117,7 +117,7 @@ impl Core {
         }
         // This delete's forgets, best effort now (others' wait for the
         // background pass, which also retries these).
-        if let Err(e) = self.deliver_forgets(Some(&ids)).await {
+        if let Err(e) = self.delivery.deliver_forgets(Some(&ids)).await {
             tracing::warn!(error = %e, "ForgetSession delivery failed; retried in the background");
         }
         Ok(deleted)

@@ -48,9 +48,9 @@ impl Core {
         }
         // Spawning fails closed: an engine that cannot run here refuses.
         let host = HostProfile::embedded();
-        let lease = self.lease_engine(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::FailClosed)?;
+        let lease = self.engines.lease(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::FailClosed)?;
         let call = Call::new(cancel);
-        let grant = self.grant(&lease, parent, None, None);
+        let grant = self.engines.grant(&lease, parent, None, None);
         let prep = pb::PrepareSubagentSpawnRequest {
             parent_session_key: parent.session_key.clone(),
             child_session_key: child_key.clone(),
@@ -146,7 +146,7 @@ impl Core {
         };
         let Some(_record) = self.store.take_subagent(agent, child_key).await? else { return Ok(false) };
         let host = HostProfile::embedded();
-        let lease = self.lease_engine(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::Degrade)?;
+        let lease = self.engines.lease(Operation::SubagentSpawn, &host, self.provider_model(), Unmet::Degrade)?;
         let req = pb::OnSubagentEndedRequest {
             child_session_key: child_key.into(),
             reason: r as i32,

@@ -24,7 +24,27 @@ mod tails;
 
 pub(crate) use shared::plan_page;
 pub use sqlite::{DB_FILE, LOCK_FILE, SCHEMA_VERSION, SqliteStore};
-pub use tails::DEFAULT_TAIL_CACHE_MIB;
+
+/// A store opened (and migrated), with the counters its metrics read.
+pub struct Opened {
+    pub store: Arc<dyn Store>,
+    pub counters: crate::metrics::StoreCounters,
+}
+
+/// The configured store, opened and migrated: PostgreSQL when
+/// `store.url` is set, else SQLite in the state directory.
+pub async fn open(config: &crate::config::Config) -> Result<Opened, OpenError> {
+    Ok(match &config.store.url {
+        Some(url) => {
+            let pg = postgres::PostgresStore::open(url, &config.store).await?;
+            Opened { counters: pg.counters(), store: Arc::new(pg) }
+        }
+        None => {
+            let sqlite = SqliteStore::open(&config.state_dir)?.with_tail_cache(config.store.tail_cache_mib);
+            Opened { counters: sqlite.counters(), store: Arc::new(sqlite) }
+        }
+    })
+}
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {

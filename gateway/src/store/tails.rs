@@ -24,12 +24,9 @@ use ctxgate_proto::pb::{self, content_part::Part, transcript_entry::Entry};
 
 use crate::transcript::Tail;
 
-/// Estimated heap MiB of cached entries, all sessions together, unless
-/// configured (`store.tailCacheMiB`): 64 sessions with a full context
-/// window's history (~400 KiB each decoded) fit; many short messages cost
-/// more per token (docs/operations.md).
-pub const DEFAULT_TAIL_CACHE_MIB: u32 = 32;
-const DEFAULT_MAX_BYTES: usize = DEFAULT_TAIL_CACHE_MIB as usize * 1024 * 1024;
+/// Estimated heap bytes of cached entries, all sessions together, unless
+/// configured (`store.tailCacheMiB`).
+const DEFAULT_MAX_BYTES: usize = crate::config::DEFAULT_TAIL_CACHE_MIB as usize * 1024 * 1024;
 
 /// What the allocator adds to each allocation (glibc: a 16-byte header
 /// and rounding to 16).

@@ -31,7 +31,7 @@ impl Turn {
         let Some(guard) = self.guard.take() else {
             return Err(CoreError::Precondition("the turn has ended".into()));
         };
-        let (store, session_id) = (self.core.store.clone(), self.session.session_id.clone());
+        let (store, session_id) = (self.services.store.clone(), self.session.session_id.clone());
         let rewind = async || {
             let r = store.close_turn(&session_id, TurnClose::Rewind).await;
             r.map(|_| Finished { entries: Vec::new(), engine_committed: false }).map_err(CoreError::from)
@@ -52,7 +52,7 @@ impl Turn {
             Outcome::Aborted | Outcome::Failed(_) => rewind().await,
         };
         let label = if result.is_ok() { outcome.label() } else { "error" };
-        let metrics = &self.core.metrics;
+        let metrics = &self.services.metrics;
         metrics.turns_in_flight.dec();
         metrics.turn_finished(self.driver.as_str(), label, self.trace.started.elapsed());
         self.trace.export(metrics, &self.attributes(), label, &outcome);
@@ -79,10 +79,10 @@ impl Turn {
                 "tool call {open:?} has no result: append its result, or end the turn failed"
             )));
         }
-        let (core, lease, session) = (self.core.clone(), self.lease.clone(), self.session.clone());
+        let (services, lease, session) = (self.services.clone(), self.lease.clone(), self.session.clone());
         // The turn is closing: its history is taken, not copied.
         let fence = self.fence();
-        let from = Source { core: &core, lease: &lease, session: &session, fence: &fence, call: &self.call };
+        let from = Source { services: &services, lease: &lease, session: &session, fence: &fence, call: &self.call };
         // Only a durable record (its position) and a remote after-turn read
         // the history here: legacy's turn does not read it again.
         let after_turn = lease.remote && lease.host.has(Capability::AfterTurn);
@@ -101,17 +101,23 @@ impl Turn {
                     // cursor counts what the engine holds — not an aborted
                     // turn's user message left before it, which is visible.
                     Some(_) => {
-                        transcript::index_of_last_run(&core.store.visible_tail(&session.session_id).await?, |m| {
+                        transcript::index_of_last_run(&services.store.visible_tail(&session.session_id).await?, |m| {
                             self.ledger.is_own(m)
                         })
                     }
                 };
-                Some(core.commit_draft(engine, &session, &self.turn_id, &self.admitted[0], position as u64))
+                Some(services.delivery.commit_draft(
+                    engine,
+                    &session,
+                    &self.turn_id,
+                    &self.admitted[0],
+                    position as u64,
+                ))
             }
         };
         let entries =
             last.into_iter().map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
-        let closed = core.store.close_turn(&session.session_id, TurnClose::Accept { entries, commit }).await?;
+        let closed = services.store.close_turn(&session.session_id, TurnClose::Accept { entries, commit }).await?;
         // The after-turn request carries the turn's last messages too.
         if after_turn {
             history.extend(closed.entries.iter().filter_map(|e| match &e.entry {
@@ -126,9 +132,9 @@ impl Turn {
             // it now is the outbox's to retry, not the turn's.
             let delivered = match closed.queued {
                 Some(queued) if self.emptied_queue.as_deref() == Some(engine) => {
-                    core.deliver_commits(&session.session_id, engine, &[queued], &self.cancel, false).await
+                    services.delivery.deliver_commits(&session.session_id, engine, &[queued], &self.cancel, false).await
                 }
-                _ => core.drain_commits(&session.session_id, engine, &self.cancel, false).await,
+                _ => services.delivery.drain_commits(&session.session_id, engine, &self.cancel, false).await,
             };
             let (waiting, upkeep) = match delivered {
                 Ok(b) => (b.waiting, b.upkeep),
@@ -150,7 +156,7 @@ impl Turn {
             (false, Upkeep::Due)
         };
         if upkeep == Upkeep::Due {
-            core.maintain_after_turn(&lease, &session, budget, &self.call).await;
+            services.maintenance.maintain_after_turn(&lease, &session, budget, &self.call).await;
         }
         Ok(Finished { entries: closed.entries, engine_committed })
     }
@@ -164,11 +170,11 @@ impl Turn {
         cursor: Option<pb::HistoryCursor>,
         budget: u64,
     ) -> (bool, Upkeep) {
-        let (core, lease, session) = (&self.core, &self.lease, &self.session);
+        let (services, lease, session) = (&self.services, &self.lease, &self.session);
         // Everything before the admitted user message existed before the prompt.
         let pre_prompt = self.ledger.position_in(&history);
         let new_messages: Vec<AgentMessage> = history[pre_prompt..].to_vec();
-        let grant = core.grant(lease, session, None, None);
+        let grant = services.engines.grant(lease, session, None, None);
         let tokens = cursor.as_ref().map_or(0, |c| c.tokens) + estimate::messages_tokens(&history);
         let after = pb::AfterTurnRequest {
             cursor: cursor.clone(),
@@ -188,7 +194,7 @@ impl Turn {
         match lease.engine.after_turn(after, &self.call).await {
             Ok(r) => {
                 if let Some(base) = &cursor
-                    && let Err(e) = core.advance_cursor(lease, session, base).await
+                    && let Err(e) = services.delivery.advance_cursor(lease, session, base).await
                 {
                     tracing::warn!(error = %e, "advancing the engine's cursor failed; the next turn resyncs");
                 }
@@ -224,10 +230,10 @@ impl Drop for Turn {
     fn drop(&mut self) {
         let Some(guard) = self.guard.take() else { return };
         self.cancel.cancel();
-        let metrics = self.core.metrics.clone();
+        let metrics = self.services.metrics.clone();
         metrics.turns_in_flight.dec();
         metrics.turn_finished(self.driver.as_str(), Outcome::Aborted.label(), self.trace.started.elapsed());
-        let (store, session_id) = (self.core.store.clone(), self.session.session_id.clone());
+        let (store, session_id) = (self.services.store.clone(), self.session.session_id.clone());
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         runtime.spawn(async move {
             if let Err(e) = store.close_turn(&session_id, TurnClose::Rewind).await {

@@ -5,13 +5,12 @@
 //! turn's own appends, and read again only after a compaction or a resync
 //! changed it.
 
-use std::sync::Arc;
-
 use ctxgate_proto::estimate;
 use ctxgate_proto::pb::{self, AgentMessage, transcript_entry::Entry};
 
+use super::TurnServices;
+use crate::core::CoreError;
 use crate::core::engine_lease::EngineLease;
-use crate::core::{Core, CoreError};
 use crate::engines::Call;
 use crate::store::{Delta, Session};
 use crate::transcript::Messages;
@@ -73,7 +72,7 @@ pub(super) struct HistoryView {
 
 /// What reading the history needs from the turn.
 pub(super) struct Source<'a> {
-    pub core: &'a Arc<Core>,
+    pub services: &'a TurnServices,
     pub lease: &'a EngineLease,
     pub session: &'a Session,
     /// The message id of the turn's first user message: the engine is
@@ -93,7 +92,7 @@ impl HistoryView {
             let read = if self.delta {
                 read_delta(from).await?
             } else {
-                Read::Full(from.core.visible_shared(from.session).await?)
+                Read::Full(from.services.visible(from.session).await?)
             };
             self.read = Some(read);
         }
@@ -166,20 +165,20 @@ impl HistoryView {
 /// missing or no longer on the branch; the whole visible history if the
 /// engine failed meanwhile (legacy answers then).
 async fn read_delta(from: &Source<'_>) -> Result<Read, CoreError> {
-    let Source { core, lease, session, fence, call } = from;
+    let Source { services, lease, session, fence, call } = from;
     let sid = &session.session_id;
-    let mut delta = core.store.delta(sid, &lease.key).await?;
+    let mut delta = services.store.delta(sid, &lease.key).await?;
     for resyncs in 0..2 {
         if let Some((cursor, after)) = delta.take().and_then(Delta::messages) {
             return Ok(Read::Delta { cursor, after });
         }
-        let Some(cursor) = core.resync(lease, session, fence, call).await? else { break };
+        let Some(cursor) = services.delivery.resync(lease, session, fence, call).await? else { break };
         // After a second resync the whole history is read anyway.
         if resyncs == 0 {
-            delta = Some(Delta { after: core.store.branch_after(sid, &cursor).await?, cursor });
+            delta = Some(Delta { after: services.store.branch_after(sid, &cursor).await?, cursor });
         }
     }
-    Ok(Read::Full(core.visible_shared(session).await?))
+    Ok(Read::Full(services.visible(session).await?))
 }
 
 #[cfg(test)]

@@ -24,16 +24,20 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::core::admission::{Permit, Shed};
-use crate::core::claims::Held;
-use crate::core::engine_lease::{EngineLease, Unmet};
+use crate::core::claims::{Held, SessionGate};
+use crate::core::compact::Compactor;
+use crate::core::engine_lease::{EngineLease, Engines, Unmet};
+use crate::core::maintenance::Maintenance;
+use crate::core::outbox::Delivery;
 use crate::core::types::{
     Capability, CompactionDone, Context, Driver, EventSink, Failure, FailureReason, Operation, Outcome, Projection,
     Trigger, TurnEvent, TurnSpec,
 };
-use crate::core::{Core, CoreError, now_unix_ms};
+use crate::core::{CoreError, now_unix_ms};
 use crate::engines::{Call, EngineCallError, legacy};
-use crate::store::{NewEntry, Session, StoreError, TurnSession};
-use crate::transcript::Messages;
+use crate::metrics::Metrics;
+use crate::store::{NewEntry, Session, Store, StoreError, TurnSession};
+use crate::transcript::{self, Messages};
 pub use finish::Finished;
 use history::{HistoryView, Read, Source};
 use ledger::Ledger;
@@ -43,6 +47,14 @@ use trace::{Attributes, TurnTrace};
 
 /// Overflow compactions before the gateway gives up on compacting.
 pub const MAX_OVERFLOW_COMPACTIONS: u32 = 3;
+
+/// A turn refused by admission, at arrival or before its first durable
+/// work ([`Permit::admitted`]).
+pub(super) fn shed_error(metrics: &Metrics, shed: Shed) -> CoreError {
+    metrics.turns_shed.inc();
+    metrics.turn_limit.set(shed.limit as i64);
+    CoreError::Overloaded(shed)
+}
 
 /// What `begin` gives back. Built once per turn: not worth a box.
 #[allow(clippy::large_enum_variant)]
@@ -75,8 +87,32 @@ impl From<StoreError> for StepError {
     }
 }
 
+/// What a turn calls: the services below it, never the [`Core`](super::Core) that
+/// began it, so a turn's calls go down.
+#[derive(Clone)]
+pub(super) struct TurnServices {
+    pub store: Arc<dyn Store>,
+    pub metrics: Metrics,
+    /// Grants for the engine's calls back.
+    pub engines: Arc<Engines>,
+    /// The outbox (CommitTurn) and DELTA cursors.
+    pub delivery: Arc<Delivery>,
+    /// Bootstrap before the first turn, Maintain after each.
+    pub maintenance: Arc<Maintenance>,
+    /// Proactive, overflow and manual compaction.
+    pub compactor: Arc<Compactor>,
+}
+
+impl TurnServices {
+    /// The visible history read in place, shared with the store's tail.
+    pub async fn visible(&self, session: &Session) -> Result<Messages, CoreError> {
+        let tail = self.store.visible_tail(&session.session_id).await?;
+        Ok(Messages::Shared(transcript::SharedHistory::new(tail)))
+    }
+}
+
 pub struct Turn {
-    core: Arc<Core>,
+    services: TurnServices,
     session: Session,
     lease: EngineLease,
     turn_id: String,
@@ -115,33 +151,16 @@ pub struct Turn {
     emptied_queue: Option<String>,
 }
 
-impl Core {
-    /// Admission control: a permit for one turn, or shed at once over the
-    /// limit. Callers ask before any work of the turn, before they spawn
-    /// its task or open its stream: under overload most turns are refused,
-    /// and a refusal that had a task and a stream set up first took the
-    /// CPU the admitted turns needed.
-    pub fn admit(&self) -> Result<Permit, CoreError> {
-        let admission = self.admission.try_admit().map_err(|shed| self.shed(shed))?;
-        self.metrics.turn_limit.set(admission.limit() as i64);
-        Ok(admission)
-    }
-
-    /// A turn refused by admission, at arrival or before its first durable
-    /// work ([`Permit::admitted`]).
-    fn shed(&self, shed: Shed) -> CoreError {
-        self.metrics.turns_shed.inc();
-        self.metrics.turn_limit.set(shed.limit as i64);
-        CoreError::Overloaded(shed)
-    }
-
-    /// Begins a turn under its `admission` ([`Core::admit`]): waits for
+impl Turn {
+    /// Begins a turn under its `admission` ([`Core::admit`](super::Core::admit)): waits for
     /// the session under the spec's busy policy (a cancel while waiting
     /// leaves no trace), leases the engine (host requirements: the managed
-    /// driver degrades, a harness fails closed before admission), admits the user messages, delivers the session's
-    /// queued durable commits, bootstraps and compacts proactively.
-    pub async fn begin(
-        self: &Arc<Self>,
+    /// driver degrades, a harness fails closed before admission), admits
+    /// the user messages, delivers the session's queued durable commits,
+    /// bootstraps and compacts proactively.
+    pub(super) async fn begin(
+        services: TurnServices,
+        gate: &SessionGate,
         spec: TurnSpec,
         events: EventSink,
         cancel: CancellationToken,
@@ -152,16 +171,15 @@ impl Core {
         let mut trace = TurnTrace::start(spec.trace);
         // Both are the key's state as the turn arrives (not re-read after
         // waiting for the session, as the session itself is not).
-        let TurnSession { session, subagent } = self.store.turn_session(&spec.agent_id, &spec.session_key).await?;
-        let limit = self.config.gateway.limits.queued_turns_per_session;
+        let TurnSession { session, subagent } = services.store.turn_session(&spec.agent_id, &spec.session_key).await?;
         // Waiting behind the session's running turn counts as the turn's
         // wait to start (admission sees the queue wherever it forms).
-        let guard = self.hold(&session.session_id, &cancel, spec.busy, Some(limit)).await?;
+        let guard = gate.enter_turn(&session.session_id, &cancel, spec.busy).await?;
         let unmet = match spec.driver {
             Driver::Managed => Unmet::Degrade,
             Driver::Harness => Unmet::FailClosed,
         };
-        let lease = self.lease_engine(Operation::AgentRun, &spec.host, spec.model, unmet)?;
+        let lease = services.engines.lease(Operation::AgentRun, &spec.host, spec.model, unmet)?;
         let engine_tools = tools::offered(&lease, subagent);
         // A harness tool the model could not tell from the engine's is refused.
         if let Some(clash) = spec.available_tools.iter().find(|t| engine_tools.iter().any(|e| &e.name == *t)) {
@@ -176,10 +194,10 @@ impl Core {
         // A cancel while it waits leaves no trace, as one while it waits for
         // the session does.
         let waited = tokio::select! {
-            started = admission.admitted() => started.map_err(|shed| self.shed(shed))?,
+            started = admission.admitted() => started.map_err(|shed| shed_error(&services.metrics, shed))?,
             () = cancel.cancelled() => return Err(CoreError::Aborted),
         };
-        self.metrics.turn_wait_seconds.observe(waited.as_secs_f64());
+        services.metrics.turn_wait_seconds.observe(waited.as_secs_f64());
 
         // Admission: the user messages are durable before anything else runs.
         let turn_id = uuid::Uuid::new_v4().simple().to_string();
@@ -190,8 +208,8 @@ impl Core {
             .map(|m| NewEntry { turn_id: turn_id.clone(), entry: Entry::Message(m) })
             .collect();
         let seen_by = if lease.remote { Some(lease.key.as_str()) } else { lease.record.as_deref() };
-        let admitted = self.store.open_turn(&session.session_id, &turn_id, entries, seen_by).await?;
-        self.metrics.turns_in_flight.inc();
+        let admitted = services.store.open_turn(&session.session_id, &turn_id, entries, seen_by).await?;
+        services.metrics.turns_in_flight.inc();
         // One span per turn: every engine call and model request nests in it.
         trace.open(&Attributes {
             driver: spec.driver,
@@ -202,7 +220,7 @@ impl Core {
             engine: &lease.info.id,
         });
         let turn = Turn {
-            core: self.clone(),
+            services,
             ledger: Ledger::admitted(&admitted),
             view: HistoryView::new(&lease),
             session,
@@ -230,9 +248,7 @@ impl Core {
         let span = turn.trace.span.clone();
         turn.start().instrument(span).await
     }
-}
 
-impl Turn {
     async fn start(mut self) -> Result<Begun, CoreError> {
         self.emit(TurnEvent::Admitted {
             session_id: self.session.session_id.clone(),
@@ -247,8 +263,11 @@ impl Turn {
         // Durable engines get earlier turns first; a turn the engine has not
         // accepted blocks this session only.
         if self.lease.remote && crate::engines::durable(&self.lease.info) {
-            let backlog =
-                self.core.drain_commits(&self.session.session_id, &self.lease.key, &self.cancel, false).await?;
+            let backlog = self
+                .services
+                .delivery
+                .drain_commits(&self.session.session_id, &self.lease.key, &self.cancel, false)
+                .await?;
             if self.cancel.is_cancelled() {
                 self.close(Outcome::Aborted, Vec::new()).await?;
                 return Ok(Begun::Failed(Failure::aborted()));
@@ -262,7 +281,8 @@ impl Turn {
         }
         let budget = self.budget(0);
         let fence = self.admitted[0].id.clone();
-        let remap = self.core.bootstrap_if_new(&self.lease, &self.session, &fence, budget, &self.call).await;
+        let remap =
+            self.services.maintenance.bootstrap_if_new(&self.lease, &self.session, &fence, budget, &self.call).await;
         // Maintain(bootstrap) may have copied the branch, admitted entries
         // included: the fence and positions follow the copies.
         for e in &mut self.admitted {
@@ -352,8 +372,13 @@ impl Turn {
     /// The history the engine is sent now (read when needed).
     async fn history(&mut self) -> Result<&Read, CoreError> {
         let fence = self.fence();
-        let from =
-            Source { core: &self.core, lease: &self.lease, session: &self.session, fence: &fence, call: &self.call };
+        let from = Source {
+            services: &self.services,
+            lease: &self.lease,
+            session: &self.session,
+            fence: &fence,
+            call: &self.call,
+        };
         self.view.get(&from).await
     }
 
@@ -400,7 +425,8 @@ impl Turn {
                         Some(m) => m,
                         None => self.view.take_full().unwrap_or_default().into_vec(),
                     };
-                    let grant = self.core.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
+                    let grant =
+                        self.services.engines.grant(&self.lease, &self.session, Some(&self.admitted[0].id), None);
                     let request = pb::AssembleRequest {
                         session_id: self.session.session_id.clone(),
                         session_key: Some(self.session.session_key.clone()),
@@ -428,7 +454,7 @@ impl Turn {
                         // The engine lost what the cursor says it holds: resync
                         // once (the next history read), then assemble again.
                         Err(EngineCallError::HistoryGap { .. }) if self.view.resync_after_gap() => {
-                            self.core.drop_cursor(&self.lease, &self.session).await?;
+                            self.services.delivery.drop_cursor(&self.lease, &self.session).await?;
                             continue;
                         }
                         // Shed, failed or quarantined on a delta: once more with the
@@ -497,7 +523,7 @@ impl Turn {
             return Ok(None);
         }
         let reinject = self
-            .core
+            .services
             .store
             .record_projection(&self.session.session_id, &self.lease.host.id, epoch, fingerprint)
             .await?;
@@ -517,7 +543,7 @@ impl Turn {
                 NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }
             })
             .collect();
-        let stored = self.core.store.append(&self.session.session_id, entries).await?;
+        let stored = self.services.store.append(&self.session.session_id, entries).await?;
         self.ledger.record(additions, &stored);
         self.view.remember(&stored);
         Ok(stored.into_iter().map(|e| e.id).collect())
@@ -532,8 +558,11 @@ impl Turn {
             let budget = self.budget(0);
             let events = self.events.clone();
             let sink = move |e| events(TurnEvent::Compaction(e));
-            let result =
-                self.core.compact(&self.lease, &self.session, trigger, Some(budget), None, &sink, &self.cancel).await;
+            let result = self
+                .services
+                .compactor
+                .compact(&self.lease, &self.session, trigger, Some(budget), None, &sink, &self.cancel)
+                .await;
             self.view.forget();
             if self.cancel.is_cancelled() {
                 return Err(Failure::aborted());
@@ -571,7 +600,8 @@ impl Turn {
         let span = self.trace.span.clone();
         let events = self.events.clone();
         let sink = move |e| events(TurnEvent::Compaction(e));
-        self.core
+        self.services
+            .compactor
             .compact(&self.lease, &self.session, Trigger::Manual, None, instructions, &sink, &self.cancel)
             .instrument(span)
             .await

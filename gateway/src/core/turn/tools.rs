@@ -79,12 +79,12 @@ impl Turn {
         let (text, is_error, outcome) = match answered {
             Answered::Result { text, is_error } => (text, is_error, if is_error { "error" } else { "ok" }),
             Answered::Failed { outcome: "cancelled", .. } => {
-                self.core.metrics.tool_called(&self.lease.info.id, &name, "cancelled", started.elapsed());
+                self.services.metrics.tool_called(&self.lease.info.id, &name, "cancelled", started.elapsed());
                 return Err(StepError::Failed(Failure::aborted()));
             }
             Answered::Failed { text, outcome } => (text, true, outcome),
         };
-        self.core.metrics.tool_called(&self.lease.info.id, &name, outcome, started.elapsed());
+        self.services.metrics.tool_called(&self.lease.info.id, &name, outcome, started.elapsed());
         self.answer(tool_call_id, &name, text, is_error, field).await
     }
 
@@ -127,8 +127,8 @@ impl Turn {
                 outcome: "bad_arguments",
             };
         }
-        let (core, lease, session) = (&self.core, &self.lease, &self.session);
-        let grant = core.grant(lease, session, None, None);
+        let (services, lease, session) = (&self.services, &self.lease, &self.session);
+        let grant = services.engines.grant(lease, session, None, None);
         let budget = self.budget(0);
         let req = pb::CallToolRequest {
             session_id: session.session_id.clone(),

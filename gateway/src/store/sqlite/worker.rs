@@ -1,4 +1,4 @@
-//! The SQLite store's one thread: the SDK's group-commit worker
+//! The SQLite store's one thread: `ctxgate-runtime`'s group-commit worker
 //! ([`ctxgate_runtime::sqlite`], which says how batches, savepoints and
 //! panics behave) with the gateway's error type and its commit counters.
 //! Writes that arrive while the thread is busy share the next transaction
