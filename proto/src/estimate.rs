@@ -49,6 +49,53 @@ pub fn messages_tokens<'a>(messages: impl IntoIterator<Item = &'a AgentMessage>)
     messages.into_iter().map(message_tokens).fold(0, u64::saturating_add)
 }
 
+/// What of `messages` to assemble under `budget` tokens: the newest
+/// messages that fit, and their estimate. A message with tool calls and
+/// the tool results that follow it (answering those calls) are kept or
+/// dropped together, so the model never sees a result without its call.
+/// The walk stops at the first unit that does not fit (the context stays
+/// one contiguous run of the newest history). The newest unit is kept even
+/// over the budget: the contract refuses an empty answer to a request with
+/// history, and the caller sees the overflow in the estimate. No budget
+/// keeps everything. The same rule is in every SDK, pinned by
+/// `proto/testdata/budget.json`.
+pub fn fit_budget(messages: &[AgentMessage], budget: Option<u64>) -> (&[AgentMessage], u64) {
+    let Some(budget) = budget else { return (messages, messages_tokens(messages)) };
+    let (mut start, mut tokens) = (messages.len(), 0u64);
+    while start > 0 {
+        let unit = unit_start(messages, start - 1);
+        let cost = messages_tokens(&messages[unit..start]);
+        match tokens.checked_add(cost) {
+            Some(total) if total <= budget || start == messages.len() => (start, tokens) = (unit, total),
+            _ => break,
+        }
+    }
+    (&messages[start..], tokens)
+}
+
+/// Where the unit that ends at `last` starts: a tool result pulls it back
+/// to the message holding its call, and so do the results between.
+fn unit_start(messages: &[AgentMessage], last: usize) -> usize {
+    let (mut start, mut i) = (last, last);
+    loop {
+        for part in &messages[i].content {
+            if let Some(Part::ToolResult(r)) = &part.part
+                && let Some(call) = messages[..i].iter().rposition(|m| holds_call(m, &r.tool_call_id))
+            {
+                start = start.min(call);
+            }
+        }
+        if i <= start {
+            return start;
+        }
+        i -= 1;
+    }
+}
+
+fn holds_call(m: &AgentMessage, id: &str) -> bool {
+    m.content.iter().any(|p| matches!(&p.part, Some(Part::ToolCall(c)) if c.id == id))
+}
+
 fn is_cjk(c: char) -> bool {
     matches!(c as u32,
         0x3040..=0x30FF      // Hiragana, Katakana

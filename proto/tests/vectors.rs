@@ -109,3 +109,23 @@ fn every_result_vector_is_accepted_or_refused_as_it_says() {
         .collect();
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
+
+#[test]
+fn every_budget_vector_keeps_what_it_says() {
+    let cases = load("budget.json");
+    assert!(cases.len() >= 10, "the vectors are all there");
+    let problems: Vec<String> = cases
+        .iter()
+        .filter_map(|c| {
+            let messages: Vec<pb::AgentMessage> = decode(&c["messages"]);
+            let (kept, tokens) = ctxgate_proto::estimate::fit_budget(&messages, c["budget"].as_u64());
+            let kept: Vec<&str> = kept.iter().map(|m| m.id.as_str()).collect();
+            let want: Vec<&str> = c["kept"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
+            let want_tokens = c["estimatedTokens"].as_u64().unwrap();
+            (kept != want || tokens != want_tokens).then(|| {
+                format!("{}: kept {kept:?} ({tokens} tokens), the vector says {want:?} ({want_tokens})", c["name"])
+            })
+        })
+        .collect();
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}

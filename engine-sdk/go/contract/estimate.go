@@ -52,6 +52,63 @@ func MessagesTokens(messages []*pb.AgentMessage) uint64 {
 	return n
 }
 
+// FitBudget is what of messages to assemble under budget tokens (an
+// AssembleRequest's TokenBudget, nil when unset): the newest messages that
+// fit, and their estimate. A message with tool calls and the tool results
+// that follow it (answering those calls) are kept or dropped together, with
+// everything between, so the model never sees a result without its call.
+// The walk stops at the first unit that does not fit (the context stays one
+// contiguous run of the newest history), and the newest unit is kept even
+// over the budget (the contract refuses an empty answer to a request with
+// history; the estimate shows the overflow). No budget keeps everything. The same rule as every SDK's, pinned by
+// proto/testdata/budget.json. The slice returned shares messages' array.
+func FitBudget(messages []*pb.AgentMessage, budget *uint64) ([]*pb.AgentMessage, uint64) {
+	if budget == nil {
+		return messages, MessagesTokens(messages)
+	}
+	start, tokens := len(messages), uint64(0)
+	for start > 0 {
+		unit := unitStart(messages, start-1)
+		cost := MessagesTokens(messages[unit:start])
+		if start < len(messages) && (cost > *budget || tokens > *budget-cost) {
+			break
+		}
+		start, tokens = unit, tokens+cost
+	}
+	return messages[start:], tokens
+}
+
+// unitStart is where the unit that ends at last starts: a tool result pulls
+// it back to the nearest earlier message holding its call, and so do the
+// results between.
+func unitStart(messages []*pb.AgentMessage, last int) int {
+	start := last
+	for i := last; i >= start; i-- {
+		for _, p := range messages[i].GetContent() {
+			r := p.GetToolResult()
+			if r == nil {
+				continue
+			}
+			for j := i - 1; j >= 0; j-- {
+				if holdsCall(messages[j], r.GetToolCallId()) {
+					start = min(start, j)
+					break
+				}
+			}
+		}
+	}
+	return start
+}
+
+func holdsCall(m *pb.AgentMessage, id string) bool {
+	for _, p := range m.GetContent() {
+		if c := p.GetToolCall(); c != nil && c.GetId() == id {
+			return true
+		}
+	}
+	return false
+}
+
 func isCJK(c rune) bool {
 	switch {
 	case c >= 0x3040 && c <= 0x30FF, // Hiragana, Katakana

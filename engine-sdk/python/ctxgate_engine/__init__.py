@@ -10,6 +10,7 @@ and serves health, reflection, TLS, per-call limits and a graceful drain."""
 from .context import CallContext
 from .endpoint import Endpoint
 from .engine import CompactOutcome, ContextEngine, DelegateToHost, Done, Progress, tool, tool_error, tool_text
+from .estimate import fit_budget
 from .errors import (
     Cancelled,
     DeadlineExceeded,
@@ -32,5 +33,5 @@ __all__ = [
     "tool_error", "tool_text", "Cancelled", "DeadlineExceeded", "EngineError", "FailedPrecondition", "HistoryGap",
     "NotFound", "NotGranted", "ResourceExhausted", "Unavailable", "Unimplemented", "LLM_COMPLETE",
     "READ_TRANSCRIPT", "HostClient", "HostEndpoint", "HostPolicy", "host", "pb", "types", "ServeArgs", "Server",
-    "ServeError", "add_serve_arguments", "run", "serve", "Violation",
+    "ServeError", "add_serve_arguments", "run", "serve", "Violation", "fit_budget",
 ]

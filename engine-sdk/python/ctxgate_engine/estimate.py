@@ -4,7 +4,7 @@ output count winning where a message has one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from .pb import types
 
@@ -44,3 +44,46 @@ def message_tokens(m: types.AgentMessage) -> int:
 
 def messages_tokens(messages: Iterable[types.AgentMessage]) -> int:
     return sum(message_tokens(m) for m in messages)
+
+
+def fit_budget(messages: Sequence[types.AgentMessage], budget: int | None) -> tuple[list[types.AgentMessage], int]:
+    """What of `messages` to assemble under `budget` tokens: the newest
+    messages that fit, and their estimate. A message with tool calls and the
+    tool results that follow it (answering those calls) are kept or dropped
+    together, with everything between, so the model never sees a result
+    without its call. The walk stops at the first unit that does not fit (the
+    context stays one contiguous run of the newest history), and the newest
+    unit is kept even over the budget (the contract refuses an empty answer
+    to a request with history; the estimate shows the overflow). No budget
+    (`None`) keeps everything. The same rule as every
+    SDK's, pinned by `proto/testdata/budget.json`."""
+    if budget is None:
+        return list(messages), messages_tokens(messages)
+    start, tokens = len(messages), 0
+    while start > 0:
+        unit = _unit_start(messages, start - 1)
+        cost = messages_tokens(messages[unit:start])
+        if tokens + cost > budget and start < len(messages):
+            break
+        start, tokens = unit, tokens + cost
+    return list(messages[start:]), tokens
+
+
+def _unit_start(messages: Sequence[types.AgentMessage], last: int) -> int:
+    """Where the unit that ends at `last` starts: a tool result pulls it back
+    to the nearest earlier message holding its call, and so do the results
+    between."""
+    start = i = last
+    while i >= start:
+        for p in messages[i].content:
+            if p.WhichOneof("part") != "tool_result":
+                continue
+            call = next((j for j in range(i - 1, -1, -1) if _holds_call(messages[j], p.tool_result.tool_call_id)), None)
+            if call is not None:
+                start = min(start, call)
+        i -= 1
+    return start
+
+
+def _holds_call(m: types.AgentMessage, call_id: str) -> bool:
+    return any(p.WhichOneof("part") == "tool_call" and p.tool_call.id == call_id for p in m.content)

@@ -1,7 +1,8 @@
 """The shared validation vectors (`proto/testdata/`): every request and
 result is accepted or refused exactly as the vector says, with the status
 code and the field path -- by the validation itself, and over the wire
-(a refused request never reaches the engine)."""
+(a refused request never reaches the engine). And `fit_budget` keeps of
+every budget vector what it says."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import grpc.aio
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from ctxgate_engine import validate
-from ctxgate_engine.pb import pb
+from ctxgate_engine import fit_budget, validate
+from ctxgate_engine.pb import pb, types
 from helpers import REPLIES, REQUESTS, REPO, run_async, serving, unary, compact
 from probe import ProbeWithTools
 
@@ -89,6 +90,20 @@ def test_every_result_vector_is_accepted_or_refused_as_it_says() -> None:
             got = violation(checks[c["method"]], result)
         if (p := disagreement(c, got)) is not None:
             problems.append(p)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_budget_vector_keeps_what_it_says() -> None:
+    cases = load("budget.json")
+    assert len(cases) >= 10, "the vectors are all there"
+    problems = []
+    for c in cases:
+        messages = [json_format.ParseDict(expand(m), types.AgentMessage()) for m in c["messages"]]
+        kept, tokens = fit_budget(messages, c["budget"])
+        ids = [m.id for m in kept]
+        if (ids, tokens) != (c["kept"], c["estimatedTokens"]):
+            problems.append(f"{c['name']}: kept {ids} ({tokens} tokens), "
+                            f"the vector says {c['kept']} ({c['estimatedTokens']})")
     assert not problems, "\n".join(problems)
 
 

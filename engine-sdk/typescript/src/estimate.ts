@@ -62,3 +62,54 @@ export function messagesTokens(list: readonly AnyMessage[]): number {
   for (const m of list) n += messageTokens(m);
   return n;
 }
+
+/** What of `messages` to assemble under `budget` tokens: the newest
+ * messages that fit, and their estimate. A message with tool calls and the
+ * tool results that follow it (answering those calls) are kept or dropped
+ * together, with everything between, so the model never sees a result
+ * without its call. The walk stops at the first unit that does not fit (the
+ * context stays one contiguous run of the newest history), and
+ * the newest unit is kept even over the budget (the contract refuses an
+ * empty answer to a request with history; the estimate shows the
+ * overflow). No budget (undefined or null) keeps everything. The same rule as
+ * every SDK's, pinned by `proto/testdata/budget.json`. */
+export function fitBudget<M extends AnyMessage>(
+  messages: readonly M[],
+  budget?: number | null,
+): { messages: M[]; estimatedTokens: number } {
+  if (budget === undefined || budget === null) return { messages: [...messages], estimatedTokens: messagesTokens(messages) };
+  let start = messages.length;
+  let tokens = 0;
+  while (start > 0) {
+    const unit = unitStart(messages, start - 1);
+    const cost = messagesTokens(messages.slice(unit, start));
+    if (tokens + cost > budget && start < messages.length) break;
+    start = unit;
+    tokens += cost;
+  }
+  return { messages: messages.slice(start), estimatedTokens: tokens };
+}
+
+/** Where the unit that ends at `last` starts: a tool result pulls it back
+ * to the (nearest earlier) message holding its call, and so do the results
+ * between. */
+function unitStart(messages: readonly AnyMessage[], last: number): number {
+  let start = last;
+  for (let i = last; i >= start; i--) {
+    for (const p of (messages[i]!.content ?? []) as pb.ContentPart__Output[]) {
+      if (partKind(p) !== "toolResult") continue;
+      const id = p.toolResult?.toolCallId ?? "";
+      for (let j = i - 1; j >= 0; j--) {
+        if (holdsCall(messages[j]!, id)) {
+          start = Math.min(start, j);
+          break;
+        }
+      }
+    }
+  }
+  return start;
+}
+
+function holdsCall(m: AnyMessage, id: string): boolean {
+  return ((m.content ?? []) as pb.ContentPart__Output[]).some((p) => partKind(p) === "toolCall" && (p.toolCall?.id ?? "") === id);
+}

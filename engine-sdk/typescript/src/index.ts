@@ -18,7 +18,7 @@ export { LiveServerTls, TlsError } from "./tls.js";
 export { Exporter, type Span } from "./otlp.js";
 export { TraceParent, TRACE_HEADER } from "./trace.js";
 export { Violation, request as validateRequest, result as validateResult } from "./validate.js";
-export { textTokens, messageTokens, messagesTokens } from "./estimate.js";
+export { textTokens, messageTokens, messagesTokens, fitBudget } from "./estimate.js";
 export { parseEndpoint, endpointString, grpcTarget, type Endpoint } from "./endpoint.js";
 export { METHODS, type Method } from "./method.js";
 export { ENGINE_SERVICE, HOST_SERVICE, packageDefinition, engineService, hostService, messageType, LOADER_OPTIONS, PROTO_DIR } from "./proto.js";

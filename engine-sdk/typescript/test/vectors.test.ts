@@ -1,7 +1,8 @@
 // The shared validation vectors (proto/testdata): every request is sent to
 // a real server as its bytes and accepted or refused exactly as the vector
 // says — the same status code and field path as the Rust SDK — and every
-// engine reply is accepted or refused by the result checks.
+// engine reply is accepted or refused by the result checks; and fitBudget
+// keeps of each budget vector what the Rust SDK's fit_budget keeps.
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -12,7 +13,9 @@ import {
   type ContextEngine,
   PACKAGE_ROOT_FOR_TESTS,
   engineService,
+  fitBudget,
   messageType,
+  type pb,
   serve,
   validateResult,
 } from "./sdk.js";
@@ -158,4 +161,31 @@ describe("shared validation vectors", () => {
     }
     assert.deepEqual(problems, []);
   });
+});
+
+interface BudgetVector {
+  name: string;
+  budget: number | null;
+  messages: unknown[];
+  kept: string[];
+  estimatedTokens: number;
+}
+
+test("every budget vector keeps what it says", () => {
+  const cases = JSON.parse(readFileSync(join(TESTDATA, "budget.json"), "utf8")) as BudgetVector[];
+  assert.ok(cases.length >= 10, "the vectors are all there");
+  const type = messageType("AgentMessage");
+  const problems: string[] = [];
+  for (const c of cases) {
+    // Decoded as a call's messages are: 64-bit counts as numbers, enums by name.
+    const messages = c.messages.map(
+      (m) => type.toObject(type.fromObject(expand(m) as Record<string, unknown>), { longs: Number, enums: String, defaults: true, oneofs: true }) as pb.AgentMessage__Output,
+    );
+    const got = fitBudget(messages, c.budget);
+    const kept = got.messages.map((m) => m.id);
+    if (JSON.stringify([kept, got.estimatedTokens]) !== JSON.stringify([c.kept, c.estimatedTokens])) {
+      problems.push(`${c.name}: kept ${JSON.stringify(kept)} (${got.estimatedTokens} tokens), the vector says ${JSON.stringify(c.kept)} (${c.estimatedTokens})`);
+    }
+  }
+  assert.deepEqual(problems, []);
 });

@@ -68,8 +68,9 @@ func (r *recall) Assemble(ctx context.Context, req *pb.AssembleRequest) (*pb.Ass
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	out := fit(history, req.TokenBudget)
-	return &pb.AssembleResult{Messages: out, EstimatedTokens: contract.MessagesTokens(out)}, nil
+	// The newest messages that fit, tool pairs whole (the newest always).
+	out, tokens := contract.FitBudget(history, req.TokenBudget)
+	return &pb.AssembleResult{Messages: out, EstimatedTokens: tokens}, nil
 }
 
 // heldCursor is what s holds, for a gap's detail (nil: nothing).
@@ -79,32 +80,6 @@ func heldCursor(s *session) *pb.HistoryCursor {
 	}
 	n := uint64(len(s.messages))
 	return &pb.HistoryCursor{MessageId: s.messages[n-1].GetId(), Seq: n, MessageCount: n, Tokens: s.tokens}
-}
-
-// fit keeps the newest messages within budget (always the newest one), then
-// drops any tool result whose call was cut off.
-func fit(history []*pb.AgentMessage, budget *uint64) []*pb.AgentMessage {
-	start := 0
-	if budget != nil {
-		var used uint64
-		start = len(history)
-		for start > 0 {
-			t := contract.MessageTokens(history[start-1])
-			if used+t > *budget && start < len(history) {
-				break
-			}
-			used += t
-			start--
-		}
-	}
-	out := append([]*pb.AgentMessage(nil), history[start:]...)
-	for {
-		i, _, orphan := contract.FirstOrphanResult(out)
-		if !orphan {
-			return out
-		}
-		out = append(out[:i], out[i+1:]...)
-	}
 }
 
 func (r *recall) Compact(ctx context.Context, req *pb.CompactRequest, p *enginesdk.Progress) (enginesdk.CompactOutcome, error) {

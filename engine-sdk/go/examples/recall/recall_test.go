@@ -70,12 +70,12 @@ func TestTheBudgetKeepsTheNewestTurnsWithoutSplittingAToolPair(t *testing.T) {
 		msg("t1", pb.Role_ROLE_TOOL, result), msg("u2", pb.Role_ROLE_USER, enginesdk.TextPart("thanks")),
 	}
 	budget := contract.MessageTokens(history[2]) + contract.MessageTokens(history[3])
-	out := fit(history, &budget)
+	out, _ := contract.FitBudget(history, &budget)
 	if err := contract.CheckAssembleResult(&pb.AssembleResult{Messages: out}, len(history)); err != nil || len(out) != 1 || out[0].GetId() != "u2" {
 		t.Fatalf("%v %v", ids(out), err)
 	}
 	tiny := uint64(0)
-	if out := fit(history, &tiny); len(out) != 1 || out[0].GetId() != "u2" {
+	if out, _ := contract.FitBudget(history, &tiny); len(out) != 1 || out[0].GetId() != "u2" {
 		t.Fatalf("the newest message always stays: %v", ids(out))
 	}
 }
