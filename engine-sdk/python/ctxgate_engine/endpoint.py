@@ -1,4 +1,4 @@
-"""Endpoints (`engine-sdk/rust/src/endpoint.rs`): where an engine listens and
+"""Endpoints (`engine-sdk/runtime/src/endpoint.rs`): where an engine listens and
 how a client reaches it -- `http://HOST:PORT`, a bare `HOST:PORT`, or
 `unix:///PATH`."""
 

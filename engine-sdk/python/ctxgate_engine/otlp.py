@@ -1,4 +1,4 @@
-"""Spans over OTLP/gRPC (`engine-sdk/rust/src/otlp.rs`): each traced engine
+"""Spans over OTLP/gRPC (`engine-sdk/runtime/src/otlp.rs`): each traced engine
 method is a span of its caller's trace, sent to a collector in batches (every
 second, or 512 spans). Bounded: at most 4096 spans wait; more are dropped and
 counted, so telemetry never slows a call or grows without limit. A collector

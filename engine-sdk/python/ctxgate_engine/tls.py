@@ -1,4 +1,4 @@
-"""TLS from PEM files (`engine-sdk/rust/src/tls.rs`): a file that cannot be
+"""TLS from PEM files (`engine-sdk/runtime/src/tls.rs`): a file that cannot be
 read or is not what it should be is an error naming the option it came
 from; a server's certificate can be re-read while it serves (SIGHUP), and a
 mistake then keeps the running one."""

@@ -1,6 +1,6 @@
 // Endpoints: where an engine listens and how a client reaches it —
 // `http://HOST:PORT`, a bare `HOST:PORT`, or `unix:///PATH`
-// (engine-sdk/rust/src/endpoint.rs).
+// (engine-sdk/runtime/src/endpoint.rs).
 import { isIP } from "node:net";
 
 export type Endpoint =

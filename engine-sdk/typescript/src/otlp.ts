@@ -1,5 +1,5 @@
 // Spans exported over OTLP/gRPC when --otlp-endpoint is given, best
-// effort and bounded (engine-sdk/rust/src/otlp.rs): at most QUEUE spans
+// effort and bounded (engine-sdk/runtime/src/otlp.rs): at most QUEUE spans
 // wait; more are dropped and counted. A batch goes out every second or at
 // BATCH spans; a collector that fails loses that batch, never a call.
 import * as grpc from "@grpc/grpc-js";

@@ -1,5 +1,5 @@
 // TLS from PEM files, every mistake a sentence naming the option that gave
-// the file (engine-sdk/rust/src/tls.rs). The server's credentials can be
+// the file (engine-sdk/runtime/src/tls.rs). The server's credentials can be
 // re-read while it serves (SIGHUP): new connections use the new
 // certificate; a mistake keeps the running one.
 import { readFileSync } from "node:fs";

@@ -31,7 +31,7 @@ pub fn visible(branch: &[pb::TranscriptEntry]) -> Visible {
 /// The visible history read in place: its messages stay the branch's (an
 /// `Arc` of the store's cached tail), found by index. A turn reads its
 /// whole history every turn, and copying it into the turn was half of a
-/// legacy turn's CPU (docs/benchmarks.md). While a turn holds one (through
+/// legacy turn's CPU (docs/benchmarks-history.md, third session). While a turn holds one (through
 /// its model call), another reader extending that session's cached tail
 /// copies it first (`Arc::make_mut`); the session's lock makes that rare.
 #[derive(Debug, Clone)]

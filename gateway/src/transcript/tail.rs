@@ -2,7 +2,7 @@
 //! turn would otherwise work out from all of it again: each message's
 //! token estimate (kept as running sums) and where tool results find their
 //! calls. A long session's turn spent a third of its CPU redoing both over
-//! the whole history (docs/benchmarks.md); the tail only grows at its end,
+//! the whole history (docs/benchmarks-history.md, fourth session); the tail only grows at its end,
 //! so each is worked out once per entry, as it is added.
 
 use std::ops::Deref;
