@@ -1,7 +1,7 @@
 // Shared test helpers: a probe engine whose methods misbehave on request,
 // a raw client for the engine service, a fake Host, certificates.
 import { execFileSync } from "node:child_process";
-import { mkdtempSync } from "node:fs";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import * as grpc from "@grpc/grpc-js";
@@ -15,8 +15,16 @@ import {
   type Progress,
 } from "../src/index.js";
 
+/** Directories made by `tempDir`, removed when the test file's process exits. */
+const made: string[] = [];
+process.on("exit", () => {
+  for (const dir of made) rmSync(dir, { recursive: true, force: true });
+});
+
 export function tempDir(prefix = "ctxgate-ts-"): string {
-  return mkdtempSync(join(tmpdir(), prefix));
+  const dir = mkdtempSync(join(tmpdir(), prefix));
+  made.push(dir);
+  return dir;
 }
 
 export const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
@@ -226,7 +234,6 @@ export function certificates(): { dir: string; ca: string; cert: string; key: st
   };
 }
 
-import { writeFileSync } from "node:fs";
 function require_ext(dir: string, name: string, san: string): void {
   writeFileSync(join(dir, `${name}.ext`), `subjectAltName=${san}\nextendedKeyUsage=serverAuth,clientAuth\n`);
 }
