@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass
 
 from .context import CallContext
@@ -116,9 +119,15 @@ class ContextEngine:
         raise Unimplemented("CallTool")
 
 
-def tool(name: str, description: str, parameters_json_schema: str,
+def tool(name: str, description: str, parameters_json_schema: str | Mapping[str, Any],
          audience: pb.ToolAudience = pb.TOOL_AUDIENCE_MAIN) -> pb.ToolDefinition:
-    """A tool declaration: its name, what it does, its arguments' JSON Schema."""
+    """A tool declaration: its name, what it does, its arguments' JSON Schema
+    (a dict, or its JSON text)."""
+    if isinstance(parameters_json_schema, Mapping):
+        parameters_json_schema = json.dumps(parameters_json_schema)
+    elif not isinstance(parameters_json_schema, str):
+        raise TypeError(f"tool {name!r}: parameters_json_schema is a dict or its JSON text, "
+                        f"not {type(parameters_json_schema).__name__}")
     return pb.ToolDefinition(name=name, description=description, parameters_json_schema=parameters_json_schema,
                              audience=audience)
 

@@ -7,6 +7,7 @@ health and reflection are served."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -14,7 +15,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health_pb2
 
-from ctxgate_engine import ServeArgs, Server, ServeError
+from ctxgate_engine import ServeArgs, Server, ServeError, tool
 from ctxgate_engine.errors import gap_of
 from ctxgate_engine.methods import ENGINE_SERVICE
 from ctxgate_engine.pb import pb
@@ -154,3 +155,12 @@ async def test_a_bad_tool_declaration_is_a_clear_error_at_start() -> None:
     with pytest.raises(ServeError) as e:
         await Server(BadTools()).bind()
     assert "info.tools[0].name" in str(e.value) and "[a-zA-Z0-9_-]" in str(e.value), e.value
+
+
+def test_a_tool_schema_is_a_dict_or_its_json_text_and_anything_else_names_the_tool() -> None:
+    schema = {"type": "object", "properties": {"q": {"type": "string"}}}
+    assert json.loads(tool("find", "finds", schema).parameters_json_schema) == schema
+    assert tool("find", "finds", json.dumps(schema)).parameters_json_schema == json.dumps(schema)
+    with pytest.raises(TypeError) as e:
+        tool("find", "finds", ["not", "a", "schema"])  # type: ignore[arg-type]
+    assert "tool 'find'" in str(e.value) and "dict or its JSON text" in str(e.value)
