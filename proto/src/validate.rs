@@ -336,10 +336,19 @@ pub mod request {
         if admission.logical_turn_id != r.advancement_key {
             return Err(Violation::invalid("admission.logical_turn_id", "must equal advancement_key"));
         }
-        if r.terminal.is_none() {
-            return Err(Violation::invalid("terminal", "is required"));
-        }
+        let Some(terminal) = &r.terminal else { return Err(Violation::invalid("terminal", "is required")) };
+        generation(admission.anchor.as_ref(), "admission.anchor.generation")?;
+        generation(Some(terminal), "terminal.generation")?;
         messages(&r.messages, "messages")
+    }
+
+    /// An anchor's generation: opaque, possibly empty, at most an id's size.
+    fn generation(anchor: Option<&pb::TranscriptEntryAnchor>, field: &str) -> Result {
+        let n = anchor.map_or(0, |a| a.generation.len());
+        if n > MAX_ID_BYTES {
+            return Err(Violation::too_large(field, format!("is {n} bytes, the limit is {MAX_ID_BYTES}")));
+        }
+        Ok(())
     }
 
     pub fn maintain(r: &pb::MaintainRequest) -> Result {

@@ -108,7 +108,22 @@ func checkCommitTurn(r *pb.CommitTurnRequest) *Violation {
 	if r.GetTerminal() == nil {
 		return invalid("terminal", "is required")
 	}
+	if v := checkGeneration(r.GetAdmission().GetAnchor().GetGeneration(), "admission.anchor.generation"); v != nil {
+		return v
+	}
+	if v := checkGeneration(r.GetTerminal().GetGeneration(), "terminal.generation"); v != nil {
+		return v
+	}
 	return CheckMessages(r.GetMessages(), "messages")
+}
+
+// checkGeneration checks an anchor's generation: opaque, possibly empty, at
+// most an id's size.
+func checkGeneration(value, field string) *Violation {
+	if len(value) > MaxIDBytes {
+		return tooLarge(field, fmt.Sprintf("is %d bytes, the limit is %d", len(value), MaxIDBytes))
+	}
+	return nil
 }
 
 // first is v, or then's violation when v is nil.

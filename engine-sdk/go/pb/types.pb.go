@@ -2025,9 +2025,13 @@ type TranscriptEntryAnchor struct {
 	SessionId  string                 `protobuf:"bytes,2,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	SessionKey string                 `protobuf:"bytes,3,opt,name=session_key,json=sessionKey,proto3" json:"session_key,omitempty"`
 	StorePath  string                 `protobuf:"bytes,4,opt,name=store_path,json=storePath,proto3" json:"store_path,omitempty"`
-	Generation uint64                 `protobuf:"varint,5,opt,name=generation,proto3" json:"generation,omitempty"`
-	EntryId    string                 `protobuf:"bytes,6,opt,name=entry_id,json=entryId,proto3" json:"entry_id,omitempty"`
-	RawSeq     uint64                 `protobuf:"varint,7,opt,name=raw_seq,json=rawSeq,proto3" json:"raw_seq,omitempty"`
+	// The transcript's generation as its host names it: opaque, compared for
+	// equality only (OpenClaw: 32 hex characters, new when the session's
+	// transcript is replaced). The gateway sends the session id, which is
+	// new whenever a session is replaced. At most 256 bytes.
+	Generation string `protobuf:"bytes,11,opt,name=generation,proto3" json:"generation,omitempty"`
+	EntryId    string `protobuf:"bytes,6,opt,name=entry_id,json=entryId,proto3" json:"entry_id,omitempty"`
+	RawSeq     uint64 `protobuf:"varint,7,opt,name=raw_seq,json=rawSeq,proto3" json:"raw_seq,omitempty"`
 	// Unset for the first entry of a session (OpenClaw null).
 	EffectiveParentId     *string `protobuf:"bytes,8,opt,name=effective_parent_id,json=effectiveParentId,proto3,oneof" json:"effective_parent_id,omitempty"`
 	ActiveMessagePosition uint64  `protobuf:"varint,9,opt,name=active_message_position,json=activeMessagePosition,proto3" json:"active_message_position,omitempty"`
@@ -2094,11 +2098,11 @@ func (x *TranscriptEntryAnchor) GetStorePath() string {
 	return ""
 }
 
-func (x *TranscriptEntryAnchor) GetGeneration() uint64 {
+func (x *TranscriptEntryAnchor) GetGeneration() string {
 	if x != nil {
 		return x.Generation
 	}
-	return 0
+	return ""
 }
 
 func (x *TranscriptEntryAnchor) GetEntryId() string {
@@ -2588,7 +2592,7 @@ const file_contextengine_v1_types_proto_rawDesc = "" +
 	"\v_cache_read\"9\n" +
 	"\vCacheChange\x12\x12\n" +
 	"\x04code\x18\x01 \x01(\tR\x04code\x12\x16\n" +
-	"\x06detail\x18\x02 \x01(\tR\x06detail\"\xac\x03\n" +
+	"\x06detail\x18\x02 \x01(\tR\x06detail\"\xb2\x03\n" +
 	"\x15TranscriptEntryAnchor\x12\x19\n" +
 	"\bagent_id\x18\x01 \x01(\tR\aagentId\x12\x1d\n" +
 	"\n" +
@@ -2598,7 +2602,7 @@ const file_contextengine_v1_types_proto_rawDesc = "" +
 	"\n" +
 	"store_path\x18\x04 \x01(\tR\tstorePath\x12\x1e\n" +
 	"\n" +
-	"generation\x18\x05 \x01(\x04R\n" +
+	"generation\x18\v \x01(\tR\n" +
 	"generation\x12\x19\n" +
 	"\bentry_id\x18\x06 \x01(\tR\aentryId\x12\x17\n" +
 	"\araw_seq\x18\a \x01(\x04R\x06rawSeq\x123\n" +
@@ -2607,7 +2611,7 @@ const file_contextengine_v1_types_proto_rawDesc = "" +
 	"\x0fidempotency_key\x18\n" +
 	" \x01(\tH\x01R\x0eidempotencyKey\x88\x01\x01B\x16\n" +
 	"\x14_effective_parent_idB\x12\n" +
-	"\x10_idempotency_key\"\xae\x01\n" +
+	"\x10_idempotency_keyJ\x04\b\x05\x10\x06\"\xae\x01\n" +
 	"\x17TranscriptTurnAdmission\x12?\n" +
 	"\x06anchor\x18\x01 \x01(\v2'.contextengine.v1.TranscriptEntryAnchorR\x06anchor\x12&\n" +
 	"\x0flogical_turn_id\x18\x02 \x01(\tR\rlogicalTurnId\x12*\n" +

@@ -289,7 +289,16 @@ def _commit_turn(r: pb.CommitTurnRequest) -> None:
         raise Violation("admission.logical_turn_id", "must equal advancement_key")
     if not r.HasField("terminal"):
         raise Violation("terminal", "is required")
+    _generation(r.admission.anchor.generation, "admission.anchor.generation")
+    _generation(r.terminal.generation, "terminal.generation")
     messages(r.messages, "messages")
+
+
+def _generation(value: str, field: str) -> None:
+    """An anchor's generation: opaque, possibly empty, at most an id's size."""
+    n = utf8_len(value)
+    if n > MAX_ID_BYTES:
+        raise Violation(field, f"is {n} bytes, the limit is {MAX_ID_BYTES}", too_large=True)
 
 
 def _maintain(r: pb.MaintainRequest) -> None:

@@ -43,6 +43,12 @@ export function bytes(s: string | undefined | null): number {
 }
 
 /** A required id: non-blank and at most MAX_ID_BYTES. */
+/** An anchor's generation: opaque, possibly empty, at most an id's size. */
+function generation(value: string | undefined | null, field: string): void {
+  const n = bytes(value);
+  if (n > L.MAX_ID_BYTES) throw tooLarge(field, `is ${n} bytes, the limit is ${L.MAX_ID_BYTES}`);
+}
+
 export function id(value: string | undefined | null, field: string): void {
   if (!value || value.trim() === "") throw invalid(field, "is required");
   const n = bytes(value);
@@ -267,6 +273,8 @@ export const request = {
       throw invalid("admission.logical_turn_id", "must equal advancement_key");
     }
     if (!r.terminal) throw invalid("terminal", "is required");
+    generation(r.admission.anchor?.generation, "admission.anchor.generation");
+    generation(r.terminal.generation, "terminal.generation");
     messages(r.messages ?? [], "messages");
   },
   Maintain(r: pb.MaintainRequest__Output): void {

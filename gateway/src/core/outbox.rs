@@ -178,7 +178,7 @@ impl Delivery {
             session_id: session.session_id.clone(),
             session_key: session.session_key.clone(),
             store_path: String::new(),
-            generation: 0,
+            generation: session.session_id.clone(),
             entry_id: admitted.id.clone(),
             raw_seq: admitted.seq,
             effective_parent_id: admitted.parent_id.clone(),
