@@ -131,7 +131,7 @@ async fn the_python_engine_keeps_its_state_across_a_restart() {
     attached(&g, "py").await;
     let next = run_turn(&g, "kept", "python turn 3").await;
     assert!(completed(&next), "{next:?}");
-    assert_eq!(selected(&next).engine_id, "py-recency");
+    assert_eq!(selected(&next).engine_id, "py");
     let m = metrics_text(g.metrics.unwrap()).await;
     assert_eq!(counter(&m, "ctxgate_engine_history_gaps_total", "engine=\"py\",method=\"Assemble\""), 0, "{m}");
     g.stop().await;

@@ -161,7 +161,7 @@ async fn a_hundred_turns_in_a_small_window_build_the_summary_dag_within_budget()
     for i in 0..100 {
         let events = run_turn(&g, "dag", &turn_text(i)).await;
         assert!(matches!(events.last(), Some(Event::Completed(_))), "turn {i}: {events:?}");
-        assert_eq!(selected(&events).engine_id, "lossless-claw", "turn {i} ran on lossless-claw: {events:?}");
+        assert_eq!(selected(&events).engine_id, "lossless", "turn {i} ran on lossless-claw: {events:?}");
         for e in &events {
             if let Event::Assembled(a) = e {
                 assert!(
@@ -254,7 +254,7 @@ async fn a_killed_host_is_quarantined_legacy_answers_and_the_restarted_host_has_
     let mut turn = 0;
     for _ in 0..10 {
         let events = run_turn(&g, "k", &turn_text(turn)).await;
-        assert_eq!(selected(&events).engine_id, "lossless-claw");
+        assert_eq!(selected(&events).engine_id, "lossless");
         turn += 1;
     }
     // kill -9 mid-run: the next turn finds the engine gone; its calls fall
@@ -279,7 +279,7 @@ async fn a_killed_host_is_quarantined_legacy_answers_and_the_restarted_host_has_
     }
     for _ in 0..5 {
         let events = run_turn(&g, "k", &turn_text(turn)).await;
-        assert_eq!(selected(&events).engine_id, "lossless-claw", "{events:?}");
+        assert_eq!(selected(&events).engine_id, "lossless", "{events:?}");
         turn += 1;
     }
     // Every accepted turn — those the host served, those legacy served

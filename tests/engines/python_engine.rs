@@ -11,7 +11,7 @@ async fn turns_run_through_the_python_engine() {
     let (_py_state, _engine, g) = python_gateway().await;
     let events = run_turn(&g, "p", "hello from a polyglot test").await;
     assert!(completed(&events), "{events:?}");
-    assert_eq!(selected(&events).engine_id, "py-recency");
+    assert_eq!(selected(&events).engine_id, "py");
     let e = engine_status(&g, "py").await;
     assert!(e.quarantine.is_none(), "{e:?}");
     g.stop().await;

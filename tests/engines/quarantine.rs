@@ -104,7 +104,7 @@ async fn an_engine_without_a_health_service_counts_as_healthy() {
     assert_eq!(e.health, "SERVING (no health service)");
     let events = run_turn(&g, "b", "hello").await;
     assert!(completed(&events), "{events:?}");
-    assert_eq!(selected(&events).engine_id, "broken");
+    assert_eq!(selected(&events).engine_id, "bare");
     g.stop().await;
 }
 

@@ -57,11 +57,10 @@ struct Profile {
     gateway: &'static str,
     metrics: &'static str,
     gateway_service: &'static str,
-    /// The engine's `plugins.entries` id, the id it declares (what turns
-    /// report), its compose service (its DNS name) and whether it takes
+    /// The engine's `plugins.entries` id (its name in turns, metrics and
+    /// status), its compose service (its DNS name) and whether it takes
     /// DELTA history (a moved session is then resynced by a history gap).
     entry: &'static str,
-    declared: &'static str,
     service: &'static str,
     delta: bool,
     /// Every service of the profile and the certificate folder it mounts
@@ -76,7 +75,6 @@ const DEFAULT: Profile = Profile {
     metrics: "127.0.0.1:9464",
     gateway_service: "gateway",
     entry: "window",
-    declared: "window",
     service: "engine-window",
     delta: true,
     services: &[("gateway", "gateway"), ("engine-window", "engine-window"), ("engine-python", "engine-python")],
@@ -88,7 +86,6 @@ const OPENCLAW: Profile = Profile {
     metrics: "127.0.0.1:9474",
     gateway_service: "gateway-openclaw",
     entry: "lossless",
-    declared: "lossless-claw",
     service: "engine-lossless",
     delta: false,
     services: &[("gateway-openclaw", "gateway"), ("engine-lossless", "engine-lossless")],
@@ -482,7 +479,7 @@ impl Run {
 
         self.say("baseline");
         let (seen, failed) = self.flow(Duration::from_secs(3)).await;
-        self.check(failed == 0 && Self::served(&seen, p.declared) > 0, format!("baseline: served by {}", p.declared));
+        self.check(failed == 0 && Self::served(&seen, p.entry) > 0, format!("baseline: served by {}", p.entry));
 
         // 1. The busiest replica dies: its sessions move (a DELTA engine
         // resyncs them), no turn fails.
@@ -524,10 +521,7 @@ impl Run {
         let d = self.until("three replicas re-admitted", Duration::from_secs(60), all).await;
         self.waited(d, "three replicas re-admitted");
         let (seen, failed) = self.flow(Duration::from_secs(3)).await;
-        self.check(
-            failed == 0 && Self::served(&seen, p.declared) > 0,
-            format!("after restart: served by {}", p.declared),
-        );
+        self.check(failed == 0 && Self::served(&seen, p.entry) > 0, format!("after restart: served by {}", p.entry));
 
         // 4. One replica cut off the network: a deadline, fallback, quarantined.
         let (busiest, cut) = self.busiest(&replicas).await?;
@@ -549,9 +543,9 @@ impl Run {
         self.docker(&["restart", "-t", "5", &gateway]).await;
         let up = |e: &api::EngineStatus| !e.replicas.is_empty() && e.replicas.iter().any(in_service);
         let d = self.until("the gateway back", Duration::from_secs(60), up).await;
-        self.waited(d, &format!("gateway back, serving through {}", p.declared));
+        self.waited(d, &format!("gateway back, serving through {}", p.entry));
         let (seen, _) = self.flow(Duration::from_secs(3)).await;
-        self.check(Self::served(&seen, p.declared) > 0, format!("after the gateway restart: served by {}", p.declared));
+        self.check(Self::served(&seen, p.entry) > 0, format!("after the gateway restart: served by {}", p.entry));
 
         // 6. One replica paused: a hang, then a deadline; unpaused: back.
         let (busiest, paused) = self.busiest(&replicas).await?;

@@ -121,7 +121,7 @@ async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_c
         assert!(ended.engine_committed, "the window engine took the turn");
         let selected =
             drive.seen.iter().find_map(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).unwrap();
-        assert_eq!((selected.engine_id.as_str(), selected.reason.as_str()), ("window", "configured"));
+        assert_eq!((selected.engine_id.as_str(), selected.reason.as_str()), ("engine", "configured"));
     }
     let got = shape(g, "loop").await;
     let roles: Vec<Role> = got.iter().map(|(r, _)| *r).collect();
@@ -289,7 +289,7 @@ async fn missing_host_capabilities_fail_closed_before_admission_with_openclaws_m
     let s = status_of(Drive::open(&hc, begin("threads", "hi")).await.unwrap().context().await);
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(
-        s.message().starts_with("Context engine \"fault\" cannot run operation \"agent-run\" on agent harness \"test\". Missing host capabilities: thread-bootstrap-projection. Required capabilities: thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Run it under a harness with persistent threads."),
+        s.message().starts_with("Context engine \"engine\" cannot run operation \"agent-run\" on agent harness \"test\". Missing host capabilities: thread-bootstrap-projection. Required capabilities: thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Run it under a harness with persistent threads."),
         "{s:?}"
     );
     assert!(shape(&g, "threads").await.is_empty(), "nothing was admitted");
@@ -299,7 +299,7 @@ async fn missing_host_capabilities_fail_closed_before_admission_with_openclaws_m
     b.host.as_mut().unwrap().capabilities.push("thread-bootstrap-projection".into());
     let d = Drive::admitted(&hc, b).await;
     let sel = d.seen.iter().find_map(|e| if let H::EngineSelected(s) = e { Some(s.clone()) } else { None }).unwrap();
-    assert_eq!(sel.engine_id, "fault");
+    assert_eq!(sel.engine_id, "engine");
     g.stop().await;
 }
 

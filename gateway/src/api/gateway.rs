@@ -404,6 +404,7 @@ fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
         replicas: vec![],
         affinity: String::new(),
         tools: vec![],
+        declared_id: legacy.id.clone(),
     }];
     for (id, g) in registry.engines() {
         let replicas = g
@@ -422,6 +423,7 @@ fn engine_statuses(registry: &Registry) -> Vec<api::EngineStatus> {
         out.push(api::EngineStatus {
             id: id.to_owned(),
             name: info.as_ref().map(|i| i.name.clone()).unwrap_or_default(),
+            declared_id: info.as_ref().map(|i| i.id.clone()).unwrap_or_default(),
             endpoint: g.endpoint.clone(),
             health: g.health().as_str().into(),
             quarantine: g.quarantine_record().map(quarantine),

@@ -89,16 +89,13 @@ pub async fn run(config_path: Option<&Path>, fix: bool) -> Result<(), DoctorErro
         .iter()
         .filter_map(|(host, paths)| {
             let label = &host.label;
-            host.unmet(&info, Operation::AgentRun).err().map(|m| {
+            host.unmet(slot, &info, Operation::AgentRun).err().map(|m| {
                 let m = m.replacen(
                     &format!("cannot run operation \"agent-run\" on {label}"),
                     &format!("is incompatible with {label} ({paths})"),
                     1,
                 );
-                format!(
-                    "- {SLOT}: {}",
-                    m.replacen(&format!("Context engine \"{}\"", info.id), &format!("context engine \"{slot}\""), 1)
-                )
+                format!("- {SLOT}: {}", m.replacen("Context engine", "context engine", 1))
             })
         })
         .collect();

@@ -93,7 +93,7 @@ fn quarantine_json(q: &api::Quarantine) -> serde_json::Value {
 }
 
 pub(super) fn engine_json(e: &api::EngineStatus) -> serde_json::Value {
-    json!({"id": e.id, "name": e.name, "endpoint": e.endpoint, "health": e.health, "affinity": e.affinity,
+    json!({"id": e.id, "declared_id": e.declared_id, "name": e.name, "endpoint": e.endpoint, "health": e.health, "affinity": e.affinity,
         "quarantine": e.quarantine.as_ref().map(quarantine_json),
         "replicas": e.replicas.iter().map(|r| json!({"address": r.address, "health": r.health, "in_flight": r.in_flight, "calls": r.calls,
             "quarantine": r.quarantine.as_ref().map(quarantine_json)})).collect::<Vec<_>>(),
@@ -103,7 +103,13 @@ pub(super) fn engine_json(e: &api::EngineStatus) -> serde_json::Value {
 pub(super) fn print_engine(e: &api::EngineStatus) {
     let q =
         e.quarantine.as_ref().map_or(String::new(), |q| format!(", quarantined during {}: {}", q.operation, q.reason));
-    println!("  - {} ({}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
+    // The entry id names the engine; the id it declares, when another, beside it.
+    let declared = if e.declared_id.is_empty() || e.declared_id == e.id {
+        String::new()
+    } else {
+        format!(", declares id {:?}", e.declared_id)
+    };
+    println!("  - {} ({}{declared}) at {}: {}{q}", e.id, e.name, e.endpoint, e.health);
     // One replica is the endpoint itself; several are worth a line each.
     if e.replicas.len() > 1 || e.endpoint.starts_with("dns:///") {
         let affinity = if e.affinity.is_empty() { String::new() } else { format!(" (affinity: {})", e.affinity) };

@@ -26,7 +26,9 @@ const GRANT_TTL: Duration = Duration::from_secs(600);
 /// once chosen, so a turn is never replayed on another engine.
 #[derive(Clone)]
 pub(super) struct EngineLease {
-    /// The registry id (`plugins.entries` key) or "legacy".
+    /// The engine's name in the gateway — events, metrics, spans, messages,
+    /// records: its `plugins.entries` key, or "legacy". The id the engine
+    /// declares (`info.id`) is shown beside it in status, nowhere else.
     pub key: String,
     pub engine: Arc<dyn Engine>,
     pub info: Arc<pb::EngineInfo>,
@@ -68,8 +70,7 @@ impl EngineLease {
             (None, true) => pb::RuntimeMode::Fallback,
             (None, false) => pb::RuntimeMode::Normal,
         };
-        let source =
-            if self.info.id == LEGACY_ID { pb::SelectionSource::Default } else { pb::SelectionSource::Configured };
+        let source = if self.key == LEGACY_ID { pb::SelectionSource::Default } else { pb::SelectionSource::Configured };
         let harness_id = self.host.id.strip_prefix("agent-harness:").map(str::to_owned);
         pb::RuntimeSettings {
             schema_version: 1,
@@ -81,7 +82,7 @@ impl EngineLease {
                 family: None,
             }),
             context_engine_selection: Some(pb::EngineSelection {
-                selected_id: Some(self.info.id.clone()),
+                selected_id: Some(self.key.clone()),
                 source: source as i32,
             }),
             execution_host: Some(pb::ExecutionHost {
@@ -241,7 +242,7 @@ impl Engines {
         let reason = if let Some(q) = g.quarantine_record() {
             Some(format!("it is quarantined after failing during {}: {}", q.cause, q.reason))
         } else {
-            match host.unmet(&g.info(), operation) {
+            match host.unmet(g.id(), &g.info(), operation) {
                 Err(m) if unmet == Unmet::FailClosed => return Err(CoreError::Precondition(m)),
                 r => r.err(),
             }

@@ -100,7 +100,7 @@ impl Maintenance {
         if !lease.remote || !lease.host.has(Capability::Bootstrap) {
             return Remap::new();
         }
-        let key = (lease.info.id.clone(), session.session_id.clone());
+        let key = (lease.key.clone(), session.session_id.clone());
         if !self.bootstrapped.lock().unwrap_or_else(|e| e.into_inner()).first_time(key) {
             return Remap::new();
         }

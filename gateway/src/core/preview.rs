@@ -76,7 +76,7 @@ impl Core {
             ..Default::default()
         };
         let assembled = lease.engine.assemble(request, &Call::new(self.call_token())).await.map_err(|e| {
-            let id = &lease.info.id;
+            let id = &lease.key;
             CoreError::EngineFailed(format!("The context engine \"{id}\" could not assemble the preview: {e}."))
         })?;
         let addition = assembled.system_prompt_addition.filter(|a| !a.trim().is_empty());
@@ -91,7 +91,7 @@ impl Core {
             .fold(addition.as_deref().map_or(0, estimate::text_tokens), u64::saturating_add);
         let subagent = self.store.is_subagent(&session.agent_id, &session.session_key).await?;
         Ok(Preview {
-            engine_id: lease.info.id.clone(),
+            engine_id: lease.key.clone(),
             messages,
             system_prompt_addition: addition,
             estimated_tokens,

@@ -222,7 +222,7 @@ impl HostProfile {
 
     /// Checks the engine's requirements for `operation` against this host;
     /// the error is OpenClaw's message, word for word in shape.
-    pub fn unmet(&self, info: &pb::EngineInfo, operation: Operation) -> Result<(), String> {
+    pub fn unmet(&self, id: &str, info: &pb::EngineInfo, operation: Operation) -> Result<(), String> {
         let operation = operation.as_str();
         let (host_label, host_caps) = (self.label.as_str(), self.capability_names());
         let Some(req) = info.host_requirements.iter().find(|r| r.operation == operation) else { return Ok(()) };
@@ -234,7 +234,7 @@ impl HostProfile {
         let caps = if host_caps.is_empty() { "(none)".to_owned() } else { host_caps.join(", ") };
         let mut msg = format!(
             "Context engine \"{}\" cannot run operation \"{operation}\" on {host_label}. Missing host capabilities: {}. Required capabilities: {}. Host capabilities: {caps}.",
-            info.id,
+            id,
             missing.join(", "),
             req.required_capabilities.join(", ")
         );
@@ -416,13 +416,13 @@ mod tests {
             ..Default::default()
         };
         let embedded = HostProfile::embedded();
-        let err = embedded.unmet(&info, Operation::AgentRun).unwrap_err();
+        let err = embedded.unmet(&info.id, &info, Operation::AgentRun).unwrap_err();
         assert_eq!(
             err,
             "Context engine \"lossless\" cannot run operation \"agent-run\" on ctxgate embedded runner. Missing host capabilities: thread-bootstrap-projection. Required capabilities: compact, thread-bootstrap-projection. Host capabilities: bootstrap, assemble-before-prompt, after-turn, maintain, compact, runtime-llm-complete. Use the Codex harness."
         );
-        assert!(embedded.unmet(&info, Operation::ManualCompact).is_ok());
+        assert!(embedded.unmet(&info.id, &info, Operation::ManualCompact).is_ok());
         let bare = HostProfile { id: "agent-harness:bare".into(), label: "a bare host".into(), capabilities: vec![] };
-        assert!(bare.unmet(&info, Operation::AgentRun).unwrap_err().contains("Host capabilities: (none)."));
+        assert!(bare.unmet(&info.id, &info, Operation::AgentRun).unwrap_err().contains("Host capabilities: (none)."));
     }
 }

@@ -242,6 +242,10 @@ impl Remote {
         if info.id.trim() == LEGACY_ID {
             return Err(violation(Method::GetInfo, "info.id: \"legacy\" is reserved for the gateway's own engine"));
         }
+        if info.id != self.id {
+            // The entry id names it in the gateway; the declared one only in status.
+            tracing::info!(engine = %self.id, declared = %info.id, "the engine declares another id than its entry's; the gateway names it by its entry");
+        }
         *self.info.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(info.clone()));
         Ok(info)
     }

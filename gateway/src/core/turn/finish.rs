@@ -68,7 +68,7 @@ impl Turn {
             agent_id: &self.session.agent_id,
             session_key: &self.session.session_key,
             turn_id: &self.turn_id,
-            engine: &self.lease.info.id,
+            engine: &self.lease.key,
         }
     }
 

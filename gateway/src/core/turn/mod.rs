@@ -185,7 +185,7 @@ impl Turn {
         if let Some(clash) = spec.available_tools.iter().find(|t| engine_tools.iter().any(|e| &e.name == *t)) {
             return Err(CoreError::Precondition(format!(
                 "the harness tool {clash:?} has the name of context engine {:?}'s tool {clash:?}: rename the harness's tool",
-                lease.info.id
+                lease.key
             )));
         }
         // It holds its session and runs: from here its time is a sample.
@@ -217,7 +217,7 @@ impl Turn {
             agent_id: &session.agent_id,
             session_key: &session.session_key,
             turn_id: &turn_id,
-            engine: &lease.info.id,
+            engine: &lease.key,
         });
         let turn = Turn {
             services,
@@ -256,7 +256,7 @@ impl Turn {
             entry_ids: self.admitted.iter().map(|e| e.id.clone()).collect(),
         });
         self.emit(TurnEvent::EngineSelected {
-            engine_id: self.lease.info.id.clone(),
+            engine_id: self.lease.key.clone(),
             selection: self.lease.selection(),
             warning: self.lease.degraded.clone(),
         });
@@ -493,7 +493,7 @@ impl Turn {
     fn assemble_failed(&self, e: EngineCallError) -> StepError {
         StepError::Failed(Failure::new(
             FailureReason::EngineError,
-            format!("The context engine \"{}\" could not assemble the prompt: {e}.", self.lease.info.id),
+            format!("The context engine \"{}\" could not assemble the prompt: {e}.", self.lease.key),
         ))
     }
 
@@ -509,7 +509,7 @@ impl Turn {
         if epoch.is_empty() {
             self.emit(TurnEvent::Warning(format!(
                 "context engine \"{}\" asked for thread_bootstrap projection without an epoch; using per-turn projection",
-                self.lease.info.id
+                self.lease.key
             )));
             return Ok(None);
         }
@@ -518,7 +518,7 @@ impl Turn {
         if epoch.len() > limit || fingerprint.len() > limit {
             self.emit(TurnEvent::Warning(format!(
                 "context engine \"{}\" sent a projection epoch or fingerprint over {limit} bytes; using per-turn projection",
-                self.lease.info.id
+                self.lease.key
             )));
             return Ok(None);
         }

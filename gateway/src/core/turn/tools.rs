@@ -70,7 +70,7 @@ impl Turn {
         if !self.is_engine_tool(&name) {
             return Err(CoreError::Precondition(format!(
                 "tool call {tool_call_id:?} calls {name:?}, which is not a tool of context engine {:?}: the harness runs its own tools",
-                self.lease.info.id
+                self.lease.key
             ))
             .into());
         }
@@ -79,12 +79,12 @@ impl Turn {
         let (text, is_error, outcome) = match answered {
             Answered::Result { text, is_error } => (text, is_error, if is_error { "error" } else { "ok" }),
             Answered::Failed { outcome: "cancelled", .. } => {
-                self.services.metrics.tool_called(&self.lease.info.id, &name, "cancelled", started.elapsed());
+                self.services.metrics.tool_called(&self.lease.key, &name, "cancelled", started.elapsed());
                 return Err(StepError::Failed(Failure::aborted()));
             }
             Answered::Failed { text, outcome } => (text, true, outcome),
         };
-        self.services.metrics.tool_called(&self.lease.info.id, &name, outcome, started.elapsed());
+        self.services.metrics.tool_called(&self.lease.key, &name, outcome, started.elapsed());
         self.answer(tool_call_id, &name, text, is_error, field).await
     }
 
@@ -141,7 +141,7 @@ impl Turn {
             runtime_context: Some(lease.runtime_context(session, budget, 0)),
             host: grant.as_ref().map(|g| g.access.clone()),
         };
-        let engine = &lease.info.id;
+        let engine = &lease.key;
         match lease.engine.call_tool(req, &self.call).await {
             Ok(r) => {
                 let text = r
