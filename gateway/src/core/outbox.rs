@@ -172,6 +172,7 @@ impl Delivery {
         turn_id: &str,
         admitted: &pb::TranscriptEntry,
         position: u64,
+        runtime_context: pb::RuntimeContext,
     ) -> CommitDraft {
         let anchor = pb::TranscriptEntryAnchor {
             agent_id: session.agent_id.clone(),
@@ -199,6 +200,7 @@ impl Delivery {
                 session_id: session.session_id.clone(),
                 session_key: Some(session.session_key.clone()),
                 session_target: Some(session_target(session)),
+                runtime_context: Some(runtime_context),
                 ..Default::default()
             },
         }

@@ -112,6 +112,7 @@ impl Turn {
                     &self.turn_id,
                     &self.admitted[0],
                     position as u64,
+                    self.commit_context(&lease, &session),
                 ))
             }
         };

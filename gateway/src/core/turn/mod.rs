@@ -332,6 +332,18 @@ impl Turn {
 
     /// Tokens the assembled history may take: window − reserve − rendered
     /// system prompt − `pending`.
+    /// What a durable engine's CommitTurn says of the run, as OpenClaw's
+    /// turn outbox persists it: the provider, the model and its window, the
+    /// token budget (an engine such as lossless-claw 1.x decides on
+    /// compaction from them). The window has no field of its own: it goes
+    /// in `extra` as OpenClaw names it.
+    fn commit_context(&self, lease: &EngineLease, session: &Session) -> pb::RuntimeContext {
+        let mut context = lease.runtime_context(session, self.budget(0), 0);
+        context.current_token_count = None;
+        context.extra.insert("modelContextWindow".into(), lease.model.context_window.to_string());
+        context
+    }
+
     pub fn budget(&self, pending: u64) -> u64 {
         let m = &self.lease.model;
         m.context_window
