@@ -270,22 +270,29 @@ pub(super) async fn compact_stream_shape(kit: &Kit) -> CaseResult {
     }
 }
 
+/// A turn of two messages, anchored as the gateway anchors one: the user's
+/// entry at position 0, the terminal one after it at position 1, both of
+/// one generation (a durable engine may check that the range and the
+/// positions agree, as lossless-claw 1.x does).
 fn commit_request(session_id: &str, key: &str) -> pb::CommitTurnRequest {
-    let anchor = |entry: &str, seq| pb::TranscriptEntryAnchor {
+    let anchor = |entry: &str, seq: u64, parent: Option<String>| pb::TranscriptEntryAnchor {
         session_id: session_id.into(),
         session_key: session_id.into(),
+        generation: session_id.into(),
         entry_id: entry.into(),
         raw_seq: seq,
+        effective_parent_id: parent,
+        active_message_position: seq - 1,
         ..Default::default()
     };
     pb::CommitTurnRequest {
         advancement_key: key.into(),
         admission: Some(pb::TranscriptTurnAdmission {
-            anchor: Some(anchor(&format!("{key}-u"), 1)),
+            anchor: Some(anchor(&format!("{key}-u"), 1, None)),
             logical_turn_id: key.into(),
             role: pb::Role::User as i32,
         }),
-        terminal: Some(anchor(&format!("{key}-a"), 2)),
+        terminal: Some(anchor(&format!("{key}-a"), 2, Some(format!("{key}-u")))),
         messages: vec![msg::user(&format!("{key}-u"), "question"), msg::assistant(&format!("{key}-a"), "answer")],
         session_id: session_id.into(),
         session_key: Some(session_id.into()),
