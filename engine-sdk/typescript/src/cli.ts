@@ -189,7 +189,6 @@ export async function serveMain(
     console.error(`${program}: ${e instanceof Error ? e.message : String(e)}`);
     process.exit(2);
   }
-  process.stdout.write(`listening on ${bound.address}\n`);
   const stop = () => {
     console.error("shutdown requested, draining");
     void bound
@@ -198,8 +197,11 @@ export async function serveMain(
       .catch((e: unknown) => console.error(`${program}: shutdown: ${e instanceof Error ? e.message : String(e)}`))
       .then(() => process.exit(0));
   };
+  // Listened to before `listening on` is printed: whoever reads that line
+  // may stop the engine at once, and it drains.
   process.once("SIGTERM", stop);
   process.once("SIGINT", stop);
+  process.stdout.write(`listening on ${bound.address}\n`);
 }
 
 /** `<engine> health --endpoint ADDR [--tls-ca PEM] [--tls-cert PEM --tls-key PEM] [--timeout-seconds N]`:
