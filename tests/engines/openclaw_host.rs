@@ -43,9 +43,19 @@ const SMALL_WINDOW_CONFIG: &str = r#"{
   "summarySpendBackoffMs": 1
 }"#;
 
-/// The host serving lossless-claw with its state in `state`, listening on
-/// `listen` (`127.0.0.1:0` or a fixed port to restart on).
+/// The lossless-claw 0.15 line: after-turn, written for OpenClaw ≤ 2026.7.
+const LOSSLESS_0_15: &str = "@martian-engineering/lossless-claw@0.15.3";
+/// The 1.x line: durable turns (CommitTurn), for OpenClaw 2026.8 and later.
+const LOSSLESS_1: &str = "@martian-engineering/lossless-claw@1.0.0-beta.4";
+
+/// The host serving lossless-claw 0.15.3 with its state in `state`,
+/// listening on `listen` (`127.0.0.1:0` or a fixed port to restart on).
 async fn start_host(state: &Path, listen: &str, config: &str) -> EngineProcess {
+    start_plugin(LOSSLESS_0_15, state, listen, config).await
+}
+
+/// [`start_host`] serving `plugin`.
+async fn start_plugin(plugin: &str, state: &Path, listen: &str, config: &str) -> EngineProcess {
     std::fs::create_dir_all(state).unwrap();
     let config_file = state.join("plugin.json");
     std::fs::write(&config_file, config).unwrap();
@@ -53,7 +63,7 @@ async fn start_host(state: &Path, listen: &str, config: &str) -> EngineProcess {
         (state.join("lcm").to_str().unwrap().to_owned(), config_file.to_str().unwrap().to_owned());
     let args = [
         "--plugin",
-        "@martian-engineering/lossless-claw@0.15.3",
+        plugin,
         "--plugin-config",
         config_file.as_str(),
         "--listen",
@@ -150,11 +160,20 @@ async fn lossless_claw_declares_its_tools_with_their_audience() {
 
 #[tokio::test]
 async fn a_hundred_turns_in_a_small_window_build_the_summary_dag_within_budget() {
+    hundred_turns(LOSSLESS_0_15).await;
+}
+
+#[tokio::test]
+async fn lossless_claw_1_builds_its_summary_dag_over_a_hundred_durable_turns() {
+    hundred_turns(LOSSLESS_1).await;
+}
+
+async fn hundred_turns(plugin: &str) {
     let fake = FakeOpenAi::start().await;
     // Replies (and summaries: the same model) of some substance.
     fake.turn_default(Reply::Text(REPLY.into()));
     let state = tempfile::tempdir().unwrap();
-    let host = start_host(state.path(), "127.0.0.1:0", SMALL_WINDOW_CONFIG).await;
+    let host = start_plugin(plugin, state.path(), "127.0.0.1:0", SMALL_WINDOW_CONFIG).await;
     let g = TestGateway::start(gateway_config(&fake, &host.endpoint, 4_000)).await;
     attached(&g, "lossless").await;
     let started = Instant::now();
@@ -173,7 +192,7 @@ async fn a_hundred_turns_in_a_small_window_build_the_summary_dag_within_budget()
             }
         }
     }
-    eprintln!("100 turns through lossless-claw in {:?}", started.elapsed());
+    eprintln!("100 turns through {plugin} in {:?}", started.elapsed());
     assert_eq!(engine_status(&g, "lossless").await.quarantine, None);
     let db = rusqlite::Connection::open_with_flags(
         state.path().join("lcm/lcm.db"),
@@ -200,9 +219,18 @@ async fn a_hundred_turns_in_a_small_window_build_the_summary_dag_within_budget()
 
 #[tokio::test]
 async fn lcm_grep_in_a_harness_turn_finds_a_fact_planted_in_turn_one() {
+    lcm_grep_finds_turn_one(LOSSLESS_0_15).await;
+}
+
+#[tokio::test]
+async fn lossless_claw_1s_lcm_grep_finds_a_fact_planted_in_turn_one() {
+    lcm_grep_finds_turn_one(LOSSLESS_1).await;
+}
+
+async fn lcm_grep_finds_turn_one(plugin: &str) {
     let fake = FakeOpenAi::start().await;
     let state = tempfile::tempdir().unwrap();
-    let host = start_host(state.path(), "127.0.0.1:0", SMALL_WINDOW_CONFIG).await;
+    let host = start_plugin(plugin, state.path(), "127.0.0.1:0", SMALL_WINDOW_CONFIG).await;
     let g = TestGateway::start(gateway_config(&fake, &host.endpoint, 4_000)).await;
     attached(&g, "lossless").await;
     let hc = client(&g.endpoint);
@@ -245,10 +273,19 @@ async fn lcm_grep_in_a_harness_turn_finds_a_fact_planted_in_turn_one() {
 
 #[tokio::test]
 async fn a_killed_host_is_quarantined_legacy_answers_and_the_restarted_host_has_every_accepted_turn_once() {
+    killed_host_keeps_every_turn_once(LOSSLESS_0_15).await;
+}
+
+#[tokio::test]
+async fn lossless_claw_1_killed_mid_run_holds_every_accepted_turn_exactly_once() {
+    killed_host_keeps_every_turn_once(LOSSLESS_1).await;
+}
+
+async fn killed_host_keeps_every_turn_once(plugin: &str) {
     let fake = FakeOpenAi::start().await;
     let state = tempfile::tempdir().unwrap();
     let listen = format!("127.0.0.1:{}", free_port());
-    let host = start_host(state.path(), &listen, SMALL_WINDOW_CONFIG).await;
+    let host = start_plugin(plugin, state.path(), &listen, SMALL_WINDOW_CONFIG).await;
     let g = TestGateway::start(gateway_config(&fake, &host.endpoint, 8_000)).await;
     attached(&g, "lossless").await;
     let mut turn = 0;
@@ -271,7 +308,7 @@ async fn a_killed_host_is_quarantined_legacy_answers_and_the_restarted_host_has_
         turn += 1;
     }
     // The restarted host, same state and address, is re-admitted.
-    let _host = start_host(state.path(), &listen, SMALL_WINDOW_CONFIG).await;
+    let _host = start_plugin(plugin, state.path(), &listen, SMALL_WINDOW_CONFIG).await;
     let deadline = Instant::now() + Duration::from_secs(90);
     while engine_status(&g, "lossless").await.quarantine.is_some() {
         assert!(Instant::now() < deadline, "the restarted host was never re-admitted");

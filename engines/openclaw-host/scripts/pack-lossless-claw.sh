@@ -4,7 +4,7 @@
 # unmodified (the npm registry the project's machines reach serves no
 # @martian-engineering/lossless-claw):
 #   git clone https://github.com/Martian-Engineering/lossless-claw && cd lossless-claw
-#   git checkout v0.15.3
+#   git checkout v0.15.3   (or v1.0.0-beta.4: the newest tag this machine can bring)
 #   engines/openclaw-host/scripts/pack-lossless-claw.sh PATH/TO/lossless-claw
 # It runs the package.json `build` script's three esbuild bundles (esbuild
 # 0.28, @sinclair/typebox 0.34.48 as the package pins) and `npm pack`.

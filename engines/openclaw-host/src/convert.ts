@@ -39,10 +39,12 @@ const ROLE_NAMES: Record<string, string> = {
 };
 
 /** A contract message as OpenClaw messages: one, or one per tool result
- * when a tool message answers several calls. */
-export function toOpenClaw(m: Proto): OcMessage[] {
+ * when a tool message answers several calls. A message with no creation
+ * time gets `fallbackMs` (the host's first sight of it: stable across
+ * retries), else now. */
+export function toOpenClaw(m: Proto, fallbackMs?: number): OcMessage[] {
   const role = ROLE_NAMES[String(m.role)] ?? "user";
-  const timestamp = Number(m.createdAtUnixMs ?? 0) || Date.now();
+  const timestamp = Number(m.createdAtUnixMs ?? 0) || fallbackMs || Date.now();
   const parts = (m.content ?? []) as pb.ContentPart__Output[];
   const meta = (m.metadata ?? {}) as Record<string, string>;
   if (role === "toolResult") {
@@ -58,10 +60,22 @@ export function toOpenClaw(m: Proto): OcMessage[] {
   }
   const blocks: Block[] = [];
   for (const p of parts) {
-    if (typeof p.text === "string" && (p.part === "text" || p.part === undefined)) blocks.push({ type: "text", text: p.text });
-    else if (p.thinking) blocks.push({ type: "thinking", thinking: p.thinking.text, ...(p.thinking.signature ? { thinkingSignature: p.thinking.signature } : {}) });
+    if (typeof p.text === "string" && (p.part === "text" || p.part === undefined))
+      blocks.push({ type: "text", text: p.text });
+    else if (p.thinking)
+      blocks.push({
+        type: "thinking",
+        thinking: p.thinking.text,
+        ...(p.thinking.signature ? { thinkingSignature: p.thinking.signature } : {}),
+      });
     else if (p.image) blocks.push({ type: "text", text: `[image ${p.image.uri}]` });
-    else if (p.toolCall) blocks.push({ type: "toolCall", id: p.toolCall.id, name: p.toolCall.name, arguments: parseArguments(p.toolCall.argumentsJson) });
+    else if (p.toolCall)
+      blocks.push({
+        type: "toolCall",
+        id: p.toolCall.id,
+        name: p.toolCall.name,
+        arguments: parseArguments(p.toolCall.argumentsJson),
+      });
   }
   if (role === "assistant") {
     const u = m.usage;
@@ -106,12 +120,19 @@ export function fromOpenClaw(m: OcMessage, id: string): pb.AgentMessage {
   switch (m.role) {
     case "assistant": {
       const content: pb.ContentPart[] = [];
-      const blocks = typeof m.content === "string" ? [{ type: "text", text: m.content }] : ((m.content as Block[] | undefined) ?? []);
+      const blocks =
+        typeof m.content === "string"
+          ? [{ type: "text", text: m.content }]
+          : ((m.content as Block[] | undefined) ?? []);
       for (const b of blocks) {
         if (!b || typeof b !== "object") continue;
         if (b.type === "text" && typeof b.text === "string" && b.text !== "") content.push({ text: b.text });
-        else if (b.type === "thinking" && typeof b.thinking === "string") content.push({ thinking: { text: b.thinking, signature: String(b["thinkingSignature"] ?? "") } });
-        else if (b.type === "toolCall" && b.id && b.name) content.push({ toolCall: { id: String(b.id), name: String(b.name), argumentsJson: JSON.stringify(b.arguments ?? {}) } });
+        else if (b.type === "thinking" && typeof b.thinking === "string")
+          content.push({ thinking: { text: b.thinking, signature: String(b["thinkingSignature"] ?? "") } });
+        else if (b.type === "toolCall" && b.id && b.name)
+          content.push({
+            toolCall: { id: String(b.id), name: String(b.name), argumentsJson: JSON.stringify(b.arguments ?? {}) },
+          });
       }
       if (content.length === 0) content.push({ text: "" });
       return { ...base, role: "ROLE_ASSISTANT", content };
@@ -136,7 +157,8 @@ export function fromOpenClaw(m: OcMessage, id: string): pb.AgentMessage {
       return { ...base, role: "ROLE_SYSTEM", content: [{ text: textOfContent(m.content).join("\n") }] };
     default: {
       const texts = textOfContent(m.content);
-      if (texts.length === 0 && typeof m["command"] === "string") texts.push(`$ ${String(m["command"])}\n${String(m["output"] ?? "")}`);
+      if (texts.length === 0 && typeof m["command"] === "string")
+        texts.push(`$ ${String(m["command"])}\n${String(m["output"] ?? "")}`);
       return { ...base, role: "ROLE_USER", content: texts.map((text) => ({ text })) };
     }
   }
@@ -146,13 +168,17 @@ export function fromOpenClaw(m: OcMessage, id: string): pb.AgentMessage {
  * role, its text, its tool call ids (thinking and formatting aside). */
 export function fingerprint(m: OcMessage): string {
   const role = m.role === "tool" ? "toolResult" : m.role;
-  const texts = textOfContent(m.content).map((t) => t.trim()).filter(Boolean);
+  const texts = textOfContent(m.content)
+    .map((t) => t.trim())
+    .filter(Boolean);
   const calls: string[] = [];
   if (Array.isArray(m.content)) {
     for (const b of m.content as Block[]) if (b && b.type === "toolCall" && b.id) calls.push(String(b.id));
   }
   const result = role === "toolResult" ? String(m["toolCallId"] ?? "") : "";
-  return createHash("sha256").update(JSON.stringify([role, texts.join("\n"), calls, result])).digest("hex");
+  return createHash("sha256")
+    .update(JSON.stringify([role, texts.join("\n"), calls, result]))
+    .digest("hex");
 }
 
 /**
@@ -187,7 +213,9 @@ export function matchBack(assembled: OcMessage[], known: Proto[]): pb.AgentMessa
   let last = -1;
   assembled.forEach((oc, position) => {
     const candidates = queue.get(fingerprint(oc)) ?? [];
-    const hit = candidates.find((c) => c.index > last && !used.has(c.message.id!)) ?? candidates.find((c) => !used.has(c.message.id!));
+    const hit =
+      candidates.find((c) => c.index > last && !used.has(c.message.id!)) ??
+      candidates.find((c) => !used.has(c.message.id!));
     if (hit) {
       used.add(hit.message.id!);
       last = hit.index;

@@ -1,14 +1,16 @@
 // OpenClaw's ContextEngine served as a ctxgate engine: the contract was
 // written from it, so its methods map to the RPCs one for one. The host
 // converts messages both ways, keeps the plugin's session transcripts
-// (transcript.ts), runs every plugin call inside its engine call (so
-// runtime.llm and runtime.subagent use that call's grant), and fires the
-// lifecycle hooks the plugin registered.
+// (transcript.ts), passes each method the parameters OpenClaw 2026.9.6
+// passes it, in OpenClaw's shapes (shapes.ts), projected through the
+// engine's `acceptedHostParams` as OpenClaw does, runs every plugin call
+// inside its engine call (so runtime.llm and runtime.subagent use that
+// call's grant), and fires the lifecycle hooks the plugin registered.
 import { randomUUID } from "node:crypto";
 import {
   type CallContext,
   type CompactOutcome,
-  type ContextEngine,
+  type ContextEngine as Engine,
   EngineError,
   type Progress,
   type pb,
@@ -17,27 +19,35 @@ import {
   toolArguments,
   toolError,
 } from "@ctxgate/engine-sdk";
-import type { Hook, Registry } from "./api.js";
-import { type OcMessage, matchBack, toOpenClaw } from "./convert.js";
-import { llmComplete, within } from "./runtime.js";
+import { type Registry, hooksOf } from "./api.js";
+import { type OcMessage, fromOpenClaw, matchBack } from "./convert.js";
+import type {
+  ContextEngine,
+  ContextEngineMethod,
+  ContextEngineRuntimeContext,
+  OpenClawConfig,
+  OpenClawPluginServiceContext,
+  SubagentEndReason,
+  TranscriptRewriteRequest,
+  TranscriptRewriteResult,
+} from "./openclaw-types.js";
+import { llmCompleteFor, within } from "./runtime.js";
+import {
+  admission,
+  admissionTarget,
+  anchor,
+  commitTurnRuntimeContext,
+  projectHostParams,
+  runtimeContextFields,
+  runtimeSettings,
+  sessionTarget,
+  sessionTargetToProto,
+} from "./shapes.js";
 import type { Tools } from "./tools.js";
-import type { Transcripts } from "./transcript.js";
+import type { OcEntry, Transcripts } from "./transcript.js";
 
-/** OpenClaw's ContextEngine as a plugin implements it. */
-export interface ContextEngineLike {
-  info: Record<string, unknown> & { id?: string; name?: string; version?: string };
-  ingest(p: Record<string, unknown>): Promise<{ ingested?: boolean }>;
-  assemble(p: Record<string, unknown>): Promise<{ messages: OcMessage[]; estimatedTokens?: number; promptAuthority?: string; systemPromptAddition?: string; contextProjection?: { mode?: string; epoch?: string; fingerprint?: string } }>;
-  compact(p: Record<string, unknown>): Promise<Record<string, unknown>>;
-  bootstrap?(p: Record<string, unknown>): Promise<{ bootstrapped?: boolean; importedMessages?: number; reason?: string }>;
-  ingestBatch?(p: Record<string, unknown>): Promise<{ ingestedCount?: number }>;
-  afterTurn?(p: Record<string, unknown>): Promise<void>;
-  commitTurn?(p: Record<string, unknown>): Promise<{ status?: string }>;
-  maintain?(p: Record<string, unknown>): Promise<{ changed?: boolean; reason?: string }>;
-  prepareSubagentSpawn?(p: Record<string, unknown>): Promise<{ rollback?: () => void | Promise<void> } | undefined>;
-  onSubagentEnded?(p: Record<string, unknown>): Promise<void>;
-  dispose?(): Promise<void>;
-}
+type ParamsOf<K extends ContextEngineMethod> = Parameters<NonNullable<ContextEngine[K]>>[0];
+type ResultOf<K extends ContextEngineMethod> = Awaited<ReturnType<NonNullable<ContextEngine[K]>>>;
 
 const DELEGATED = Symbol.for("ctxgate.openclaw-host.delegateCompactionToRuntime");
 
@@ -55,23 +65,65 @@ const CAPABILITY_ENUMS = {
   turnAdvancementIdempotency: { "atomic-idempotent-v1": "TURN_ADVANCEMENT_IDEMPOTENCY_ATOMIC_IDEMPOTENT_V1" },
 } as const;
 
+const MAINTAIN_REASONS: Record<string, string> = {
+  MAINTAIN_REASON_BOOTSTRAP: "bootstrap",
+  MAINTAIN_REASON_TURN: "turn",
+  MAINTAIN_REASON_COMPACTION: "compaction",
+};
+
+const SUBAGENT_END_REASONS: Record<string, SubagentEndReason> = {
+  SUBAGENT_END_REASON_DELETED: "deleted",
+  SUBAGENT_END_REASON_COMPLETED: "completed",
+  SUBAGENT_END_REASON_SWEPT: "swept",
+  SUBAGENT_END_REASON_RELEASED: "released",
+};
+
 /** Subagent rollbacks kept at most (older ones are dropped: best effort). */
 const MAX_ROLLBACKS = 1024;
 
-export class OpenClawEngine implements ContextEngine {
-  private readonly rollbacks = new Map<string, () => void | Promise<void>>();
+/** The object without its undefined values (OpenClaw's params carry set keys). */
+function defined<T extends object>(o: T): T {
+  return Object.fromEntries(Object.entries(o).filter(([, v]) => v !== undefined)) as T;
+}
 
-  constructor(
-    private readonly plugin: ContextEngineLike,
-    private readonly registry: Registry,
-    private readonly toolbox: Tools,
-    private readonly transcripts: Transcripts,
-    /** OpenClaw's root config (runtimeContext.config, as OpenClaw passes it). */
-    private readonly rootConfig: Record<string, unknown>,
-  ) {
+function optionalNumber(v: number | string | null | undefined): number | undefined {
+  return v === undefined || v === null ? undefined : Number(v);
+}
+
+/** An entry id of the host's transcript → the contract message's id. */
+function baseId(entryId: string): string {
+  const hash = entryId.lastIndexOf("#");
+  return hash > 0 && /^\d+$/.test(entryId.slice(hash + 1)) ? entryId.slice(0, hash) : entryId;
+}
+
+export interface EngineOptions {
+  plugin: ContextEngine;
+  registry: Registry;
+  tools: Tools;
+  transcripts: Transcripts;
+  /** OpenClaw's root config (runtimeContext.config). */
+  rootConfig: OpenClawConfig;
+  /** What registered services' start/stop get. */
+  serviceContext: OpenClawPluginServiceContext;
+  warn: (line: string) => void;
+}
+
+export class OpenClawEngine implements Engine {
+  private readonly rollbacks = new Map<string, () => void | Promise<void>>();
+  private readonly plugin: ContextEngine;
+  private readonly registry: Registry;
+  private readonly toolbox: Tools;
+  private readonly transcripts: Transcripts;
+  private readonly started: OpenClawPluginServiceContext[] = [];
+
+  constructor(private readonly o: EngineOptions) {
+    this.plugin = o.plugin;
+    this.registry = o.registry;
+    this.toolbox = o.tools;
+    this.transcripts = o.transcripts;
     // An optional method the plugin lacks is one this engine lacks: the SDK
     // answers UNIMPLEMENTED for it.
-    const optional: [keyof ContextEngineLike, string][] = [
+    const optional: [keyof ContextEngine, string][] = [
       ["bootstrap", "bootstrap"],
       ["afterTurn", "afterTurn"],
       ["commitTurn", "commitTurn"],
@@ -83,15 +135,28 @@ export class OpenClawEngine implements ContextEngine {
     for (const [needs, method] of optional) {
       if (!this.has(needs)) Object.defineProperty(this, method, { value: undefined });
     }
-    if (toolbox.definitions.length === 0) Object.defineProperty(this, "callTool", { value: undefined });
+    if (this.toolbox.definitions.length === 0) Object.defineProperty(this, "callTool", { value: undefined });
   }
 
-  private has(method: keyof ContextEngineLike): boolean {
+  private has(method: keyof ContextEngine): boolean {
     return typeof this.plugin[method] === "function";
   }
 
+  /** One plugin method call, as OpenClaw's registry makes it: the params
+   * projected through the engine's current `info.acceptedHostParams`,
+   * inside the engine call `ctx`. */
+  private invoke<K extends ContextEngineMethod>(
+    ctx: CallContext,
+    method: K,
+    params: ParamsOf<K>,
+  ): Promise<ResultOf<K>> {
+    const fn = this.plugin[method] as unknown as (p: ParamsOf<K>) => Promise<ResultOf<K>>;
+    const projected = projectHostParams(this.plugin.info, method, defined(params));
+    return within(ctx, () => fn.call(this.plugin, projected));
+  }
+
   async getInfo(): Promise<pb.EngineInfo> {
-    const info = this.plugin.info ?? {};
+    const info = this.plugin.info;
     const methods = ["GetInfo", "Ingest", "Assemble", "Compact", "IngestBatch", "ForgetSession"];
     if (this.has("bootstrap")) methods.push("Bootstrap");
     if (this.has("afterTurn")) methods.push("AfterTurn");
@@ -101,38 +166,42 @@ export class OpenClawEngine implements ContextEngine {
     if (this.has("onSubagentEnded")) methods.push("OnSubagentEnded");
     if (this.toolbox.definitions.length > 0) methods.push("CallTool");
     const out: pb.EngineInfo = {
-      id: String(info.id ?? "openclaw-plugin"),
-      name: String(info.name ?? info.id ?? "OpenClaw plugin"),
+      id: String(info.id),
+      name: String(info.name),
       version: String(info.version ?? ""),
       contractVersion: "1.0",
-      ownsCompaction: info["ownsCompaction"] === true,
-      turnMaintenanceMode: info["turnMaintenanceMode"] === "background" ? "TURN_MAINTENANCE_MODE_BACKGROUND" : "TURN_MAINTENANCE_MODE_FOREGROUND",
+      ownsCompaction: info.ownsCompaction === true,
+      turnMaintenanceMode:
+        info.turnMaintenanceMode === "background"
+          ? "TURN_MAINTENANCE_MODE_BACKGROUND"
+          : "TURN_MAINTENANCE_MODE_FOREGROUND",
       implementedMethods: methods,
       historyDelivery: "HISTORY_DELIVERY_FULL",
       // The plugin keeps session state in its own store.
       replicaAffinity: "REPLICA_AFFINITY_SESSION",
       tools: this.toolbox.definitions,
     };
-    const accepted = info["acceptedHostParams"];
-    if (Array.isArray(accepted)) {
-      // The host itself needs `host` (runtime.llm, runtime.subagent) and
-      // the session key (tool factories, hooks).
+    if (Array.isArray(info.acceptedHostParams)) {
+      // The host itself needs `host` (runtime.llm, runtime.subagent, transcript
+      // reads) and the session key (tool factories, hooks); it projects what
+      // the plugin gets as OpenClaw does.
       const names = new Set<string>(["host", "session_key"]);
-      for (const a of accepted) if (HOST_PARAMS[String(a)]) names.add(HOST_PARAMS[String(a)]!);
+      for (const a of info.acceptedHostParams) if (HOST_PARAMS[String(a)]) names.add(HOST_PARAMS[String(a)]!);
       out.acceptedHostParams = { params: [...names] };
     }
-    const sem = info["transcriptSemantics"] as Record<string, string> | undefined;
+    const sem = info.transcriptSemantics;
     if (sem) {
-      const fence = CAPABILITY_ENUMS.currentTurnFence[sem["currentTurnFence"] as keyof typeof CAPABILITY_ENUMS.currentTurnFence];
-      const idem = CAPABILITY_ENUMS.turnAdvancementIdempotency[sem["turnAdvancementIdempotency"] as keyof typeof CAPABILITY_ENUMS.turnAdvancementIdempotency];
+      const fence = sem.currentTurnFence ? CAPABILITY_ENUMS.currentTurnFence[sem.currentTurnFence] : undefined;
+      const idem = sem.turnAdvancementIdempotency
+        ? CAPABILITY_ENUMS.turnAdvancementIdempotency[sem.turnAdvancementIdempotency]
+        : undefined;
       out.transcriptSemantics = {
         ...(fence ? { currentTurnFence: fence } : {}),
         ...(idem && this.has("commitTurn") ? { turnAdvancementIdempotency: idem } : {}),
       };
     }
-    const reqs = info["hostRequirements"] as Record<string, { requiredCapabilities?: string[]; unsupportedMessage?: string }> | undefined;
-    if (reqs) {
-      out.hostRequirements = Object.entries(reqs).map(([operation, r]) => ({
+    if (info.hostRequirements) {
+      out.hostRequirements = Object.entries(info.hostRequirements).map(([operation, r]) => ({
         operation,
         requiredCapabilities: r?.requiredCapabilities ?? [],
         ...(r?.unsupportedMessage ? { unsupportedMessage: r.unsupportedMessage } : {}),
@@ -141,36 +210,33 @@ export class OpenClawEngine implements ContextEngine {
     return out;
   }
 
-  /** The runtime context a plugin method gets: the contract's fields in
-   * OpenClaw's names, with the call's model capability. */
-  private runtimeContext(rc: pb.RuntimeContext__Output | null | undefined, host: boolean, extra: Record<string, unknown> = {}): Record<string, unknown> {
-    const out: Record<string, unknown> = { transcriptStorage: { kind: "sqlite" }, config: this.rootConfig, ...extra };
-    if (rc) {
-      for (const [k, v] of Object.entries(rc)) {
-        if (k.startsWith("_") || v === undefined || v === null || k === "extra" || k === "transcriptStorage") continue;
-        if (typeof v === "string" && v === "" && k !== "cwd") continue;
-        out[k] = v;
-      }
-      for (const [k, v] of Object.entries(rc.extra ?? {})) {
-        try {
-          out[k] = JSON.parse(v) as unknown;
-        } catch {
-          out[k] = v;
-        }
-      }
-    }
-    if (host) out["llm"] = { complete: llmComplete };
+  /** The runtime context a plugin method gets: the contract's in OpenClaw's
+   * shapes, OpenClaw's root config, and `llm` when the call may use the
+   * model (its audit caller `{kind: "context-engine", id: purpose}`). */
+  private runtimeContext(
+    rc: pb.RuntimeContext__Output | null | undefined,
+    ctx: CallContext,
+    purpose: string,
+  ): ContextEngineRuntimeContext {
+    const out: ContextEngineRuntimeContext = { config: this.o.rootConfig, ...runtimeContextFields(rc) };
+    if (ctx.host) out.llm = { complete: llmCompleteFor(() => ({ kind: "context-engine", id: purpose })) };
     return out;
   }
 
   private async hooks(name: string, event: Record<string, unknown>, ctx: Record<string, unknown>): Promise<unknown[]> {
     const out: unknown[] = [];
-    for (const h of this.registry.hooks.get(name) ?? ([] as Hook[])) out.push(await h(event, ctx));
+    for (const h of hooksOf(this.registry, name)) out.push(await h(event, ctx));
     return out;
   }
 
+  /** The session as hooks and tool factories see it. */
   private session(sessionId: string, sessionKey: string | undefined) {
     return { sessionId, sessionKey: sessionKey || sessionId };
+  }
+
+  /** The contract messages in OpenClaw's form, timed as the transcript has them. */
+  private openclaw(sessionId: string, messages: readonly (pb.AgentMessage__Output | pb.AgentMessage)[]): OcMessage[] {
+    return messages.flatMap((m) => this.transcripts.openclaw(sessionId, m));
   }
 
   async bootstrap(req: pb.BootstrapRequest__Output, ctx: CallContext): Promise<pb.BootstrapResult> {
@@ -180,13 +246,15 @@ export class OpenClawEngine implements ContextEngine {
       const messages = entries.map((e) => e.message).filter((m): m is pb.AgentMessage__Output => !!m);
       this.transcripts.append(req.sessionId, messages);
     }
-    const r = await within(ctx, () =>
-      this.plugin.bootstrap!({
-        ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.ensure(req.sessionId),
-        runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host),
-      }),
-    );
+    const r = await this.invoke(ctx, "bootstrap", {
+      sessionId: req.sessionId,
+      sessionKey: req.sessionKey,
+      sessionTarget: sessionTarget(req.sessionTarget),
+      // A real JSONL file: plugins of OpenClaw's file-backed era read it.
+      sessionFile: this.transcripts.ensure(req.sessionId),
+      runtimeSettings: runtimeSettings(req.runtimeSettings),
+      runtimeContext: this.runtimeContext(req.runtimeContext, ctx, "context-engine.bootstrap"),
+    });
     return {
       bootstrapped: r?.bootstrapped === true,
       ...(typeof r?.importedMessages === "number" ? { importedMessages: r.importedMessages } : {}),
@@ -198,8 +266,13 @@ export class OpenClawEngine implements ContextEngine {
     // Idempotent by message id, whatever the plugin does with repeats.
     if (this.transcripts.append(req.sessionId, [req.message!]).length === 0) return { ingested: false };
     let ingested = false;
-    for (const message of toOpenClaw(req.message!)) {
-      const r = await within(ctx, () => this.plugin.ingest({ ...this.session(req.sessionId, req.sessionKey), message, isHeartbeat: req.isHeartbeat }));
+    for (const message of this.openclaw(req.sessionId, [req.message!])) {
+      const r = await this.invoke(ctx, "ingest", {
+        sessionId: req.sessionId,
+        sessionKey: req.sessionKey,
+        message,
+        isHeartbeat: req.isHeartbeat,
+      });
       ingested ||= r?.ingested !== false;
     }
     return { ingested };
@@ -208,14 +281,15 @@ export class OpenClawEngine implements ContextEngine {
   async ingestBatch(req: pb.IngestBatchRequest__Output, ctx: CallContext): Promise<pb.IngestBatchResult> {
     const fresh = this.transcripts.append(req.sessionId, req.messages);
     if (fresh.length === 0) return { ingestedCount: 0 };
-    const messages = fresh.flatMap(toOpenClaw);
-    if (this.plugin.ingestBatch) {
-      const r = await within(ctx, () => this.plugin.ingestBatch!({ ...this.session(req.sessionId, req.sessionKey), messages, isHeartbeat: req.isHeartbeat }));
+    const messages = this.openclaw(req.sessionId, fresh);
+    const base = { sessionId: req.sessionId, sessionKey: req.sessionKey, isHeartbeat: req.isHeartbeat };
+    if (this.has("ingestBatch")) {
+      const r = await this.invoke(ctx, "ingestBatch", { ...base, messages });
       return { ingestedCount: Number(r?.ingestedCount ?? fresh.length) };
     }
     let n = 0;
     for (const message of messages) {
-      const r = await within(ctx, () => this.plugin.ingest({ ...this.session(req.sessionId, req.sessionKey), message, isHeartbeat: req.isHeartbeat }));
+      const r = await this.invoke(ctx, "ingest", { ...base, message });
       if (r?.ingested !== false) n++;
     }
     return { ingestedCount: n };
@@ -223,82 +297,105 @@ export class OpenClawEngine implements ContextEngine {
 
   async assemble(req: pb.AssembleRequest__Output, ctx: CallContext): Promise<pb.AssembleResult> {
     const session = this.session(req.sessionId, req.sessionKey);
-    const messages = req.messages.flatMap(toOpenClaw);
+    const messages = this.openclaw(req.sessionId, req.messages);
     // before_prompt_build → the system prompt addition. The gateway counts
     // the addition within the budget (OpenClaw keeps its system prompt
     // apart), so the plugin assembles within what the addition leaves.
-    const built = (await within(ctx, () => this.hooks("before_prompt_build", { prompt: req.prompt ?? "", messages }, session))) as {
-      prependSystemContext?: string;
-      appendSystemContext?: string;
-    }[];
+    const built = (await within(ctx, () =>
+      this.hooks("before_prompt_build", { prompt: req.prompt ?? "", messages }, session),
+    )) as { prependSystemContext?: string; appendSystemContext?: string }[];
     const before = built.map((b) => b?.prependSystemContext).filter((t): t is string => !!t);
     const after = built.map((b) => b?.appendSystemContext).filter((t): t is string => !!t);
     const hookTokens = textTokens([...before, ...after].join("\n\n"));
-    const budget = req.tokenBudget === undefined || req.tokenBudget === null ? undefined : Math.max(1, Number(req.tokenBudget) - hookTokens);
-    const r = await within(ctx, () =>
-      this.plugin.assemble({
-        ...session,
-        messages,
-        ...(budget !== undefined ? { tokenBudget: budget } : {}),
-        availableTools: new Set(req.availableTools),
-        ...(req.citationsMode ? { citationsMode: req.citationsMode } : {}),
-        ...(req.model ? { model: req.model } : {}),
-        ...(req.prompt ? { prompt: req.prompt } : {}),
-        runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host),
-      }),
-    );
+    const budget =
+      req.tokenBudget === undefined || req.tokenBudget === null
+        ? undefined
+        : Math.max(1, Number(req.tokenBudget) - hookTokens);
+    const r = await this.invoke(ctx, "assemble", {
+      sessionId: req.sessionId,
+      sessionKey: req.sessionKey,
+      messages,
+      tokenBudget: budget,
+      availableTools: new Set(req.availableTools),
+      citationsMode: req.citationsMode || undefined,
+      model: req.model || undefined,
+      runtimeSettings: runtimeSettings(req.runtimeSettings),
+      runtimeContext: this.runtimeContext(req.runtimeContext, ctx, "context-engine.assemble"),
+      prompt: req.prompt || undefined,
+    });
     // What the plugin may give back: the session's transcript (whose
     // fingerprints are computed once) and what this request adds to it.
     const held = this.transcripts.messages(req.sessionId);
     const known = [...held, ...req.messages.filter((m) => !this.transcripts.holds(req.sessionId, m.id))];
     const out = matchBack(r?.messages ?? [], known);
     const additions = [...before, ...(r?.systemPromptAddition ? [r.systemPromptAddition] : []), ...after];
+    const estimate = r?.estimatedTokens;
     const result: pb.AssembleResult = {
       messages: out,
-      estimatedTokens: typeof r?.estimatedTokens === "number" && Number.isFinite(r.estimatedTokens) ? Math.max(0, Math.round(r.estimatedTokens)) : messagesTokens(out),
-      promptAuthority: r?.promptAuthority === "preassembly_may_overflow" ? "PROMPT_AUTHORITY_PREASSEMBLY_MAY_OVERFLOW" : "PROMPT_AUTHORITY_ASSEMBLED",
+      estimatedTokens:
+        typeof estimate === "number" && Number.isFinite(estimate)
+          ? Math.max(0, Math.round(estimate))
+          : messagesTokens(out),
+      promptAuthority:
+        r?.promptAuthority === "preassembly_may_overflow"
+          ? "PROMPT_AUTHORITY_PREASSEMBLY_MAY_OVERFLOW"
+          : "PROMPT_AUTHORITY_ASSEMBLED",
     };
     if (additions.length > 0) result.systemPromptAddition = additions.join("\n\n");
     const proj = r?.contextProjection;
     if (proj?.mode === "thread_bootstrap" && proj.epoch) {
-      result.projection = { mode: "PROJECTION_MODE_THREAD_BOOTSTRAP", epoch: proj.epoch, ...(proj.fingerprint ? { fingerprint: proj.fingerprint } : {}) };
+      result.projection = {
+        mode: "PROJECTION_MODE_THREAD_BOOTSTRAP",
+        epoch: proj.epoch,
+        ...(proj.fingerprint ? { fingerprint: proj.fingerprint } : {}),
+      };
     }
     return result;
   }
 
   async compact(req: pb.CompactRequest__Output, ctx: CallContext, progress: Progress): Promise<CompactOutcome> {
     await progress.report("compacting", 0, 0, "the plugin is compacting");
-    const rc = req.runtimeContext;
-    const r = await within(ctx, () =>
-      this.plugin.compact({
-        ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.ensure(req.sessionId),
-        ...(req.agentId ? { agentId: req.agentId } : {}),
-        ...(req.tokenBudget !== undefined && req.tokenBudget !== null ? { tokenBudget: Number(req.tokenBudget) } : {}),
-        force: req.force,
-        ...(req.currentTokenCount !== undefined && req.currentTokenCount !== null ? { currentTokenCount: Number(req.currentTokenCount) } : {}),
-        compactionTarget: req.compactionTarget === "COMPACTION_TARGET_THRESHOLD" ? "threshold" : "budget",
-        ...(req.customInstructions ? { customInstructions: req.customInstructions } : {}),
-        runtimeContext: this.runtimeContext(rc, !!ctx.host),
-        abortSignal: ctx.signal,
-      }),
-    );
-    const delegated = (r as Record<symbol, { customInstructions?: string } | undefined>)?.[DELEGATED];
+    // OpenClaw 2026.9 passes no sessionFile to compact.
+    const r = await this.invoke(ctx, "compact", {
+      sessionId: req.sessionId,
+      sessionKey: req.sessionKey,
+      agentId: req.agentId || undefined,
+      sessionTarget: sessionTarget(req.sessionTarget),
+      tokenBudget: optionalNumber(req.tokenBudget),
+      currentTokenCount: optionalNumber(req.currentTokenCount),
+      compactionTarget: req.compactionTarget === "COMPACTION_TARGET_THRESHOLD" ? "threshold" : "budget",
+      customInstructions: req.customInstructions || undefined,
+      force: req.force,
+      runtimeContext: this.runtimeContext(req.runtimeContext, ctx, "context-engine.compaction"),
+      runtimeSettings: runtimeSettings(req.runtimeSettings),
+      abortSignal: ctx.signal,
+    });
+    const delegated = (r as unknown as Record<symbol, { customInstructions?: string } | undefined>)?.[DELEGATED];
     if (delegated) {
-      return { delegateToHost: { reason: "the plugin delegated compaction to the host", ...(delegated.customInstructions ? { customInstructions: delegated.customInstructions } : {}) } };
+      return {
+        delegateToHost: {
+          reason: "the plugin delegated compaction to the host",
+          ...(delegated.customInstructions ? { customInstructions: delegated.customInstructions } : {}),
+        },
+      };
     }
-    const result = (r?.["result"] ?? {}) as Record<string, unknown>;
-    const ok = r?.["ok"] === true;
-    const compacted = ok && r?.["compacted"] === true;
+    const result = r?.result;
+    const ok = r?.ok === true;
+    const compacted = ok && r?.compacted === true;
     const num = (v: unknown) => (typeof v === "number" && Number.isFinite(v) ? Math.max(0, Math.round(v)) : undefined);
-    const out: pb.CompactResult = { ok, compacted, tokensBefore: num(result["tokensBefore"]) ?? 0 };
-    const reason = r?.["reason"] ?? r?.["error"];
+    const out: pb.CompactResult = { ok, compacted, tokensBefore: num(result?.tokensBefore) ?? 0 };
+    const reason = r?.reason ?? (r as unknown as { error?: unknown })?.error;
     if (typeof reason === "string" && reason) out.reason = reason;
-    if (typeof result["summary"] === "string") out.summary = result["summary"];
-    if (typeof result["firstKeptEntryId"] === "string") out.firstKeptEntryId = result["firstKeptEntryId"];
-    const after = num(result["tokensAfter"]);
+    if (typeof result?.summary === "string") out.summary = result.summary;
+    if (typeof result?.firstKeptEntryId === "string") out.firstKeptEntryId = baseId(result.firstKeptEntryId);
+    const after = num(result?.tokensAfter);
     if (after !== undefined) out.tokensAfter = after;
-    if (result["details"] !== undefined) out.detailsJson = JSON.stringify(result["details"]);
+    if (result?.details !== undefined) out.detailsJson = JSON.stringify(result.details);
+    // A compaction successor: where the session continues.
+    if (typeof result?.sessionId === "string" && result.sessionId.trim()) out.sessionId = result.sessionId;
+    if (result?.sessionTarget && typeof result.sessionTarget === "object") {
+      out.sessionTarget = sessionTargetToProto(result.sessionTarget);
+    }
     return { result: out };
   }
 
@@ -306,34 +403,50 @@ export class OpenClawEngine implements ContextEngine {
     // The turn is in the transcript before the plugin hears of it (as in
     // OpenClaw, where the session file has the turn by then).
     this.transcripts.append(req.sessionId, req.messages);
-    await within(ctx, () =>
-      this.plugin.afterTurn!({
-        ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.ensure(req.sessionId),
-        messages: req.messages.flatMap(toOpenClaw),
-        prePromptMessageCount: req.messages.slice(0, Number(req.prePromptMessageCount)).flatMap(toOpenClaw).length,
-        ...(req.autoCompactionSummary ? { autoCompactionSummary: req.autoCompactionSummary } : {}),
-        isHeartbeat: req.isHeartbeat,
-        ...(req.tokenBudget !== undefined && req.tokenBudget !== null ? { tokenBudget: Number(req.tokenBudget) } : {}),
-        runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host),
-      }),
-    );
+    await this.invoke(ctx, "afterTurn", {
+      sessionId: req.sessionId,
+      sessionKey: req.sessionKey,
+      sessionTarget: sessionTarget(req.sessionTarget),
+      sessionFile: this.transcripts.ensure(req.sessionId),
+      messages: this.openclaw(req.sessionId, req.messages),
+      prePromptMessageCount: this.openclaw(req.sessionId, req.messages.slice(0, Number(req.prePromptMessageCount)))
+        .length,
+      autoCompactionSummary: req.autoCompactionSummary || undefined,
+      isHeartbeat: req.isHeartbeat,
+      tokenBudget: optionalNumber(req.tokenBudget),
+      runtimeSettings: runtimeSettings(req.runtimeSettings),
+      runtimeContext: this.runtimeContext(req.runtimeContext, ctx, "context-engine.afterTurn"),
+    });
     return {};
   }
 
+  /**
+   * commitTurn as OpenClaw's turn outbox calls it: flat anchors, the
+   * session's identity from the admission, its target, and the persisted
+   * runtime context (no functions, no runtime settings). Positions count
+   * OpenClaw messages: a contract tool message answering N calls is N of
+   * them, so the terminal's position is the admission's plus the range's
+   * OpenClaw messages, less one.
+   */
   async commitTurn(req: pb.CommitTurnRequest__Output, ctx: CallContext): Promise<pb.CommitTurnResult> {
     this.transcripts.append(req.sessionId, req.messages);
-    const r = await within(ctx, () =>
-      this.plugin.commitTurn!({
-        ...this.session(req.sessionId, req.sessionKey),
-        advancementKey: req.advancementKey,
-        admission: req.admission,
-        terminal: req.terminal,
-        messages: req.messages.flatMap(toOpenClaw),
-        isHeartbeat: req.isHeartbeat,
-        runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host),
-      }),
-    );
+    const messages = this.openclaw(req.sessionId, req.messages);
+    const admitted = admission(req.admission);
+    const terminal = Object.freeze({
+      ...anchor(req.terminal),
+      activeMessagePosition: admitted.activeMessagePosition + Math.max(0, messages.length - 1),
+    });
+    const r = await this.invoke(ctx, "commitTurn", {
+      advancementKey: req.advancementKey,
+      admission: admitted,
+      terminal,
+      messages,
+      sessionId: admitted.sessionId,
+      sessionKey: admitted.sessionKey,
+      sessionTarget: admissionTarget(admitted),
+      isHeartbeat: req.isHeartbeat,
+      runtimeContext: commitTurnRuntimeContext(req.runtimeContext),
+    });
     if (r?.status === "committed") return { status: "COMMIT_STATUS_COMMITTED" };
     if (r?.status === "duplicate") return { status: "COMMIT_STATUS_DUPLICATE" };
     throw EngineError.failedPrecondition(`the plugin's commitTurn answered status ${JSON.stringify(r?.status)}`);
@@ -341,42 +454,110 @@ export class OpenClawEngine implements ContextEngine {
 
   async maintain(req: pb.MaintainRequest__Output, ctx: CallContext): Promise<pb.MaintainResult> {
     const replacements: pb.TranscriptReplacement[] = [];
-    const rewriteTranscriptEntries = async (request: { replacements?: { entryId?: string; message?: OcMessage }[] }) => {
-      const known = new Map(this.transcripts.messages(req.sessionId).map((m) => [m.id!, m]));
-      let n = 0;
-      for (const rep of request?.replacements ?? []) {
-        const id = String(rep.entryId ?? "");
-        if (!known.has(id) || !rep.message) continue;
-        const [proto] = matchBack([rep.message], []);
-        replacements.push({ entryId: id, message: { ...proto!, id } });
-        n++;
-      }
-      return { changed: n > 0, bytesFreed: 0, rewrittenEntries: n };
+    const allowed = new Set<string>();
+    const rewriteTranscriptEntries = async (request: TranscriptRewriteRequest): Promise<TranscriptRewriteResult> =>
+      this.rewrite(req.sessionId, request, replacements, allowed);
+    const reason = MAINTAIN_REASONS[String(req.reason)] ?? "turn";
+    const target = sessionTarget(req.sessionTarget);
+    const r = await this.invoke(ctx, "maintain", {
+      sessionId: req.sessionId,
+      sessionKey: req.sessionKey,
+      sessionTarget: target,
+      sessionFile: this.transcripts.ensure(req.sessionId),
+      runtimeSettings: runtimeSettings(req.runtimeSettings),
+      runtimeContext: {
+        ...this.runtimeContext(req.runtimeContext, ctx, `context-engine.${reason}.maintenance`),
+        ...(target ? { sessionTarget: target } : {}),
+        rewriteTranscriptEntries,
+      },
+      abortSignal: ctx.signal,
+    });
+    return {
+      replacements,
+      ...(allowed.size > 0 ? { allowedRewriteSuffixEntryIds: [...allowed] } : {}),
+      changed: r?.changed === true,
+      ...(r?.reason ? { reason: r.reason } : {}),
     };
-    const reason = req.reason === "MAINTAIN_REASON_BOOTSTRAP" ? "bootstrap" : req.reason === "MAINTAIN_REASON_COMPACTION" ? "compaction" : "turn";
-    const r = await within(ctx, () =>
-      this.plugin.maintain!({
-        ...this.session(req.sessionId, req.sessionKey),
-        sessionFile: this.transcripts.ensure(req.sessionId),
-        reason,
-        runtimeContext: this.runtimeContext(req.runtimeContext, !!ctx.host, { rewriteTranscriptEntries }),
-        abortSignal: ctx.signal,
-      }),
-    );
-    return { replacements, changed: r?.changed === true, ...(r?.reason ? { reason: r.reason } : {}) };
   }
 
-  async prepareSubagentSpawn(req: pb.PrepareSubagentSpawnRequest__Output, ctx: CallContext): Promise<pb.PrepareSubagentSpawnResult> {
-    const r = await within(ctx, () =>
-      this.plugin.prepareSubagentSpawn!({
-        parentSessionKey: req.parentSessionKey,
-        childSessionKey: req.childSessionKey,
-        contextMode: req.contextMode === "SUBAGENT_CONTEXT_MODE_FORK" ? "fork" : "isolated",
-        ...(req.parentSessionId ? { parentSessionId: req.parentSessionId, parentSessionFile: this.transcripts.pathOf(req.parentSessionId) } : {}),
-        ...(req.childSessionId ? { childSessionId: req.childSessionId, childSessionFile: this.transcripts.pathOf(req.childSessionId) } : {}),
-        ...(req.ttlMs !== undefined && req.ttlMs !== null ? { ttlMs: Number(req.ttlMs) } : {}),
-      }),
-    );
+  /**
+   * runtimeContext.rewriteTranscriptEntries, as OpenClaw's transcript
+   * rewrite counts it (blank ids dropped, a replacement equal to the
+   * entry's message skipped, bytesFreed the bytes the changed entries
+   * shrink by): the changes become MaintainResult.replacements, which the
+   * gateway validates and applies as a new branch.
+   */
+  private async rewrite(
+    sessionId: string,
+    request: TranscriptRewriteRequest,
+    replacements: pb.TranscriptReplacement[],
+    allowed: Set<string>,
+  ): Promise<TranscriptRewriteResult> {
+    const wanted = new Map<string, OcMessage>();
+    for (const rep of request?.replacements ?? []) {
+      if (typeof rep?.entryId === "string" && rep.entryId.trim() && rep.message) wanted.set(rep.entryId, rep.message);
+    }
+    if (wanted.size === 0)
+      return { changed: false, bytesFreed: 0, rewrittenEntries: 0, reason: "no replacements requested" };
+    const entries = this.transcripts.entries(sessionId);
+    if (entries.length === 0) return { changed: false, bytesFreed: 0, rewrittenEntries: 0, reason: "empty session" };
+    let bytesFreed = 0;
+    let rewritten = 0;
+    // Per contract message: its OpenClaw messages with the replacements in.
+    const changed = new Map<string, { proto: OcEntry["proto"]; parts: OcEntry[]; messages: OcMessage[] }>();
+    for (const e of entries) {
+      const replacement = wanted.get(e.entryId);
+      if (!replacement) continue;
+      const before = JSON.stringify(e.message);
+      const after = JSON.stringify(replacement);
+      if (before === after) continue;
+      rewritten++;
+      bytesFreed += Math.max(0, Buffer.byteLength(before) - Buffer.byteLength(after));
+      const id = e.proto.id!;
+      let group = changed.get(id);
+      if (!group) {
+        const parts = entries.filter((x) => x.proto.id === id);
+        group = { proto: e.proto, parts, messages: parts.map((x) => x.message) };
+        changed.set(id, group);
+      }
+      group.messages[group.parts.indexOf(e)] = replacement;
+    }
+    if (rewritten === 0) {
+      return { changed: false, bytesFreed: 0, rewrittenEntries: 0, reason: "no changed matching message entries" };
+    }
+    for (const [id, group] of changed) {
+      const made = group.messages.map((m) => fromOpenClaw(m, id));
+      const message: pb.AgentMessage = {
+        ...made[0]!,
+        content: made.flatMap((m) => m.content ?? []),
+        createdAtUnixMs: Number(group.proto.createdAtUnixMs ?? 0),
+        metadata: { ...(group.proto.metadata ?? {}) },
+      };
+      const at = replacements.findIndex((r) => r.entryId === id);
+      if (at >= 0) replacements[at] = { entryId: id, message };
+      else replacements.push({ entryId: id, message });
+    }
+    for (const s of request.allowedRewriteSuffixEntryIds ?? [])
+      if (typeof s === "string" && s.trim()) allowed.add(baseId(s));
+    return { changed: true, bytesFreed, rewrittenEntries: rewritten };
+  }
+
+  async prepareSubagentSpawn(
+    req: pb.PrepareSubagentSpawnRequest__Output,
+    ctx: CallContext,
+  ): Promise<pb.PrepareSubagentSpawnResult> {
+    const r = await this.invoke(ctx, "prepareSubagentSpawn", {
+      parentSessionKey: req.parentSessionKey,
+      childSessionKey: req.childSessionKey,
+      contextMode: req.contextMode === "SUBAGENT_CONTEXT_MODE_FORK" ? "fork" : "isolated",
+      ...(req.parentSessionId
+        ? { parentSessionId: req.parentSessionId, parentSessionFile: this.transcripts.pathOf(req.parentSessionId) }
+        : {}),
+      ...(req.childSessionId
+        ? { childSessionId: req.childSessionId, childSessionFile: this.transcripts.pathOf(req.childSessionId) }
+        : {}),
+      ttlMs: optionalNumber(req.ttlMs),
+    });
     if (!r || typeof r.rollback !== "function") return { prepared: !!r };
     if (this.rollbacks.size >= MAX_ROLLBACKS) this.rollbacks.delete(this.rollbacks.keys().next().value!);
     const token = randomUUID();
@@ -384,7 +565,10 @@ export class OpenClawEngine implements ContextEngine {
     return { prepared: true, rollbackToken: token };
   }
 
-  async rollbackSubagentSpawn(req: pb.RollbackSubagentSpawnRequest__Output, ctx: CallContext): Promise<pb.RollbackSubagentSpawnResult> {
+  async rollbackSubagentSpawn(
+    req: pb.RollbackSubagentSpawnRequest__Output,
+    ctx: CallContext,
+  ): Promise<pb.RollbackSubagentSpawnResult> {
     const rollback = this.rollbacks.get(req.rollbackToken);
     this.rollbacks.delete(req.rollbackToken);
     if (rollback) await within(ctx, () => rollback());
@@ -392,20 +576,12 @@ export class OpenClawEngine implements ContextEngine {
   }
 
   async onSubagentEnded(req: pb.OnSubagentEndedRequest__Output, ctx: CallContext): Promise<pb.OnSubagentEndedResult> {
-    const reasons: Record<string, string> = {
-      SUBAGENT_END_REASON_DELETED: "deleted",
-      SUBAGENT_END_REASON_COMPLETED: "completed",
-      SUBAGENT_END_REASON_SWEPT: "swept",
-      SUBAGENT_END_REASON_RELEASED: "released",
-    };
-    await within(ctx, () =>
-      this.plugin.onSubagentEnded!({
-        childSessionKey: req.childSessionKey,
-        reason: reasons[String(req.reason)] ?? "completed",
-        ...(req.agentDir ? { agentDir: req.agentDir } : {}),
-        ...(req.workspaceDir ? { workspaceDir: req.workspaceDir } : {}),
-      }),
-    );
+    await this.invoke(ctx, "onSubagentEnded", {
+      childSessionKey: req.childSessionKey,
+      reason: SUBAGENT_END_REASONS[String(req.reason)] ?? "completed",
+      agentDir: req.agentDir || undefined,
+      workspaceDir: req.workspaceDir || undefined,
+    });
     return {};
   }
 
@@ -413,7 +589,8 @@ export class OpenClawEngine implements ContextEngine {
    * and the host's transcript of the session dropped. */
   async forgetSession(req: pb.ForgetSessionRequest__Output, ctx: CallContext): Promise<pb.ForgetSessionResult> {
     const session = this.session(req.sessionId, req.sessionKey);
-    await within(ctx, () => this.hooks("session_end", { ...session, reason: "deleted" }, { ...session, ...(req.agentId ? { agentId: req.agentId } : {}) }));
+    const hookCtx = { ...session, ...(req.agentId ? { agentId: req.agentId } : {}) };
+    await within(ctx, () => this.hooks("session_end", { ...session, reason: "deleted" }, hookCtx));
     this.transcripts.forget(req.sessionId);
     return {};
   }
@@ -421,20 +598,37 @@ export class OpenClawEngine implements ContextEngine {
   async callTool(req: pb.CallToolRequest__Output, ctx: CallContext): Promise<pb.CallToolResult> {
     const args = toolArguments(req);
     if (!args) return toolError("the arguments are not a JSON object");
-    const session = { ...this.session(req.sessionId, req.sessionKey), ...(req.agentId ? { agentId: req.agentId } : {}) };
+    const session = {
+      ...this.session(req.sessionId, req.sessionKey),
+      ...(req.agentId ? { agentId: req.agentId } : {}),
+    };
     return within(ctx, () => this.toolbox.run(req.name, req.toolCallId, args, session, ctx));
   }
 
-  /** gateway_start: after register and the engine's creation. */
+  /** gateway_start (after register and the engine's creation), then the
+   * plugin's services, in registration order. */
   async start(): Promise<void> {
     await this.hooks("gateway_start", {}, {});
+    for (const service of this.registry.services) {
+      await service.start(this.o.serviceContext);
+      this.started.push(this.o.serviceContext);
+    }
   }
 
-  /** Drain: gateway_stop, then the engine's dispose. */
+  /** Drain: gateway_stop, the services stopped (last started first), then
+   * the engine's dispose. */
   async stop(): Promise<void> {
     try {
       await this.hooks("gateway_stop", { reason: "shutdown" }, {});
     } finally {
+      for (const service of this.registry.services.slice(0, this.started.length).reverse()) {
+        try {
+          await service.stop?.(this.o.serviceContext);
+        } catch (e) {
+          this.o.warn(`service ${service.id} failed to stop: ${e instanceof Error ? e.message : String(e)}`);
+        }
+      }
+      this.started.length = 0;
       await this.plugin.dispose?.();
     }
   }

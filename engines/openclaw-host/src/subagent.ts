@@ -6,8 +6,12 @@
 import { randomUUID } from "node:crypto";
 import type { CallContext } from "@ctxgate/engine-sdk";
 import type { OcMessage } from "./convert.js";
-import { current, llmComplete, within } from "./runtime.js";
+import type { LlmCompleteMessage } from "./openclaw-types.js";
+import { current, llmCompleteFor, within } from "./runtime.js";
 import type { Tools } from "./tools.js";
+
+/** The sub-agent loop's model calls: the host's own, on the run's grant. */
+const llmComplete = llmCompleteFor(() => ({ kind: "host", id: "openclaw-host.subagent" }));
 
 /** Model calls one sub-agent run makes at most. */
 export const MAX_STEPS = 6;
@@ -31,7 +35,10 @@ export function parseToolCall(text: string): { name: string; arguments: Record<s
     const v = JSON.parse(m[1]!) as { name?: unknown; tool?: unknown; arguments?: unknown };
     const name = typeof v.name === "string" ? v.name : typeof v.tool === "string" ? v.tool : undefined;
     if (!name) return undefined;
-    const args = v.arguments && typeof v.arguments === "object" && !Array.isArray(v.arguments) ? (v.arguments as Record<string, unknown>) : {};
+    const args =
+      v.arguments && typeof v.arguments === "object" && !Array.isArray(v.arguments)
+        ? (v.arguments as Record<string, unknown>)
+        : {};
     return { name, arguments: args };
   } catch {
     return undefined;
@@ -48,7 +55,9 @@ export class Subagents {
   ) {}
 
   private protocol(): string {
-    const offered = this.tools.definitions.filter((t) => t.audience === "TOOL_AUDIENCE_SUBAGENT" || t.audience === "TOOL_AUDIENCE_ALL");
+    const offered = this.tools.definitions.filter(
+      (t) => t.audience === "TOOL_AUDIENCE_SUBAGENT" || t.audience === "TOOL_AUDIENCE_ALL",
+    );
     if (offered.length === 0) return "";
     return [
       "You can use these tools. To call one, answer with exactly one line and nothing else:",
@@ -65,7 +74,10 @@ export class Subagents {
       run: (p: { sessionKey?: string; message?: string; extraSystemPrompt?: string }) => this.run(p),
       waitForRun: (p: { runId?: string; timeoutMs?: number }) => this.waitForRun(p),
       getSessionMessages: (p: { sessionKey?: string; limit?: number }) => this.getSessionMessages(p),
-      getSession: (p: { sessionKey?: string }) => ({ sessionKey: p.sessionKey, messages: this.sessions.get(p.sessionKey ?? "") ?? [] }),
+      getSession: (p: { sessionKey?: string }) => ({
+        sessionKey: p.sessionKey,
+        messages: this.sessions.get(p.sessionKey ?? "") ?? [],
+      }),
       deleteSession: async (p: { sessionKey?: string }) => {
         this.sessions.delete(p.sessionKey ?? "");
       },
@@ -77,10 +89,16 @@ export class Subagents {
     const sessionKey = String(p.sessionKey ?? "");
     const runId = `run-${randomUUID()}`;
     if (this.sessions.size >= MAX_SESSIONS) this.sessions.delete(this.sessions.keys().next().value!);
-    const messages: OcMessage[] = [{ role: "user", content: [{ type: "text", text: String(p.message ?? "") }], timestamp: Date.now() }];
+    const messages: OcMessage[] = [
+      { role: "user", content: [{ type: "text", text: String(p.message ?? "") }], timestamp: Date.now() },
+    ];
     this.sessions.set(sessionKey, messages);
     const entry: Run = { sessionKey, status: "running", done: Promise.resolve() };
-    entry.done = (ctx ? within(ctx, () => this.loop(ctx, sessionKey, messages, p.extraSystemPrompt ?? "")) : Promise.reject(new Error("runtime.subagent.run is only available during an engine call")))
+    entry.done = (
+      ctx
+        ? within(ctx, () => this.loop(ctx, sessionKey, messages, p.extraSystemPrompt ?? ""))
+        : Promise.reject(new Error("runtime.subagent.run is only available during an engine call"))
+    )
       .then(() => {
         entry.status = "ok";
       })
@@ -95,22 +113,38 @@ export class Subagents {
 
   private async loop(ctx: CallContext, sessionKey: string, messages: OcMessage[], extra: string): Promise<void> {
     const systemPrompt = [extra, this.protocol()].filter(Boolean).join("\n\n");
-    const history: { role: string; content: string }[] = [{ role: "user", content: textOf(messages[0]!) }];
+    const history: LlmCompleteMessage[] = [{ role: "user", content: textOf(messages[0]!) }];
     for (let step = 1; step <= MAX_STEPS; step++) {
       ctx.check();
       const r = await llmComplete({ messages: history, systemPrompt, purpose: "openclaw-host.subagent" });
-      const text = String(r["text"] ?? "");
+      const text = r.text ?? "";
       messages.push({ role: "assistant", content: [{ type: "text", text }], timestamp: Date.now() });
       history.push({ role: "assistant", content: text });
       const call = parseToolCall(text);
       if (!call) return;
       const offered = this.tools.definitions.find((t) => t.name === call.name && t.audience !== "TOOL_AUDIENCE_MAIN");
       const result = offered
-        ? await this.tools.run(call.name, `${sessionKey}-step-${step}`, call.arguments, { sessionKey, sessionId: sessionKey }, ctx)
+        ? await this.tools.run(
+            call.name,
+            `${sessionKey}-step-${step}`,
+            call.arguments,
+            { sessionKey, sessionId: sessionKey },
+            ctx,
+          )
         : { content: [{ text: `unknown tool ${JSON.stringify(call.name)}` }], isError: true };
       const resultText = (result.content ?? []).map((c) => c.text ?? "").join("\n");
-      messages.push({ role: "toolResult", toolCallId: `${sessionKey}-step-${step}`, toolName: call.name, content: [{ type: "text", text: resultText }], isError: result.isError === true, timestamp: Date.now() });
-      history.push({ role: "user", content: `Result of ${call.name}${result.isError ? " (error)" : ""}:\n${resultText}` });
+      messages.push({
+        role: "toolResult",
+        toolCallId: `${sessionKey}-step-${step}`,
+        toolName: call.name,
+        content: [{ type: "text", text: resultText }],
+        isError: result.isError === true,
+        timestamp: Date.now(),
+      });
+      history.push({
+        role: "user",
+        content: `Result of ${call.name}${result.isError ? " (error)" : ""}:\n${resultText}`,
+      });
     }
     throw new Error(`the sub-agent made ${MAX_STEPS} model calls without a final answer`);
   }
@@ -140,5 +174,7 @@ export class Subagents {
 
 function textOf(m: OcMessage): string {
   if (typeof m.content === "string") return m.content;
-  return ((m.content as { type?: string; text?: string }[]) ?? []).map((b) => (b.type === "text" ? (b.text ?? "") : "")).join("\n");
+  return ((m.content as { type?: string; text?: string }[]) ?? [])
+    .map((b) => (b.type === "text" ? (b.text ?? "") : ""))
+    .join("\n");
 }

@@ -1,28 +1,37 @@
 // The plugin's tools (api.registerTool): declared in EngineInfo.tools and
-// run by CallTool. A factory is called with the session of the call, as
-// OpenClaw does; a tool's failure is a result the model reads.
+// run by CallTool. Registration follows OpenClaw 2026.9.6: a tool, a
+// factory `(ctx) => tool | tool[]`, or `{contextVersion: 2, create(ctx)}`,
+// with options `{name?, names?, optional?}`; the names must be declared in
+// the manifest's `contracts.tools`. A factory is called with the session
+// of the call, as OpenClaw does; a tool's failure is a result the model
+// reads.
 import { type CallContext, type pb, toolError } from "@ctxgate/engine-sdk";
-
-export interface AgentTool {
-  name: string;
-  label?: string;
-  description?: string;
-  parameters?: unknown;
-  execute: (toolCallId: string, params: Record<string, unknown>, signal?: AbortSignal) => unknown;
-}
-
-export interface ToolContext {
-  sessionId?: string;
-  sessionKey?: string;
-  agentId?: string;
-  [k: string]: unknown;
-}
-
-export type ToolFactory = (ctx: ToolContext) => AgentTool | AgentTool[] | null | undefined | Promise<AgentTool | AgentTool[] | null | undefined>;
+import type {
+  AnyAgentTool,
+  OpenClawPluginToolContext,
+  OpenClawPluginToolFactory,
+  OpenClawPluginToolFactoryV2,
+  OpenClawPluginToolOptions,
+  ToolFactoryResult,
+} from "./openclaw-types.js";
 
 interface Registered {
-  name?: string;
-  factory: ToolFactory;
+  /** The names the registration declares (options and a plain tool's name). */
+  names: string[];
+  optional: boolean;
+  factory: OpenClawPluginToolFactory;
+}
+
+export interface ToolsOptions {
+  /** Tools offered to sub-agent sessions only. */
+  subagentOnly: ReadonlySet<string>;
+  /** Optional tools the operator allows (OpenClaw offers optional tools only when allowlisted). */
+  allowOptional: ReadonlySet<string>;
+  /** The manifest's `contracts.tools`; undefined when the plugin ships no manifest. */
+  declaredNames: readonly string[] | undefined;
+  /** The factory context every call starts from (config, dirs, agent). */
+  baseContext: () => OpenClawPluginToolContext;
+  warn: (line: string) => void;
 }
 
 const MAX_DESCRIPTION = 4096;
@@ -34,33 +43,83 @@ function truncateUtf8(s: string, max: number): string {
   return `${out}...`;
 }
 
+function toolsOf(made: ToolFactoryResult): AnyAgentTool[] {
+  return (Array.isArray(made) ? made : made ? [made] : []).filter(
+    (t): t is AnyAgentTool => !!t && typeof t.name === "string",
+  );
+}
+
+function isV2(tool: unknown): tool is OpenClawPluginToolFactoryV2 {
+  return !!tool && typeof tool === "object" && "contextVersion" in tool;
+}
+
 export class Tools {
   private readonly registered: Registered[] = [];
   private declared: pb.ToolDefinition[] = [];
   private readonly byName = new Map<string, Registered>();
+  /** Registration errors (OpenClaw reports them and drops the tool; the host fails at start). */
+  readonly errors: string[] = [];
 
-  constructor(private readonly subagentOnly: ReadonlySet<string>) {}
+  constructor(private readonly o: ToolsOptions) {}
 
-  register(toolOrFactory: AgentTool | ToolFactory, options?: { name?: string; names?: string[] }): void {
-    const factory: ToolFactory = typeof toolOrFactory === "function" ? (toolOrFactory as ToolFactory) : () => toolOrFactory;
-    const name = options?.name ?? (typeof toolOrFactory === "object" ? toolOrFactory.name : undefined);
-    this.registered.push(name === undefined ? { factory } : { name, factory });
+  register(
+    tool: AnyAgentTool | OpenClawPluginToolFactory | OpenClawPluginToolFactoryV2,
+    opts?: OpenClawPluginToolOptions,
+  ): void {
+    const declaredNames = this.o.declaredNames;
+    if (!declaredNames && this.registered.length === 0) {
+      this.o.warn("the plugin ships no openclaw.plugin.json: its tool names are not checked against contracts.tools");
+    }
+    if (declaredNames && declaredNames.length === 0) {
+      this.errors.push("plugin must declare contracts.tools before registering agent tools");
+      return;
+    }
+    const names = [...(opts?.names ?? []), ...(opts?.name ? [opts.name] : [])];
+    const versioned = typeof tool !== "function" && isV2(tool);
+    if (versioned && (tool.contextVersion !== 2 || typeof tool.create !== "function")) {
+      this.errors.push("unsupported plugin tool context version");
+      return;
+    }
+    let factory: OpenClawPluginToolFactory;
+    if (typeof tool === "function") factory = tool;
+    else if (versioned) {
+      factory = (ctx) => {
+        const assertInvocationCurrent = ctx.assertInvocationCurrent;
+        if (!assertInvocationCurrent) throw new Error("Version 2 tool factories require host invocation authority");
+        return tool.create({ ...ctx, assertInvocationCurrent });
+      };
+    } else {
+      const plain = tool as AnyAgentTool;
+      names.push(plain.name);
+      factory = () => plain;
+    }
+    const normalized = [...new Set(names.map((n) => String(n).trim()).filter(Boolean))];
+    if (declaredNames) {
+      const undeclared = normalized.filter((n) => !declaredNames.includes(n));
+      if (undeclared.length > 0) {
+        this.errors.push(`plugin must declare contracts.tools for: ${undeclared.join(", ")}`);
+        return;
+      }
+    }
+    this.registered.push({ names: normalized, optional: opts?.optional === true, factory });
   }
 
-  /** Calls every factory once with a blank session to learn the tools'
-   * names, descriptions and schemas (at start). */
+  /** Calls every factory once, with no session, to learn the tools' names,
+   * descriptions and schemas (at start). Optional tools not allowed are left out. */
   async declare(): Promise<pb.ToolDefinition[]> {
     const out: pb.ToolDefinition[] = [];
     for (const r of this.registered) {
-      const made = await r.factory({ sessionId: "", sessionKey: "" });
-      for (const t of (Array.isArray(made) ? made : made ? [made] : []) as AgentTool[]) {
-        if (!t || typeof t.name !== "string") continue;
+      if (r.optional && !r.names.some((n) => this.o.allowOptional.has(n))) continue;
+      const made = await r.factory({ ...this.o.baseContext(), assertInvocationCurrent: () => undefined });
+      for (const t of toolsOf(made)) {
+        if (this.byName.has(t.name)) continue;
+        if (r.optional && !this.o.allowOptional.has(t.name)) continue;
         this.byName.set(t.name, r);
         out.push({
           name: t.name,
           description: truncateUtf8(t.description ?? t.label ?? "", MAX_DESCRIPTION),
           parametersJsonSchema: JSON.stringify(t.parameters ?? { type: "object", properties: {} }),
-          audience: this.subagentOnly.has(t.name) ? "TOOL_AUDIENCE_SUBAGENT" : "TOOL_AUDIENCE_MAIN",
+          audience: this.o.subagentOnly.has(t.name) ? "TOOL_AUDIENCE_SUBAGENT" : "TOOL_AUDIENCE_MAIN",
         });
       }
     }
@@ -73,16 +132,35 @@ export class Tools {
   }
 
   /** The tool `name` made for the session of `ctx`. */
-  async make(name: string, ctx: ToolContext): Promise<AgentTool | undefined> {
+  async make(name: string, ctx: OpenClawPluginToolContext): Promise<AnyAgentTool | undefined> {
     const r = this.byName.get(name);
     if (!r) return undefined;
-    const made = await r.factory(ctx);
-    return ((Array.isArray(made) ? made : made ? [made] : []) as AgentTool[]).find((t) => t?.name === name);
+    return toolsOf(await r.factory(ctx)).find((t) => t.name === name);
   }
 
   /** Runs a tool; whatever goes wrong is an error result for the model. */
-  async run(name: string, toolCallId: string, args: Record<string, unknown>, session: ToolContext, ctx: CallContext): Promise<pb.CallToolResult> {
-    const tool = await this.make(name, session);
+  async run(
+    name: string,
+    toolCallId: string,
+    args: Record<string, unknown>,
+    session: { sessionId?: string; sessionKey?: string; agentId?: string },
+    ctx: CallContext,
+  ): Promise<pb.CallToolResult> {
+    const base = this.o.baseContext();
+    const toolCtx: OpenClawPluginToolContext = {
+      ...base,
+      ...(session.sessionId ? { sessionId: session.sessionId } : {}),
+      ...(session.sessionKey ? { sessionKey: session.sessionKey } : {}),
+      ...(session.agentId ? { agentId: session.agentId } : {}),
+      assertInvocationCurrent: () => ctx.check(),
+    };
+    let tool: AnyAgentTool | undefined;
+    try {
+      tool = await this.make(name, toolCtx);
+    } catch (e) {
+      ctx.check();
+      return toolError(`${name} could not be made: ${e instanceof Error ? e.message : String(e)}`);
+    }
     if (!tool) return toolError(`unknown tool ${JSON.stringify(name)}`);
     try {
       const result = await tool.execute(toolCallId, args, ctx.signal);

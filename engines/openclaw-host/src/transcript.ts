@@ -20,6 +20,20 @@ interface Session {
   lastId: string | null;
   /** Every contract message written, in order (to match assembled output). */
   messages: Proto[];
+  /** When each message was written (ms): the OpenClaw timestamp of one with no creation time. */
+  times: Map<string, number>;
+}
+
+/** A transcript entry in OpenClaw's form: one per OpenClaw message (a
+ * tool message answering several calls makes several, `ID#k` after the
+ * first). */
+export interface OcEntry {
+  entryId: string;
+  parentId: string | null;
+  message: OcMessage;
+  /** The contract message it comes from. */
+  proto: Proto;
+  timestamp: number;
 }
 
 export class Transcripts {
@@ -42,16 +56,20 @@ export class Transcripts {
     let s = this.sessions.get(sessionId);
     if (s) return s;
     const path = this.pathOf(sessionId);
-    s = { path, ids: new Set(), lastId: null, messages: [] };
+    s = { path, ids: new Set(), lastId: null, messages: [], times: new Map() };
     if (existsSync(path)) {
       for (const line of readFileSync(path, "utf8").split("\n")) {
         if (!line.trim()) continue;
         try {
-          const e = JSON.parse(line) as { type?: string; id?: string; proto?: Proto };
+          const e = JSON.parse(line) as { type?: string; id?: string; timestamp?: string; proto?: Proto };
           if (e.type === "message" && e.id) {
             s.ids.add(e.id);
             s.lastId = e.id;
-            if (e.proto) s.messages.push(e.proto);
+            if (e.proto) {
+              s.messages.push(e.proto);
+              const ms = Date.parse(e.timestamp ?? "");
+              if (Number.isFinite(ms)) s.times.set(e.id, ms);
+            }
           }
         } catch {
           // A line cut by a crash was never acknowledged: the gateway resends it.
@@ -72,6 +90,27 @@ export class Transcripts {
     return this.load(sessionId).messages;
   }
 
+  /** The message as OpenClaw messages, timed as the transcript has it. */
+  openclaw(sessionId: string, m: Proto): OcMessage[] {
+    return toOpenClaw(m, this.load(sessionId).times.get(m.id!));
+  }
+
+  /** The session's entries in OpenClaw's form, oldest first. */
+  entries(sessionId: string): OcEntry[] {
+    const s = this.load(sessionId);
+    const out: OcEntry[] = [];
+    let parentId: string | null = null;
+    for (const proto of s.messages) {
+      const timestamp = Number(proto.createdAtUnixMs ?? 0) || s.times.get(proto.id!) || 0;
+      toOpenClaw(proto, timestamp || undefined).forEach((message, k) => {
+        const entryId = k === 0 ? proto.id! : `${proto.id!}#${k}`;
+        out.push({ entryId, parentId, message, proto, timestamp });
+        parentId = entryId;
+      });
+    }
+    return out;
+  }
+
   /** The session's transcript file, made (with its header) if missing:
    * the locator a plugin is given must name a file. */
   ensure(sessionId: string): string {
@@ -89,7 +128,15 @@ export class Transcripts {
   }
 
   private header(): string {
-    return JSON.stringify({ type: "session", version: 3, id: randomUUID(), timestamp: new Date().toISOString(), cwd: this.dir }) + "\n";
+    return (
+      JSON.stringify({
+        type: "session",
+        version: 3,
+        id: randomUUID(),
+        timestamp: new Date().toISOString(),
+        cwd: this.dir,
+      }) + "\n"
+    );
   }
 
   /** Appends the messages the transcript does not hold yet (durably,
@@ -101,7 +148,8 @@ export class Transcripts {
     const lines: string[] = [];
     if (!existsSync(s.path)) lines.push(this.header().trimEnd());
     for (const m of fresh) {
-      const oc: OcMessage[] = toOpenClaw(m);
+      const ts = Number(m.createdAtUnixMs ?? 0) || Date.now();
+      const oc: OcMessage[] = toOpenClaw(m, ts);
       oc.forEach((message, k) => {
         const id = k === 0 ? m.id! : `${m.id!}#${k}`;
         lines.push(
@@ -109,7 +157,7 @@ export class Transcripts {
             type: "message",
             id,
             parentId: s.lastId,
-            timestamp: new Date(Number(m.createdAtUnixMs ?? 0) || Date.now()).toISOString(),
+            timestamp: new Date(ts).toISOString(),
             message,
             // The contract message itself, so the host can give it back exactly.
             ...(k === 0 ? { proto: m } : {}),
@@ -119,6 +167,7 @@ export class Transcripts {
       });
       s.ids.add(m.id!);
       s.messages.push(m);
+      s.times.set(m.id!, ts);
     }
     const fd = openSync(s.path, "a");
     try {

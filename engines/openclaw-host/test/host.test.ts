@@ -3,72 +3,50 @@
 // provided API: tools with their audience and session, hooks, runtime.llm
 // and runtime.subagent over the gateway's Host, resolvePath, ForgetSession.
 import assert from "node:assert/strict";
-import { type ChildProcess, spawn, spawnSync } from "node:child_process";
-import { existsSync, mkdtempSync, readFileSync, writeFileSync } from "node:fs";
-import { tmpdir } from "node:os";
-import { dirname, join } from "node:path";
-import { createInterface } from "node:readline";
+import { existsSync, readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
 import { describe, test } from "node:test";
-import { fileURLToPath } from "node:url";
 import * as grpc from "@grpc/grpc-js";
-import { engineService, hostService, type pb } from "@ctxgate/engine-sdk";
-
-const HOST = join(dirname(fileURLToPath(import.meta.url)), "..", "..");
-const MAIN = join(HOST, "dist", "src", "main.js");
-const FIXTURES = join(HOST, "test", "fixtures");
-const temp = () => mkdtempSync(join(tmpdir(), "openclaw-host-"));
-
-function runToEnd(args: string[]) {
-  return spawnSync(process.execPath, [MAIN, ...args], { encoding: "utf8", timeout: 60_000 });
-}
-
-async function start(args: string[]): Promise<{ child: ChildProcess; address: string; exited: Promise<number | null> }> {
-  const child = spawn(process.execPath, [MAIN, ...args], { stdio: ["ignore", "pipe", "inherit"] });
-  const exited = new Promise<number | null>((r) => child.on("exit", (c) => r(c)));
-  const line = await new Promise<string>((resolve, reject) => {
-    createInterface({ input: child.stdout! }).once("line", resolve);
-    child.on("exit", (c) => reject(new Error(`exited ${c}`)));
-  });
-  assert.match(line, /^listening on /);
-  return { child, address: line.slice("listening on ".length), exited };
-}
-
-function call<T>(client: grpc.Client, method: string, request: unknown, deadlineMs = 10_000): Promise<{ err?: grpc.ServiceError; value?: T }> {
-  const def = engineService[method]!;
-  return new Promise((resolve) =>
-    client.makeUnaryRequest(def.path, def.requestSerialize, def.responseDeserialize, request, new grpc.Metadata(), { deadline: Date.now() + deadlineMs }, (err, value) =>
-      resolve(err ? { err } : { value: value as T }),
-    ),
-  );
-}
-
-/** A fake gateway Host: LlmComplete answers from a script. */
-async function fakeHost(replies: string[]): Promise<{ port: number; prompts: string[]; close(): void }> {
-  const server = new grpc.Server();
-  const prompts: string[] = [];
-  server.addService(hostService, {
-    ReadTranscript: (c: grpc.ServerWritableStream<unknown, unknown>) => c.end(),
-    LlmComplete: (c: grpc.ServerUnaryCall<pb.LlmCompleteRequest__Output, unknown>, cb: grpc.sendUnaryData<pb.LlmCompleteResult>) => {
-      prompts.push(c.request.messages.map((m) => m.content).join("\n"));
-      cb(null, { text: replies.shift() ?? "done", model: "fake", provider: "test" });
-    },
-  });
-  const port = await new Promise<number>((res, rej) => server.bindAsync("127.0.0.1:0", grpc.ServerCredentials.createInsecure(), (e, p) => (e ? rej(e) : res(p))));
-  return { port, prompts, close: () => server.forceShutdown() };
-}
-
-const grant = () => ({ token: "t", sessionId: "s1", operations: ["read_transcript", "llm_complete"], expiresAtUnixMs: Date.now() + 60_000 });
+import type { pb } from "@ctxgate/engine-sdk";
+import { FIXTURES, call, compact, fakeHost, grant, runToEnd, start, temp } from "./support.js";
 
 describe("the OpenClaw host", () => {
   test("a plugin that registers something the host does not provide fails at start, naming it in one sentence", () => {
-    const r = runToEnd(["--plugin", join(FIXTURES, "refusing-plugin"), "--listen", "127.0.0.1:0", "--state-dir", temp()]);
+    const r = runToEnd([
+      "--plugin",
+      join(FIXTURES, "refusing-plugin"),
+      "--listen",
+      "127.0.0.1:0",
+      "--state-dir",
+      temp(),
+    ]);
     assert.equal(r.status, 2, r.stderr);
     assert.equal(r.stdout, "");
-    assert.match(r.stderr, /openclaw-host: plugin refusing-plugin calls api\.registerProvider, which the ctxgate OpenClaw host does not provide/);
-    const none = runToEnd(["--plugin", join(FIXTURES, "engineless-plugin"), "--listen", "127.0.0.1:0", "--state-dir", temp()]);
+    assert.match(
+      r.stderr,
+      /openclaw-host: plugin refusing-plugin calls api\.registerProvider, which the ctxgate OpenClaw host does not/,
+    );
+    const none = runToEnd([
+      "--plugin",
+      join(FIXTURES, "engineless-plugin"),
+      "--listen",
+      "127.0.0.1:0",
+      "--state-dir",
+      temp(),
+    ]);
     assert.equal(none.status, 2);
-    assert.match(none.stderr, /plugin engineless-plugin registered no context engine \(it never called api\.registerContextEngine\)/);
-    const missing = runToEnd(["--plugin", join(FIXTURES, "no-such-plugin"), "--listen", "127.0.0.1:0", "--state-dir", temp()]);
+    assert.match(
+      none.stderr,
+      /plugin engineless-plugin registered no context engine \(it never called api\.registerContextEngine\)/,
+    );
+    const missing = runToEnd([
+      "--plugin",
+      join(FIXTURES, "no-such-plugin"),
+      "--listen",
+      "127.0.0.1:0",
+      "--state-dir",
+      temp(),
+    ]);
     assert.equal(missing.status, 2);
     assert.match(missing.stderr, /openclaw-host: .*no-such-plugin/);
     const noState = runToEnd(["--plugin", join(FIXTURES, "echo-plugin"), "--listen", "127.0.0.1:0"]);
@@ -76,12 +54,23 @@ describe("the OpenClaw host", () => {
     assert.match(noState.stderr, /--state-dir DIR is required/);
   });
 
-  test("a plugin that keeps to the provided API is served: tools, hooks, runtime.llm, runtime.subagent, resolvePath, ForgetSession", async () => {
+  test("a plugin keeping to the API is served: tools, hooks, llm, subagent, resolvePath, ForgetSession", async () => {
     const state = temp();
     const config = join(state, "plugin.json");
     writeFileSync(config, JSON.stringify({ greeting: "hello" }));
     const host = await fakeHost(['TOOL_CALL {"name": "deep_tool", "arguments": {}}', "found: 42", "a short summary"]);
-    const e = await start(["--plugin", join(FIXTURES, "echo-plugin"), "--listen", "127.0.0.1:0", "--state-dir", state, "--plugin-config", config, "--subagent-tool", "deep_tool"]);
+    const e = await start([
+      "--plugin",
+      join(FIXTURES, "echo-plugin"),
+      "--listen",
+      "127.0.0.1:0",
+      "--state-dir",
+      state,
+      "--plugin-config",
+      config,
+      "--subagent-tool",
+      "deep_tool",
+    ]);
     const client = new grpc.Client(e.address, grpc.credentials.createInsecure());
     const access = { endpoint: `127.0.0.1:${host.port}`, grant: grant() };
     try {
@@ -90,15 +79,26 @@ describe("the OpenClaw host", () => {
       const info = (await call<pb.EngineInfo__Output>(client, "GetInfo", {})).value!;
       assert.equal(info.id, "echo-plugin");
       assert.ok(info.ownsCompaction);
-      assert.deepEqual(info.tools.map((t) => [t.name, t.audience]), [
-        ["echo_tool", "TOOL_AUDIENCE_MAIN"],
-        ["deep_tool", "TOOL_AUDIENCE_SUBAGENT"],
-      ]);
+      assert.deepEqual(
+        info.tools.map((t) => [t.name, t.audience]),
+        [
+          ["echo_tool", "TOOL_AUDIENCE_MAIN"],
+          ["deep_tool", "TOOL_AUDIENCE_SUBAGENT"],
+        ],
+      );
       assert.deepEqual([...info.acceptedHostParams!.params].sort(), ["host", "prompt", "session_key"]);
       assert.ok(info.implementedMethods.includes("CallTool") && info.implementedMethods.includes("AfterTurn"));
       assert.ok(!info.implementedMethods.includes("Maintain"), "the plugin has no maintain");
       // A tool is made for the call's session.
-      const tool = (args: string, name = "echo_tool") => call<pb.CallToolResult__Output>(client, "CallTool", { sessionId: "s1", sessionKey: "agent:main:s1", toolCallId: "c1", name, argumentsJson: args, host: access });
+      const tool = (args: string, name = "echo_tool") =>
+        call<pb.CallToolResult__Output>(client, "CallTool", {
+          sessionId: "s1",
+          sessionKey: "agent:main:s1",
+          toolCallId: "c1",
+          name,
+          argumentsJson: args,
+          host: access,
+        });
       assert.equal((await tool('{"say":"hi"}')).value?.content[0]?.text, "agent:main:s1: hi");
       const boom = (await tool('{"say":"boom"}')).value!;
       assert.ok(boom.isError && /echo_tool failed: boom/.test(boom.content[0]!.text!));
@@ -113,26 +113,31 @@ describe("the OpenClaw host", () => {
       const m = { id: "u1", role: "ROLE_USER", content: [{ text: "hello" }], metadata: { channel: "test" } };
       const a = (await call<pb.AssembleResult__Output>(client, "Assemble", { sessionId: "s1", messages: [m] })).value!;
       assert.equal(a.systemPromptAddition, "ECHO POLICY");
-      assert.deepEqual(a.messages.map((x) => [x.id, x.metadata]), [["u1", { channel: "test" }]]);
+      assert.deepEqual(
+        a.messages.map((x) => [x.id, x.metadata]),
+        [["u1", { channel: "test" }]],
+      );
       // runtime.llm.complete inside Compact uses the call's grant.
-      const events: pb.CompactEvent__Output[] = await new Promise((resolve, reject) => {
-        const out: pb.CompactEvent__Output[] = [];
-        const def = engineService["Compact"]!;
-        const s = client.makeServerStreamRequest(def.path, def.requestSerialize, def.responseDeserialize, { sessionId: "s1", sessionKey: "s1", host: access }, new grpc.Metadata(), {});
-        s.on("data", (ev: pb.CompactEvent__Output) => out.push(ev));
-        s.on("end", () => resolve(out));
-        s.on("error", reject);
-      });
+      const events = await compact(client, { sessionId: "s1", sessionKey: "s1", host: access });
       const result = events.at(-1)!.result!;
       assert.deepEqual([result.ok, result.compacted, result.summary], [true, true, "a short summary"]);
       // Ingest is idempotent by message id, whatever the plugin does.
-      assert.equal((await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested, true);
-      assert.equal((await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested, false);
+      assert.equal(
+        (await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested,
+        true,
+      );
+      assert.equal(
+        (await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested,
+        false,
+      );
       // ForgetSession: session_end with reason "deleted", the host's transcript dropped.
       assert.ok(existsSync(join(state, "sessions")));
       await call(client, "ForgetSession", { sessionId: "s2" });
       assert.match((await tool('{"say":"events"}')).value!.content[0]!.text!, /session_end s2 deleted/);
-      assert.equal((await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested, true);
+      assert.equal(
+        (await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested,
+        true,
+      );
     } finally {
       client.close();
       host.close();
