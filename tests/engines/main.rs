@@ -12,6 +12,7 @@ mod host_requirements;
 mod hostile_engines;
 mod lanes;
 mod maintenance;
+mod openclaw_differential;
 mod openclaw_host;
 mod overload;
 mod python_engine;
