@@ -22,8 +22,15 @@ const windowBin = opt("--window");
 const hostRun = opt("--host");
 const sizes = opt("--sizes", "1000,10000").split(",").map(Number);
 const budget = Number(opt("--budget", "8000"));
+// The lossless-claw versions the host serves, each in a host of its own.
+const plugins = opt(
+  "--plugins",
+  "@martian-engineering/lossless-claw@0.15.3,@martian-engineering/lossless-claw@1.0.0-beta.4",
+).split(",");
 if (!windowBin || !hostRun) {
-  console.error("usage: assemble.mjs --window PATH --host engines/openclaw-host/run.sh [--sizes 1000,10000] [--budget 8000]");
+  console.error(
+    "usage: assemble.mjs --window PATH --host engines/openclaw-host/run.sh [--sizes 1000,10000] [--budget 8000] [--plugins SPEC,SPEC]",
+  );
   process.exit(2);
 }
 
@@ -85,22 +92,26 @@ async function measure(name, client, n, delta) {
 const dir = mkdtempSync(join(tmpdir(), "assemble-bench-"));
 writeFileSync(join(dir, "plugin.json"), JSON.stringify({ independentLogFile: { enabled: false } }));
 const windowEngine = await start(windowBin, ["--listen", "127.0.0.1:0", "--state-dir", join(dir, "window")]);
-const host = await start(hostRun, ["--plugin", "@martian-engineering/lossless-claw@0.15.3", "--plugin-config", join(dir, "plugin.json"), "--listen", "127.0.0.1:0", "--state-dir", join(dir, "lcm")]);
+const hosts = [];
+for (const [i, plugin] of plugins.entries()) {
+  const state = join(dir, `lcm-${i}`);
+  const args = ["--plugin", plugin, "--plugin-config", join(dir, "plugin.json"), "--listen", "127.0.0.1:0"];
+  hosts.push({ name: `${plugin.split("/").pop()} (host)`, ...(await start(hostRun, [...args, "--state-dir", state])) });
+}
 const options = { "grpc.max_send_message_length": 64 << 20, "grpc.max_receive_message_length": 64 << 20 };
-const clients = {
-  window: new grpc.Client(windowEngine.address, grpc.credentials.createInsecure(), options),
-  "lossless-claw (host)": new grpc.Client(host.address, grpc.credentials.createInsecure(), options),
-};
+const client = (address) => new grpc.Client(address, grpc.credentials.createInsecure(), options);
+const clients = { window: client(windowEngine.address) };
+for (const h of hosts) clients[h.name] = client(h.address);
 const rows = [];
 try {
   for (const n of sizes) {
     rows.push(await measure("window", clients.window, n, true));
-    rows.push(await measure("lossless-claw (host)", clients["lossless-claw (host)"], n, false));
+    for (const h of hosts) rows.push(await measure(h.name, clients[h.name], n, false));
   }
 } finally {
   for (const c of Object.values(clients)) c.close();
   windowEngine.child.kill("SIGTERM");
-  host.child.kill("SIGTERM");
+  for (const h of hosts) h.child.kill("SIGTERM");
 }
 console.log(`Assemble, budget ${budget} tokens, ${new Date().toISOString()}`);
 console.log("| engine | messages | calls | p50 | p99 | kept | est. tokens |");
