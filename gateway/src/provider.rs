@@ -177,11 +177,13 @@ fn offline_tool_call(req: &ChatRequest) -> Option<pb::ToolCall> {
     let last = req.messages.last().filter(|m| m.role == Role::User as i32)?;
     let tool = req.tools.iter().find(|t| t.name.contains("search"))?;
     let text = message_text(last);
-    let lower = text.to_lowercase();
+    // ASCII lowercasing keeps every byte where it was (full lowercasing
+    // does not: "İ" grows), so an offset found in `lower` is one in `text`.
+    let lower = text.to_ascii_lowercase();
     let at = ["search the history for ", "search history for ", "search for "]
         .iter()
         .find_map(|p| lower.find(p).map(|i| i + p.len()))?;
-    let query = text[at..].trim().trim_end_matches(['.', '?', '!']).trim_matches(['"', '\'', '`']).trim();
+    let query = text.get(at..)?.trim().trim_end_matches(['.', '?', '!']).trim_matches(['"', '\'', '`']).trim();
     if query.is_empty() {
         return None;
     }
@@ -459,5 +461,27 @@ mod tests {
             classify(401, r#"{"error":{"message":"bad key"}}"#),
             ModelError::Rejected { status: 401, .. }
         ));
+    }
+
+    /// A user's text whose lowercase is longer than itself ("İ" is 2 bytes,
+    /// its lowercase 3) once panicked the offline model (a byte offset
+    /// found in the lowercase sliced the original inside a character).
+    #[test]
+    fn the_offline_model_finds_its_search_in_any_text_without_panicking() {
+        let search = pb::ToolDefinition { name: "history_search".into(), ..Default::default() };
+        let ask = |text: &str| ChatRequest {
+            messages: Messages::Owned(vec![AgentMessage {
+                role: Role::User as i32,
+                content: vec![pb::ContentPart { part: Some(pb::content_part::Part::Text(text.into())) }],
+                ..Default::default()
+            }]),
+            tools: vec![search.clone()],
+            ..Default::default()
+        };
+        for text in ["İİİİ search for é", "İstanbul: Search History For ÇAĞ-7?", "ß search for", "İ"] {
+            let _ = offline_tool_call(&ask(text));
+        }
+        let call = offline_tool_call(&ask("İİ please Search history for ORCHID-7731?")).unwrap();
+        assert_eq!(call.arguments_json, r#"{"query":"ORCHID-7731"}"#);
     }
 }
