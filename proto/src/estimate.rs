@@ -4,7 +4,10 @@
 //! far denser than Latin text), images at a flat 2000 tokens, and a
 //! provider-reported usage count winning where the message has one.
 
-use crate::pb::{AgentMessage, content_part::Part};
+use std::borrow::Cow;
+use std::collections::HashSet;
+
+use crate::pb::{AgentMessage, ContentPart, content_part::Part};
 
 /// Tokens charged for one image reference.
 pub const IMAGE_TOKENS: u64 = 2000;
@@ -52,15 +55,34 @@ pub fn messages_tokens<'a>(messages: impl IntoIterator<Item = &'a AgentMessage>)
 /// What of `messages` to assemble under `budget` tokens: the newest
 /// messages that fit, and their estimate. A message with tool calls and
 /// the tool results that follow it (answering those calls) are kept or
-/// dropped together, so the model never sees a result without its call.
-/// The walk stops at the first unit that does not fit (the context stays
-/// one contiguous run of the newest history). The newest unit is kept even
+/// dropped together, so the model never sees a result without its call;
+/// a tool result whose call precedes it nowhere in `messages` is dropped
+/// first (and a message it leaves empty), as the contract refuses it. The
+/// walk stops at the first unit that does not fit (the context stays one
+/// contiguous run of the newest history). The newest unit is kept even
 /// over the budget: the contract refuses an empty answer to a request with
 /// history, and the caller sees the overflow in the estimate. No budget
 /// keeps everything. The same rule is in every SDK, pinned by
 /// `proto/testdata/budget.json`.
-pub fn fit_budget(messages: &[AgentMessage], budget: Option<u64>) -> (&[AgentMessage], u64) {
-    let Some(budget) = budget else { return (messages, messages_tokens(messages)) };
+pub fn fit_budget(messages: &[AgentMessage], budget: Option<u64>) -> (Cow<'_, [AgentMessage]>, u64) {
+    let messages = without_orphan_results(messages);
+    let start = match budget {
+        None => 0,
+        Some(budget) => newest_that_fit(&messages, budget),
+    };
+    let tokens = messages_tokens(&messages[start..]);
+    let kept = match messages {
+        Cow::Borrowed(m) => Cow::Borrowed(&m[start..]),
+        Cow::Owned(mut m) => {
+            m.drain(..start);
+            Cow::Owned(m)
+        }
+    };
+    (kept, tokens)
+}
+
+/// Where the newest units that fit `budget` start.
+fn newest_that_fit(messages: &[AgentMessage], budget: u64) -> usize {
     let (mut start, mut tokens) = (messages.len(), 0u64);
     while start > 0 {
         let unit = unit_start(messages, start - 1);
@@ -70,7 +92,38 @@ pub fn fit_budget(messages: &[AgentMessage], budget: Option<u64>) -> (&[AgentMes
             _ => break,
         }
     }
-    (&messages[start..], tokens)
+    start
+}
+
+/// `messages` without the tool results whose call precedes them nowhere
+/// (borrowed when there are none): what `validate::first_orphan_result`
+/// finds, in the same order.
+fn without_orphan_results(messages: &[AgentMessage]) -> Cow<'_, [AgentMessage]> {
+    /// Whether `p` is an orphan result, given the calls seen before it
+    /// (noting `p` when it is a call).
+    fn orphan<'a>(calls: &mut HashSet<&'a str>, p: &'a ContentPart) -> bool {
+        match &p.part {
+            Some(Part::ToolCall(c)) => {
+                calls.insert(c.id.as_str());
+                false
+            }
+            Some(Part::ToolResult(r)) => !calls.contains(r.tool_call_id.as_str()),
+            _ => false,
+        }
+    }
+    let mut calls = HashSet::new();
+    if !messages.iter().flat_map(|m| &m.content).any(|p| orphan(&mut calls, p)) {
+        return Cow::Borrowed(messages);
+    }
+    calls.clear();
+    let mut kept = Vec::with_capacity(messages.len());
+    for m in messages {
+        let content: Vec<ContentPart> = m.content.iter().filter(|p| !orphan(&mut calls, p)).cloned().collect();
+        if !content.is_empty() {
+            kept.push(AgentMessage { content, ..m.clone() });
+        }
+    }
+    Cow::Owned(kept)
 }
 
 /// Where the unit that ends at `last` starts: a tool result pulls it back

@@ -1,6 +1,10 @@
 package contract
 
-import "github.com/ctxgate/ctxgate/engine-sdk/go/pb"
+import (
+	"google.golang.org/protobuf/proto"
+
+	"github.com/ctxgate/ctxgate/engine-sdk/go/pb"
+)
 
 // ImageTokens is what one image reference is charged.
 const ImageTokens = 2000
@@ -56,13 +60,18 @@ func MessagesTokens(messages []*pb.AgentMessage) uint64 {
 // AssembleRequest's TokenBudget, nil when unset): the newest messages that
 // fit, and their estimate. A message with tool calls and the tool results
 // that follow it (answering those calls) are kept or dropped together, with
-// everything between, so the model never sees a result without its call.
-// The walk stops at the first unit that does not fit (the context stays one
+// everything between, so the model never sees a result without its call; a
+// tool result whose call precedes it nowhere in messages is dropped first
+// (and a message it leaves empty), as the contract refuses it. The walk
+// stops at the first unit that does not fit (the context stays one
 // contiguous run of the newest history), and the newest unit is kept even
 // over the budget (the contract refuses an empty answer to a request with
-// history; the estimate shows the overflow). No budget keeps everything. The same rule as every SDK's, pinned by
-// proto/testdata/budget.json. The slice returned shares messages' array.
+// history; the estimate shows the overflow). No budget keeps everything.
+// The same rule as every SDK's, pinned by proto/testdata/budget.json. The
+// slice returned shares messages' array, and its messages are messages'
+// own unless a result was dropped from one (that one is a copy).
 func FitBudget(messages []*pb.AgentMessage, budget *uint64) ([]*pb.AgentMessage, uint64) {
+	messages = withoutOrphanResults(messages)
 	if budget == nil {
 		return messages, MessagesTokens(messages)
 	}
@@ -76,6 +85,48 @@ func FitBudget(messages []*pb.AgentMessage, budget *uint64) ([]*pb.AgentMessage,
 		start, tokens = unit, tokens+cost
 	}
 	return messages[start:], tokens
+}
+
+// withoutOrphanResults is messages without the tool results whose call
+// precedes them nowhere (in the order the contract's validation walks), and
+// without a message that leaves empty: messages itself when there are none.
+func withoutOrphanResults(messages []*pb.AgentMessage) []*pb.AgentMessage {
+	calls := map[string]bool{}
+	orphan := func(p *pb.ContentPart) bool {
+		if c := p.GetToolCall(); c != nil {
+			calls[c.GetId()] = true
+		}
+		r := p.GetToolResult()
+		return r != nil && !calls[r.GetToolCallId()]
+	}
+	found := false
+	for _, m := range messages {
+		for _, p := range m.GetContent() {
+			found = orphan(p) || found
+		}
+	}
+	if !found {
+		return messages
+	}
+	clear(calls)
+	kept := make([]*pb.AgentMessage, 0, len(messages))
+	for _, m := range messages {
+		var content []*pb.ContentPart
+		for _, p := range m.GetContent() {
+			if !orphan(p) {
+				content = append(content, p)
+			}
+		}
+		switch {
+		case len(content) == len(m.GetContent()):
+			kept = append(kept, m)
+		case len(content) > 0:
+			copied := proto.Clone(m).(*pb.AgentMessage)
+			copied.Content = content
+			kept = append(kept, copied)
+		}
+	}
+	return kept
 }
 
 // unitStart is where the unit that ends at last starts: a tool result pulls

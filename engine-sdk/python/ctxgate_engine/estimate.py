@@ -51,12 +51,15 @@ def fit_budget(messages: Sequence[types.AgentMessage], budget: int | None) -> tu
     messages that fit, and their estimate. A message with tool calls and the
     tool results that follow it (answering those calls) are kept or dropped
     together, with everything between, so the model never sees a result
-    without its call. The walk stops at the first unit that does not fit (the
+    without its call; a tool result whose call precedes it nowhere in
+    `messages` is dropped first (and a message it leaves empty), as the
+    contract refuses it. The walk stops at the first unit that does not fit (the
     context stays one contiguous run of the newest history), and the newest
     unit is kept even over the budget (the contract refuses an empty answer
     to a request with history; the estimate shows the overflow). No budget
     (`None`) keeps everything. The same rule as every
     SDK's, pinned by `proto/testdata/budget.json`."""
+    messages = _without_orphan_results(messages)
     if budget is None:
         return list(messages), messages_tokens(messages)
     start, tokens = len(messages), 0
@@ -67,6 +70,33 @@ def fit_budget(messages: Sequence[types.AgentMessage], budget: int | None) -> tu
             break
         start, tokens = unit, tokens + cost
     return list(messages[start:]), tokens
+
+
+def _without_orphan_results(messages: Sequence[types.AgentMessage]) -> Sequence[types.AgentMessage]:
+    """`messages` without the tool results whose call precedes them nowhere
+    (in the order the contract's validation walks), and without a message
+    that leaves empty."""
+    calls: set[str] = set()
+
+    def orphan(p: types.ContentPart) -> bool:
+        kind = p.WhichOneof("part")
+        if kind == "tool_call":
+            calls.add(p.tool_call.id)
+        return kind == "tool_result" and p.tool_result.tool_call_id not in calls
+
+    if not any(orphan(p) for m in messages for p in m.content):
+        return messages
+    calls.clear()
+    kept: list[types.AgentMessage] = []
+    for m in messages:
+        content = [p for p in m.content if not orphan(p)]
+        if content:
+            copy = types.AgentMessage()
+            copy.CopyFrom(m)
+            del copy.content[:]
+            copy.content.extend(content)
+            kept.append(copy)
+    return kept
 
 
 def _unit_start(messages: Sequence[types.AgentMessage], last: int) -> int:

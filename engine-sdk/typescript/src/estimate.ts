@@ -67,7 +67,9 @@ export function messagesTokens(list: readonly AnyMessage[]): number {
  * messages that fit, and their estimate. A message with tool calls and the
  * tool results that follow it (answering those calls) are kept or dropped
  * together, with everything between, so the model never sees a result
- * without its call. The walk stops at the first unit that does not fit (the
+ * without its call; a tool result whose call precedes it nowhere in
+ * `messages` is dropped first (and a message it leaves empty), as the
+ * contract refuses it. The walk stops at the first unit that does not fit (the
  * context stays one contiguous run of the newest history), and
  * the newest unit is kept even over the budget (the contract refuses an
  * empty answer to a request with history; the estimate shows the
@@ -77,6 +79,7 @@ export function fitBudget<M extends AnyMessage>(
   messages: readonly M[],
   budget?: number | null,
 ): { messages: M[]; estimatedTokens: number } {
+  messages = withoutOrphanResults(messages);
   if (budget === undefined || budget === null) return { messages: [...messages], estimatedTokens: messagesTokens(messages) };
   let start = messages.length;
   let tokens = 0;
@@ -88,6 +91,27 @@ export function fitBudget<M extends AnyMessage>(
     tokens += cost;
   }
   return { messages: messages.slice(start), estimatedTokens: tokens };
+}
+
+/** `messages` without the tool results whose call precedes them nowhere
+ * (the same order the contract's validation walks), and without a message
+ * that leaves empty. */
+function withoutOrphanResults<M extends AnyMessage>(messages: readonly M[]): readonly M[] {
+  const calls = new Set<string>();
+  const orphan = (p: pb.ContentPart__Output): boolean => {
+    const kind = partKind(p);
+    if (kind === "toolCall") calls.add(p.toolCall?.id ?? "");
+    return kind === "toolResult" && !calls.has(p.toolResult?.toolCallId ?? "");
+  };
+  const parts = (m: AnyMessage) => (m.content ?? []) as pb.ContentPart__Output[];
+  if (!messages.some((m) => parts(m).some(orphan))) return messages;
+  calls.clear();
+  const kept: M[] = [];
+  for (const m of messages) {
+    const content = parts(m).filter((p) => !orphan(p));
+    if (content.length > 0) kept.push({ ...m, content } as M);
+  }
+  return kept;
 }
 
 /** Where the unit that ends at `last` starts: a tool result pulls it back
