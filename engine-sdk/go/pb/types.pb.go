@@ -1289,9 +1289,11 @@ func (x *ModelSelection) GetFamily() string {
 }
 
 type EngineSelection struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	SelectedId    *string                `protobuf:"bytes,1,opt,name=selected_id,json=selectedId,proto3,oneof" json:"selected_id,omitempty"`
-	Source        SelectionSource        `protobuf:"varint,2,opt,name=source,proto3,enum=contextengine.v1.SelectionSource" json:"source,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The engine's name in the gateway: its `plugins.entries` id (or
+	// "legacy"), which may differ from the id the engine declares.
+	SelectedId    *string         `protobuf:"bytes,1,opt,name=selected_id,json=selectedId,proto3,oneof" json:"selected_id,omitempty"`
+	Source        SelectionSource `protobuf:"varint,2,opt,name=source,proto3,enum=contextengine.v1.SelectionSource" json:"source,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1520,6 +1522,8 @@ type RuntimeContext struct {
 	ThinkLevel                 *string `protobuf:"bytes,15,opt,name=think_level,json=thinkLevel,proto3,oneof" json:"think_level,omitempty"`
 	SenderId                   *string `protobuf:"bytes,16,opt,name=sender_id,json=senderId,proto3,oneof" json:"sender_id,omitempty"`
 	// The open part of OpenClaw's Record<string, unknown>: values are JSON texts.
+	// The gateway sets "modelContextWindow" (the model's window in tokens, a
+	// JSON number) in a CommitTurn's context, as OpenClaw's turn outbox does.
 	Extra         map[string]string `protobuf:"bytes,17,rep,name=extra,proto3" json:"extra,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

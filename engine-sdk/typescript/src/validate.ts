@@ -42,13 +42,13 @@ export function bytes(s: string | undefined | null): number {
   return s ? Buffer.byteLength(s, "utf8") : 0;
 }
 
-/** A required id: non-blank and at most MAX_ID_BYTES. */
 /** An anchor's generation: opaque, possibly empty, at most an id's size. */
 function generation(value: string | undefined | null, field: string): void {
   const n = bytes(value);
   if (n > L.MAX_ID_BYTES) throw tooLarge(field, `is ${n} bytes, the limit is ${L.MAX_ID_BYTES}`);
 }
 
+/** A required id: non-blank and at most MAX_ID_BYTES. */
 export function id(value: string | undefined | null, field: string): void {
   if (!value || value.trim() === "") throw invalid(field, "is required");
   const n = bytes(value);

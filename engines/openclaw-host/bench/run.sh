@@ -4,7 +4,7 @@
 #   engines/openclaw-host/bench/run.sh --window target/release/ctxgate-engine-window
 set -euo pipefail
 host="$(cd "$(dirname "$0")/.." && pwd)"
-PATH="$("$host/../../engine-sdk/typescript/scripts/node.sh" 22.5 "$host/.cache"):$PATH"
+PATH="$("$host/../../engine-sdk/typescript/scripts/node.sh" 22.15 "$host/.cache"):$PATH"
 export PATH
 "$host/scripts/setup.sh" >&2
 exec node "$host/bench/assemble.mjs" --host "$host/run.sh" "$@"

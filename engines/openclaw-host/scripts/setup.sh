@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs and builds the OpenClaw host (and the TypeScript SDK it runs on)
 # when something changed, under a lock so two callers cannot race. Expects
-# a Node >= 22.5 with npm on PATH (run.sh puts it there).
+# a Node >= 22.15 with npm on PATH (run.sh puts it there).
 set -euo pipefail
 host="$(cd "$(dirname "$0")/.." && pwd)"
 "$host/../../engine-sdk/typescript/scripts/setup.sh"

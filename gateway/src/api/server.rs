@@ -134,7 +134,6 @@ fn reload_tls(live: Option<&ListenerTls>, next: &Config) {
     }
 }
 
-/// The configured store with its commit counters (metrics).
 /// [`run`] on an opened store, applying every configuration received on
 /// `reloads` to the engines (new clients, quarantines cleared, the slot
 /// re-resolved).

@@ -330,8 +330,6 @@ impl Turn {
         self.lease.info.owns_compaction
     }
 
-    /// Tokens the assembled history may take: window − reserve − rendered
-    /// system prompt − `pending`.
     /// What a durable engine's CommitTurn says of the run, as OpenClaw's
     /// turn outbox persists it: the provider, the model and its window, the
     /// token budget (an engine such as lossless-claw 1.x decides on
@@ -344,6 +342,8 @@ impl Turn {
         context
     }
 
+    /// Tokens the assembled history may take: window − reserve − rendered
+    /// system prompt − `pending`.
     pub fn budget(&self, pending: u64) -> u64 {
         let m = &self.lease.model;
         m.context_window
