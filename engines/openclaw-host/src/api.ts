@@ -252,7 +252,8 @@ export function createPluginApi(o: ApiOptions): { api: Record<string, unknown>; 
         return;
       }
       const list = registry.hooks.get(hookName) ?? [];
-      list.push({ handler, priority: typeof opts?.priority === "number" ? opts.priority : 0 });
+      const priority = opts?.priority;
+      list.push({ handler, priority: typeof priority === "number" && Number.isFinite(priority) ? priority : 0 });
       // Higher priority first; a stable sort keeps registration order within one.
       list.sort((a, b) => b.priority - a.priority);
       registry.hooks.set(hookName, list);

@@ -113,6 +113,11 @@ export class Tools {
       const made = await r.factory({ ...this.o.baseContext(), assertInvocationCurrent: () => undefined });
       for (const t of toolsOf(made)) {
         if (this.byName.has(t.name)) continue;
+        // A factory's tools answer to the manifest too, whatever it was registered under.
+        if (this.o.declaredNames && !this.o.declaredNames.includes(t.name)) {
+          this.o.warn(`tool ${JSON.stringify(t.name)} is not in the plugin's contracts.tools; it is not offered`);
+          continue;
+        }
         if (r.optional && !this.o.allowOptional.has(t.name)) continue;
         this.byName.set(t.name, r);
         out.push({

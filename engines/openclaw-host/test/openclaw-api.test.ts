@@ -577,6 +577,7 @@ describe("OpenClaw 2026.9.6's plugin API under the host", () => {
 
   test("registerTool: tool, factory, {contextVersion: 2}, names, optional, contracts.tools", async () => {
     const info = (await call<pb.EngineInfo__Output>(p.client, "GetInfo", {})).value!;
+    // probe_undeclared, made by a factory registered under no name, is not in contracts.tools.
     assert.deepEqual(
       info.tools.map((t) => t.name),
       ["probe_calls", "probe_v2", "probe_multi_a", "probe_multi_b"],
