@@ -170,13 +170,8 @@ export interface BootstrapParams {
   runtimeContext?: ContextEngineRuntimeContext;
 }
 
-export interface MaintainParams {
-  sessionId: string;
-  sessionKey?: string;
-  sessionTarget?: ContextEngineSessionTarget;
-  sessionFile: string;
-  runtimeSettings?: ContextEngineRuntimeSettings;
-  runtimeContext?: ContextEngineRuntimeContext;
+/** Bootstrap's parameters, and the call's abort signal. */
+export interface MaintainParams extends BootstrapParams {
   abortSignal?: AbortSignal;
 }
 

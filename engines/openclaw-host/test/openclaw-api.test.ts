@@ -134,6 +134,11 @@ const OPENCLAW_SETTINGS = {
 const WIRE_TARGET = { agentId: "main", sessionId: "r1", sessionKey: "agent:main:r1", threadId: "42" };
 const OPENCLAW_TARGET = { agentId: "main", sessionId: "r1", sessionKey: "agent:main:r1", threadId: "42" };
 
+/** The host started on fixture plugin `name`, run until it exits (a plugin it refuses at start). */
+function startFixtureToEnd(name: string) {
+  return runToEnd(["--plugin", join(FIXTURES, name), "--listen", "127.0.0.1:0", "--state-dir", temp()]);
+}
+
 describe("OpenClaw 2026.9.6's plugin API under the host", () => {
   let p: Probe;
   let host: FakeHost;
@@ -261,14 +266,7 @@ describe("OpenClaw 2026.9.6's plugin API under the host", () => {
     assert.equal(ctx.agentDir, join(p.state, "agents", "main", "agent"));
     assert.equal(ctx.workspaceDir, join(p.state, "workspace"));
     assert.ok(existsSync(ctx.agentDir) && existsSync(ctx.workspaceDir));
-    const blank = runToEnd([
-      "--plugin",
-      join(FIXTURES, "blank-info-plugin"),
-      "--listen",
-      "127.0.0.1:0",
-      "--state-dir",
-      temp(),
-    ]);
+    const blank = startFixtureToEnd("blank-info-plugin");
     assert.equal(blank.status, 2, blank.stderr);
     assert.match(
       blank.stderr,
@@ -600,14 +598,7 @@ describe("OpenClaw 2026.9.6's plugin API under the host", () => {
     } finally {
       await allowed.stop();
     }
-    const undeclared = runToEnd([
-      "--plugin",
-      join(FIXTURES, "undeclared-tool-plugin"),
-      "--listen",
-      "127.0.0.1:0",
-      "--state-dir",
-      temp(),
-    ]);
+    const undeclared = startFixtureToEnd("undeclared-tool-plugin");
     assert.equal(undeclared.status, 2, undeclared.stderr);
     assert.match(
       undeclared.stderr,
