@@ -3,7 +3,8 @@
 //! losing its state (no quarantine, no failed turn), keeps a summary with
 //! the safeguard headings when the host's model is offline; the Python
 //! engine keeps its state across a restart; a durable DELTA engine's
-//! commits place each turn at its visible index, aborted turns between.
+//! commits place each turn at its visible index, aborted turns between;
+//! an after-turn engine hears the size of what the model was shown.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -288,4 +289,74 @@ async fn an_engines_first_contact_imports_the_history_once() {
     let delta = sent(&g, "window", "Assemble").await - before;
     assert!(delta < 2_000, "the next Assemble is a delta: {delta} bytes");
     g.stop().await;
+}
+
+/// A FULL after-turn engine that windows to the newest four messages and
+/// records each AfterTurn's reported current token count.
+struct Windowed {
+    current: Arc<Mutex<Vec<u64>>>,
+}
+
+impl ContextEngine for Windowed {
+    async fn get_info(&self, _: &CallContext) -> Result<pb::EngineInfo, EngineError> {
+        use ctxgate_proto::Method;
+        let methods = [Method::GetInfo, Method::Ingest, Method::Assemble, Method::Compact, Method::AfterTurn];
+        Ok(pb::EngineInfo {
+            id: "windowed".into(),
+            name: "windowed".into(),
+            version: "1".into(),
+            contract_version: ctxgate_proto::CONTRACT_VERSION.into(),
+            implemented_methods: methods.iter().map(|m| m.name().to_owned()).collect(),
+            ..Default::default()
+        })
+    }
+
+    async fn ingest(&self, _: &CallContext, _: pb::IngestRequest) -> Result<pb::IngestResult, EngineError> {
+        Ok(pb::IngestResult { ingested: true })
+    }
+
+    async fn assemble(&self, _: &CallContext, req: pb::AssembleRequest) -> Result<pb::AssembleResult, EngineError> {
+        let messages = req.messages[req.messages.len().saturating_sub(4)..].to_vec();
+        let estimated_tokens = ctxgate_engine_sdk::estimate::messages_tokens(&messages);
+        Ok(pb::AssembleResult { estimated_tokens, messages, ..Default::default() })
+    }
+
+    async fn compact(
+        &self,
+        _: &CallContext,
+        _: pb::CompactRequest,
+        _: Progress,
+    ) -> Result<CompactOutcome, EngineError> {
+        Ok(CompactOutcome::DelegateToHost(pb::DelegateToHost::default()))
+    }
+
+    async fn after_turn(&self, _: &CallContext, req: pb::AfterTurnRequest) -> Result<pb::AfterTurnResult, EngineError> {
+        let current = req.runtime_context.and_then(|c| c.current_token_count).unwrap_or(u64::MAX);
+        self.current.lock().unwrap().push(current);
+        Ok(pb::AfterTurnResult::default())
+    }
+}
+
+/// OpenClaw tells afterTurn the prompt tokens of the turn's last model call:
+/// an engine (lossless-claw) measures the live context by it. Reported as
+/// the whole transcript, a long session looked wedged to the engine.
+#[tokio::test]
+async fn after_turn_reports_the_context_the_model_was_shown_not_the_whole_transcript() {
+    let current = Arc::new(Mutex::new(Vec::new()));
+    let engine = TestEngine::start(Windowed { current: current.clone() }).await.unwrap();
+    let g = attached_gateway("windowed", &engine.endpoint, &[]).await;
+    let mut shown = Vec::new();
+    for i in 0..12 {
+        let events = run_turn(&g, "long", &format!("turn {i}: {}", "words of some length ".repeat(40))).await;
+        assert!(completed(&events), "{events:?}");
+        let assembled = events.iter().rev().find_map(|e| match e {
+            api::turn_event::Event::Assembled(a) => Some(a.estimated_tokens),
+            _ => None,
+        });
+        shown.push(assembled.expect("the turn assembled"));
+    }
+    assert_eq!(*current.lock().unwrap(), shown, "each AfterTurn reports its turn's assembled context");
+    assert!(shown[11] < shown[0] * 4, "the window holds still as the transcript grows: {shown:?}");
+    g.stop().await;
+    engine.stop().await;
 }

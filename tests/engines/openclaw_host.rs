@@ -19,7 +19,7 @@ use ctxgate_proto::gateway::{self as api, turn_event::Event};
 use ctxgate_proto::pb::{Role, content_part::Part, transcript_entry::Entry};
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
 use ctxgate_tests::harness::{Drive, begin, client, text, tool_call};
-use ctxgate_tests::hosting::{attached, engine_status, hosting, selected, session, transcript};
+use ctxgate_tests::hosting::{attached, compaction_stream, engine_status, hosting, selected, session, transcript};
 use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, repo_root, within};
 use tokio_stream::StreamExt;
 
@@ -330,5 +330,65 @@ async fn killed_host_keeps_every_turn_once(plugin: &str) {
     let messages =
         transcript(&g.client, "k").await.iter().filter(|e| matches!(e.entry, Some(Entry::Message(_)))).count();
     assert_eq!(held.len(), messages, "lossless-claw holds exactly the gateway's messages");
+    g.stop().await;
+}
+
+/// lossless-claw's settings as a user leaves them, but for its log file and
+/// a fresh tail that fits an 8,000-token window (its default of 64 messages
+/// of ~150 tokens does not: it then serves its degraded live fallback, no
+/// summaries, as it would in OpenClaw).
+const DEFAULT_CONFIG: &str = r#"{ "independentLogFile": { "enabled": false }, "freshTailCount": 16 }"#;
+
+/// The newest model request (of the fake's recent ones) whose last message
+/// contains `needle`: a turn's request ends with its user message.
+fn request_ending_with(fake: &FakeOpenAi, needle: &str) -> Option<serde_json::Value> {
+    fake.recent().into_iter().rev().find(|r| {
+        r.pointer("/messages")
+            .and_then(|m| m.as_array())
+            .and_then(|m| m.last())
+            .is_some_and(|m| m.get("role").and_then(|r| r.as_str()) == Some("user") && m.to_string().contains(needle))
+    })
+}
+
+/// What a user found after 400 turns through lossless-claw 0.15.3: the
+/// context no longer held the request being answered. The host handed the
+/// plugin the turn inside `messages`, and lossless-claw's budget clamp
+/// evicted it with the oldest; OpenClaw hands an engine the history before
+/// the turn and appends the turn itself. And AfterTurn reported the whole
+/// transcript as the live context (60k tokens in an 8k window), so the
+/// plugin believed itself wedged and served its degraded fallback.
+#[tokio::test]
+async fn after_four_hundred_turns_the_model_still_sees_the_request_it_answers_and_the_summaries() {
+    let fake = FakeOpenAi::start().await;
+    fake.turn_default(Reply::Text(REPLY.into()));
+    let state = tempfile::tempdir().unwrap();
+    let host = start_plugin(LOSSLESS_0_15, state.path(), "127.0.0.1:0", DEFAULT_CONFIG).await;
+    let g = TestGateway::start(gateway_config(&fake, &host.endpoint, 8_000)).await;
+    attached(&g, "lossless").await;
+    // ~150 tokens a turn.
+    let request =
+        |i: usize| format!("Request {i}: look at module_{i}.rs. {}", "It has a long history of changes. ".repeat(16));
+    for i in 1..=400 {
+        let events = run_turn(&g, "long", &request(i)).await;
+        assert!(matches!(events.last(), Some(Event::Completed(_))), "turn {i}: {events:?}");
+        assert_eq!(selected(&events).engine_id, "lossless", "turn {i}");
+        let asked = request_ending_with(&fake, &format!("Request {i}:"))
+            .unwrap_or_else(|| panic!("turn {i}: the model was not asked with the request last"));
+        let seen = asked["messages"].to_string();
+        for earlier in i.saturating_sub(2).max(1)..i {
+            assert!(seen.contains(&format!("Request {earlier}:")), "turn {i}: request {earlier} is gone: {seen:.2000}");
+        }
+        if i % 40 == 0 {
+            let mut s = compaction_stream(&g, "long").await;
+            while let Some(e) = s.next().await {
+                e.unwrap();
+            }
+        }
+        if i == 400 {
+            assert!(seen.contains("<summary"), "the model sees lossless-claw's summaries: {seen:.3000}");
+            assert!(!seen.contains("Request 1:"), "and not the whole history");
+        }
+    }
+    assert_eq!(engine_status(&g, "lossless").await.quarantine, None);
     g.stop().await;
 }

@@ -43,8 +43,13 @@ struct State {
     turn_default: Option<Reply>,
     summary_default: Option<Reply>,
     seen: Vec<Kind>,
+    /// The newest request bodies, newest last (a few: enough to look back).
+    recent: VecDeque<serde_json::Value>,
     disconnects: u32,
 }
+
+/// How many request bodies [`FakeOpenAi::recent`] keeps.
+const RECENT: usize = 64;
 
 /// The server's handle: script replies, read what happened.
 #[derive(Clone)]
@@ -103,6 +108,11 @@ impl FakeOpenAi {
         self.lock().seen.clone()
     }
 
+    /// The newest request bodies received (at most 64), newest last.
+    pub fn recent(&self) -> Vec<serde_json::Value> {
+        self.lock().recent.iter().cloned().collect()
+    }
+
     pub fn count(&self, kind: Kind) -> usize {
         self.seen().into_iter().filter(|k| *k == kind).count()
     }
@@ -126,6 +136,10 @@ impl FakeOpenAi {
             let mut guard = self.lock();
             let s = &mut *guard;
             s.seen.push(kind);
+            if s.recent.len() == RECENT {
+                s.recent.pop_front();
+            }
+            s.recent.push_back(v.clone());
             let (queue, default) = match kind {
                 Kind::Turn => (&mut s.turn, s.turn_default.clone()),
                 Kind::Summary => (&mut s.summary, s.summary_default.clone()),

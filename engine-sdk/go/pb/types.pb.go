@@ -1503,11 +1503,14 @@ type RuntimeContext struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Cwd   *string                `protobuf:"bytes,1,opt,name=cwd,proto3,oneof" json:"cwd,omitempty"`
 	// True only for background maintenance.
-	AllowDeferredCompactionExecution bool         `protobuf:"varint,2,opt,name=allow_deferred_compaction_execution,json=allowDeferredCompactionExecution,proto3" json:"allow_deferred_compaction_execution,omitempty"`
-	TokenBudget                      *uint64      `protobuf:"varint,3,opt,name=token_budget,json=tokenBudget,proto3,oneof" json:"token_budget,omitempty"`
-	AgentHarnessId                   *string      `protobuf:"bytes,4,opt,name=agent_harness_id,json=agentHarnessId,proto3,oneof" json:"agent_harness_id,omitempty"`
-	CurrentTokenCount                *uint64      `protobuf:"varint,5,opt,name=current_token_count,json=currentTokenCount,proto3,oneof" json:"current_token_count,omitempty"`
-	PromptCache                      *PromptCache `protobuf:"bytes,6,opt,name=prompt_cache,json=promptCache,proto3,oneof" json:"prompt_cache,omitempty"`
+	AllowDeferredCompactionExecution bool    `protobuf:"varint,2,opt,name=allow_deferred_compaction_execution,json=allowDeferredCompactionExecution,proto3" json:"allow_deferred_compaction_execution,omitempty"`
+	TokenBudget                      *uint64 `protobuf:"varint,3,opt,name=token_budget,json=tokenBudget,proto3,oneof" json:"token_budget,omitempty"`
+	AgentHarnessId                   *string `protobuf:"bytes,4,opt,name=agent_harness_id,json=agentHarnessId,proto3,oneof" json:"agent_harness_id,omitempty"`
+	// The tokens of what the model was last shown: in AfterTurn the turn's
+	// newest assembled context (as OpenClaw reports its last call's prompt
+	// tokens), never the whole transcript; elsewhere the caller's estimate.
+	CurrentTokenCount *uint64      `protobuf:"varint,5,opt,name=current_token_count,json=currentTokenCount,proto3,oneof" json:"current_token_count,omitempty"`
+	PromptCache       *PromptCache `protobuf:"bytes,6,opt,name=prompt_cache,json=promptCache,proto3,oneof" json:"prompt_cache,omitempty"`
 	// The authoritative transcript backend. Always SQLITE for ctxgate.
 	TranscriptStorage TranscriptStorage `protobuf:"varint,7,opt,name=transcript_storage,json=transcriptStorage,proto3,enum=contextengine.v1.TranscriptStorage" json:"transcript_storage,omitempty"`
 	SessionTarget     *SessionTarget    `protobuf:"bytes,8,opt,name=session_target,json=sessionTarget,proto3" json:"session_target,omitempty"`

@@ -46,6 +46,7 @@ import {
 import type { Tools } from "./tools.js";
 import type { OcEntry, Transcripts } from "./transcript.js";
 
+type Proto = pb.AgentMessage__Output | pb.AgentMessage;
 type ParamsOf<K extends ContextEngineMethod> = Parameters<NonNullable<ContextEngine[K]>>[0];
 type ResultOf<K extends ContextEngineMethod> = Awaited<ReturnType<NonNullable<ContextEngine[K]>>>;
 
@@ -81,6 +82,25 @@ const SUBAGENT_END_REASONS: Record<string, SubagentEndReason> = {
 /** Subagent rollbacks kept at most (older ones are dropped: best effort). */
 const MAX_ROLLBACKS = 1024;
 
+/** Sessions whose last assembled context is remembered for afterTurn, at
+ * most (the oldest is forgotten first; afterTurn then sees the transcript). */
+const MAX_ASSEMBLED = 4096;
+
+/**
+ * Where the turn being answered starts in an Assemble's messages: its user
+ * message, when neither it nor anything after it is in the host's
+ * transcript yet (the plugin has not been told of the turn). OpenClaw
+ * hands an engine the history before the turn and appends the turn to
+ * what the engine assembled; `messages.length` when there is no such turn
+ * (a preview of a finished one).
+ */
+export function pendingTurnStart(messages: readonly Proto[], holds: (id: string) => boolean): number {
+  let start = messages.length - 1;
+  while (start >= 0 && messages[start].role !== "ROLE_USER") start--;
+  if (start < 0 || messages.slice(start).some((m) => m.id && holds(m.id))) return messages.length;
+  return start;
+}
+
 /** The object without its undefined values (OpenClaw's params carry set keys). */
 function defined<T extends object>(o: T): T {
   return Object.fromEntries(Object.entries(o).filter(([, v]) => v !== undefined)) as T;
@@ -110,6 +130,9 @@ export interface EngineOptions {
 
 export class OpenClawEngine implements Engine {
   private readonly rollbacks = new Map<string, () => void | Promise<void>>();
+  /** Per session, what the plugin last assembled (OpenClaw's agent
+   * messages before the prompt): afterTurn's snapshot starts with it. */
+  private readonly assembled = new Map<string, OcMessage[]>();
   private readonly plugin: ContextEngine;
   private readonly registry: Registry;
   private readonly toolbox: Tools;
@@ -239,6 +262,28 @@ export class OpenClawEngine implements Engine {
     return messages.flatMap((m) => this.transcripts.openclaw(sessionId, m));
   }
 
+  private remember(sessionId: string, assembled: OcMessage[]): void {
+    this.assembled.delete(sessionId);
+    this.assembled.set(sessionId, assembled);
+    if (this.assembled.size > MAX_ASSEMBLED) this.assembled.delete(this.assembled.keys().next().value!);
+  }
+
+  /**
+   * afterTurn's conversation as OpenClaw gives it: the agent's messages,
+   * which are what the plugin assembled for the turn followed by the
+   * turn's own — not the whole transcript (a plugin measures the live
+   * context by it). The whole visible snapshot when nothing was assembled
+   * here (legacy answered, or the host restarted).
+   */
+  private snapshot(req: pb.AfterTurnRequest__Output): { messages: OcMessage[]; prePromptMessageCount: number } {
+    const pre = Number(req.prePromptMessageCount);
+    const turn = this.openclaw(req.sessionId, req.messages.slice(pre));
+    const assembled = this.assembled.get(req.sessionId);
+    this.assembled.delete(req.sessionId);
+    const before = assembled ?? this.openclaw(req.sessionId, req.messages.slice(0, pre));
+    return { messages: [...before, ...turn], prePromptMessageCount: before.length };
+  }
+
   async bootstrap(req: pb.BootstrapRequest__Output, ctx: CallContext): Promise<pb.BootstrapResult> {
     // Mirror the gateway's transcript first, when the grant allows reading it.
     if (ctx.host?.allows("read_transcript")) {
@@ -297,7 +342,12 @@ export class OpenClawEngine implements Engine {
 
   async assemble(req: pb.AssembleRequest__Output, ctx: CallContext): Promise<pb.AssembleResult> {
     const session = this.session(req.sessionId, req.sessionKey);
-    const messages = this.openclaw(req.sessionId, req.messages);
+    // As in OpenClaw, the plugin assembles the history before the turn,
+    // within what the turn leaves of the budget, and the turn follows what
+    // it returns: no plugin can drop the request it is answering.
+    const from = pendingTurnStart(req.messages, (id) => this.transcripts.holds(req.sessionId, id));
+    const pending = req.messages.slice(from);
+    const messages = this.openclaw(req.sessionId, req.messages.slice(0, from));
     // before_prompt_build → the system prompt addition. The gateway counts
     // the addition within the budget (OpenClaw keeps its system prompt
     // apart), so the plugin assembles within what the addition leaves.
@@ -306,11 +356,11 @@ export class OpenClawEngine implements Engine {
     )) as { prependSystemContext?: string; appendSystemContext?: string }[];
     const before = built.map((b) => b?.prependSystemContext).filter((t): t is string => !!t);
     const after = built.map((b) => b?.appendSystemContext).filter((t): t is string => !!t);
-    const hookTokens = textTokens([...before, ...after].join("\n\n"));
+    const reserved = textTokens([...before, ...after].join("\n\n")) + messagesTokens(pending);
     const budget =
       req.tokenBudget === undefined || req.tokenBudget === null
         ? undefined
-        : Math.max(1, Number(req.tokenBudget) - hookTokens);
+        : Math.max(1, Number(req.tokenBudget) - reserved);
     const r = await this.invoke(ctx, "assemble", {
       sessionId: req.sessionId,
       sessionKey: req.sessionKey,
@@ -323,18 +373,21 @@ export class OpenClawEngine implements Engine {
       runtimeContext: this.runtimeContext(req.runtimeContext, ctx, "context-engine.assemble"),
       prompt: req.prompt || undefined,
     });
+    const assembled = Array.isArray(r?.messages) ? r.messages : [];
+    this.remember(req.sessionId, assembled);
     // What the plugin may give back: the session's transcript (whose
     // fingerprints are computed once) and what this request adds to it.
     const held = this.transcripts.messages(req.sessionId);
     const known = [...held, ...req.messages.filter((m) => !this.transcripts.holds(req.sessionId, m.id))];
-    const out = matchBack(r?.messages ?? [], known);
+    const turn = new Set(pending.map((m) => m.id));
+    const out = [...matchBack(assembled, known).filter((m) => !turn.has(m.id ?? "")), ...pending];
     const additions = [...before, ...(r?.systemPromptAddition ? [r.systemPromptAddition] : []), ...after];
     const estimate = r?.estimatedTokens;
     const result: pb.AssembleResult = {
       messages: out,
       estimatedTokens:
         typeof estimate === "number" && Number.isFinite(estimate)
-          ? Math.max(0, Math.round(estimate))
+          ? Math.max(0, Math.round(estimate)) + messagesTokens(pending)
           : messagesTokens(out),
       promptAuthority:
         r?.promptAuthority === "preassembly_may_overflow"
@@ -403,14 +456,14 @@ export class OpenClawEngine implements Engine {
     // The turn is in the transcript before the plugin hears of it (as in
     // OpenClaw, where the session file has the turn by then).
     this.transcripts.append(req.sessionId, req.messages);
+    const { messages, prePromptMessageCount } = this.snapshot(req);
     await this.invoke(ctx, "afterTurn", {
       sessionId: req.sessionId,
       sessionKey: req.sessionKey,
       sessionTarget: sessionTarget(req.sessionTarget),
       sessionFile: this.transcripts.ensure(req.sessionId),
-      messages: this.openclaw(req.sessionId, req.messages),
-      prePromptMessageCount: this.openclaw(req.sessionId, req.messages.slice(0, Number(req.prePromptMessageCount)))
-        .length,
+      messages,
+      prePromptMessageCount,
       autoCompactionSummary: req.autoCompactionSummary || undefined,
       isHeartbeat: req.isHeartbeat,
       tokenBudget: optionalNumber(req.tokenBudget),

@@ -8,6 +8,7 @@ import { join } from "node:path";
 import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
 import type { pb } from "@ctxgate/engine-sdk";
+import { pendingTurnStart } from "../src/engine.js";
 import { FIXTURES, call, compact, fakeHost, grant, runToEnd, start, temp } from "./support.js";
 
 describe("the OpenClaw host", () => {
@@ -144,5 +145,21 @@ describe("the OpenClaw host", () => {
       e.child.kill("SIGTERM");
       assert.equal(await e.exited, 0);
     }
+  });
+});
+
+describe("the turn an Assemble answers", () => {
+  const m = (id: string, role: string): pb.AgentMessage => ({ id, role: role as pb.AgentMessage["role"] });
+  const held = (ids: string[]) => (id: string) => ids.includes(id);
+  test("starts at its user message when the plugin has not been told of it", () => {
+    const messages = [m("u1", "ROLE_USER"), m("a1", "ROLE_ASSISTANT"), m("u2", "ROLE_USER"), m("a2", "ROLE_ASSISTANT")];
+    assert.equal(pendingTurnStart(messages, held(["u1", "a1"])), 2, "a tool loop's messages follow the prompt");
+    assert.equal(pendingTurnStart(messages.slice(0, 3), held([])), 2, "a restarted host holds nothing");
+  });
+  test("is none when the newest turn is held (a preview), or there is no user message", () => {
+    const messages = [m("u1", "ROLE_USER"), m("a1", "ROLE_ASSISTANT")];
+    assert.equal(pendingTurnStart(messages, held(["u1", "a1"])), 2);
+    assert.equal(pendingTurnStart([m("s", "ROLE_SYSTEM")], held([])), 1);
+    assert.equal(pendingTurnStart([], held([])), 0);
   });
 });

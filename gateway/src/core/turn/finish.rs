@@ -176,7 +176,9 @@ impl Turn {
         let pre_prompt = self.ledger.position_in(&history);
         let new_messages: Vec<AgentMessage> = history[pre_prompt..].to_vec();
         let grant = services.engines.grant(lease, session, None, None);
-        let tokens = cursor.as_ref().map_or(0, |c| c.tokens) + estimate::messages_tokens(&history);
+        let tokens = self
+            .last_context_tokens
+            .unwrap_or_else(|| cursor.as_ref().map_or(0, |c| c.tokens) + estimate::messages_tokens(&history));
         let after = pb::AfterTurnRequest {
             cursor: cursor.clone(),
             session_id: session.session_id.clone(),

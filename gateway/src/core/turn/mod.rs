@@ -135,6 +135,10 @@ pub struct Turn {
     view: HistoryView,
     /// Contexts assembled so far.
     contexts: u32,
+    /// The newest context's estimate: what the model was last shown, which
+    /// AfterTurn reports as the current token count (OpenClaw reports the
+    /// last call's prompt tokens), not the whole transcript.
+    last_context_tokens: Option<u64>,
     overflow_compactions: u32,
     proactive_done: bool,
     /// Why the runtime is degraded (RuntimeSettings.diagnostics).
@@ -237,6 +241,7 @@ impl Turn {
             call: Call::new(cancel.clone()).traced(Some(trace.this)),
             cancel,
             contexts: 0,
+            last_context_tokens: None,
             overflow_compactions: 0,
             proactive_done: false,
             degraded: None,
@@ -488,6 +493,7 @@ impl Turn {
             }
             let projection = self.projection(assembled.projection).await?;
             self.contexts += 1;
+            self.last_context_tokens = Some(estimated_tokens);
             return Ok(Context {
                 messages: assembled.messages,
                 system_prompt_addition: assembled.addition,
