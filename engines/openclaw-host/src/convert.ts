@@ -38,6 +38,12 @@ const ROLE_NAMES: Record<string, string> = {
   ROLE_SYSTEM: "system",
 };
 
+/** How many OpenClaw messages `toOpenClaw` makes of `m`, without making them. */
+export function openClawCount(m: Proto): number {
+  if (ROLE_NAMES[String(m.role)] !== "toolResult") return 1;
+  return ((m.content ?? []) as pb.ContentPart__Output[]).filter((p) => p.toolResult).length;
+}
+
 /** A contract message as OpenClaw messages: one, or one per tool result
  * when a tool message answers several calls. A message with no creation
  * time gets `fallbackMs` (the host's first sight of it: stable across

@@ -30,6 +30,7 @@ import type {
   SubagentEndReason,
   TranscriptRewriteRequest,
   TranscriptRewriteResult,
+  TranscriptTurnAdmission,
 } from "./openclaw-types.js";
 import { llmCompleteFor, within } from "./runtime.js";
 import {
@@ -262,6 +263,24 @@ export class OpenClawEngine implements Engine {
     return messages.flatMap((m) => this.transcripts.openclaw(sessionId, m));
   }
 
+  /**
+   * The admission as OpenClaw counts: its position and parent in OpenClaw
+   * messages, which outnumber the contract's where an earlier tool message
+   * answered several calls. The contract's values when the host's
+   * transcript does not place the admitted entry, or places it after
+   * another parent than the gateway's (its copy differs: keep the gateway's).
+   */
+  private inOpenClawUnits(sessionId: string, a: TranscriptTurnAdmission): TranscriptTurnAdmission {
+    const place = this.transcripts.openClawPlace(sessionId, a.entryId);
+    const parent = place?.parentEntryId ?? null;
+    if (!place || (parent === null ? a.effectiveParentId !== null : baseId(parent) !== a.effectiveParentId)) return a;
+    return Object.freeze({
+      ...a,
+      activeMessagePosition: a.activeMessagePosition + place.extra,
+      effectiveParentId: place.parentEntryId,
+    });
+  }
+
   private remember(sessionId: string, assembled: OcMessage[]): void {
     this.assembled.delete(sessionId);
     this.assembled.set(sessionId, assembled);
@@ -484,7 +503,7 @@ export class OpenClawEngine implements Engine {
   async commitTurn(req: pb.CommitTurnRequest__Output, ctx: CallContext): Promise<pb.CommitTurnResult> {
     this.transcripts.append(req.sessionId, req.messages);
     const messages = this.openclaw(req.sessionId, req.messages);
-    const admitted = admission(req.admission);
+    const admitted = this.inOpenClawUnits(req.sessionId, admission(req.admission));
     const terminal = Object.freeze({
       ...anchor(req.terminal),
       activeMessagePosition: admitted.activeMessagePosition + Math.max(0, messages.length - 1),

@@ -10,7 +10,7 @@ import { createHash, randomUUID } from "node:crypto";
 import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readFileSync, rmSync, writeSync } from "node:fs";
 import { join } from "node:path";
 import type { pb } from "@ctxgate/engine-sdk";
-import { type OcMessage, toOpenClaw } from "./convert.js";
+import { type OcMessage, openClawCount, toOpenClaw } from "./convert.js";
 
 type Proto = pb.AgentMessage__Output | pb.AgentMessage;
 
@@ -93,6 +93,24 @@ export class Transcripts {
   /** The message as OpenClaw messages, timed as the transcript has it. */
   openclaw(sessionId: string, m: Proto): OcMessage[] {
     return toOpenClaw(m, this.load(sessionId).times.get(m.id!));
+  }
+
+  /**
+   * Where message `id` sits in OpenClaw's units: how many more OpenClaw
+   * messages than contract messages precede it (a tool message answering
+   * N calls is N of them), and the entry id of the OpenClaw message just
+   * before it. Undefined when the transcript does not hold `id`.
+   */
+  openClawPlace(sessionId: string, id: string): { extra: number; parentEntryId: string | null } | undefined {
+    let extra = 0;
+    let parentEntryId: string | null = null;
+    for (const m of this.load(sessionId).messages) {
+      if (m.id === id) return { extra, parentEntryId };
+      const n = openClawCount(m);
+      extra += n - 1;
+      if (n > 0) parentEntryId = n === 1 ? m.id! : `${m.id!}#${n - 1}`;
+    }
+    return undefined;
   }
 
   /** The session's entries in OpenClaw's form, oldest first. */

@@ -9,6 +9,7 @@ import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
 import type { pb } from "@ctxgate/engine-sdk";
 import { pendingTurnStart } from "../src/engine.js";
+import { Transcripts } from "../src/transcript.js";
 import { FIXTURES, call, compact, fakeHost, grant, runToEnd, start, temp } from "./support.js";
 
 describe("the OpenClaw host", () => {
@@ -161,5 +162,25 @@ describe("the turn an Assemble answers", () => {
     assert.equal(pendingTurnStart(messages, held(["u1", "a1"])), 2);
     assert.equal(pendingTurnStart([m("s", "ROLE_SYSTEM")], held([])), 1);
     assert.equal(pendingTurnStart([], held([])), 0);
+  });
+});
+
+describe("a transcript in OpenClaw's units", () => {
+  test("places a message after tool messages answering several calls, or none", () => {
+    const t = new Transcripts(temp());
+    const results = (id: string, n: number): pb.AgentMessage => ({
+      id,
+      role: "ROLE_TOOL",
+      content: Array.from({ length: n }, (_, k) => ({ toolResult: { toolCallId: `c${k}`, toolName: "t", text: "r" } })),
+    });
+    t.append("s", [
+      { id: "u1", role: "ROLE_USER", content: [{ text: "hi" }] },
+      results("r1", 3),
+      results("r0", 0),
+      { id: "u2", role: "ROLE_USER", content: [{ text: "again" }] },
+    ]);
+    assert.deepEqual(t.openClawPlace("s", "u1"), { extra: 0, parentEntryId: null });
+    assert.deepEqual(t.openClawPlace("s", "u2"), { extra: 1, parentEntryId: "r1#2" });
+    assert.equal(t.openClawPlace("s", "nope"), undefined);
   });
 });

@@ -252,6 +252,27 @@ describe("OpenClaw 2026.9.6's plugin API under the host", () => {
     });
     // A retry is the same call, message for message (its payload hash holds).
     assert.deepEqual(retry!.params, c!.params);
+
+    // The next turn follows a tool message that answered two calls: OpenClaw
+    // counts it twice, so the admission's position is one more than the contract's.
+    const next = {
+      ...req,
+      advancementKey: "turn-2",
+      admission: { anchor: a("u2", 11, 7, { effectiveParentId: "a2" }), logicalTurnId: "turn-2", role: "ROLE_USER" },
+      terminal: a("a3", 12, 8, { effectiveParentId: "u2" }),
+      messages: [text("u2", "ROLE_USER", "and c?"), text("a3", "ROLE_ASSISTANT", "no c")],
+    };
+    const committed = await call<pb.CommitTurnResult__Output>(p.client, "CommitTurn", next);
+    assert.equal(committed.value?.status, "COMMIT_STATUS_COMMITTED", committed.err?.message);
+    const [, , c2] = await p.calls("commitTurn");
+    const positions = ["admission", "terminal"].map((k) => {
+      const x = c2!.params[k] as { activeMessagePosition: number; effectiveParentId: string | null };
+      return [x.activeMessagePosition, x.effectiveParentId];
+    });
+    assert.deepEqual(positions, [
+      [8, "a2"],
+      [9, "u2"],
+    ]);
   });
 
   test("the factory gets {config, agentDir, workspaceDir}; an engine with a blank info.id fails at start", async () => {
