@@ -6,7 +6,7 @@
 // entry). A call without a read grant reads the host's own copy of the
 // session (what the gateway delivered to this host). Result shapes and
 // defaults are OpenClaw 2026.9.6's.
-import type { pb } from "@ctxgate/engine-sdk";
+import type { CallContext, pb } from "@ctxgate/engine-sdk";
 import type {
   SessionTranscriptReadScope,
   SessionTranscriptVisibleMessageDelta,
@@ -21,7 +21,7 @@ export const DEFAULT_VISIBLE_MESSAGE_MAX_BYTES = 1_000_000;
 export const MAX_VISIBLE_MESSAGE_MAX_MESSAGES = 10_000;
 export const MAX_VISIBLE_MESSAGE_MAX_BYTES = 67_108_864;
 
-const CURSOR_VERSION = 1;
+const CURSOR_VERSION = 2;
 
 /** The opaque delta cursor (base64url JSON, as OpenClaw's). */
 interface Cursor {
@@ -33,6 +33,12 @@ interface Cursor {
   lastMessagePosition: number;
   /** The last entry returned (OpenClaw finds it by its event seq). */
   lastEntryId: string | null;
+  /** The gateway's entry the next read resumes after (ReadTranscript's
+   * cursor): the last one returned whole. */
+  gatewayAfter: string | null;
+  /** OpenClaw messages of the entry after `gatewayAfter` already returned
+   * (a tool message answering several calls, cut by a page). */
+  skip: number;
 }
 
 export interface DeltaParams extends SessionTranscriptReadScope {
@@ -66,11 +72,42 @@ function decode(value: string): Cursor | undefined {
       typeof c.generation === "string" &&
       Number.isInteger(c.lastEventSeq) &&
       Number.isInteger(c.lastMessagePosition) &&
-      (c.lastEntryId === null || typeof c.lastEntryId === "string");
+      (c.lastEntryId === null || typeof c.lastEntryId === "string") &&
+      (c.gatewayAfter === null || typeof c.gatewayAfter === "string") &&
+      Number.isInteger(c.skip) &&
+      c.skip! >= 0;
     return ok ? (c as Cursor) : undefined;
   } catch {
     return undefined;
   }
+}
+
+/** The gateway refused a read's cursor: its entry is not on the visible
+ * branch any more (the SDK reports the host's status in its message). */
+function unknownCursor(e: unknown): boolean {
+  return e instanceof Error && e.message.includes("(INVALID_ARGUMENT)");
+}
+
+/** Entries read from the gateway for one page, at most (the page's cap and one to see more). */
+interface Candidates {
+  entries: VisibleSessionTranscriptMessageEntry[];
+  /** For each entry: the gateway entry it comes from, and whether it is that entry's last part. */
+  origin: { id: string; last: boolean }[];
+}
+
+/** The engine call in progress when its grant lets it read `sessionId`'s
+ * transcript from the gateway; undefined without a read grant (the host's
+ * own copy serves); refused for another session. */
+function grantedRead(sessionId: string): CallContext | undefined {
+  const ctx = current.getStore();
+  if (!ctx?.host?.allows("read_transcript")) return undefined;
+  if (ctx.host.sessionId !== sessionId) {
+    throw new Error(
+      `session transcript scope ${JSON.stringify(sessionId)} is not the session of this engine call ` +
+        `(${JSON.stringify(ctx.host.sessionId)}): a grant covers its own session only`,
+    );
+  }
+  return ctx;
 }
 
 function checkScope(scope: SessionTranscriptReadScope | undefined): string {
@@ -85,16 +122,8 @@ export class TranscriptReader {
   /** readVisibleSessionTranscriptMessageEntries(scope). */
   async visibleEntries(scope: SessionTranscriptReadScope): Promise<VisibleSessionTranscriptMessageEntry[]> {
     const sessionId = checkScope(scope);
-    const ctx = current.getStore();
-    if (ctx?.host?.allows("read_transcript")) {
-      if (ctx.host.sessionId !== sessionId) {
-        throw new Error(
-          `session transcript scope ${JSON.stringify(sessionId)} is not the session of this engine call ` +
-            `(${JSON.stringify(ctx.host.sessionId)}): a grant covers its own session only`,
-        );
-      }
-      return this.fromGateway(sessionId, await ctx.host.readTranscript(ctx, true));
-    }
+    const ctx = grantedRead(sessionId);
+    if (ctx) return this.fromGateway(sessionId, await ctx.host!.readTranscript(ctx, true));
     return this.transcripts.entries(sessionId).map((e, i) => ({
       entryId: e.entryId,
       parentId: e.parentId,
@@ -108,10 +137,11 @@ export class TranscriptReader {
   private fromGateway(
     sessionId: string,
     entries: pb.TranscriptEntry__Output[],
+    lastPart = new Map<string, string>(),
+    origin?: Candidates["origin"],
   ): VisibleSessionTranscriptMessageEntry[] {
     const out: VisibleSessionTranscriptMessageEntry[] = [];
     // A message split into several OpenClaw messages: later entries hang off its last part.
-    const lastPart = new Map<string, string>();
     for (const e of entries) {
       if (!e.message) continue; // compaction entries are not message entries (OpenClaw drops them too)
       const created = Number(e.message.createdAtUnixMs ?? 0);
@@ -127,10 +157,39 @@ export class TranscriptReader {
           role: message.role,
           ...(created ? { createdAt: new Date(created).toISOString() } : {}),
         });
+        origin?.push({ id: e.id, last: k === parts.length - 1 });
         parentId = entryId;
       });
-      lastPart.set(e.id, parentId!);
+      if (parts.length > 0) lastPart.set(e.id, parentId!);
     }
+    return out;
+  }
+
+  /**
+   * Up to `want` OpenClaw entries after the cursor, read from the gateway
+   * page by page from its `gatewayAfter` (skipping the parts of a cut
+   * message already returned). The entries' parents continue from the
+   * cursor's last entry.
+   */
+  private async gatewayAfter(sessionId: string, at: Cursor, want: number): Promise<Candidates> {
+    const ctx = grantedRead(sessionId)!;
+    const out: Candidates = { entries: [], origin: [] };
+    const lastPart = new Map<string, string>();
+    if (at.gatewayAfter !== null && at.lastEntryId !== null) lastPart.set(at.gatewayAfter, at.lastEntryId);
+    let cursor = at.gatewayAfter ?? "";
+    let skip = at.skip;
+    do {
+      const page = await ctx.host!.readTranscriptPage(ctx, { visibleOnly: true, cursor, limit: want });
+      const origin: Candidates["origin"] = [];
+      const entries = this.fromGateway(sessionId, page.entries, lastPart, origin);
+      const from = Math.min(skip, entries.length);
+      skip = 0;
+      out.entries.push(...entries.slice(from));
+      out.origin.push(...origin.slice(from));
+      cursor = page.nextCursor;
+    } while (cursor !== "" && out.entries.length < want);
+    out.entries.length = Math.min(out.entries.length, want);
+    out.origin.length = out.entries.length;
     return out;
   }
 
@@ -155,6 +214,8 @@ export class TranscriptReader {
       lastEventSeq: -1,
       lastMessagePosition: -1,
       lastEntryId: null,
+      gatewayAfter: null,
+      skip: 0,
     };
     const reset = (
       reason: "invalid_cursor" | "scope_mismatch" | "generation_mismatch" | "anchor_missing" | "anchor_moved",
@@ -163,15 +224,29 @@ export class TranscriptReader {
     if (!at) return reset("invalid_cursor");
     if (at.agentId !== agentId || at.sessionId !== sessionId) return reset("scope_mismatch");
     if (at.generation !== initial.generation) return reset("generation_mismatch");
-    const all = await this.visibleEntries(scope);
-    let start = 0;
-    if (at.lastEntryId !== null) {
-      const index = all.findIndex((e) => e.entryId === at.lastEntryId);
-      if (index < 0) return reset("anchor_missing");
-      if (index !== at.lastMessagePosition) return reset("anchor_moved");
-      start = index + 1;
+    let candidates: VisibleSessionTranscriptMessageEntry[];
+    let origin: Candidates["origin"] | undefined;
+    if (grantedRead(sessionId)) {
+      // From the gateway, only what follows the cursor: a page costs what it returns.
+      let read: Candidates;
+      try {
+        read = await this.gatewayAfter(sessionId, at, messagesCap + 1);
+      } catch (e) {
+        if (unknownCursor(e)) return reset("anchor_missing");
+        throw e;
+      }
+      ({ entries: candidates, origin } = read);
+    } else {
+      const all = await this.visibleEntries(scope);
+      let start = 0;
+      if (at.lastEntryId !== null) {
+        const index = all.findIndex((e) => e.entryId === at.lastEntryId);
+        if (index < 0) return reset("anchor_missing");
+        if (index !== at.lastMessagePosition) return reset("anchor_moved");
+        start = index + 1;
+      }
+      candidates = all.slice(start, start + messagesCap + 1);
     }
-    const candidates = all.slice(start, start + messagesCap + 1);
     let serializedBytes = 0;
     let selected = 0;
     for (const e of candidates) {
@@ -184,13 +259,22 @@ export class TranscriptReader {
     const last = entries.at(-1);
     const requiredBytes =
       selected === 0 && candidates[0] ? Buffer.byteLength(JSON.stringify(candidates[0].message)) : undefined;
+    // Where the next page resumes at the gateway: after the last entry
+    // returned whole, skipping what was returned of one cut by the page.
+    let { gatewayAfter, skip } = at;
+    for (const o of origin?.slice(0, selected) ?? []) {
+      if (o.last) [gatewayAfter, skip] = [o.id, 0];
+      else skip += 1;
+    }
     return {
       kind: "page",
       cursor: encode({
         ...at,
         lastEventSeq: last?.seq ?? at.lastEventSeq,
-        lastMessagePosition: last ? start + selected - 1 : at.lastMessagePosition,
+        lastMessagePosition: last ? at.lastMessagePosition + selected : at.lastMessagePosition,
         lastEntryId: last?.entryId ?? at.lastEntryId,
+        gatewayAfter,
+        skip,
       }),
       entries,
       hasMore: selected < candidates.length,

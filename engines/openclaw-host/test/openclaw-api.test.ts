@@ -588,6 +588,14 @@ describe("OpenClaw 2026.9.6's plugin API under the host", () => {
     assert.ok((first!["serializedBytes"] as number) > 0 && typeof first!["cursor"] === "string");
     assert.deepEqual([rest!["kind"], (rest!["entries"] as unknown[]).length, rest!["hasMore"]], ["page", 3, false]);
     assert.deepEqual([bad!["kind"], bad!["reason"]], ["reset", "invalid_cursor"]);
+    // Paged from the gateway after the cursor, a tool message cut by a page
+    // resumes at its next part, parents continuing.
+    const [, , , cut, afterCut, missing] = reads.deltas;
+    const ids = (d: Record<string, unknown>) =>
+      (d["entries"] as Record<string, unknown>[]).map((e) => [e["entryId"], e["parentId"]]);
+    assert.deepEqual([ids(cut!), cut!["hasMore"]], [[["t1", null], ["t2", "t1"]], true]);
+    assert.deepEqual([ids(afterCut!), afterCut!["hasMore"]], [[["t2#1", "t2"], ["t3", "c1"]], false]);
+    assert.deepEqual([missing!["kind"], missing!["reason"]], ["reset", "anchor_missing"]);
     assert.deepEqual(reads.limitError, {
       name: "RangeError",
       message: "maxMessages must be an integer between 1 and 10000",

@@ -115,8 +115,18 @@ export async function fakeHost(replies: string[], transcript: pb.TranscriptEntry
   const prompts: string[] = [];
   const requests: pb.LlmCompleteRequest__Output[] = [];
   server.addService(hostService, {
-    ReadTranscript: (c: grpc.ServerWritableStream<unknown, pb.TranscriptChunk>) => {
-      if (transcript.length > 0) c.write({ entries: transcript, nextCursor: "" });
+    // One page after the request's cursor, as the gateway answers: an
+    // unknown cursor is INVALID_ARGUMENT.
+    ReadTranscript: (c: grpc.ServerWritableStream<pb.ReadTranscriptRequest__Output, pb.TranscriptChunk>) => {
+      const { cursor, limit } = c.request;
+      const start = cursor ? transcript.findIndex((e) => e.id === cursor) + 1 : 0;
+      if (start === 0 && cursor) {
+        c.emit("error", { code: grpc.status.INVALID_ARGUMENT, details: "cursor: unknown entry" });
+        return;
+      }
+      const page = transcript.slice(start, start + (limit || 1000));
+      const more = start + page.length < transcript.length;
+      if (page.length > 0) c.write({ entries: page, nextCursor: more ? page.at(-1)!.id! : "" });
       c.end();
     },
     LlmComplete: (
