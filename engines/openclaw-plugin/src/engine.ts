@@ -1,0 +1,297 @@
+// The context engine this plugin registers in OpenClaw: a durable engine
+// (transcriptSemantics + commitTurn, so OpenClaw 2026.8+ runs it) whose
+// every call a ctxgate gateway answers. One OpenClaw turn is one harness
+// turn at the gateway (ctxgate.v1.Harness/DriveTurn): the turn's first
+// assemble opens it (the prompt is its user message) and takes its
+// context; commitTurn appends what the model and tools produced and ends
+// it accepted, so the gateway stores the turn once and delivers it to its
+// engine through its outbox (CommitTurn exactly once). The gateway does
+// the rest as for any turn: replicas, deadlines, quarantine that heals,
+// its legacy engine while the configured one is out.
+//
+// OpenClaw quarantines an engine that throws for the life of its process,
+// so a gateway that cannot be reached degrades per call (onGatewayDown:
+// "fallback", the default): assemble answers with OpenClaw's own messages,
+// and commitTurn throws, which leaves the commit in OpenClaw's durable
+// outbox to be retried before its next turn (a retry finds its turn at the
+// gateway by its advancement key and answers duplicate).
+import { fromOpenClaw, type OcMessage, toOpenClaw } from "@ctxgate/engine-sdk/openclaw";
+import type { PluginConfig } from "./config.js";
+import { Drive } from "./drive.js";
+import type { Gateway } from "./gateway.js";
+import type { AgentMessage } from "./gen/contextengine/v1/AgentMessage.js";
+import type { Begin } from "./gen/ctxgate/v1/Begin.js";
+import type { CompactionEvent__Output } from "./gen/ctxgate/v1/CompactionEvent.js";
+import type { Context__Output } from "./gen/ctxgate/v1/Context.js";
+import type { GetTranscriptResult__Output } from "./gen/ctxgate/v1/GetTranscriptResult.js";
+
+export const ENGINE_ID = "ctxgate";
+
+/** Metadata the plugin stamps on a turn's last message at the gateway. */
+export const ADVANCEMENT_KEY = "openclaw.advancementKey";
+export const ENTRY_ID = "openclaw.entryId";
+
+/** OpenClaw's embedded runner, as the gateway's host profile names it. */
+const HOST = { id: "agent-harness:openclaw", label: "OpenClaw" };
+const TURN_CAPABILITIES = ["bootstrap", "assemble-before-prompt", "after-turn", "maintain", "compact", "runtime-llm-complete"];
+/** A commit retried after its process ended: the turn is recorded, not assembled. */
+const CAPTURE_CAPABILITIES = ["bootstrap", "after-turn", "maintain", "compact"];
+/** A window when OpenClaw names none (its own default). */
+const DEFAULT_WINDOW = 200_000;
+/** Transcript pages a retried commit reads back at most, looking for its key. */
+const MAX_LOOKBACK_PAGES = 20;
+
+export interface Logger {
+  info(message: string): void;
+  warn(message: string): void;
+}
+
+type Params = Record<string, unknown>;
+
+interface OpenTurn {
+  drive: Drive;
+  /** The gateway's entry ids of the turn's user message(s). */
+  userIds: string[];
+  /** What assemble answered (the tool loop's assembles answer the same). */
+  assembled: { messages: OcMessage[]; estimatedTokens: number; systemPromptAddition?: string };
+}
+
+const str = (v: unknown): string | undefined => (typeof v === "string" && v.trim() !== "" ? v : undefined);
+const num = (v: unknown): number | undefined => (typeof v === "number" && Number.isFinite(v) && v > 0 ? v : undefined);
+const tokensOf = (text: string): number => Math.ceil(text.length / 4);
+
+/**
+ * A gateway context as OpenClaw's assemble answers it: OpenClaw appends the
+ * turn's prompt itself, so the context's copy of the user message goes
+ * (and its tokens, `userTokens`, from the estimate).
+ */
+function withoutTurn(context: Context__Output, userIds: string[], userTokens: number): OpenTurn["assembled"] {
+  const turn = new Set(userIds);
+  return {
+    messages: context.messages.filter((m) => !turn.has(m.id)).flatMap((m) => toOpenClaw(m)),
+    estimatedTokens: Math.max(0, Number(context.estimatedTokens) - userTokens),
+    ...(context.systemPromptAddition ? { systemPromptAddition: context.systemPromptAddition } : {}),
+  };
+}
+
+export class CtxgateEngine {
+  readonly info = {
+    id: ENGINE_ID,
+    name: "ctxgate",
+    version: "0.1.0",
+    // The gateway compacts (through its engine, or built in): OpenClaw must not.
+    ownsCompaction: true,
+    transcriptSemantics: {
+      currentTurnFence: "before-current-turn-entry-v1",
+      turnAdvancementIdempotency: "atomic-idempotent-v1",
+    },
+  };
+  /** Open turns by OpenClaw session id: from the first assemble to commitTurn. */
+  private readonly turns = new Map<string, OpenTurn>();
+
+  constructor(
+    private readonly gateway: Gateway,
+    private readonly config: PluginConfig,
+    private readonly log: Logger,
+  ) {}
+
+  /** The gateway session an OpenClaw session is: its agent and its key. */
+  private session(params: Params): { agentId: string; sessionKey: string } {
+    const sessionKey = str(params["sessionKey"]) ?? str(params["sessionId"]) ?? "";
+    const agentId = this.config.agentId ?? /^agent:([^:]+):/.exec(sessionKey)?.[1] ?? "main";
+    return { agentId, sessionKey };
+  }
+
+  /** A failed gateway call: OpenClaw's answer for it in fallback mode, else an error. */
+  private degrade<T>(operation: string, e: unknown, fallback: () => T): T {
+    const why = `ctxgate: ${operation} could not reach an answer from the gateway at ${this.config.target}: ${(e as Error).message}`;
+    if (this.config.onGatewayDown === "strict") throw new Error(why);
+    this.log.warn(`${why}; OpenClaw's own messages answer this turn`);
+    return fallback();
+  }
+
+  async ingest(): Promise<{ ingested: boolean }> {
+    // A durable engine hears of turns through commitTurn alone.
+    return { ingested: false };
+  }
+
+  async assemble(params: Params): Promise<OpenTurn["assembled"]> {
+    const sessionId = String(params["sessionId"] ?? "");
+    const open = this.turns.get(sessionId);
+    if (open) return open.assembled; // the tool loop: the turn's context holds until it commits
+    const own = () => ({ messages: (params["messages"] as OcMessage[] | undefined) ?? [], estimatedTokens: 0 });
+    const prompt = str(params["prompt"]);
+    if (!prompt) return own(); // no user turn to open (a heartbeat's assemble): OpenClaw's history
+    const budget = num(params["tokenBudget"]);
+    const settings = (params["runtimeSettings"] ?? {}) as { limits?: { maxOutputTokens?: number | null } };
+    const reserve = num(settings.limits?.maxOutputTokens) ?? 1_024;
+    const begin: Begin = {
+      session: this.session(params),
+      host: { ...HOST, capabilities: TURN_CAPABILITIES },
+      model: {
+        id: str(params["model"]) ?? "openclaw",
+        contextWindow: budget !== undefined ? Math.ceil(budget) + tokensOf(prompt) + reserve : DEFAULT_WINDOW,
+        maxOutputTokens: reserve,
+      },
+      userMessages: [fromOpenClaw({ role: "user", content: prompt }, "")],
+      busyPolicy: "BUSY_POLICY_ENQUEUE",
+    };
+    const availableTools = params["availableTools"];
+    if (availableTools instanceof Set) begin.availableTools = [...availableTools].map(String);
+    const drive = new Drive(this.gateway);
+    try {
+      const wait = this.config.timeouts.assembleMs;
+      drive.send({ begin });
+      const admitted = await drive.until("admitted", wait);
+      const selected = await drive.until("engineSelected", wait);
+      const context = await drive.until("context", wait);
+      if (selected.warning) this.log.warn(`ctxgate: ${selected.warning}`);
+      for (const w of drive.warnings) this.log.warn(`ctxgate: ${w}`);
+      const assembled = withoutTurn(context, admitted.entryIds, tokensOf(prompt));
+      this.turns.set(sessionId, { drive, userIds: admitted.entryIds, assembled });
+      return assembled;
+    } catch (e) {
+      drive.cancel();
+      return this.degrade("assemble", e, own);
+    }
+  }
+
+  async commitTurn(params: Params): Promise<{ status: "committed" | "duplicate" }> {
+    const sessionId = String(params["sessionId"] ?? "");
+    const key = String(params["advancementKey"] ?? "");
+    const messages = (params["messages"] as OcMessage[] | undefined) ?? [];
+    const terminal = (params["terminal"] ?? {}) as { entryId?: string };
+    const open = this.turns.get(sessionId);
+    this.turns.delete(sessionId);
+    const wait = this.config.timeouts.commitMs;
+    let drive = open?.drive;
+    try {
+      if (!drive) {
+        // Retried (OpenClaw's outbox, maybe in a later process): the turn may be stored already.
+        if (await this.committed(params, key)) return { status: "duplicate" };
+        drive = this.capture(params, messages[0]);
+        await drive.until("admitted", wait);
+        await drive.until("engineSelected", wait);
+      }
+      // The user message went in when the turn opened; the rest follows it.
+      const rest = messages.slice(1).map((m) => fromOpenClaw(m, ""));
+      const last = rest.at(-1);
+      if (last) {
+        last.metadata = { ...last.metadata, [ADVANCEMENT_KEY]: key, ...(terminal.entryId ? { [ENTRY_ID]: terminal.entryId } : {}) };
+        drive.send({ append: { messages: rest as AgentMessage[] } });
+        await drive.until("appended", wait);
+      }
+      drive.send({ end: { outcome: "TURN_OUTCOME_ACCEPTED" } });
+      const ended = await drive.until("ended", wait);
+      drive.finish();
+      for (const w of drive.warnings) this.log.warn(`ctxgate: ${w}`);
+      if (!ended.engineCommitted) this.log.info("ctxgate: the gateway stored the turn; its engine gets it from the gateway's outbox");
+      return { status: "committed" };
+    } catch (e) {
+      drive?.cancel();
+      // Thrown, the commit stays in OpenClaw's durable outbox and is retried before the next turn.
+      throw new Error(`ctxgate: commitTurn ${key} could not complete at the gateway at ${this.config.target}: ${(e as Error).message}`);
+    }
+  }
+
+  /** A turn recorded without assembling: begin with its user message. */
+  private capture(params: Params, user: OcMessage | undefined): Drive {
+    if (!user || user.role !== "user") throw new Error("the turn's messages do not start with its user message");
+    const context = (params["runtimeContext"] ?? {}) as { modelId?: string; provider?: string; modelContextWindow?: number };
+    const drive = new Drive(this.gateway);
+    drive.send({
+      begin: {
+        session: this.session(params),
+        host: { ...HOST, capabilities: CAPTURE_CAPABILITIES },
+        model: { id: str(context.modelId) ?? "openclaw", provider: str(context.provider) ?? "", contextWindow: num(context.modelContextWindow) ?? DEFAULT_WINDOW },
+        userMessages: [fromOpenClaw(user, "")],
+        busyPolicy: "BUSY_POLICY_ENQUEUE",
+      },
+    });
+    return drive;
+  }
+
+  /** Whether the gateway holds the turn of `key` (stamped on its last message). */
+  private async committed(params: Params, key: string): Promise<boolean> {
+    let pageToken = "";
+    for (let page = 0; page < MAX_LOOKBACK_PAGES; page++) {
+      const r = await new Promise<GetTranscriptResult__Output | undefined>((resolve, reject) =>
+        this.gateway.gateway.GetTranscript(
+          { session: this.session(params), pageToken },
+          this.gateway.metadata(),
+          { deadline: Date.now() + this.config.timeouts.commitMs },
+          (err, value) => (err ? (err.code === 5 ? resolve(undefined) : reject(err)) : resolve(value)),
+        ),
+      );
+      if (!r) return false; // NOT_FOUND: no such session yet
+      if (r.entries.some((e) => e.message?.metadata?.[ADVANCEMENT_KEY] === key)) return true;
+      if (!r.nextPageToken) return false;
+      pageToken = r.nextPageToken;
+    }
+    return false;
+  }
+
+  async compact(params: Params): Promise<Record<string, unknown>> {
+    const instructions = str(params["customInstructions"]);
+    const open = this.turns.get(String(params["sessionId"] ?? ""));
+    if (open) return this.compactInTurn(open, instructions);
+    try {
+      const done = await new Promise<CompactionEvent__Output["done"]>((resolve, reject) => {
+        let last: CompactionEvent__Output["done"];
+        const call = this.gateway.gateway.Compact(
+          { session: this.session(params), ...(instructions ? { customInstructions: instructions } : {}) },
+          this.gateway.metadata(),
+          { deadline: Date.now() + this.config.timeouts.compactMs },
+        );
+        call.on("data", (e: CompactionEvent__Output) => {
+          if (e.done) last = e.done;
+        });
+        call.on("error", reject);
+        call.on("end", () => resolve(last));
+      });
+      return {
+        ok: true,
+        compacted: done?.compacted === true,
+        ...(done?.reason ? { reason: done.reason } : {}),
+        result: { tokensBefore: Number(done?.tokensBefore ?? 0), tokensAfter: Number(done?.tokensAfter ?? 0) },
+      };
+    } catch (e) {
+      return this.degrade("compact", e, () => ({ ok: false, compacted: false, reason: `ctxgate unreachable: ${(e as Error).message}` }));
+    }
+  }
+
+  /**
+   * Compaction while the turn is open (OpenClaw's overflow recovery): the
+   * session is the turn's until it ends, so it goes through the turn, and
+   * the turn's context is assembled again for the model's next call.
+   */
+  private async compactInTurn(open: OpenTurn, instructions: string | undefined): Promise<Record<string, unknown>> {
+    const wait = this.config.timeouts.compactMs;
+    try {
+      open.drive.send({ compact: instructions ? { customInstructions: instructions } : {} });
+      const done = await open.drive.until("compactionDone", wait);
+      open.drive.send({ assemble: { pending: [] } });
+      const context = await open.drive.until("context", wait);
+      open.assembled = withoutTurn(context, open.userIds, 0);
+      return {
+        ok: true,
+        compacted: done.compacted,
+        ...(done.reason ? { reason: done.reason } : {}),
+        result: { tokensBefore: Number(done.tokensBefore), tokensAfter: Number(done.tokensAfter) },
+      };
+    } catch (e) {
+      return this.degrade("compact", e, () => ({ ok: false, compacted: false, reason: `ctxgate: ${(e as Error).message}` }));
+    }
+  }
+
+  async maintain(): Promise<{ changed: boolean; bytesFreed: number; rewrittenEntries: number }> {
+    // The gateway maintains after each turn it ends.
+    return { changed: false, bytesFreed: 0, rewrittenEntries: 0 };
+  }
+
+  async dispose(): Promise<void> {
+    // A turn OpenClaw never committed (it failed or was aborted) ends aborted at the gateway.
+    for (const t of this.turns.values()) t.drive.cancel();
+    this.turns.clear();
+  }
+}
