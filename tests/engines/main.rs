@@ -14,6 +14,7 @@ mod lanes;
 mod maintenance;
 mod openclaw_differential;
 mod openclaw_host;
+mod openclaw_plugin;
 mod overload;
 mod python_engine;
 mod quarantine;

@@ -176,16 +176,9 @@ exec 8>"$work/.run.lock"
 flock 8
 start=$SECONDS
 echo "== setup"
-nodebin="$("$repo/engine-sdk/typescript/scripts/node.sh" 24.16 "$work")"
+nodebin="$("$here/setup-openclaw.sh")"
 export PATH="$nodebin:$PATH"
 echo "node $(node --version) from $nodebin"
-have=$(node -p 'try { require(process.argv[1]).version } catch { "" }' "$work/openclaw/node_modules/openclaw/package.json")
-if [ "$have" != "$OPENCLAW_VERSION" ]; then
-  echo "installing openclaw@$OPENCLAW_VERSION in $work/openclaw (about 40 s and 650 MB the first time)"
-  mkdir -p "$work/openclaw"
-  echo '{ "name": "ctxgate-openclaw-probe-cache", "private": true }' > "$work/openclaw/package.json"
-  (cd "$work/openclaw" && timeout 900 npm install --no-audit --no-fund --loglevel=error "openclaw@$OPENCLAW_VERSION")
-fi
 echo "openclaw $(node -p 'require(process.argv[1]).version' "$work/openclaw/node_modules/openclaw/package.json")"
 # The host's own installation and build (its run.sh would do it at start;
 # here, before the namespace, which has no way out to npm's registry).

@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# The ctxgate plugin for OpenClaw (engines/openclaw-plugin) in the real
+# openclaw@2026.9.6, headless (`openclaw agent --local`, a local fake
+# model), against `ctxgate serve` whose engine is the window engine:
+#   1. three turns, answered by the fake model through the plugin; the
+#      gateway's copy of the session equals OpenClaw's transcript (roles,
+#      order, each turn's terminal entry id) and the engine got each turn's
+#      CommitTurn once (check.mjs, the gateway's status);
+#   2. the engine killed (-9) between two turns: the next turn is answered
+#      (the gateway's legacy engine), the plugin says so on OpenClaw's
+#      console, OpenClaw does not quarantine the plugin;
+#   3. the engine restarted on its address and state: the gateway re-admits
+#      it and the turn after uses it — its state holds every turn, the one
+#      it missed delivered from the gateway's outbox — without restarting
+#      anything of OpenClaw.
+#   tests/openclaw-plugin/run.sh
+# Installs what it needs (tests/openclaw-probe/setup-openclaw.sh, the
+# plugin's setup, its unit tests); uses the built `ctxgate` and
+# `ctxgate-engine-window` (the folder of $CTXGATE_BIN, else of
+# $CTXGATE_CONFORMANCE, else target/debug). Runs in a network namespace of
+# its own (loopback only) when `unshare -rn` works. Files of the last run:
+# target/openclaw-plugin/last-run/. Closing line: `openclaw-plugin: ok …`.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+run="$repo/target/openclaw-plugin/last-run"
+LIMIT=${OPENCLAW_PLUGIN_LIMIT:-600}
+SESSION=agent:main:plugin
+
+if [ "${1:-}" = "--inside" ]; then
+  pids=()
+  cleanup() {
+    local i
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do kill "${pids[i]}" 2>/dev/null || true; done
+    for ((i = ${#pids[@]} - 1; i >= 0; i--)); do wait "${pids[i]}" 2>/dev/null || true; done
+  }
+  trap cleanup EXIT
+  trap 'exit 143' TERM INT HUP
+  [ "${2:-}" = "netns" ] && ip link set lo up
+  fail() {
+    echo "run.sh: $1" >&2
+    shift
+    for f in "$@"; do [ -f "$f" ] && { echo "--- $f (last 40 lines)" >&2; tail -n 40 "$f" >&2; }; done
+    exit 1
+  }
+  listening() {
+    local i
+    for ((i = 0; i < $2 * 5; i++)); do
+      if grep -q '^listening on ' "$1" 2>/dev/null; then sed -n 's/^listening on //p' "$1" | head -1; return 0; fi
+      sleep 0.2
+    done
+    return 1
+  }
+  free_port() { node -e 'const s=require("net").createServer().listen(0,"127.0.0.1",()=>{console.log(s.address().port);s.close()})'; }
+
+  node "$repo/tests/openclaw-probe/fake-model.mjs" > "$run/model.out" 2> "$run/model.err" &
+  pids+=($!)
+  model=$(listening "$run/model.out" 20) || fail "the fake model did not start" "$run/model.err"
+
+  engine_addr="127.0.0.1:$(free_port)"
+  engine_pid=""
+  start_engine() {
+    "$BIN/ctxgate-engine-window" --listen "$engine_addr" --state-dir "$run/window" > "$run/window.out" 2>> "$run/window.err" &
+    engine_pid=$!
+    pids+=($engine_pid)
+    listening "$run/window.out" 30 > /dev/null || fail "the window engine did not start" "$run/window.err"
+  }
+  start_engine
+  cat > "$run/gateway.json5" <<JSON
+{
+  plugins: {
+    slots: { contextEngine: "window" },
+    entries: { window: { endpoint: "http://$engine_addr" } },
+  },
+}
+JSON
+  "$BIN/ctxgate" serve --config "$run/gateway.json5" --listen 127.0.0.1:0 --state-dir "$run/gateway-state" \
+    > "$run/gateway.out" 2> "$run/gateway.err" &
+  pids+=($!)
+  gateway=$(listening "$run/gateway.out" 60) || fail "ctxgate serve did not start" "$run/gateway.err"
+  status() { # $1: a JS expression over s (the status) and e (the engine "window")
+    timeout --foreground 20 "$BIN/ctxgate" status --gateway "http://$gateway" --json 2>/dev/null |
+      node -e 'let t="";process.stdin.on("data",d=>t+=d).on("end",()=>{const s=JSON.parse(t);const e=(s.engines||[]).find(x=>x.id==="window")||{};console.log(String(eval(process.argv[1])))})' "$1" || true
+  }
+  calls() { status "((e.methods||[]).find(m=>m.method===\"$1\")||{calls:0}).calls"; }
+
+  cat > "$run/openclaw.json5" <<JSON
+{
+  models: {
+    mode: "replace",
+    providers: {
+      local: {
+        baseUrl: "http://$model/v1",
+        apiKey: "sk-local",
+        api: "openai-completions",
+        models: [{ id: "fake-model", name: "Fake model", reasoning: false, input: ["text"],
+          cost: { input: 0, output: 0, cacheRead: 0, cacheWrite: 0 }, contextWindow: 32000, maxTokens: 1024 }],
+      },
+    },
+  },
+  agents: { defaults: { model: { primary: "local/fake-model" } } },
+  plugins: {
+    load: { paths: ["$repo/engines/openclaw-plugin"] },
+    slots: { contextEngine: "ctxgate" },
+    entries: { ctxgate: { enabled: true, config: { endpoint: "$gateway", timeouts: { assembleMs: 20000 } } } },
+  },
+}
+JSON
+  mkdir -p "$run/home"
+  turn() { # $1: the turn's number
+    local out="$run/turn$1.log" start=$SECONDS
+    HOME="$run/home" XDG_CACHE_HOME="$run/home/.cache" OPENCLAW_CONFIG_PATH="$run/openclaw.json5" \
+      OPENCLAW_STATE_DIR="$run/openclaw-state" NO_COLOR=1 \
+      timeout --foreground --kill-after=10 180 "$OPENCLAW" agent --local --session-key "$SESSION" \
+      --message "Turn $1 of the plugin test: please note it." --timeout 120 > "$out" 2>&1 ||
+      fail "openclaw agent --local (turn $1) failed" "$out" "$run/gateway.err"
+    grep -q "the probe heard you" "$out" || fail "turn $1 was not answered by the fake model" "$out" "$run/gateway.err"
+    grep -q 'context engine "ctxgate" owns compaction' "$out" || fail "turn $1 did not run on the plugin's engine" "$out"
+    echo "turn $1: answered in $((SECONDS - start)) s"
+  }
+  settled() { # the gateway's turns are done and its outbox empty
+    local w
+    for ((w = 0; w < 100; w++)); do
+      [ "$(status 's.turns_in_flight===0 && s.outbox_queued===0')" = true ] && return 0
+      sleep 0.3
+    done
+    fail "the gateway never settled (turns in flight or commits queued)" "$run/gateway.err"
+  }
+
+  echo "== three turns through the plugin"
+  for t in 1 2 3; do turn $t; done
+  settled
+  db="$run/openclaw-state/agents/main/agent/openclaw-agent.sqlite"
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$run/window/window.sqlite" 3 || fail "the copies differ" "$run/gateway.err"
+  [ "$(calls CommitTurn)" = 3 ] || fail "the engine got $(calls CommitTurn) CommitTurn calls for 3 turns" "$run/gateway.err"
+  [ "$(status 'e.quarantine===null && (e.methods||[]).every(m=>m.failures===0&&m.fallbacks===0)')" = true ] ||
+    fail "the engine failed or fell back" "$run/gateway.err" "$run/window.err"
+
+  echo "== the engine killed between two turns"
+  kill -9 "$engine_pid"
+  wait "$engine_pid" 2>/dev/null || true
+  turn 4
+  grep -q "ctxgate:" "$run/turn4.log" || fail "turn 4 fell back without a word on OpenClaw's console" "$run/turn4.log"
+  grep -i "quarantin" "$run/turn4.log" | grep -qi "ctxgate\" " && fail "OpenClaw quarantined the plugin" "$run/turn4.log"
+
+  echo "== the engine restarted: re-admitted, used again, holding every turn"
+  start_engine
+  for ((w = 0; ; w++)); do
+    [ "$(status 'e.quarantine===null && e.health==="SERVING"')" = true ] && break
+    [ $w -lt 300 ] || fail "the gateway never re-admitted the restarted engine" "$run/gateway.err" "$run/window.err"
+    sleep 0.3
+  done
+  turn 5
+  settled
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$run/window/window.sqlite" 5 || fail "the copies differ after the restart" "$run/gateway.err"
+  echo "openclaw-plugin: ok (5 turns, the engine killed and re-admitted)"
+  exit 0
+fi
+
+mkdir -p "$(dirname "$run")"
+exec 8>"$(dirname "$run")/.run.lock"
+flock 8
+start=$SECONDS
+nodebin="$("$repo/tests/openclaw-probe/setup-openclaw.sh")"
+export PATH="$nodebin:$PATH"
+OPENCLAW="$repo/target/openclaw-probe/openclaw/node_modules/.bin/openclaw"
+timeout 900 "$repo/engines/openclaw-plugin/scripts/setup.sh"
+echo "== the plugin's own tests"
+(cd "$repo/engines/openclaw-plugin" && node --test --test-reporter=spec dist/test/*.test.js) 2>&1 | grep -E "^ℹ (pass|fail)"
+BIN="$(dirname "${CTXGATE_BIN:-${CTXGATE_CONFORMANCE:-$repo/target/debug/ctxgate}}")"
+for b in ctxgate ctxgate-engine-window; do
+  [ -x "$BIN/$b" ] || { echo "run.sh: no $b in $BIN (cargo build -p ctxgate -p ctxgate-engine-window)" >&2; exit 1; }
+done
+export BIN OPENCLAW run
+echo "setup took $((SECONDS - start)) s; node $(node --version); binaries from $BIN"
+rm -rf "$run"
+mkdir -p "$run"
+set +e
+if command -v ip >/dev/null 2>&1 && unshare -rn true 2>/dev/null; then
+  echo "in a network namespace of its own (loopback only)"
+  timeout --kill-after=15 "$LIMIT" unshare -rn bash "$0" --inside netns
+else
+  timeout --kill-after=15 "$LIMIT" bash "$0" --inside
+fi
+rc=$?
+set -e
+[ $rc -eq 124 ] && echo "run.sh: not done within $LIMIT s (OPENCLAW_PLUGIN_LIMIT)" >&2
+echo "run.sh: $((SECONDS - start)) s in all"
+exit $rc
