@@ -1,11 +1,13 @@
 //! OpenClaw as a client of ctxgate: the plugin (engines/openclaw-plugin) in
 //! the real openclaw@2026.9.6 (`openclaw agent --local`, a local fake model)
-//! against `ctxgate serve` with the window engine — turns answered, the
+//! against `ctxgate serve` — with the window engine, turns answered, the
 //! gateway's copy equal to OpenClaw's transcript, CommitTurn once a turn,
 //! the engine killed between turns (answered by legacy, said on OpenClaw's
-//! console) and restarted (re-admitted, used again, holding every turn).
-//! The script (tests/openclaw-plugin/run.sh) installs what it needs and
-//! bounds itself in time.
+//! console) and restarted (re-admitted, used again, holding every turn);
+//! with the Python engine and lossless-claw 1.x under the plugin host, two
+//! turns and the same checks. The script (tests/openclaw-plugin/run.sh)
+//! installs what it needs, runs one engine at a time (a lock) and bounds
+//! itself in time.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -13,12 +15,31 @@ use std::time::Duration;
 
 use crate::sdk_typescript::run_script;
 
-#[tokio::test]
-async fn openclaw_runs_its_turns_on_a_ctxgate_engine_through_the_plugin_and_rides_out_the_engines_death() {
-    // ~2.5 min with OpenClaw installed (five OpenClaw turns are most of it).
-    let (ok, out) = run_script("tests/openclaw-plugin/run.sh", Duration::from_secs(1200)).await;
+/// Runs the script for `engine`; its output, once it closed with `ok`.
+async fn plugin_run(engine: &str) -> String {
+    // Up to ~2.5 min a run with OpenClaw installed, and the runs queue on
+    // one lock; the first also installs OpenClaw and Node.
+    let (ok, out) = run_script(&format!("tests/openclaw-plugin/run.sh {engine}"), Duration::from_secs(1800)).await;
     eprintln!("{out}");
-    assert!(ok, "tests/openclaw-plugin/run.sh failed");
-    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (5 turns")), "no closing line:\n{out}");
+    assert!(ok, "tests/openclaw-plugin/run.sh {engine} failed");
     assert!(out.lines().any(|l| l.trim() == "ℹ fail 0"), "the plugin's own tests:\n{out}");
+    out
+}
+
+#[tokio::test]
+async fn openclaw_runs_its_turns_on_the_window_engine_through_the_plugin_and_rides_out_its_death() {
+    let out = plugin_run("window").await;
+    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (5 turns on the window engine")), "{out}");
+}
+
+#[tokio::test]
+async fn openclaw_runs_its_turns_on_the_python_engine_through_the_plugin() {
+    let out = plugin_run("python").await;
+    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (2 turns on the python engine")), "{out}");
+}
+
+#[tokio::test]
+async fn openclaw_runs_its_turns_on_lossless_claw_under_the_plugin_host_through_the_plugin() {
+    let out = plugin_run("lossless").await;
+    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (2 turns on the lossless engine")), "{out}");
 }

@@ -12,7 +12,10 @@ use ctxgate_tests::{bin, repo_root};
 
 /// What `run-tests.sh` printed (stdout and stderr) and whether it passed.
 pub(crate) async fn run_script(script: &str, limit: Duration) -> (bool, String) {
-    let run = tokio::process::Command::new(repo_root().join(script))
+    // `script` is the path, then its arguments (split at spaces).
+    let mut words = script.split(' ');
+    let run = tokio::process::Command::new(repo_root().join(words.next().unwrap_or_default()))
+        .args(words)
         .env("CTXGATE_CONFORMANCE", bin("ctxgate-conformance"))
         .stdin(std::process::Stdio::null())
         .kill_on_drop(true)

@@ -1,14 +1,15 @@
 // What tests/openclaw-plugin/run.sh checks after OpenClaw's turns: the
 // gateway's copy of the session against OpenClaw's own transcript (roles in
 // order; each turn's last message carries OpenClaw's entry id), and how
-// often the engine got CommitTurn (once a turn: its commits table).
-//   node check.mjs OPENCLAW_DB SESSION_KEY GATEWAY ENGINE_DB TURNS
+// often the engine holds each turn (once: the window and Python engines'
+// commits tables, lossless-claw's user messages).
+//   node check.mjs OPENCLAW_DB SESSION_KEY GATEWAY ENGINE ENGINE_STATE_DIR TURNS
 // Prints one line; exits 1 with the difference.
 import { DatabaseSync } from "node:sqlite";
 import { connect } from "../../engines/openclaw-plugin/dist/src/gateway.js";
 import { parseConfig } from "../../engines/openclaw-plugin/dist/src/config.js";
 
-const [openclawDb, sessionKey, gatewayAddr, engineDb, turnsArg] = process.argv.slice(2);
+const [openclawDb, sessionKey, gatewayAddr, engineKind, engineDir, turnsArg] = process.argv.slice(2);
 const turns = Number(turnsArg);
 const fail = (why) => {
   console.error(`check: ${why}`);
@@ -54,8 +55,18 @@ if (stamped !== turns) fail(`${stamped} of the gateway's messages carry OpenClaw
 const userTexts = ocMessages.filter((e) => e.message.role === "user").length;
 if (userTexts !== turns) fail(`OpenClaw holds ${userTexts} user messages, not ${turns}`);
 
-// The engine's commits: one row a turn (its primary key is the advancement key).
-const engine = new DatabaseSync(engineDb, { readOnly: true });
-const commits = engine.prepare("SELECT COUNT(*) AS n FROM commits").get().n;
-if (commits !== turns) fail(`the engine holds ${commits} commits, not ${turns}`);
-console.log(`check: ${entries.length} messages alike in OpenClaw and the gateway (roles, order, ${stamped} terminal ids); the engine committed ${commits} turns once each`);
+// What the engine holds: each turn once — the durable engines' commits
+// (window: one row a CommitTurn key; lossless-claw: its user messages),
+// the after-turn Python engine's messages (one row a message id).
+const HELD = {
+  window: ["window.sqlite", "SELECT COUNT(*) AS n FROM commits", turns, "turns"],
+  python: ["recency.sqlite", "SELECT COUNT(*) AS n FROM messages", entries.length, "messages"],
+  lossless: ["lcm.db", "SELECT COUNT(*) AS n FROM messages WHERE role = 'user'", turns, "turns"],
+};
+const [file, query, want, unit] = HELD[engineKind] ?? fail(`no engine ${engineKind}`);
+const engine = new DatabaseSync(`${engineDir}/${file}`, { readOnly: true });
+const held = engine.prepare(query).get().n;
+if (held !== want) fail(`the ${engineKind} engine holds ${held} ${unit}, not ${want}`);
+console.log(
+  `check: ${entries.length} messages alike in OpenClaw and the gateway (roles, order, ${stamped} terminal ids); the ${engineKind} engine holds ${held} ${unit}, once each`,
+);

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The ctxgate plugin for OpenClaw (engines/openclaw-plugin) in the real
 # openclaw@2026.9.6, headless (`openclaw agent --local`, a local fake
-# model), against `ctxgate serve` whose engine is the window engine:
+# model), against `ctxgate serve` whose engine is ENGINE — the window engine
+# (the default: every step below), the Python engine or lossless-claw
+# 1.0.0-beta.4 under the plugin host (step 1, with two turns):
 #   1. three turns, answered by the fake model through the plugin; the
 #      gateway's copy of the session equals OpenClaw's transcript (roles,
 #      order, each turn's terminal entry id) and the engine got each turn's
@@ -13,7 +15,7 @@
 #      it and the turn after uses it — its state holds every turn, the one
 #      it missed delivered from the gateway's outbox — without restarting
 #      anything of OpenClaw.
-#   tests/openclaw-plugin/run.sh
+#   tests/openclaw-plugin/run.sh [window|python|lossless]
 # Installs what it needs (tests/openclaw-probe/setup-openclaw.sh, the
 # plugin's setup, its unit tests); uses the built `ctxgate` and
 # `ctxgate-engine-window` (the folder of $CTXGATE_BIN, else of
@@ -23,11 +25,13 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-run="$repo/target/openclaw-plugin/last-run"
+ENGINE="${ENGINE:-${1:-window}}"
+case "$ENGINE" in window | python | lossless) ;; *) echo "run.sh: no engine $ENGINE (window, python, lossless)" >&2; exit 2 ;; esac
+run="$repo/target/openclaw-plugin/last-run-$ENGINE"
 LIMIT=${OPENCLAW_PLUGIN_LIMIT:-600}
 SESSION=agent:main:plugin
 
-if [ "${1:-}" = "--inside" ]; then
+if [ "${2:-}" = "--inside" ]; then
   pids=()
   cleanup() {
     local i
@@ -36,7 +40,7 @@ if [ "${1:-}" = "--inside" ]; then
   }
   trap cleanup EXIT
   trap 'exit 143' TERM INT HUP
-  [ "${2:-}" = "netns" ] && ip link set lo up
+  [ "${3:-}" = "netns" ] && ip link set lo up
   fail() {
     echo "run.sh: $1" >&2
     shift
@@ -60,17 +64,25 @@ if [ "${1:-}" = "--inside" ]; then
   engine_addr="127.0.0.1:$(free_port)"
   engine_pid=""
   start_engine() {
-    "$BIN/ctxgate-engine-window" --listen "$engine_addr" --state-dir "$run/window" > "$run/window.out" 2>> "$run/window.err" &
+    echo '{ "independentLogFile": { "enabled": false } }' > "$run/lossless.json"
+    # exec: the background job is the engine itself, so killing it kills the engine.
+    case "$ENGINE" in
+      window) exec "$BIN/ctxgate-engine-window" --listen "$engine_addr" --state-dir "$run/engine" ;;
+      python) exec "$repo/engines/python/run.sh" --listen "$engine_addr" --state-dir "$run/engine" ;;
+      lossless)
+        exec "$repo/engines/openclaw-host/run.sh" --plugin "$LOSSLESS" --plugin-config "$run/lossless.json" \
+          --listen "$engine_addr" --state-dir "$run/engine" ;;
+    esac > "$run/engine.out" 2>> "$run/engine.err" &
     engine_pid=$!
     pids+=($engine_pid)
-    listening "$run/window.out" 30 > /dev/null || fail "the window engine did not start" "$run/window.err"
+    listening "$run/engine.out" 120 > /dev/null || fail "the $ENGINE engine did not start" "$run/engine.err"
   }
   start_engine
   cat > "$run/gateway.json5" <<JSON
 {
   plugins: {
-    slots: { contextEngine: "window" },
-    entries: { window: { endpoint: "http://$engine_addr" } },
+    slots: { contextEngine: "$ENGINE" },
+    entries: { $ENGINE: { endpoint: "http://$engine_addr", timeouts: { default: 60 } } },
   },
 }
 JSON
@@ -78,9 +90,9 @@ JSON
     > "$run/gateway.out" 2> "$run/gateway.err" &
   pids+=($!)
   gateway=$(listening "$run/gateway.out" 60) || fail "ctxgate serve did not start" "$run/gateway.err"
-  status() { # $1: a JS expression over s (the status) and e (the engine "window")
+  status() { # $1: a JS expression over s (the status) and e (the engine, by its entry id)
     timeout --foreground 20 "$BIN/ctxgate" status --gateway "http://$gateway" --json 2>/dev/null |
-      node -e 'let t="";process.stdin.on("data",d=>t+=d).on("end",()=>{const s=JSON.parse(t);const e=(s.engines||[]).find(x=>x.id==="window")||{};console.log(String(eval(process.argv[1])))})' "$1" || true
+      ENGINE="$ENGINE" node -e 'let t="";process.stdin.on("data",d=>t+=d).on("end",()=>{const s=JSON.parse(t);const e=(s.engines||[]).find(x=>x.id===process.env.ENGINE)||{};console.log(String(eval(process.argv[1])))})' "$1" || true
   }
   calls() { status "((e.methods||[]).find(m=>m.method===\"$1\")||{calls:0}).calls"; }
 
@@ -127,36 +139,51 @@ JSON
     fail "the gateway never settled (turns in flight or commits queued)" "$run/gateway.err"
   }
 
-  echo "== three turns through the plugin"
-  for t in 1 2 3; do turn $t; done
-  settled
+  for ((w = 0; ; w++)); do
+    [ "$(status 'e.health==="SERVING" && e.quarantine===null')" = true ] && break
+    [ $w -lt 200 ] || fail "the gateway never attached the $ENGINE engine" "$run/gateway.err" "$run/engine.err"
+    sleep 0.3
+  done
   db="$run/openclaw-state/agents/main/agent/openclaw-agent.sqlite"
-  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$run/window/window.sqlite" 3 || fail "the copies differ" "$run/gateway.err"
-  [ "$(calls CommitTurn)" = 3 ] || fail "the engine got $(calls CommitTurn) CommitTurn calls for 3 turns" "$run/gateway.err"
+  first=3
+  [ "$ENGINE" = window ] || first=2
+  echo "== $first turns through the plugin ($ENGINE engine)"
+  for ((t = 1; t <= first; t++)); do turn $t; done
+  settled
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" $first || fail "the copies differ" "$run/gateway.err"
+  # Each turn told once: CommitTurn to a durable engine, AfterTurn to the Python one.
+  told=CommitTurn
+  [ "$ENGINE" = python ] && told=AfterTurn
+  [ "$(calls $told)" = $first ] || fail "the engine got $(calls $told) $told calls for $first turns" "$run/gateway.err"
   [ "$(status 'e.quarantine===null && (e.methods||[]).every(m=>m.failures===0&&m.fallbacks===0)')" = true ] ||
-    fail "the engine failed or fell back" "$run/gateway.err" "$run/window.err"
+    fail "the engine failed or fell back" "$run/gateway.err" "$run/engine.err"
+  if [ "$ENGINE" != window ]; then
+    echo "openclaw-plugin: ok ($first turns on the $ENGINE engine)"
+    exit 0
+  fi
 
   echo "== the engine killed between two turns"
   kill -9 "$engine_pid"
   wait "$engine_pid" 2>/dev/null || true
   turn 4
-  grep -q "ctxgate:" "$run/turn4.log" || fail "turn 4 fell back without a word on OpenClaw's console" "$run/turn4.log"
-  grep -i "quarantin" "$run/turn4.log" | grep -qi "ctxgate\" " && fail "OpenClaw quarantined the plugin" "$run/turn4.log"
+  grep -q 'ctxgate: Context engine "window" degraded to "legacy"' "$run/turn4.log" ||
+    fail "turn 4 fell back without a word on OpenClaw's console" "$run/turn4.log"
 
   echo "== the engine restarted: re-admitted, used again, holding every turn"
   start_engine
   for ((w = 0; ; w++)); do
     [ "$(status 'e.quarantine===null && e.health==="SERVING"')" = true ] && break
-    [ $w -lt 300 ] || fail "the gateway never re-admitted the restarted engine" "$run/gateway.err" "$run/window.err"
+    [ $w -lt 300 ] || fail "the gateway never re-admitted the restarted engine" "$run/gateway.err" "$run/engine.err"
     sleep 0.3
   done
   turn 5
   settled
-  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$run/window/window.sqlite" 5 || fail "the copies differ after the restart" "$run/gateway.err"
-  echo "openclaw-plugin: ok (5 turns, the engine killed and re-admitted)"
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" 5 || fail "the copies differ after the restart" "$run/gateway.err"
+  echo "openclaw-plugin: ok (5 turns on the window engine, killed and re-admitted)"
   exit 0
 fi
 
+LOSSLESS=@martian-engineering/lossless-claw@1.0.0-beta.4
 mkdir -p "$(dirname "$run")"
 exec 8>"$(dirname "$run")/.run.lock"
 flock 8
@@ -171,16 +198,21 @@ BIN="$(dirname "${CTXGATE_BIN:-${CTXGATE_CONFORMANCE:-$repo/target/debug/ctxgate
 for b in ctxgate ctxgate-engine-window; do
   [ -x "$BIN/$b" ] || { echo "run.sh: no $b in $BIN (cargo build -p ctxgate -p ctxgate-engine-window)" >&2; exit 1; }
 done
-export BIN OPENCLAW run
+# What the engines install on first use happens here: the namespace has no way out.
+case "$ENGINE" in
+  python) "$repo/proto/python-setup.sh" "$repo/engines/python" --path ../../engine-sdk/python contextengine/v1 >&2 ;;
+  lossless) timeout 900 "$repo/engines/openclaw-host/run.sh" --install-only --plugin "$LOSSLESS" > /dev/null ;;
+esac
+export BIN OPENCLAW run ENGINE LOSSLESS
 echo "setup took $((SECONDS - start)) s; node $(node --version); binaries from $BIN"
 rm -rf "$run"
 mkdir -p "$run"
 set +e
 if command -v ip >/dev/null 2>&1 && unshare -rn true 2>/dev/null; then
   echo "in a network namespace of its own (loopback only)"
-  timeout --kill-after=15 "$LIMIT" unshare -rn bash "$0" --inside netns
+  timeout --kill-after=15 "$LIMIT" unshare -rn bash "$0" "$ENGINE" --inside netns 8>&-
 else
-  timeout --kill-after=15 "$LIMIT" bash "$0" --inside
+  timeout --kill-after=15 "$LIMIT" bash "$0" "$ENGINE" --inside 8>&-
 fi
 rc=$?
 set -e
