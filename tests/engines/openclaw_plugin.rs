@@ -29,7 +29,7 @@ async fn plugin_run(engine: &str) -> String {
 #[tokio::test]
 async fn openclaw_runs_its_turns_on_the_window_engine_through_the_plugin_and_rides_out_its_death() {
     let out = plugin_run("window").await;
-    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (5 turns on the window engine")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (6 turns on the window engine")), "{out}");
 }
 
 #[tokio::test]

@@ -14,7 +14,10 @@
 #   3. the engine restarted on its address and state: the gateway re-admits
 #      it and the turn after uses it — its state holds every turn, the one
 #      it missed delivered from the gateway's outbox — without restarting
-#      anything of OpenClaw.
+#      anything of OpenClaw;
+#   4. an engine tool: the model offered history_search calls it and its
+#      answer quotes what the engine found (turn 1's words); the gateway
+#      holds the call and its result once, as OpenClaw does.
 #   tests/openclaw-plugin/run.sh [window|python|lossless]
 # Installs what it needs (tests/openclaw-probe/setup-openclaw.sh, the
 # plugin's setup, its unit tests); uses the built `ctxgate` and
@@ -106,11 +109,14 @@ JSON
         apiKey: "sk-local",
         api: "openai-completions",
         models: [{ id: "fake-model", name: "Fake model", reasoning: false, input: ["text"],
-          cost: { input: 0, output: 0, cacheRead: 0, cacheWrite: 0 }, contextWindow: 32000, maxTokens: 1024 }],
+          cost: { input: 0, output: 0, cacheRead: 0, cacheWrite: 0 }, contextWindow: 128000, maxTokens: 1024 }],
       },
     },
   },
   agents: { defaults: { model: { primary: "local/fake-model" } } },
+  // Tool schemas in the model's request (OpenClaw's Tool Search would
+  // catalog them behind a search tool the fake model does not use).
+  tools: { toolSearch: false },
   plugins: {
     load: { paths: ["$repo/engines/openclaw-plugin"] },
     slots: { contextEngine: "ctxgate" },
@@ -119,14 +125,14 @@ JSON
 }
 JSON
   mkdir -p "$run/home"
-  turn() { # $1: the turn's number
+  turn() { # $1: the turn's number; $2: its message; $3: what the answer holds
     local out="$run/turn$1.log" start=$SECONDS
     HOME="$run/home" XDG_CACHE_HOME="$run/home/.cache" OPENCLAW_CONFIG_PATH="$run/openclaw.json5" \
       OPENCLAW_STATE_DIR="$run/openclaw-state" NO_COLOR=1 \
       timeout --foreground --kill-after=10 180 "$OPENCLAW" agent --local --session-key "$SESSION" \
-      --message "Turn $1 of the plugin test: please note it." --timeout 120 > "$out" 2>&1 ||
+      --message "${2:-Turn $1 of the plugin test: please note it.}" --timeout 120 > "$out" 2>&1 ||
       fail "openclaw agent --local (turn $1) failed" "$out" "$run/gateway.err"
-    grep -q "the probe heard you" "$out" || fail "turn $1 was not answered by the fake model" "$out" "$run/gateway.err"
+    grep -q "${3:-the probe heard you}" "$out" || fail "turn $1 was not answered as expected (${3:-the probe heard you})" "$out" "$run/gateway.err" "$run/model.err"
     grep -q 'context engine "ctxgate" owns compaction' "$out" || fail "turn $1 did not run on the plugin's engine" "$out"
     echo "turn $1: answered in $((SECONDS - start)) s"
   }
@@ -148,7 +154,8 @@ JSON
   first=3
   [ "$ENGINE" = window ] || first=2
   echo "== $first turns through the plugin ($ENGINE engine)"
-  for ((t = 1; t <= first; t++)); do turn $t; done
+  turn 1 "Turn 1 of the plugin test: please note it. The codeword is heliotrope."
+  for ((t = 2; t <= first; t++)); do turn $t; done
   settled
   node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" $first || fail "the copies differ" "$run/gateway.err"
   # Each turn told once: CommitTurn to a durable engine, AfterTurn to the Python one.
@@ -179,7 +186,16 @@ JSON
   turn 5
   settled
   node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" 5 || fail "the copies differ after the restart" "$run/gateway.err"
-  echo "openclaw-plugin: ok (5 turns on the window engine, killed and re-admitted)"
+
+  echo "== an engine tool: history_search offered to OpenClaw's model and answered by the engine"
+  # The fake model calls history_search when it is offered and the user asks;
+  # its answer quotes the tool's result, which holds turn 1's words.
+  turn 6 "Search history for heliotrope." "History says: .*codeword is .heliotrope"
+  grep -q "calls history_search" "$run/model.err" || fail "the model was never offered history_search" "$run/model.err"
+  settled
+  [ "$(calls CallTool)" = 1 ] || fail "the engine ran $(calls CallTool) tool calls, not 1" "$run/gateway.err"
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" 6 || fail "the copies differ after the tool call" "$run/gateway.err"
+  echo "openclaw-plugin: ok (6 turns on the window engine, killed and re-admitted, one engine tool call)"
   exit 0
 fi
 

@@ -13,11 +13,11 @@ export interface PluginConfig {
   token?: string;
   agentId?: string;
   onGatewayDown: OnGatewayDown;
-  timeouts: { connectMs: number; assembleMs: number; commitMs: number; compactMs: number };
+  timeouts: { connectMs: number; assembleMs: number; commitMs: number; compactMs: number; toolMs: number };
 }
 
 /** What each call waits at most for the gateway, by default. */
-export const DEFAULT_TIMEOUTS = { connectMs: 5_000, assembleMs: 30_000, commitMs: 30_000, compactMs: 300_000 };
+export const DEFAULT_TIMEOUTS = { connectMs: 5_000, assembleMs: 30_000, commitMs: 30_000, compactMs: 300_000, toolMs: 60_000 };
 
 const KEYS = new Set(["endpoint", "token", "tokenEnv", "caFile", "agentId", "onGatewayDown", "timeouts"]);
 

@@ -24,6 +24,7 @@ import type { Begin } from "./gen/ctxgate/v1/Begin.js";
 import type { CompactionEvent__Output } from "./gen/ctxgate/v1/CompactionEvent.js";
 import type { Context__Output } from "./gen/ctxgate/v1/Context.js";
 import type { GetTranscriptResult__Output } from "./gen/ctxgate/v1/GetTranscriptResult.js";
+import { type EngineTools, type ToolAnswer, toolError } from "./tools.js";
 
 export const ENGINE_ID = "ctxgate";
 
@@ -54,7 +55,19 @@ interface OpenTurn {
   userIds: string[];
   /** What assemble answered (the tool loop's assembles answer the same). */
   assembled: { messages: OcMessage[]; estimatedTokens: number; systemPromptAddition?: string };
+  /** Engine tool calls the gateway holds already: the call (appended), and its result. */
+  calls: Set<string>;
+  results: Set<string>;
+  /** Engine tools run one at a time in a turn (one stream; OpenClaw may run calls in parallel). */
+  lane: Promise<unknown>;
 }
+
+/**
+ * The turns open at the gateway, by OpenClaw session id, from the first
+ * assemble to commitTurn: shared by the engines OpenClaw makes (one a run)
+ * and the engine tools, which run inside them.
+ */
+export type OpenTurns = Map<string, OpenTurn>;
 
 const str = (v: unknown): string | undefined => (typeof v === "string" && v.trim() !== "" ? v : undefined);
 const num = (v: unknown): number | undefined => (typeof v === "number" && Number.isFinite(v) && v > 0 ? v : undefined);
@@ -86,13 +99,15 @@ export class CtxgateEngine {
       turnAdvancementIdempotency: "atomic-idempotent-v1",
     },
   };
-  /** Open turns by OpenClaw session id: from the first assemble to commitTurn. */
-  private readonly turns = new Map<string, OpenTurn>();
+  /** The sessions whose turns this engine opened (dispose aborts those left open). */
+  private readonly mine = new Set<string>();
 
   constructor(
     private readonly gateway: Gateway,
     private readonly config: PluginConfig,
     private readonly log: Logger,
+    private readonly turns: OpenTurns,
+    private readonly tools: EngineTools,
   ) {}
 
   /** The gateway session an OpenClaw session is: its agent and its key. */
@@ -137,7 +152,8 @@ export class CtxgateEngine {
       busyPolicy: "BUSY_POLICY_ENQUEUE",
     };
     const availableTools = params["availableTools"];
-    if (availableTools instanceof Set) begin.availableTools = [...availableTools].map(String);
+    // OpenClaw lists the engine's tools among its own (this plugin offers them): the gateway wants its own only.
+    if (availableTools instanceof Set) begin.availableTools = [...availableTools].map(String).filter((t) => !this.tools.has(t));
     const drive = new Drive(this.gateway);
     try {
       const wait = this.config.timeouts.assembleMs;
@@ -148,7 +164,9 @@ export class CtxgateEngine {
       if (selected.warning) this.log.warn(`ctxgate: ${selected.warning}`);
       for (const w of drive.warnings) this.log.warn(`ctxgate: ${w}`);
       const assembled = withoutTurn(context, admitted.entryIds, tokensOf(prompt));
-      this.turns.set(sessionId, { drive, userIds: admitted.entryIds, assembled });
+      this.tools.update(context.engineTools);
+      this.turns.set(sessionId, { drive, userIds: admitted.entryIds, assembled, calls: new Set(), results: new Set(), lane: Promise.resolve() });
+      this.mine.add(sessionId);
       return assembled;
     } catch (e) {
       drive.cancel();
@@ -173,8 +191,9 @@ export class CtxgateEngine {
         await drive.until("admitted", wait);
         await drive.until("engineSelected", wait);
       }
-      // The user message went in when the turn opened; the rest follows it.
-      const rest = messages.slice(1).map((m) => fromOpenClaw(m, ""));
+      // The user message went in when the turn opened, engine tool calls and
+      // their results as they ran; the rest follows.
+      const rest = withoutHeld(messages.slice(1), open).map((m) => fromOpenClaw(m, ""));
       const last = rest.at(-1);
       if (last) {
         last.metadata = { ...last.metadata, [ADVANCEMENT_KEY]: key, ...(terminal.entryId ? { [ENTRY_ID]: terminal.entryId } : {}) };
@@ -291,7 +310,68 @@ export class CtxgateEngine {
 
   async dispose(): Promise<void> {
     // A turn OpenClaw never committed (it failed or was aborted) ends aborted at the gateway.
-    for (const t of this.turns.values()) t.drive.cancel();
-    this.turns.clear();
+    for (const sessionId of this.mine) {
+      this.turns.get(sessionId)?.drive.cancel();
+      this.turns.delete(sessionId);
+    }
+    this.mine.clear();
   }
+}
+
+/**
+ * Runs an engine tool the model called, inside the session's open turn:
+ * the call is appended as an assistant message of its own (the gateway
+ * runs only calls it holds), the gateway runs it at the engine and holds
+ * the result as the call's answer. Whatever goes wrong is a result the
+ * model reads, never a thrown tool.
+ */
+export function runEngineTool(
+  turns: OpenTurns,
+  timeoutMs: number,
+  sessionId: string,
+  toolCallId: string,
+  name: string,
+  args: unknown,
+): Promise<ToolAnswer> {
+  const open = turns.get(sessionId);
+  if (!open) {
+    return Promise.resolve(toolError(`${name} is not available: this turn is not running at the ctxgate gateway (OpenClaw's own context answered it)`));
+  }
+  const run = open.lane.then(() => runInTurn(open, timeoutMs, toolCallId, name, args));
+  open.lane = run;
+  return run;
+}
+
+async function runInTurn(open: OpenTurn, timeoutMs: number, toolCallId: string, name: string, args: unknown): Promise<ToolAnswer> {
+  try {
+    if (!open.calls.has(toolCallId)) {
+      const call = { role: "assistant", content: [{ type: "toolCall", id: toolCallId, name, arguments: args ?? {} }] };
+      open.drive.send({ append: { messages: [fromOpenClaw(call, "") as AgentMessage] } });
+      await open.drive.until("appended", timeoutMs);
+      open.calls.add(toolCallId);
+    }
+    open.drive.send({ callTool: { toolCallId } });
+    const answered = await open.drive.until("toolResult", timeoutMs);
+    open.results.add(toolCallId);
+    const result = answered.message ? toOpenClaw(answered.message)[0] : undefined;
+    const text = (result?.["content"] as { text?: string }[] | undefined)?.map((c) => c.text ?? "").join("") ?? "";
+    return { content: [{ type: "text", text }], details: { ctxgate: true, isError: result?.["isError"] === true } };
+  } catch (e) {
+    return toolError(`${name} failed at the ctxgate gateway: ${(e as Error).message}`);
+  }
+}
+
+/**
+ * A turn's messages less what the gateway holds already: engine tool calls
+ * (an assistant message left with nothing else goes) and their results.
+ */
+export function withoutHeld(messages: OcMessage[], open: Pick<OpenTurn, "calls" | "results"> | undefined): OcMessage[] {
+  if (!open || open.calls.size === 0) return messages;
+  return messages.flatMap((m) => {
+    if (m.role === "toolResult") return open.results.has(String(m["toolCallId"] ?? "")) ? [] : [m];
+    if (m.role !== "assistant" || !Array.isArray(m.content)) return [m];
+    const content = (m.content as { type?: string; id?: string }[]).filter((b) => !(b.type === "toolCall" && open.calls.has(String(b.id))));
+    if (content.length === m.content.length) return [m];
+    return content.length > 0 ? [{ ...m, content }] : [];
+  });
 }

@@ -1,21 +1,34 @@
 // The ctxgate plugin for OpenClaw: registers the context engine "ctxgate",
-// whose calls a ctxgate gateway answers (engine.ts). Install it into
-// OpenClaw by path (plugins.load.paths) or from its packed tarball, select
-// it (plugins.slots.contextEngine: "ctxgate") and point it at a gateway
+// whose calls a ctxgate gateway answers (engine.ts), and the engine's tools
+// as OpenClaw agent tools (tools.ts). Install it into OpenClaw by path
+// (plugins.load.paths) or from its packed tarball, select it
+// (plugins.slots.contextEngine: "ctxgate") and point it at a gateway
 // (plugins.entries.ctxgate.config.endpoint); docs/openclaw.md.
 import { readFileSync } from "node:fs";
 import { parseConfig } from "./config.js";
-import { CtxgateEngine, ENGINE_ID, type Logger } from "./engine.js";
+import { CtxgateEngine, ENGINE_ID, type Logger, type OpenTurns, runEngineTool } from "./engine.js";
 import { type Gateway, connect } from "./gateway.js";
+import { ENGINE_TOOL_NAMES, EngineTools, readToolsInWorker } from "./tools.js";
 
 interface PluginApi {
   pluginConfig?: unknown;
   logger?: Partial<Logger>;
   registerContextEngine(id: string, factory: (ctx?: unknown) => unknown): void;
+  registerTool?(factory: (ctx: { sessionId?: string }) => object[], opts: { names: string[] }): void;
 }
 
-/** One connection per process, made at the first engine: OpenClaw makes an engine a turn. */
-let shared: Gateway | undefined;
+/**
+ * The turns open in this process. OpenClaw may load the plugin more than
+ * once in one process (its tool discovery loads plugins apart from the
+ * runtime that runs the engine), and a tool from one load must find the
+ * turn an engine of another opened: so they are the process's, under a
+ * registered symbol, not one load's.
+ */
+const OPEN_TURNS = Symbol.for("ctxgate.openclaw-plugin.open-turns");
+function openTurns(): OpenTurns {
+  const g = globalThis as { [OPEN_TURNS]?: OpenTurns };
+  return (g[OPEN_TURNS] ??= new Map());
+}
 
 export default {
   id: ENGINE_ID,
@@ -27,6 +40,17 @@ export default {
       info: (m) => (api.logger?.info ?? console.error)(m),
       warn: (m) => (api.logger?.warn ?? console.error)(m),
     };
-    api.registerContextEngine(ENGINE_ID, () => new CtxgateEngine((shared ??= connect(config)), config, log));
+    // One connection, made at the first engine: OpenClaw makes an engine a run.
+    let gateway: Gateway | undefined;
+    const turns = openTurns();
+    const tools = new EngineTools(readToolsInWorker(api.pluginConfig, config.timeouts.connectMs), log.warn);
+    api.registerContextEngine(ENGINE_ID, () => new CtxgateEngine((gateway ??= connect(config)), config, log, turns, tools));
+    api.registerTool?.(
+      (ctx) =>
+        tools.forRun(ctx.sessionId, (sessionId, toolCallId, name, args) =>
+          runEngineTool(turns, config.timeouts.toolMs, sessionId, toolCallId, name, args),
+        ),
+      { names: [...ENGINE_TOOL_NAMES] },
+    );
   },
 };
