@@ -114,9 +114,6 @@ JSON
     },
   },
   agents: { defaults: { model: { primary: "local/fake-model" } } },
-  // Tool schemas in the model's request (OpenClaw's Tool Search would
-  // catalog them behind a search tool the fake model does not use).
-  tools: { toolSearch: false },
   plugins: {
     load: { paths: ["$repo/engines/openclaw-plugin"] },
     slots: { contextEngine: "ctxgate" },

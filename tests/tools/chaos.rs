@@ -59,7 +59,7 @@ struct Profile {
     gateway_service: &'static str,
     /// The engine's `plugins.entries` id (its name in turns, metrics and
     /// status), its compose service (its DNS name) and whether it takes
-    /// DELTA history (a moved session is then resynced by a history gap).
+    /// DELTA history (a moved session is then resynced with IngestBatch).
     entry: &'static str,
     service: &'static str,
     delta: bool,
@@ -345,11 +345,11 @@ async fn client_certificate(name: &str) -> R<(String, String)> {
     Ok((read(&pem)?, read(&key)?))
 }
 
-/// The engine's resyncs so far (IngestBatch calls: a session that moved
-/// to a replica that lacks its history, whether the replica reported the
-/// gap or the gateway dropped the cursor when a turn failed over), from
-/// the gateway's metrics; why not, when they cannot be read within
-/// [`CALL_LIMIT`].
+/// The engine's resyncs so far (IngestBatch calls that did not fail: a
+/// session that moved to a replica that lacks its history, whether the
+/// replica reported the gap or a turn in flight fell back to the full
+/// history), from the gateway's metrics; why not, when they cannot be read
+/// within [`CALL_LIMIT`].
 async fn resyncs(metrics: &str, entry: &str) -> R<u64> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let read = async {
@@ -366,8 +366,13 @@ async fn resyncs(metrics: &str, entry: &str) -> R<u64> {
     if !out.starts_with("HTTP/1.") || !out.contains("ctxgate_") {
         return Err(format!("{metrics}/metrics: not the gateway's metrics: {}", out.lines().next().unwrap_or("")));
     }
-    let series = format!("ctxgate_engine_calls_total{{engine=\"{entry}\",method=\"IngestBatch\"}}");
-    Ok(out.lines().filter(|l| l.starts_with(&series)).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum())
+    let sum = |series: &str| -> u64 {
+        out.lines().filter(|l| l.starts_with(series)).filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok()).sum()
+    };
+    let calls = sum(&format!("ctxgate_engine_calls_total{{engine=\"{entry}\",method=\"IngestBatch\"}}"));
+    // Failures carry a code label after the method.
+    let failed = sum(&format!("ctxgate_engine_failures_total{{engine=\"{entry}\",method=\"IngestBatch\","));
+    Ok(calls.saturating_sub(failed))
 }
 
 struct Run {

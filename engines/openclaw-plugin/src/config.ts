@@ -16,8 +16,8 @@ export interface PluginConfig {
   timeouts: { connectMs: number; assembleMs: number; commitMs: number; compactMs: number; toolMs: number };
 }
 
-/** What each call waits at most for the gateway, by default. */
-export const DEFAULT_TIMEOUTS = { connectMs: 5_000, assembleMs: 30_000, commitMs: 30_000, compactMs: 300_000, toolMs: 60_000 };
+/** What each call waits at most for the gateway, by default (a tool: beyond the gateway's own 120 s limit of CallTool). */
+export const DEFAULT_TIMEOUTS = { connectMs: 5_000, assembleMs: 30_000, commitMs: 30_000, compactMs: 300_000, toolMs: 150_000 };
 
 const KEYS = new Set(["endpoint", "token", "tokenEnv", "caFile", "agentId", "onGatewayDown", "timeouts"]);
 

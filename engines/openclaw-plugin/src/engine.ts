@@ -51,8 +51,13 @@ type Params = Record<string, unknown>;
 
 interface OpenTurn {
   drive: Drive;
-  /** The gateway's entry ids of the turn's user message(s). */
-  userIds: string[];
+  /**
+   * The gateway's entry ids of what the turn holds there: its user
+   * message(s), then engine tool calls and their results. OpenClaw shows
+   * the model its own copies after the context, so a context assembled
+   * again (after a compaction) leaves them out.
+   */
+  ownIds: Set<string>;
   /** What assemble answered (the tool loop's assembles answer the same). */
   assembled: { messages: OcMessage[]; estimatedTokens: number; systemPromptAddition?: string };
   /** Engine tool calls the gateway holds already: the call (appended), and its result. */
@@ -78,8 +83,7 @@ const tokensOf = (text: string): number => Math.ceil(text.length / 4);
  * turn's prompt itself, so the context's copy of the user message goes
  * (and its tokens, `userTokens`, from the estimate).
  */
-function withoutTurn(context: Context__Output, userIds: string[], userTokens: number): OpenTurn["assembled"] {
-  const turn = new Set(userIds);
+function withoutTurn(context: Context__Output, turn: Set<string>, userTokens: number): OpenTurn["assembled"] {
   return {
     messages: context.messages.filter((m) => !turn.has(m.id)).flatMap((m) => toOpenClaw(m)),
     estimatedTokens: Math.max(0, Number(context.estimatedTokens) - userTokens),
@@ -99,8 +103,8 @@ export class CtxgateEngine {
       turnAdvancementIdempotency: "atomic-idempotent-v1",
     },
   };
-  /** The sessions whose turns this engine opened (dispose aborts those left open). */
-  private readonly mine = new Set<string>();
+  /** The turns this engine opened and has not committed (dispose aborts those). */
+  private readonly mine = new Map<string, OpenTurn>();
 
   constructor(
     private readonly gateway: Gateway,
@@ -133,7 +137,9 @@ export class CtxgateEngine {
   async assemble(params: Params): Promise<OpenTurn["assembled"]> {
     const sessionId = String(params["sessionId"] ?? "");
     const open = this.turns.get(sessionId);
-    if (open) return open.assembled; // the tool loop: the turn's context holds until it commits
+    if (open && this.mine.get(sessionId) === open) return open.assembled; // the tool loop: the turn's context holds until it commits
+    // Another engine's turn left open in this process (a run that never committed nor disposed): it ends aborted.
+    if (open) this.forget(sessionId, open);
     const own = () => ({ messages: (params["messages"] as OcMessage[] | undefined) ?? [], estimatedTokens: 0 });
     const prompt = str(params["prompt"]);
     if (!prompt) return own(); // no user turn to open (a heartbeat's assemble): OpenClaw's history
@@ -163,10 +169,12 @@ export class CtxgateEngine {
       const context = await drive.until("context", wait);
       if (selected.warning) this.log.warn(`ctxgate: ${selected.warning}`);
       for (const w of drive.warnings) this.log.warn(`ctxgate: ${w}`);
-      const assembled = withoutTurn(context, admitted.entryIds, tokensOf(prompt));
+      const ownIds = new Set(admitted.entryIds);
+      const assembled = withoutTurn(context, ownIds, tokensOf(prompt));
       this.tools.update(context.engineTools);
-      this.turns.set(sessionId, { drive, userIds: admitted.entryIds, assembled, calls: new Set(), results: new Set(), lane: Promise.resolve() });
-      this.mine.add(sessionId);
+      const turn = { drive, ownIds, assembled, calls: new Set<string>(), results: new Set<string>(), lane: Promise.resolve() };
+      this.turns.set(sessionId, turn);
+      this.mine.set(sessionId, turn);
       return assembled;
     } catch (e) {
       drive.cancel();
@@ -179,8 +187,14 @@ export class CtxgateEngine {
     const key = String(params["advancementKey"] ?? "");
     const messages = (params["messages"] as OcMessage[] | undefined) ?? [];
     const terminal = (params["terminal"] ?? {}) as { entryId?: string };
-    const open = this.turns.get(sessionId);
-    this.turns.delete(sessionId);
+    const mine = this.mine.get(sessionId);
+    let open: OpenTurn | undefined;
+    if (mine) {
+      await mine.lane; // a tool still running in the turn finishes first (one stream)
+      // A tool run that failed mid-way aborted the turn: it is recorded whole, as a retry is.
+      open = this.turns.get(sessionId) === mine ? mine : undefined;
+      this.forget(sessionId, mine);
+    }
     const wait = this.config.timeouts.commitMs;
     let drive = open?.drive;
     try {
@@ -252,8 +266,11 @@ export class CtxgateEngine {
 
   async compact(params: Params): Promise<Record<string, unknown>> {
     const instructions = str(params["customInstructions"]);
-    const open = this.turns.get(String(params["sessionId"] ?? ""));
-    if (open) return this.compactInTurn(open, instructions);
+    const open = this.mine.get(String(params["sessionId"] ?? ""));
+    if (open) {
+      await open.lane;
+      return this.compactInTurn(open, instructions);
+    }
     try {
       const done = await new Promise<CompactionEvent__Output["done"]>((resolve, reject) => {
         let last: CompactionEvent__Output["done"];
@@ -291,7 +308,7 @@ export class CtxgateEngine {
       const done = await open.drive.until("compactionDone", wait);
       open.drive.send({ assemble: { pending: [] } });
       const context = await open.drive.until("context", wait);
-      open.assembled = withoutTurn(context, open.userIds, 0);
+      open.assembled = withoutTurn(context, open.ownIds, 0);
       return {
         ok: true,
         compacted: done.compacted,
@@ -310,11 +327,16 @@ export class CtxgateEngine {
 
   async dispose(): Promise<void> {
     // A turn OpenClaw never committed (it failed or was aborted) ends aborted at the gateway.
-    for (const sessionId of this.mine) {
-      this.turns.get(sessionId)?.drive.cancel();
-      this.turns.delete(sessionId);
+    for (const [sessionId, turn] of this.mine) {
+      turn.drive.cancel();
+      this.forget(sessionId, turn);
     }
-    this.mine.clear();
+  }
+
+  /** `turn` is no longer open (committed, or dropped): a later run's turn of the session stays. */
+  private forget(sessionId: string, turn: OpenTurn): void {
+    if (this.turns.get(sessionId) === turn) this.turns.delete(sessionId);
+    if (this.mine.get(sessionId) === turn) this.mine.delete(sessionId);
   }
 }
 
@@ -337,26 +359,41 @@ export function runEngineTool(
   if (!open) {
     return Promise.resolve(toolError(`${name} is not available: this turn is not running at the ctxgate gateway (OpenClaw's own context answered it)`));
   }
-  const run = open.lane.then(() => runInTurn(open, timeoutMs, toolCallId, name, args));
+  const run = open.lane.then(() => runInTurn(turns, sessionId, open, timeoutMs, toolCallId, name, args));
   open.lane = run;
   return run;
 }
 
-async function runInTurn(open: OpenTurn, timeoutMs: number, toolCallId: string, name: string, args: unknown): Promise<ToolAnswer> {
+async function runInTurn(
+  turns: OpenTurns,
+  sessionId: string,
+  open: OpenTurn,
+  timeoutMs: number,
+  toolCallId: string,
+  name: string,
+  args: unknown,
+): Promise<ToolAnswer> {
+  if (turns.get(sessionId) !== open) return toolError(`${name} is not available: the turn ended at the ctxgate gateway`);
   try {
     if (!open.calls.has(toolCallId)) {
       const call = { role: "assistant", content: [{ type: "toolCall", id: toolCallId, name, arguments: args ?? {} }] };
       open.drive.send({ append: { messages: [fromOpenClaw(call, "") as AgentMessage] } });
-      await open.drive.until("appended", timeoutMs);
+      const appended = await open.drive.until("appended", timeoutMs);
       open.calls.add(toolCallId);
+      for (const id of appended.entryIds) open.ownIds.add(id);
     }
     open.drive.send({ callTool: { toolCallId } });
     const answered = await open.drive.until("toolResult", timeoutMs);
     open.results.add(toolCallId);
+    open.ownIds.add(answered.entryId);
     const result = answered.message ? toOpenClaw(answered.message)[0] : undefined;
     const text = (result?.["content"] as { text?: string }[] | undefined)?.map((c) => c.text ?? "").join("") ?? "";
     return { content: [{ type: "text", text }], details: { ctxgate: true, isError: result?.["isError"] === true } };
   } catch (e) {
+    // What the gateway holds of the call is unknown now: the turn ends
+    // aborted there, and commitTurn records it whole (as a retried commit).
+    open.drive.cancel();
+    if (turns.get(sessionId) === open) turns.delete(sessionId);
     return toolError(`${name} failed at the ctxgate gateway: ${(e as Error).message}`);
   }
 }

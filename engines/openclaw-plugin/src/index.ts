@@ -21,13 +21,15 @@ interface PluginApi {
  * The turns open in this process. OpenClaw may load the plugin more than
  * once in one process (its tool discovery loads plugins apart from the
  * runtime that runs the engine), and a tool from one load must find the
- * turn an engine of another opened: so they are the process's, under a
- * registered symbol, not one load's.
+ * turn an engine of another opened, and offer the tools the last turn's
+ * context named: so both are the process's, under registered symbols, not
+ * one load's.
  */
 const OPEN_TURNS = Symbol.for("ctxgate.openclaw-plugin.open-turns");
-function openTurns(): OpenTurns {
-  const g = globalThis as { [OPEN_TURNS]?: OpenTurns };
-  return (g[OPEN_TURNS] ??= new Map());
+const ENGINE_TOOLS = Symbol.for("ctxgate.openclaw-plugin.engine-tools");
+function processWide<T>(key: symbol, make: () => T): T {
+  const g = globalThis as Record<symbol, T | undefined>;
+  return (g[key] ??= make());
 }
 
 export default {
@@ -42,8 +44,8 @@ export default {
     };
     // One connection, made at the first engine: OpenClaw makes an engine a run.
     let gateway: Gateway | undefined;
-    const turns = openTurns();
-    const tools = new EngineTools(readToolsInWorker(api.pluginConfig, config.timeouts.connectMs), log.warn);
+    const turns = processWide<OpenTurns>(OPEN_TURNS, () => new Map());
+    const tools = processWide(ENGINE_TOOLS, () => new EngineTools(readToolsInWorker(api.pluginConfig, config.timeouts.connectMs), log.warn));
     api.registerContextEngine(ENGINE_ID, () => new CtxgateEngine((gateway ??= connect(config)), config, log, turns, tools));
     api.registerTool?.(
       (ctx) =>

@@ -76,6 +76,8 @@ export function readToolsInWorker(rawConfig: unknown, timeoutMs: number): ReadTo
       workerData: { rawConfig, port: port2, done, timeoutMs },
       transferList: [port2],
     });
+    // A worker that dies answers nothing (the wait runs out); its error must not reach OpenClaw.
+    worker.on("error", () => {});
     try {
       Atomics.wait(done, 0, 0, timeoutMs + 1_000);
       const reply = receiveMessageOnPort(port1)?.message as { tools?: EngineTool[]; error?: string } | undefined;
@@ -133,6 +135,9 @@ export class EngineTools {
         label: t.name,
         description: t.description,
         parameters: t.parameters,
+        // Visible to the model beside OpenClaw's Tool Search catalog: the
+        // engine's system prompt addition tells the model to call it by name.
+        catalogMode: "direct-only",
         execute: (toolCallId: string, args: unknown) =>
           sessionId ? run(sessionId, toolCallId, t.name, args) : Promise.resolve(toolError("no session to run the tool in")),
       }));
