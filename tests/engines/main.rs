@@ -14,7 +14,6 @@ mod lanes;
 mod maintenance;
 mod openclaw_differential;
 mod openclaw_host;
-mod openclaw_plugin;
 mod overload;
 mod python_engine;
 mod quarantine;

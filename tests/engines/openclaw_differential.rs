@@ -12,7 +12,7 @@
 
 use std::time::Duration;
 
-use crate::sdk_typescript::run_script;
+use ctxgate_tests::run_script;
 
 /// The script's closing line: (calls compared, differences) when every
 /// difference is listed.

@@ -23,7 +23,8 @@ use ctxgate_tests::hosting::{attached, compaction_stream, engine_status, hosting
 use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, repo_root, within};
 use tokio_stream::StreamExt;
 
-use crate::sdk_typescript::{kit_closing_line, run_script};
+use crate::sdk_typescript::kit_closing_line;
+use ctxgate_tests::run_script;
 
 /// lossless-claw's settings for a small window: a short fresh tail and
 /// small chunks, so 100 short turns make leaf summaries and condense them.

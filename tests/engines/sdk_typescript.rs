@@ -8,25 +8,7 @@
 
 use std::time::Duration;
 
-use ctxgate_tests::{bin, repo_root};
-
-/// What `run-tests.sh` printed (stdout and stderr) and whether it passed.
-pub(crate) async fn run_script(script: &str, limit: Duration) -> (bool, String) {
-    // `script` is the path, then its arguments (split at spaces).
-    let mut words = script.split(' ');
-    let run = tokio::process::Command::new(repo_root().join(words.next().unwrap_or_default()))
-        .args(words)
-        .env("CTXGATE_CONFORMANCE", bin("ctxgate-conformance"))
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(limit, run)
-        .await
-        .unwrap_or_else(|_| panic!("{script} did not finish within {limit:?}"))
-        .unwrap();
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.success(), text)
-}
+use ctxgate_tests::run_script;
 
 /// The conformance kit's closing line, `N passed, N failed, N skipped`.
 pub(crate) fn kit_closing_line(output: &str) -> (usize, usize, usize) {

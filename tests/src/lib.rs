@@ -300,3 +300,22 @@ pub fn counter(metrics: &str, name: &str, labels: &str) -> u64 {
     let key = format!("{name}{{{labels}}} ");
     metrics.lines().find_map(|l| l.strip_prefix(&key)).map_or(0, |v| v.trim().parse().expect("a counter's value"))
 }
+
+/// What a test script printed (stdout and stderr) and whether it passed;
+/// it gets the conformance kit's path in `CTXGATE_CONFORMANCE`.
+pub async fn run_script(script: &str, limit: Duration) -> (bool, String) {
+    // `script` is the path, then its arguments (split at spaces).
+    let mut words = script.split(' ');
+    let run = Command::new(repo_root().join(words.next().unwrap_or_default()))
+        .args(words)
+        .env("CTXGATE_CONFORMANCE", bin("ctxgate-conformance"))
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(limit, run)
+        .await
+        .unwrap_or_else(|_| panic!("{script} did not finish within {limit:?}"))
+        .unwrap_or_else(|e| panic!("{script} could not run: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
