@@ -15,7 +15,7 @@
 // and commitTurn throws, which leaves the commit in OpenClaw's durable
 // outbox to be retried before its next turn (a retry finds its turn at the
 // gateway by its advancement key and answers duplicate).
-import { fromOpenClaw, type OcMessage, toOpenClaw } from "@ctxgate/engine-sdk/openclaw";
+import { fromOpenClaw, type OcMessage, textOfContent, toOpenClaw } from "@ctxgate/engine-sdk/openclaw";
 import type { PluginConfig } from "./config.js";
 import { Drive } from "./drive.js";
 import type { Gateway } from "./gateway.js";
@@ -387,7 +387,7 @@ async function runInTurn(
     open.results.add(toolCallId);
     open.ownIds.add(answered.entryId);
     const result = answered.message ? toOpenClaw(answered.message)[0] : undefined;
-    const text = (result?.["content"] as { text?: string }[] | undefined)?.map((c) => c.text ?? "").join("") ?? "";
+    const text = textOfContent(result?.content).join("");
     return { content: [{ type: "text", text }], details: { ctxgate: true, isError: result?.["isError"] === true } };
   } catch (e) {
     // What the gateway holds of the call is unknown now: the turn ends

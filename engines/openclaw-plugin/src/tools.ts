@@ -8,7 +8,7 @@
 // names are added there), and the factory offers those the engine declares
 // now: as each turn's context reported them, else as the gateway's status
 // says, read once, synchronously, in a worker thread (bounded by connectMs).
-// A tool runs inside the open turn at the gateway (engine.ts, runTool).
+// A tool runs inside the open turn at the gateway (engine.ts, runEngineTool).
 import { MessageChannel, Worker, receiveMessageOnPort } from "node:worker_threads";
 import type { ToolDefinition__Output } from "./gen/contextengine/v1/ToolDefinition.js";
 
@@ -41,8 +41,10 @@ export interface ToolAnswer {
 /** Runs one engine tool in the session's open turn. */
 export type RunTool = (sessionId: string, toolCallId: string, name: string, args: unknown) => Promise<ToolAnswer>;
 
-/** An engine's tool definitions in OpenClaw's terms; those OpenClaw cannot hold are dropped. */
-/** Tools only for subagent sessions stay out: OpenClaw's main runs are what the plugin serves. */
+/**
+ * An engine's tool definitions in OpenClaw's terms. Tools only for
+ * subagent sessions stay out: OpenClaw's main runs are what the plugin serves.
+ */
 export function fromDefinitions(defs: readonly ToolDefinition__Output[]): EngineTool[] {
   return defs.filter((d) => d.name && d.audience !== "TOOL_AUDIENCE_SUBAGENT").map((d) => ({
     name: d.name,
