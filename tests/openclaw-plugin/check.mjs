@@ -3,14 +3,17 @@
 // order; each turn's last message carries OpenClaw's entry id), and how
 // often the engine holds each turn (once: the window and Python engines'
 // commits tables, lossless-claw's user messages).
-//   node check.mjs OPENCLAW_DB SESSION_KEY GATEWAY ENGINE ENGINE_STATE_DIR TURNS
+// Turns imported from before the plugin (the first IMPORTED) carry no
+// entry id.
+//   node check.mjs OPENCLAW_DB SESSION_KEY GATEWAY ENGINE ENGINE_STATE_DIR TURNS [IMPORTED]
 // Prints one line; exits 1 with the difference.
 import { DatabaseSync } from "node:sqlite";
 import { connect } from "../../engines/openclaw-plugin/dist/src/gateway.js";
 import { parseConfig } from "../../engines/openclaw-plugin/dist/src/config.js";
 
-const [openclawDb, sessionKey, gatewayAddr, engineKind, engineDir, turnsArg] = process.argv.slice(2);
+const [openclawDb, sessionKey, gatewayAddr, engineKind, engineDir, turnsArg, importedArg] = process.argv.slice(2);
 const turns = Number(turnsArg);
+const imported = Number(importedArg ?? 0);
 const fail = (why) => {
   console.error(`check: ${why}`);
   process.exit(1);
@@ -51,7 +54,7 @@ entries.forEach((e, i) => {
   stamped++;
   if (id !== ocMessages[i].id) fail(`message ${i}: the gateway's carries OpenClaw id ${id}, OpenClaw's is ${ocMessages[i].id}`);
 });
-if (stamped !== turns) fail(`${stamped} of the gateway's messages carry OpenClaw's terminal entry id, not ${turns}`);
+if (stamped !== turns - imported) fail(`${stamped} of the gateway's messages carry OpenClaw's terminal entry id, not ${turns - imported}`);
 const userTexts = ocMessages.filter((e) => e.message.role === "user").length;
 if (userTexts !== turns) fail(`OpenClaw holds ${userTexts} user messages, not ${turns}`);
 

@@ -18,6 +18,9 @@
 #      offered history_search, calls it and its answer quotes what the
 #      engine found (turn 1's words); the gateway holds the call and its
 #      result once, as OpenClaw does.
+#   With the Python engine, turn 1 runs before the plugin does (OpenClaw's
+#   own engine) and turn 2 through it: the plugin imports turn 1 into the
+#   gateway first, and the checks of step 1 hold for both turns.
 #   tests/openclaw-plugin/run.sh [window|python|lossless]
 # Installs what it needs (tests/openclaw-probe/setup-openclaw.sh, the
 # plugin's setup, its unit tests); uses the built `ctxgate` and
@@ -121,17 +124,24 @@ JSON
   },
 }
 JSON
+  # OpenClaw before the plugin: the plugin off, OpenClaw's own context engine.
+  sed 's/slots: { contextEngine: "ctxgate" },//; s/enabled: true/enabled: false/' "$run/openclaw.json5" > "$run/openclaw-before.json5"
   mkdir -p "$run/home"
-  turn() { # $1: the turn's number; $2: its message; $3: what the answer holds
-    local out="$run/turn$1.log" start=$SECONDS
-    HOME="$run/home" XDG_CACHE_HOME="$run/home/.cache" OPENCLAW_CONFIG_PATH="$run/openclaw.json5" \
+  turn() { # $1: the turn's number; $2: its message; $3: what the answer holds. BEFORE=1: without the plugin
+    local out="$run/turn$1.log" start=$SECONDS config="$run/openclaw.json5"
+    [ -n "${BEFORE:-}" ] && config="$run/openclaw-before.json5"
+    HOME="$run/home" XDG_CACHE_HOME="$run/home/.cache" OPENCLAW_CONFIG_PATH="$config" \
       OPENCLAW_STATE_DIR="$run/openclaw-state" NO_COLOR=1 \
       timeout --foreground --kill-after=10 180 "$OPENCLAW" agent --local --session-key "$SESSION" \
       --message "${2:-Turn $1 of the plugin test: please note it.}" --timeout 120 > "$out" 2>&1 ||
       fail "openclaw agent --local (turn $1) failed" "$out" "$run/gateway.err"
     grep -q "${3:-the probe heard you}" "$out" || fail "turn $1 was not answered as expected (${3:-the probe heard you})" "$out" "$run/gateway.err" "$run/model.err"
-    grep -q 'context engine "ctxgate" owns compaction' "$out" || fail "turn $1 did not run on the plugin's engine" "$out"
-    echo "turn $1: answered in $((SECONDS - start)) s"
+    if [ -n "${BEFORE:-}" ]; then
+      ! grep -q 'context engine "ctxgate"' "$out" || fail "turn $1 ran with the plugin" "$out"
+    else
+      grep -q 'context engine "ctxgate" owns compaction' "$out" || fail "turn $1 did not run on the plugin's engine" "$out"
+    fi
+    echo "turn $1: answered in $((SECONDS - start)) s${BEFORE:+ (before the plugin)}"
   }
   settled() { # the gateway's turns are done and its outbox empty
     local w
@@ -148,12 +158,17 @@ JSON
     sleep 0.3
   done
   db="$run/openclaw-state/agents/main/agent/openclaw-agent.sqlite"
-  first=2
-  echo "== $first turns through the plugin ($ENGINE engine)"
-  turn 1 "Turn 1 of the plugin test: please note it. The codeword is heliotrope."
+  first=2 imported=0 before="" note=""
+  if [ "$ENGINE" = python ]; then imported=1 before=1 note=", turn 1 before it"; fi
+  echo "== $first turns through the plugin ($ENGINE engine)$note"
+  BEFORE=$before turn 1 "Turn 1 of the plugin test: please note it. The codeword is heliotrope."
   for ((t = 2; t <= first; t++)); do turn $t; done
+  if [ $imported = 1 ]; then
+    grep -q "ctxgate: imported 1 earlier turn(s) of $SESSION (2 messages) into the gateway" "$run/turn2.log" ||
+      fail "turn 2 did not import turn 1 into the gateway" "$run/turn2.log" "$run/gateway.err"
+  fi
   settled
-  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" $first || fail "the copies differ" "$run/gateway.err"
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" $first $imported || fail "the copies differ" "$run/gateway.err"
   # Each turn told once: CommitTurn to a durable engine, AfterTurn to the Python one.
   told=CommitTurn
   [ "$ENGINE" = python ] && told=AfterTurn

@@ -20,6 +20,7 @@ import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 import { parseConfig } from "../dist/src/config.js";
 import { CtxgateEngine } from "../dist/src/engine.js";
+import { KnownSessions } from "../dist/src/history.js";
 import { connect } from "../dist/src/gateway.js";
 import { EngineTools } from "../dist/src/tools.js";
 
@@ -148,7 +149,7 @@ try {
   const config = parseConfig({ endpoint: gatewayAddr }, {}, () => Buffer.alloc(0));
   const gateway = connect(config);
   const quiet = { info: () => {}, warn: (m) => console.error(m) };
-  const plugin = new CtxgateEngine(gateway, config, quiet, new Map(), new EngineTools(() => ({ tools: [] }), quiet.warn));
+  const plugin = new CtxgateEngine(gateway, config, quiet, new Map(), new EngineTools(() => ({ tools: [] }), quiet.warn), new KnownSessions());
   // Until the gateway has attached its engine, its turns fall back: wait for a served one.
   for (let i = 0; ; i++) {
     const r = await plugin.assemble({ sessionId: "probe", sessionKey: "agent:main:probe", messages: [], tokenBudget: 8_000, prompt: "hello" });

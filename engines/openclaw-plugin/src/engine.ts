@@ -7,7 +7,8 @@
 // it accepted, so the gateway stores the turn once and delivers it to its
 // engine through its outbox (CommitTurn exactly once). The gateway does
 // the rest as for any turn: replicas, deadlines, quarantine that heals,
-// its legacy engine while the configured one is out.
+// its legacy engine while the configured one is out. A session OpenClaw
+// held before the plugin ran it is imported once first (history.ts).
 //
 // OpenClaw quarantines an engine that throws for the life of its process,
 // so a gateway that cannot be reached degrades per call (onGatewayDown:
@@ -24,6 +25,8 @@ import type { Begin } from "./gen/ctxgate/v1/Begin.js";
 import type { CompactionEvent__Output } from "./gen/ctxgate/v1/CompactionEvent.js";
 import type { Context__Output } from "./gen/ctxgate/v1/Context.js";
 import type { GetTranscriptResult__Output } from "./gen/ctxgate/v1/GetTranscriptResult.js";
+import type { SessionInfo__Output } from "./gen/ctxgate/v1/SessionInfo.js";
+import { type KnownSessions, turnsOf } from "./history.js";
 import { type EngineTools, type ToolAnswer, toolError } from "./tools.js";
 
 export const ENGINE_ID = "ctxgate";
@@ -112,6 +115,7 @@ export class CtxgateEngine {
     private readonly log: Logger,
     private readonly turns: OpenTurns,
     private readonly tools: EngineTools,
+    private readonly known: KnownSessions,
   ) {}
 
   /** The gateway session an OpenClaw session is: its agent and its key. */
@@ -140,7 +144,8 @@ export class CtxgateEngine {
     if (open && this.mine.get(sessionId) === open) return open.assembled; // the tool loop: the turn's context holds until it commits
     // Another engine's turn left open in this process (a run that never committed nor disposed): it ends aborted.
     if (open) this.forget(sessionId, open);
-    const own = () => ({ messages: (params["messages"] as OcMessage[] | undefined) ?? [], estimatedTokens: 0 });
+    const history = (params["messages"] as OcMessage[] | undefined) ?? [];
+    const own = () => ({ messages: history, estimatedTokens: 0 });
     const prompt = str(params["prompt"]);
     if (!prompt) return own(); // no user turn to open (a heartbeat's assemble): OpenClaw's history
     const budget = num(params["tokenBudget"]);
@@ -162,6 +167,7 @@ export class CtxgateEngine {
     if (availableTools instanceof Set) begin.availableTools = [...availableTools].map(String).filter((t) => !this.tools.has(t));
     const drive = new Drive(this.gateway);
     try {
+      if (history.length > 0 && !this.known.has(sessionId)) await this.importIfNew(params, sessionId, history);
       const wait = this.config.timeouts.assembleMs;
       drive.send({ begin });
       const admitted = await drive.until("admitted", wait);
@@ -201,9 +207,9 @@ export class CtxgateEngine {
       if (!drive) {
         // Retried (OpenClaw's outbox, maybe in a later process): the turn may be stored already.
         if (await this.committed(params, key)) return { status: "duplicate" };
-        drive = this.capture(params, messages[0]);
-        await drive.until("admitted", wait);
-        await drive.until("engineSelected", wait);
+        const user = messages[0];
+        if (user?.role !== "user") throw new Error("the turn's messages do not start with its user message");
+        drive = await this.capture(params, [user], wait);
       }
       // The user message went in when the turn opened, engine tool calls and
       // their results as they ran; the rest follows.
@@ -227,21 +233,78 @@ export class CtxgateEngine {
     }
   }
 
-  /** A turn recorded without assembling: begin with its user message. */
-  private capture(params: Params, user: OcMessage | undefined): Drive {
-    if (!user || user.role !== "user") throw new Error("the turn's messages do not start with its user message");
+  /** A turn recorded without assembling, begun with its user message(s) and admitted. */
+  private async capture(params: Params, users: OcMessage[], wait: number): Promise<Drive> {
     const context = (params["runtimeContext"] ?? {}) as { modelId?: string; provider?: string; modelContextWindow?: number };
     const drive = new Drive(this.gateway);
     drive.send({
       begin: {
         session: this.session(params),
         host: { ...HOST, capabilities: CAPTURE_CAPABILITIES },
-        model: { id: str(context.modelId) ?? "openclaw", provider: str(context.provider) ?? "", contextWindow: num(context.modelContextWindow) ?? DEFAULT_WINDOW },
-        userMessages: [fromOpenClaw(user, "")],
+        model: {
+          id: str(context.modelId) ?? str(params["model"]) ?? "openclaw",
+          provider: str(context.provider) ?? "",
+          contextWindow: num(context.modelContextWindow) ?? DEFAULT_WINDOW,
+        },
+        userMessages: users.map((m) => fromOpenClaw(m, "")),
         busyPolicy: "BUSY_POLICY_ENQUEUE",
       },
     });
-    return drive;
+    try {
+      await drive.until("admitted", wait);
+      await drive.until("engineSelected", wait);
+      return drive;
+    } catch (e) {
+      drive.cancel();
+      throw e;
+    }
+  }
+
+  /**
+   * OpenClaw's history of a session the gateway holds nothing of (it ran
+   * before the plugin did) goes there first, once, turn by turn
+   * (history.ts). A session the gateway holds is not compared: its turns
+   * came through the plugin. Throws when the gateway cannot be asked or
+   * refuses a turn; turns already imported stay.
+   */
+  private async importIfNew(params: Params, sessionId: string, history: OcMessage[]): Promise<void> {
+    const wait = this.config.timeouts.commitMs;
+    const session = this.session(params);
+    const info = await new Promise<SessionInfo__Output | undefined>((resolve, reject) =>
+      this.gateway.gateway.GetSession(session, this.gateway.metadata(), { deadline: Date.now() + wait }, (err, value) =>
+        err ? (err.code === 5 ? resolve(undefined) : reject(err)) : resolve(value),
+      ),
+    );
+    if (info && info.entries > 0) return this.known.add(sessionId);
+    const turns = turnsOf(history);
+    if ("refused" in turns) {
+      this.log.warn(`ctxgate: OpenClaw's earlier history of ${session.sessionKey} stays out of the gateway: ${turns.refused}`);
+      return this.known.add(sessionId);
+    }
+    let done = 0;
+    try {
+      for (const turn of turns) {
+        const drive = await this.capture(params, turn.users, wait);
+        try {
+          if (turn.rest.length > 0) {
+            drive.send({ append: { messages: turn.rest.map((m) => fromOpenClaw(m, "")) as AgentMessage[] } });
+            await drive.until("appended", wait);
+          }
+          drive.send({ end: { outcome: "TURN_OUTCOME_ACCEPTED" } });
+          await drive.until("ended", wait);
+          drive.finish();
+        } catch (e) {
+          drive.cancel();
+          throw e;
+        }
+        done++;
+      }
+    } catch (e) {
+      const left = done > 0 ? `; the gateway holds its first ${done} of ${turns.length} earlier turns and will not import the rest` : "";
+      throw new Error(`importing OpenClaw's earlier history failed at turn ${done + 1}: ${(e as Error).message}${left}`);
+    }
+    this.known.add(sessionId);
+    this.log.info(`ctxgate: imported ${turns.length} earlier turn(s) of ${session.sessionKey} (${history.length} messages) into the gateway`);
   }
 
   /** Whether the gateway holds the turn of `key` (stamped on its last message). */

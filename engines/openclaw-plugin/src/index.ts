@@ -8,6 +8,7 @@ import { readFileSync } from "node:fs";
 import { parseConfig } from "./config.js";
 import { CtxgateEngine, ENGINE_ID, type Logger, type OpenTurns, runEngineTool } from "./engine.js";
 import { type Gateway, connect } from "./gateway.js";
+import { KnownSessions } from "./history.js";
 import { ENGINE_TOOL_NAMES, EngineTools, readToolsInWorker } from "./tools.js";
 
 interface PluginApi {
@@ -27,6 +28,8 @@ interface PluginApi {
  */
 const OPEN_TURNS = Symbol.for("ctxgate.openclaw-plugin.open-turns");
 const ENGINE_TOOLS = Symbol.for("ctxgate.openclaw-plugin.engine-tools");
+/** Sessions whose earlier history the gateway is known to hold (history.ts). */
+const KNOWN_SESSIONS = Symbol.for("ctxgate.openclaw-plugin.known-sessions");
 function processWide<T>(key: symbol, make: () => T): T {
   const g = globalThis as Record<symbol, T | undefined>;
   return (g[key] ??= make());
@@ -46,7 +49,8 @@ export default {
     let gateway: Gateway | undefined;
     const turns = processWide<OpenTurns>(OPEN_TURNS, () => new Map());
     const tools = processWide(ENGINE_TOOLS, () => new EngineTools(readToolsInWorker(api.pluginConfig, config.timeouts.connectMs), log.warn));
-    api.registerContextEngine(ENGINE_ID, () => new CtxgateEngine((gateway ??= connect(config)), config, log, turns, tools));
+    const known = processWide(KNOWN_SESSIONS, () => new KnownSessions());
+    api.registerContextEngine(ENGINE_ID, () => new CtxgateEngine((gateway ??= connect(config)), config, log, turns, tools, known));
     api.registerTool?.(
       (ctx) =>
         tools.forRun(ctx.sessionId, (sessionId, toolCallId, name, args) =>
