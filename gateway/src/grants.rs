@@ -31,6 +31,11 @@ impl HostOperation {
             Self::LlmComplete => "llm_complete",
         }
     }
+
+    /// The operation of a name in `Grant.operations`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::ReadTranscript, Self::LlmComplete].into_iter().find(|o| o.as_str() == name)
+    }
 }
 
 /// Why a callback's grant does not cover it.

@@ -16,11 +16,11 @@ use ctxgate_engine_sdk::{LLM_COMPLETE, READ_TRANSCRIPT};
 use ctxgate_engine_window::{Config, WindowEngine};
 use ctxgate_proto::gateway as api;
 use ctxgate_runtime::{connect, engine_client};
-use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
+use ctxgate_tests::fake_openai::{FakeOpenAi, Kind, Reply};
 use ctxgate_tests::hosting::{
     attached, compaction_stream, completed, engine_status, hosting, messages, run_turn, selected,
 };
-use ctxgate_tests::{EngineProcess, TestGateway, bin, metrics_text, start_window};
+use ctxgate_tests::{EngineProcess, TestGateway, bin, harness, metrics_text, start_window};
 use tokio_stream::StreamExt;
 use tonic::transport::Channel;
 
@@ -466,4 +466,59 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
     let assemble = e.methods.iter().find(|m| m.method == "Assemble").unwrap();
     assert_eq!((assemble.calls, assemble.failures), (6, 0));
     g.stop().await;
+}
+
+/// A durable engine hears of a harness turn through CommitTurn, from the
+/// gateway's outbox; that call carries a grant of what the turn's host
+/// allowed, so the window engine's scheduled compaction (at the third turn
+/// here) summarises through the gateway's model — and extractively for a
+/// host without runtime-llm-complete. (The OpenClaw plugin's turns are
+/// such turns.)
+#[tokio::test]
+async fn a_commit_carries_the_host_callbacks_its_turns_host_allowed() {
+    for with_llm in [true, false] {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().to_str().unwrap().to_owned();
+        let args = ["--listen", "127.0.0.1:0", "--state-dir", &state, "--keep-turns", "1", "--auto-compact-after", "1"];
+        let engine = EngineProcess::start(bin("ctxgate-engine-window"), &args).await.unwrap();
+        // The engine's summary prompt is not the gateway's: the fake answers it as a turn.
+        let fake = FakeOpenAi::start().await;
+        fake.turn_default(Reply::Text("A summary from the model.".into()));
+        let mut config = hosting("window", &engine.endpoint, &[]);
+        config.gateway.metrics_listen = "127.0.0.1:0".into();
+        config.models.provider = ProviderKind::Openai;
+        config.models.base_url = fake.base_url.clone();
+        config.models.model = "gpt-test".into();
+        let g = TestGateway::start(config).await;
+        attached(&g, "window").await;
+        let hc = harness::client(&g.endpoint);
+        for i in 0..3 {
+            let mut b = harness::begin("h", &format!("Turn {i}: look at module_{i}.rs please"));
+            if !with_llm {
+                b.host.as_mut().unwrap().capabilities.retain(|c| c != "runtime-llm-complete");
+            }
+            let mut d = harness::Drive::admitted(&hc, b).await;
+            d.append(vec![harness::text(pb::Role::Assistant, &format!("module_{i}.rs looks fine"))]).await.unwrap();
+            assert!(d.end(api::TurnOutcome::Accepted).await.unwrap().engine_committed);
+        }
+        let summary: String = rusqlite::Connection::open(dir.path().join("window.sqlite"))
+            .unwrap()
+            .query_row("SELECT summary FROM summaries WHERE session_id <> ''", [], |r| r.get(0))
+            .expect("the engine compacted at its third turn");
+        let metrics = metrics_text(g.metrics.unwrap()).await;
+        let llm =
+            metrics.contains("ctxgate_host_llm_calls_total{engine=\"window\",operation=\"context-engine.compaction\"}");
+        assert_eq!(llm, with_llm, "the model summarised iff the host allowed it: {summary}\n{metrics}");
+        assert_eq!(
+            summary == "A summary from the model.",
+            with_llm,
+            "the model's summary, or the extractive one: {summary}"
+        );
+        assert_eq!(
+            fake.count(Kind::Turn),
+            usize::from(with_llm),
+            "harness turns bring their own model: only the summary asks this one"
+        );
+        g.stop().await;
+    }
 }

@@ -20,7 +20,8 @@ use crate::turns;
 pub struct Config {
     /// Turns kept verbatim after a compaction.
     pub keep_turns: usize,
-    /// AfterTurn compacts once this many turns beyond `keep_turns` are unsummarised.
+    /// A turn's end (AfterTurn, CommitTurn) compacts once this many turns
+    /// beyond `keep_turns` are unsummarised.
     pub auto_compact_after: usize,
     /// Maintain elides older tool results larger than this.
     pub max_tool_result_bytes: usize,

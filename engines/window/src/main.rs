@@ -21,6 +21,10 @@ struct Args {
     /// Turns kept verbatim after compaction.
     #[arg(long, default_value_t = 4)]
     keep_turns: usize,
+    /// A turn's end compacts once this many turns beyond the kept ones are
+    /// not summarised yet.
+    #[arg(long, default_value_t = 4)]
+    auto_compact_after: usize,
     /// Older tool results larger than this are elided by Maintain.
     #[arg(long, default_value_t = 4096)]
     max_tool_result_bytes: usize,
@@ -42,8 +46,12 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
-    let config =
-        Config { keep_turns: args.keep_turns, max_tool_result_bytes: args.max_tool_result_bytes, ..Config::default() };
+    let config = Config {
+        keep_turns: args.keep_turns,
+        auto_compact_after: args.auto_compact_after,
+        max_tool_result_bytes: args.max_tool_result_bytes,
+        ..Config::default()
+    };
     let engine = WindowEngine::open(&args.state_dir, config)?;
     serve_main(engine, args.serve).await
 }

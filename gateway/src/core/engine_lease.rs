@@ -267,7 +267,6 @@ impl Engines {
     }
 
     /// A grant for one engine call on `session`, expiring with the call.
-    /// The host model is granted only to hosts with runtime-llm-complete.
     pub(super) fn grant(
         &self,
         lease: &EngineLease,
@@ -275,24 +274,50 @@ impl Engines {
         fence_before: Option<&str>,
         deadline: Option<Instant>,
     ) -> Option<GrantGuard> {
-        let endpoint = self.host_endpoint.get()?;
         if !lease.remote {
             return None;
         }
         let ttl = deadline.map_or(GRANT_TTL, |d| d.saturating_duration_since(Instant::now()));
-        let mut operations = vec![HostOperation::ReadTranscript];
-        if lease.host.has(Capability::RuntimeLlmComplete) {
-            operations.push(HostOperation::LlmComplete);
-        }
         let scope = Scope {
             // The config entry, not the id the engine declares: its model
             // slots and audit name are the operator's, not the peer's.
             engine_id: lease.key.clone(),
             session_id: session.session_id.clone(),
             session_key: session.session_key.clone(),
-            operations,
+            operations: host_operations(lease),
             fence_before: fence_before.map(str::to_owned),
         };
+        self.issue(scope, ttl)
+    }
+
+    /// A grant for delivering a queued commit: the operations its turn's
+    /// host allowed, as [`commit_draft`](super::outbox::Delivery::commit_draft)
+    /// wrote them in the queued request (a grant's token cannot be kept,
+    /// it dies with its call), for the one call delivering it now.
+    pub(super) fn commit_grant(&self, engine_id: &str, request: &pb::CommitTurnRequest) -> Option<GrantGuard> {
+        let allowed = request.host.as_ref()?.grant.as_ref()?;
+        let scope = Scope {
+            engine_id: engine_id.to_owned(),
+            session_id: request.session_id.clone(),
+            session_key: request.session_key.clone().unwrap_or_default(),
+            operations: allowed.operations.iter().filter_map(|o| HostOperation::from_name(o)).collect(),
+            fence_before: None,
+        };
+        self.issue(scope, GRANT_TTL)
+    }
+
+    fn issue(&self, scope: Scope, ttl: Duration) -> Option<GrantGuard> {
+        let endpoint = self.host_endpoint.get()?;
         Some(self.grants.issue(endpoint, scope, ttl))
     }
+}
+
+/// What a call of a turn on `lease` may call back for: the transcript,
+/// and the host model only when the host has runtime-llm-complete.
+pub(super) fn host_operations(lease: &EngineLease) -> Vec<HostOperation> {
+    let mut operations = vec![HostOperation::ReadTranscript];
+    if lease.host.has(Capability::RuntimeLlmComplete) {
+        operations.push(HostOperation::LlmComplete);
+    }
+    operations
 }

@@ -19,6 +19,7 @@ use crate::core::session_locks::BusyError;
 use crate::core::types::BusyPolicy;
 use crate::core::{CoreError, now_unix_ms, session_ref};
 use crate::engines::{Call, Engine, EngineCallError};
+use crate::grants::HostOperation;
 use crate::store::{
     Advance, CommitDraft, DueQueue, Forget, OutboxCounts, OutboxDrop, OutboxPage, OutboxRow, PendingCommit, Session,
     Store,
@@ -164,7 +165,11 @@ impl Delivery {
 
     /// The CommitTurn of a durable turn before it closes; the store adds
     /// the turn's messages and its terminal anchor. `position` is the
-    /// admitted message's index in the visible history.
+    /// admitted message's index in the visible history. `host` is what
+    /// the turn's host allows the engine to call back for: kept in the
+    /// request as a grant with no token, made a live grant at each
+    /// delivery ([`Engines::commit_grant`]).
+    #[allow(clippy::too_many_arguments)] // one draft, its parts named
     pub(super) fn commit_draft(
         &self,
         engine_id: &str,
@@ -173,6 +178,7 @@ impl Delivery {
         admitted: &pb::TranscriptEntry,
         position: u64,
         runtime_context: pb::RuntimeContext,
+        host: &[HostOperation],
     ) -> CommitDraft {
         let anchor = pb::TranscriptEntryAnchor {
             agent_id: session.agent_id.clone(),
@@ -201,6 +207,13 @@ impl Delivery {
                 session_key: Some(session.session_key.clone()),
                 session_target: Some(session_target(session)),
                 runtime_context: Some(runtime_context),
+                host: Some(pb::HostAccess {
+                    endpoint: String::new(),
+                    grant: Some(pb::Grant {
+                        operations: host.iter().map(|o| o.as_str().to_owned()).collect(),
+                        ..Default::default()
+                    }),
+                }),
                 ..Default::default()
             },
         }
@@ -240,7 +253,10 @@ impl Delivery {
                 return Ok(Backlog::at(&pending[i..]));
             }
             let key = &p.request.advancement_key;
-            match engine.commit_turn(p.request.clone(), &Call::new(cancel.clone())).await {
+            let mut request = p.request.clone();
+            let grant = self.engines.commit_grant(engine_id, &request);
+            request.host = grant.as_ref().map(|g| g.access.clone());
+            match engine.commit_turn(request, &Call::new(cancel.clone())).await {
                 Ok(r) => {
                     self.store.complete_commit(session_id, key, advance(engine_id, &p.request)).await?;
                     upkeep = Some(upkeep.unwrap_or(Upkeep::NotDue).and(Upkeep::hinted(r.maintenance_due)));

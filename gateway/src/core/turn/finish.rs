@@ -9,7 +9,7 @@ use super::Turn;
 use super::history::Source;
 use super::trace::Attributes;
 use crate::core::CoreError;
-use crate::core::engine_lease::session_target;
+use crate::core::engine_lease::{host_operations, session_target};
 use crate::core::maintenance::Upkeep;
 use crate::core::types::{Capability, Outcome, TurnEvent};
 use crate::engines::EngineCallError;
@@ -113,6 +113,7 @@ impl Turn {
                     &self.admitted[0],
                     position as u64,
                     self.commit_context(&lease, &session),
+                    &host_operations(&lease),
                 ))
             }
         };
