@@ -34,7 +34,7 @@ repo="$(cd "$here/../.." && pwd)"
 ENGINE="${ENGINE:-${1:-window}}"
 case "$ENGINE" in window | python | lossless) ;; *) echo "run.sh: no engine $ENGINE (window, python, lossless)" >&2; exit 2 ;; esac
 run="$repo/target/openclaw-plugin/last-run-$ENGINE"
-LIMIT=${OPENCLAW_PLUGIN_LIMIT:-600}
+LIMIT=${OPENCLAW_PLUGIN_LIMIT:-900}
 SESSION=agent:main:plugin
 
 if [ "${2:-}" = "--inside" ]; then
@@ -73,7 +73,8 @@ if [ "${2:-}" = "--inside" ]; then
     echo '{ "independentLogFile": { "enabled": false } }' > "$run/lossless.json"
     # exec: the background job is the engine itself, so killing it kills the engine.
     case "$ENGINE" in
-      window) exec "$BIN/ctxgate-engine-window" --listen "$engine_addr" --state-dir "$run/engine" ;;
+      # One turn kept, three more before a compaction: it folds its older turns into its summary at turn 5.
+      window) exec "$BIN/ctxgate-engine-window" --listen "$engine_addr" --state-dir "$run/engine" --keep-turns 1 --auto-compact-after 3 ;;
       python) exec "$repo/engines/python/run.sh" --listen "$engine_addr" --state-dir "$run/engine" ;;
       lossless)
         exec "$repo/engines/openclaw-host/run.sh" --plugin "$LOSSLESS" --plugin-config "$run/lossless.json" \
@@ -84,18 +85,25 @@ if [ "${2:-}" = "--inside" ]; then
     listening "$run/engine.out" 120 > /dev/null || fail "the $ENGINE engine did not start" "$run/engine.err"
   }
   start_engine
+  # The gateway's model (models.*) is the fake one: an engine's LlmComplete reaches it.
   cat > "$run/gateway.json5" <<JSON
 {
+  models: { provider: "openai", baseUrl: "http://$model/v1", apiKey: "sk-local", model: "fake-model" },
   plugins: {
     slots: { contextEngine: "$ENGINE" },
     entries: { $ENGINE: { endpoint: "http://$engine_addr", timeouts: { default: 60 } } },
   },
 }
 JSON
-  "$BIN/ctxgate" serve --config "$run/gateway.json5" --listen 127.0.0.1:0 --state-dir "$run/gateway-state" \
-    > "$run/gateway.out" 2> "$run/gateway.err" &
-  pids+=($!)
-  gateway=$(listening "$run/gateway.out" 60) || fail "ctxgate serve did not start" "$run/gateway.err"
+  gateway_pid=""
+  start_gateway() { # $1: the address to listen on; sets gateway (its address) and gateway_pid
+    "$BIN/ctxgate" serve --config "$run/gateway.json5" --listen "$1" --state-dir "$run/gateway-state" \
+      > "$run/gateway.out" 2>> "$run/gateway.err" &
+    gateway_pid=$!
+    pids+=($gateway_pid)
+    gateway=$(listening "$run/gateway.out" 60) || fail "ctxgate serve did not start" "$run/gateway.err"
+  }
+  start_gateway 127.0.0.1:0
   status() { # $1: a JS expression over s (the status) and e (the engine, by its entry id)
     timeout --foreground 20 "$BIN/ctxgate" status --gateway "http://$gateway" --json 2>/dev/null |
       ENGINE="$ENGINE" node -e 'let t="";process.stdin.on("data",d=>t+=d).on("end",()=>{const s=JSON.parse(t);const e=(s.engines||[]).find(x=>x.id===process.env.ENGINE)||{};console.log(String(eval(process.argv[1])))})' "$1" || true
@@ -201,7 +209,32 @@ JSON
   settled
   [ "$(calls CallTool)" = 1 ] || fail "the engine ran $(calls CallTool) tool calls, not 1" "$run/gateway.err"
   node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" 4 || fail "the copies differ after the restart" "$run/gateway.err"
-  echo "openclaw-plugin: ok (4 turns on the window engine, killed and re-admitted, one engine tool call)"
+
+  echo "== the engine's summary from a model: its LlmComplete answered by the gateway's (models.*)"
+  turn 5
+  settled
+  summary=$(node -e 'const {DatabaseSync}=require("node:sqlite");const r=new DatabaseSync(process.argv[1],{readOnly:true}).prepare("SELECT summary FROM summaries").get();console.log(r?r.summary:"")' "$run/engine/window.sqlite")
+  case "$summary" in "Summary by the fake model: "*) ;; *) fail "the engine's summary did not come from the gateway's model: ${summary:0:200}" "$run/engine.err" "$run/model.err" ;; esac
+  grep -q "says Summary by the fake model" "$run/model.err" || fail "the fake model never wrote a summary" "$run/model.err"
+
+  echo "== the gateway down: OpenClaw's own messages answer (onGatewayDown: fallback), the commit waits in OpenClaw's outbox"
+  kill "$gateway_pid"
+  wait "$gateway_pid" 2>/dev/null || true
+  turn 6
+  grep -q "ctxgate: assemble could not reach an answer from the gateway at $gateway" "$run/turn6.log" ||
+    fail "turn 6 fell back without a word on OpenClaw's console" "$run/turn6.log"
+
+  echo "== the gateway back on its address: OpenClaw's outbox delivers turn 6 first, then turn 7 runs through it"
+  start_gateway "$gateway"
+  turn 7
+  settled
+  node "$here/check.mjs" "$db" "$SESSION" "$gateway" "$ENGINE" "$run/engine" 7 || fail "the copies differ after the gateway's return" "$run/gateway.err"
+
+  echo "== subagents: the plugin's prepareSubagentSpawn / onSubagentEnded / rollback at the gateway"
+  node "$here/subagents.mjs" "$gateway" "$SESSION" || fail "the subagent calls did not reach the gateway as they should" "$run/gateway.err"
+  spawns=$(node -e 'const {DatabaseSync}=require("node:sqlite");console.log(new DatabaseSync(process.argv[1],{readOnly:true}).prepare("SELECT COUNT(*) AS n FROM spawns").get().n)' "$run/engine/window.sqlite")
+  [ "$spawns" = 0 ] || fail "the engine still holds $spawns spawn records after both children ended" "$run/engine.err"
+  echo "openclaw-plugin: ok (7 turns on the window engine, killed and re-admitted, one engine tool call, a summary from the gateway's model, the gateway down and back, subagents)"
   exit 0
 fi
 

@@ -3,13 +3,16 @@
 // not, answering REPLY; GET /v1/models lists "fake-model". One tool use: a
 // user message "Search history for WORD" when history_search is among the
 // request's tools is answered with a call of history_search {query: WORD},
-// and the tool's result with "History says: " and the result's text.
+// and the tool's result with "History says: " and the result's text. A
+// request to compress history (a context engine's summary through the
+// gateway's model) is answered with SUMMARY and the request's first words.
 // Listens on 127.0.0.1 (a free port) and prints `listening on
 // 127.0.0.1:PORT`; every request is logged to stderr as one line.
 //   node fake-model.mjs
 import { createServer } from "node:http";
 
 const REPLY = "Noted: the probe heard you.";
+const SUMMARY = "Summary by the fake model:";
 const MODEL = "fake-model";
 
 function usage(body, reply) {
@@ -25,6 +28,10 @@ const textOf = (m) =>
 /** What to answer `body`: text, or one tool call. */
 function answer(body) {
   const messages = body.messages ?? [];
+  if (messages.some((m) => m.role === "system" && /compress conversation history/.test(textOf(m)))) {
+    const asked = messages.filter((m) => m.role === "user").map(textOf).join(" ");
+    return { text: `${SUMMARY} ${asked.replace(/\s+/g, " ").slice(0, 300)}` };
+  }
   // A tool's result since the model's last call (OpenClaw may add a user message of its own context after it).
   const result = messages.slice(messages.findLastIndex((m) => m.role === "assistant") + 1).find((m) => m.role === "tool");
   if (result) return { text: `History says: ${textOf(result).replace(/\s+/g, " ").slice(0, 600)}` };

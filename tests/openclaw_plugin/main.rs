@@ -5,9 +5,12 @@
 //! gateway's copy equal to OpenClaw's transcript, CommitTurn once a turn,
 //! the engine killed between turns (answered by legacy, said on OpenClaw's
 //! console) and restarted (re-admitted, used again, holding every turn; its
-//! history_search offered to OpenClaw's model, called and answered);
-//! with the Python engine and lossless-claw 1.x under the plugin host, two
-//! turns and the same checks. The script (tests/openclaw-plugin/run.sh)
+//! history_search offered to OpenClaw's model, called and answered), its
+//! summary written by the gateway's model (LlmComplete), the gateway killed
+//! (OpenClaw's own messages answer, the commit waits in OpenClaw's outbox)
+//! and back (the waiting commit delivered once); with the Python engine
+//! (its first turn run before the plugin, imported) and lossless-claw 1.x
+//! under the plugin host, two turns and the same checks. The script (tests/openclaw-plugin/run.sh)
 //! installs what it needs, runs one engine at a time (a lock) and bounds
 //! itself in time.
 
@@ -31,7 +34,7 @@ async fn plugin_run(engine: &str) -> String {
 #[tokio::test]
 async fn openclaw_runs_its_turns_on_the_window_engine_through_the_plugin_and_rides_out_its_death() {
     let out = plugin_run("window").await;
-    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (4 turns on the window engine")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("openclaw-plugin: ok (7 turns on the window engine")), "{out}");
 }
 
 #[tokio::test]

@@ -19,13 +19,15 @@
 import { fromOpenClaw, type OcMessage, textOfContent, toOpenClaw } from "@ctxgate/engine-sdk/openclaw";
 import type { PluginConfig } from "./config.js";
 import { Drive } from "./drive.js";
-import type { Gateway } from "./gateway.js";
+import { type Gateway, orNone, unary } from "./gateway.js";
 import type { AgentMessage } from "./gen/contextengine/v1/AgentMessage.js";
 import type { Begin } from "./gen/ctxgate/v1/Begin.js";
 import type { CompactionEvent__Output } from "./gen/ctxgate/v1/CompactionEvent.js";
 import type { Context__Output } from "./gen/ctxgate/v1/Context.js";
 import type { GetTranscriptResult__Output } from "./gen/ctxgate/v1/GetTranscriptResult.js";
+import type { EndSubagentResult__Output } from "./gen/ctxgate/v1/EndSubagentResult.js";
 import type { SessionInfo__Output } from "./gen/ctxgate/v1/SessionInfo.js";
+import type { SpawnSubagentResult__Output } from "./gen/ctxgate/v1/SpawnSubagentResult.js";
 import { type KnownSessions, turnsOf } from "./history.js";
 import { type EngineTools, type ToolAnswer, toolError } from "./tools.js";
 
@@ -125,11 +127,14 @@ export class CtxgateEngine {
     return { agentId, sessionKey };
   }
 
-  /** A failed gateway call: OpenClaw's answer for it in fallback mode, else an error. */
-  private degrade<T>(operation: string, e: unknown, fallback: () => T): T {
+  /**
+   * A failed gateway call: OpenClaw's answer for it in fallback mode (what
+   * that means, `instead`, is in the warning), else an error.
+   */
+  private degrade<T>(operation: string, e: unknown, fallback: () => T, instead = "OpenClaw's own messages answer this turn"): T {
     const why = `ctxgate: ${operation} could not reach an answer from the gateway at ${this.config.target}: ${(e as Error).message}`;
     if (this.config.onGatewayDown === "strict") throw new Error(why);
-    this.log.warn(`${why}; OpenClaw's own messages answer this turn`);
+    this.log.warn(`${why}; ${instead}`);
     return fallback();
   }
 
@@ -270,11 +275,7 @@ export class CtxgateEngine {
   private async importIfNew(params: Params, sessionId: string, history: OcMessage[]): Promise<void> {
     const wait = this.config.timeouts.commitMs;
     const session = this.session(params);
-    const info = await new Promise<SessionInfo__Output | undefined>((resolve, reject) =>
-      this.gateway.gateway.GetSession(session, this.gateway.metadata(), { deadline: Date.now() + wait }, (err, value) =>
-        err ? (err.code === 5 ? resolve(undefined) : reject(err)) : resolve(value),
-      ),
-    );
+    const info = await orNone(unary<SessionInfo__Output>(this.gateway, "GetSession", session, wait));
     if (info && info.entries > 0) return this.known.add(sessionId);
     const turns = turnsOf(history);
     if ("refused" in turns) {
@@ -311,14 +312,8 @@ export class CtxgateEngine {
   private async committed(params: Params, key: string): Promise<boolean> {
     let pageToken = "";
     for (let page = 0; page < MAX_LOOKBACK_PAGES; page++) {
-      const r = await new Promise<GetTranscriptResult__Output | undefined>((resolve, reject) =>
-        this.gateway.gateway.GetTranscript(
-          { session: this.session(params), pageToken },
-          this.gateway.metadata(),
-          { deadline: Date.now() + this.config.timeouts.commitMs },
-          (err, value) => (err ? (err.code === 5 ? resolve(undefined) : reject(err)) : resolve(value)),
-        ),
-      );
+      const request = { session: this.session(params), pageToken };
+      const r = await orNone(unary<GetTranscriptResult__Output>(this.gateway, "GetTranscript", request, this.config.timeouts.commitMs));
       if (!r) return false; // NOT_FOUND: no such session yet
       if (r.entries.some((e) => e.message?.metadata?.[ADVANCEMENT_KEY] === key)) return true;
       if (!r.nextPageToken) return false;
@@ -355,7 +350,8 @@ export class CtxgateEngine {
         result: { tokensBefore: Number(done?.tokensBefore ?? 0), tokensAfter: Number(done?.tokensAfter ?? 0) },
       };
     } catch (e) {
-      return this.degrade("compact", e, () => ({ ok: false, compacted: false, reason: `ctxgate unreachable: ${(e as Error).message}` }));
+      const reason = `ctxgate unreachable: ${(e as Error).message}`;
+      return this.degrade("compact", e, () => ({ ok: false, compacted: false, reason }), "nothing was compacted");
     }
   }
 
@@ -379,7 +375,47 @@ export class CtxgateEngine {
         result: { tokensBefore: Number(done.tokensBefore), tokensAfter: Number(done.tokensAfter) },
       };
     } catch (e) {
-      return this.degrade("compact", e, () => ({ ok: false, compacted: false, reason: `ctxgate: ${(e as Error).message}` }));
+      return this.degrade("compact", e, () => ({ ok: false, compacted: false, reason: `ctxgate: ${(e as Error).message}` }), "nothing was compacted");
+    }
+  }
+
+  /**
+   * OpenClaw is about to run a subagent: the gateway makes its child
+   * session (`fork`: from the parent's visible history) and tells the
+   * engine, so the child's turns start where the engine expects them. The
+   * rollback (OpenClaw's spawn failed) ends the child again.
+   */
+  async prepareSubagentSpawn(params: Params): Promise<{ rollback(): Promise<void> } | undefined> {
+    const parentKey = str(params["parentSessionKey"]);
+    const childKey = str(params["childSessionKey"]);
+    if (!parentKey || !childKey) return undefined; // nothing to name at the gateway
+    const parent = this.session({ sessionKey: parentKey });
+    const child = this.session({ sessionKey: childKey });
+    const ttl = num(params["ttlMs"]);
+    try {
+      await unary<SpawnSubagentResult__Output>(this.gateway, "SpawnSubagent", {
+        parent,
+        childSessionKey: childKey,
+        contextMode: params["contextMode"] === "fork" ? "fork" : "isolated",
+        ...(ttl !== undefined ? { ttlMs: Math.ceil(ttl) } : {}),
+      }, this.config.timeouts.commitMs);
+    } catch (e) {
+      return this.degrade("prepareSubagentSpawn", e, () => undefined, "the subagent runs without the gateway's preparation");
+    }
+    return { rollback: () => this.endSubagent(child, "deleted") };
+  }
+
+  async onSubagentEnded(params: Params): Promise<void> {
+    const childKey = str(params["childSessionKey"]);
+    if (childKey) await this.endSubagent(this.session({ sessionKey: childKey }), String(params["reason"] ?? "released"));
+  }
+
+  /** Ends a child at the gateway; OpenClaw does not wait on this, so a failure is a warning. */
+  private async endSubagent(child: { agentId: string; sessionKey: string }, reason: string): Promise<void> {
+    try {
+      await unary<EndSubagentResult__Output>(this.gateway, "EndSubagent", { child, reason }, this.config.timeouts.commitMs);
+    } catch (e) {
+      this.log.warn(`ctxgate: the gateway at ${this.config.target} did not hear that subagent ${child.sessionKey} ended (${reason}): ${(e as Error).message}`);
     }
   }
 

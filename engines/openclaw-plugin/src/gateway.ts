@@ -51,3 +51,24 @@ export function connect(config: PluginConfig): Gateway {
     },
   };
 }
+
+type UnaryMethod = "GetSession" | "GetTranscript" | "SpawnSubagent" | "EndSubagent";
+
+/** A unary Gateway call answered within `timeoutMs`, or rejected with the gateway's status. */
+export function unary<T>(gw: Gateway, method: UnaryMethod, request: object, timeoutMs: number): Promise<T> {
+  type Call = (req: object, md: grpc.Metadata, opts: grpc.CallOptions, done: (e: grpc.ServiceError | null, v?: T) => void) => void;
+  const call = gw.gateway[method] as unknown as Call;
+  return new Promise((resolve, reject) =>
+    call.call(gw.gateway, request, gw.metadata(), { deadline: Date.now() + timeoutMs }, (e, v) => (e ? reject(e) : resolve(v as T))),
+  );
+}
+
+/** `call`'s answer, or undefined when the gateway has no such session (NOT_FOUND). */
+export async function orNone<T>(call: Promise<T>): Promise<T | undefined> {
+  try {
+    return await call;
+  } catch (e) {
+    if ((e as grpc.ServiceError).code === grpc.status.NOT_FOUND) return undefined;
+    throw e;
+  }
+}
