@@ -57,16 +57,19 @@ CREATE TABLE IF NOT EXISTS spawns (
     expires_at_ms INTEGER
 );
 -- Every message's text, for history_search: summarised or not, a message
--- stays findable until its session is forgotten.
+-- stays findable until its session is forgotten. session_id is indexed so
+-- a search matches the session's rows first (`in_session`) instead of
+-- ranking every session's matches and filtering after.
 CREATE VIRTUAL TABLE IF NOT EXISTS message_text USING fts5(
-    text, session_id UNINDEXED, seq UNINDEXED, role UNINDEXED, tokenize = 'unicode61'
+    text, session_id, seq UNINDEXED, role UNINDEXED, tokenize = 'unicode61'
 );
 ";
 
 /// `PRAGMA user_version`: 1 once the full-text index holds every message,
-/// 2 once every message row has its `role` and `tool_bytes`. A database
-/// from before is brought up once, at open.
-const VERSION: i64 = 2;
+/// 2 once every message row has its `role` and `tool_bytes`, 3 once the
+/// index has `session_id` indexed. A database from before is brought up
+/// once, at open.
+const VERSION: i64 = 3;
 
 /// A session's rolling summary: everything up to `covered_seq` is in it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -183,11 +186,14 @@ fn migrate(c: &mut Connection) -> rusqlite::Result<()> {
         return Ok(());
     }
     let tx = c.transaction()?;
-    if version < 1 {
-        index_all(&tx)?;
-    }
     if version < 2 {
         fill_role_and_tool_bytes(&tx)?;
+    }
+    if version < 3 {
+        // The index's columns changed: made anew, from every message.
+        tx.execute("DROP TABLE IF EXISTS message_text", [])?;
+        tx.execute_batch(SCHEMA)?;
+        index_all(&tx)?;
     }
     tx.pragma_update(None, "user_version", VERSION)?;
     tx.commit()
@@ -292,8 +298,8 @@ pub fn replace_message(c: &Connection, session_id: &str, m: &AgentMessage) -> ru
         .query_row(params![session_id, m.id], |r| r.get(0))
         .optional()?;
     if let Some(seq) = seq {
-        c.prepare_cached("DELETE FROM message_text WHERE session_id = ?1 AND seq = ?2")?
-            .execute(params![session_id, seq])?;
+        c.prepare_cached("DELETE FROM message_text WHERE message_text MATCH ?1 AND session_id = ?2 AND seq = ?3")?
+            .execute(params![in_session(session_id), session_id, seq])?;
         index(c, session_id, seq, m)?;
     }
     Ok(())
@@ -307,13 +313,20 @@ pub struct Hit {
     pub snippet: String,
 }
 
-/// The session's messages matching an FTS5 `query`, best first.
+/// The full-text rows of one session, as an FTS5 expression: the index
+/// finds them without reading any other session's.
+fn in_session(session_id: &str) -> String {
+    format!("session_id : \"{}\"", session_id.replace('"', "\"\""))
+}
+
+const SEARCH: &str = "SELECT seq, role, snippet(message_text, 0, '[', ']', '…', 24) FROM message_text
+     WHERE message_text MATCH ?1 AND session_id = ?2 ORDER BY rank LIMIT ?3";
+
+/// The session's messages matching an FTS5 `query` (in their text), best first.
 pub fn search(c: &Connection, session_id: &str, query: &str, limit: usize) -> rusqlite::Result<Vec<Hit>> {
-    let mut stmt = c.prepare_cached(
-        "SELECT seq, role, snippet(message_text, 0, '[', ']', '…', 24) FROM message_text
-         WHERE message_text MATCH ?1 AND session_id = ?2 ORDER BY rank LIMIT ?3",
-    )?;
-    let rows = stmt.query_map(params![query, session_id, limit as i64], |r| {
+    let mut stmt = c.prepare_cached(SEARCH)?;
+    let matching = format!("{} AND text : ({query})", in_session(session_id));
+    let rows = stmt.query_map(params![matching, session_id, limit as i64], |r| {
         Ok(Hit { seq: r.get(0)?, role: r.get(1)?, snippet: r.get(2)? })
     })?;
     rows.collect()
@@ -423,9 +436,13 @@ pub fn record_commit(c: &Connection, session_id: &str, key: &str) -> rusqlite::R
 
 /// Forgets everything about a session.
 pub fn delete_session(c: &Connection, session_id: &str) -> rusqlite::Result<()> {
-    for table in ["messages", "message_text", "summaries", "commits", "sessions"] {
+    for table in ["messages", "summaries", "commits", "sessions"] {
         c.execute(&format!("DELETE FROM {table} WHERE session_id = ?1"), [session_id])?;
     }
+    c.execute(
+        "DELETE FROM message_text WHERE message_text MATCH ?1 AND session_id = ?2",
+        params![in_session(session_id), session_id],
+    )?;
     Ok(())
 }
 
@@ -565,6 +582,52 @@ mod tests {
         assert_eq!(
             store.read(|c| c.query_row("PRAGMA user_version", [], |r| r.get::<_, i64>(0))).await.unwrap(),
             VERSION
+        );
+    }
+
+    /// A search reads its session's rows, not every session's: the rows
+    /// its statement steps through are as many with 3,000 matches in
+    /// another session as with none.
+    #[tokio::test]
+    async fn a_search_costs_what_its_session_holds_not_what_every_session_holds() {
+        let said = |id: &str, text: &str| AgentMessage {
+            id: id.into(),
+            role: Role::User as i32,
+            content: vec![ContentPart { part: Some(Part::Text(text.into())) }],
+            ..Default::default()
+        };
+        let mine: Vec<_> = (0..3).map(|i| said(&format!("m{i}"), &format!("an apple, the {i}th"))).collect();
+        let others: Vec<_> = (0..3_000).map(|i| said(&format!("o{i}"), "apple pie again")).collect();
+        let steps = |store: Store| async move {
+            store
+                .read(|c| {
+                    let mut stmt = c.prepare(SEARCH)?;
+                    let matching = format!("{} AND text : (\"apple\")", in_session("mine"));
+                    let hits = stmt.query_map(params![matching, "mine", 10], |_| Ok(()))?.count();
+                    Ok((hits, stmt.get_status(rusqlite::StatementStatus::VmStep)))
+                })
+                .await
+                .unwrap()
+        };
+        let (alone, crowded) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let store = Store::open(alone.path()).unwrap();
+        let m = mine.clone();
+        store.write(move |c| insert_messages(c, "mine", &m).map(drop)).await.unwrap();
+        let (hits, alone_steps) = steps(store).await;
+        assert_eq!(hits, 3);
+        let store = Store::open(crowded.path()).unwrap();
+        store
+            .write(move |c| {
+                insert_messages(c, "other", &others)?;
+                insert_messages(c, "mine", &mine).map(drop)
+            })
+            .await
+            .unwrap();
+        let (hits, crowded_steps) = steps(store).await;
+        assert_eq!(hits, 3, "only the session's own");
+        assert!(
+            crowded_steps <= alone_steps * 2,
+            "{crowded_steps} steps among 3,000 others' matches, {alone_steps} alone"
         );
     }
 }
