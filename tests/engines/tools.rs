@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use ctxgate::config::OnFailure;
-use ctxgate_proto::gateway as api;
+use ctxgate_proto::gateway::{self as api, harness_event::Event as H};
 use ctxgate_proto::pb::{Role, content_part::Part, transcript_entry::Entry};
 use ctxgate_tests::harness::{Drive, begin, client, text, tool_call};
 use ctxgate_tests::hosting::{
@@ -58,12 +58,24 @@ async fn a_harness_runs_an_engine_tool_and_the_result_answers_the_call_once() {
 async fn bad_call_tool_requests_are_refused_and_store_nothing() {
     let (_engine, g) = fault_gateway("tools").await;
     let hc = client(&g.endpoint);
-    // A harness tool that has an engine tool's name is refused at begin.
-    let mut b = begin("bad", "hi");
+    // A harness tool that has an engine tool's name wins: the engine's is
+    // not offered in that turn (an engine cannot break a harness's turns
+    // by naming its tools), and the turn says so.
+    let mut b = begin("shadow", "hi");
     b.available_tools = vec!["echo".into()];
-    let s = Drive::open(&hc, b).await.unwrap().context().await.unwrap_err();
-    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
-    assert!(s.message().contains("\"echo\"") && s.message().contains("\"fault\""), "{s:?}");
+    let mut d = Drive::open(&hc, b).await.unwrap();
+    let context = d.context().await.unwrap();
+    assert!(!context.engine_tools.iter().any(|t| t.name == "echo"), "{:?}", context.engine_tools);
+    let warned = d
+        .seen
+        .iter()
+        .any(|e| matches!(e, H::Warning(w) if w.message.contains("\"fault\"'s tools [\"echo\"] are not offered")));
+    assert!(warned, "{:?}", d.seen);
+    d.append(vec![tool_call("s1", "echo", "{}")]).await.unwrap();
+    let s = d.call_tool("s1").await.unwrap_err();
+    assert_eq!(s.code(), Code::FailedPrecondition, "the harness's echo, run by the harness: {s:?}");
+    assert!(s.message().contains("the harness runs its own tools"), "{s:?}");
+    drop(d);
 
     let mut b = begin("bad", "hi");
     b.available_tools = vec!["read_file".into()];

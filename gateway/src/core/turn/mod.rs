@@ -126,6 +126,9 @@ pub struct Turn {
     available_tools: Vec<String>,
     /// The context engine's tools offered in this turn.
     engine_tools: Vec<pb::ToolDefinition>,
+    /// The engine's tools not offered because the harness has a tool of
+    /// the same name (said in a warning when the turn starts).
+    shadowed_tools: Vec<String>,
     /// The session is a subagent's (its tools are the subagent audience's).
     subagent: bool,
     events: EventSink,
@@ -184,14 +187,12 @@ impl Turn {
             Driver::Harness => Unmet::FailClosed,
         };
         let lease = services.engines.lease(Operation::AgentRun, &spec.host, spec.model, unmet)?;
-        let engine_tools = tools::offered(&lease, subagent);
-        // A harness tool the model could not tell from the engine's is refused.
-        if let Some(clash) = spec.available_tools.iter().find(|t| engine_tools.iter().any(|e| &e.name == *t)) {
-            return Err(CoreError::Precondition(format!(
-                "the harness tool {clash:?} has the name of context engine {:?}'s tool {clash:?}: rename the harness's tool",
-                lease.key
-            )));
-        }
+        // The model cannot tell two tools of one name apart: the harness's
+        // wins, so an engine (a peer) cannot break a harness's turns by
+        // declaring the name of a tool the harness offers.
+        let (engine_tools, shadowed): (Vec<_>, Vec<_>) =
+            tools::offered(&lease, subagent).into_iter().partition(|e| !spec.available_tools.contains(&e.name));
+        let shadowed_tools = shadowed.into_iter().map(|t| t.name).collect();
         // It holds its session and runs: from here its time is a sample.
         // Unless the limit fell since it arrived (then it is shed now), or
         // the ticks look like a surge's first ones (then it waits to see).
@@ -236,6 +237,7 @@ impl Turn {
             prompt,
             available_tools: spec.available_tools,
             engine_tools,
+            shadowed_tools,
             subagent,
             events,
             call: Call::new(cancel.clone()).traced(Some(trace.this)),
@@ -265,6 +267,12 @@ impl Turn {
             selection: self.lease.selection(),
             warning: self.lease.degraded.clone(),
         });
+        if !self.shadowed_tools.is_empty() {
+            self.emit(TurnEvent::Warning(format!(
+                "context engine \"{}\"'s tools {:?} are not offered in this turn: the harness has tools of those names",
+                self.lease.key, self.shadowed_tools
+            )));
+        }
         // Durable engines get earlier turns first; a turn the engine has not
         // accepted blocks this session only.
         if self.lease.remote && crate::engines::durable(&self.lease.info) {
