@@ -120,7 +120,11 @@ async fn an_open_client_api_without_authentication_does_not_start() {
         assert!(err.contains(key), "the refusal names {key}: {err}");
     }
     // With a token it serves.
-    let g = ctxgate_tests::EngineProcess::spawn(serve_on("0.0.0.0:0", vec![("CTXGATE_AUTH_TOKEN", "a-secret")])).await;
+    let g = ctxgate_tests::EngineProcess::spawn(serve_on(
+        "0.0.0.0:0",
+        vec![("CTXGATE_AUTH_TOKEN", "a-secret-of-16-chars")],
+    ))
+    .await;
     assert!(g.is_ok(), "a token lets it listen on 0.0.0.0: {:?}", g.err());
 }
 

@@ -445,6 +445,14 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     assert_eq!((s.code(), s.message()), (Code::InvalidArgument, "begin.session.session_key: is required"));
 
     let mut b = begin("bad", "hi");
+    b.session.as_mut().unwrap().session_key = "bad\nINFO forged".into();
+    let s = refused(R::Begin(b)).await;
+    assert_eq!(
+        (s.code(), s.message()),
+        (Code::InvalidArgument, "begin.session.session_key: contains a control character")
+    );
+
+    let mut b = begin("bad", "hi");
     b.host.as_mut().unwrap().id = "my-harness".into();
     assert!(refused(R::Begin(b)).await.message().starts_with("begin.host.id:"));
     let mut b = begin("bad", "hi");
@@ -524,6 +532,22 @@ async fn a_silent_harness_loses_its_turn_after_the_idle_limit() {
     assert!(matches!(events.last(), Some(api::turn_event::Event::Completed(_))), "{events:?}");
     let roles: Vec<Role> = shape(&g, "idle").await.into_iter().map(|(r, _)| r).collect();
     assert_eq!(roles, [Role::User, Role::User, Role::Assistant], "the idle turn's tool call left the branch");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_that_never_begins_is_ended_after_the_begin_limit() {
+    let g = limited_gateway(|l| l.harness_begin_seconds = 1).await;
+    let (tx, rx) = tokio::sync::mpsc::channel::<api::HarnessRequest>(1);
+    let started = std::time::Instant::now();
+    let mut events =
+        client(&g.endpoint).drive_turn(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    // Nothing sent: before `begin` there is no turn, only the clock.
+    let s = within(PATIENCE, "the gateway ending a stream with no begin", events.message()).await.unwrap_err();
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
+    assert!(s.message().contains("harnessBeginSeconds"), "{s:?}");
+    assert!(started.elapsed() < Duration::from_secs(5), "within the 1 s limit (generously): {:?}", started.elapsed());
+    drop(tx);
     g.stop().await;
 }
 

@@ -140,6 +140,18 @@ async fn bad_input_gets_clear_errors() {
     assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "message: is empty"));
     let e = c.run_turn(turn_request("", "hi")).await.err().unwrap();
     assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "session.session_key: is required"));
+    // A key that would forge a log line (or move a terminal's cursor).
+    for key in ["s\n2026-12-07T00:00:00Z  INFO ctxgate: forged", "s\u{1b}[2J"] {
+        let e = c.run_turn(turn_request(key, "hi")).await.err().unwrap();
+        assert_eq!(
+            (e.code(), e.message()),
+            (Code::InvalidArgument, "session.session_key: contains a control character")
+        );
+    }
+    let mut agent = turn_request("s", "hi");
+    agent.session.as_mut().unwrap().agent_id = "a\rb".into();
+    let e = c.run_turn(agent).await.err().unwrap();
+    assert_eq!((e.code(), e.message()), (Code::InvalidArgument, "session.agent_id: contains a control character"));
     let e = c
         .run_turn(turn_request("s", "x".repeat(ctxgate_proto::limits::MAX_MESSAGE_CONTENT_BYTES + 1)))
         .await
@@ -166,14 +178,14 @@ async fn bad_input_gets_clear_errors() {
 #[tokio::test]
 async fn a_configured_token_is_required_and_metrics_count_turns() {
     let mut config = Config::default();
-    config.gateway.auth.token = Some("s3cret".into());
+    config.gateway.auth.token = Some("s3cret-s3cret-s3cret".into());
     config.gateway.metrics_listen = "127.0.0.1:0".into();
     let g = TestGateway::start(config).await;
     let e = run_turn(&g, "s", "hi").await.unwrap_err();
     assert_eq!(e.code(), Code::Unauthenticated);
 
     let channel = tonic::transport::Endpoint::from_shared(g.endpoint.clone()).unwrap().connect().await.unwrap();
-    let token: tonic::metadata::MetadataValue<_> = "Bearer s3cret".parse().unwrap();
+    let token: tonic::metadata::MetadataValue<_> = "Bearer s3cret-s3cret-s3cret".parse().unwrap();
     let mut c = api::gateway_client::GatewayClient::with_interceptor(channel, move |mut r: tonic::Request<()>| {
         r.metadata_mut().insert("authorization", token.clone());
         Ok(r)

@@ -95,12 +95,14 @@ impl api::harness_server::Harness for HarnessApi {
         let trace = crate::api::trace_of(req.metadata());
         let requests = req.into_inner();
         let cancel = self.core.call_token();
-        let idle = Duration::from_secs(self.core.config().gateway.limits.harness_idle_seconds);
+        let limits = &self.core.config().gateway.limits;
+        let idle = Duration::from_secs(limits.harness_idle_seconds);
+        let begin_wait = Duration::from_secs(limits.harness_begin_seconds).min(idle);
         let (events, rx) = Outbound::new(STREAM_CAPACITY, STREAM_BACKLOG, cancel.clone());
         let out = Out { events, cancel: cancel.clone(), idle };
         let core = self.core.clone();
         tokio::spawn(async move {
-            let mut driver = Drive { core, requests, out, trace };
+            let mut driver = Drive { core, requests, out, trace, begin_wait };
             if let Err(status) = driver.run().await {
                 driver.out.fail(status);
             }
@@ -116,6 +118,8 @@ struct Drive {
     out: Out,
     /// The client's `traceparent` (the stream's metadata).
     trace: Option<ctxgate_proto::trace::TraceParent>,
+    /// `gateway.limits.harnessBeginSeconds`.
+    begin_wait: Duration,
 }
 
 impl Drive {
@@ -152,7 +156,14 @@ impl Drive {
     }
 
     async fn run(&mut self) -> Result<(), Status> {
-        let begin = match self.next().await? {
+        let wait = self.begin_wait;
+        let first = tokio::time::timeout(wait, self.next()).await.map_err(|_| {
+            Status::deadline_exceeded(format!(
+                "no begin within {} s of the stream's start (gateway.limits.harnessBeginSeconds)",
+                wait.as_secs()
+            ))
+        })?;
+        let begin = match first? {
             None => return Ok(()),
             Some(R::Begin(b)) => b,
             Some(other) => {

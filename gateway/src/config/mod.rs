@@ -37,6 +37,9 @@ fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.to_owned(), message: message.into() }
 }
 
+/// The shortest client token accepted (`gateway.auth.token`).
+pub const MIN_TOKEN_CHARS: usize = 16;
+
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields, rename_all = "camelCase", default)]
 pub struct Config {
@@ -152,7 +155,9 @@ impl Config {
             if let Err(e) = url.parse::<tokio_postgres::Config>() {
                 return Err(invalid("store.url", format!("not a PostgreSQL URL: {e}")));
             }
-            if url.contains("sslmode=prefer") {
+            // As the driver reads it: `pr%65fer` is `prefer` too.
+            let decoded = percent_encoding::percent_decode_str(url).decode_utf8_lossy();
+            if decoded.contains("sslmode=prefer") {
                 return Err(invalid(
                     "store.url",
                     "sslmode=prefer falls back to plaintext and cannot be verified: use sslmode=require (TLS, \
@@ -215,6 +220,9 @@ impl Config {
         if l.harness_idle_seconds == 0 {
             return Err(invalid("gateway.limits.harnessIdleSeconds", "must be positive"));
         }
+        if l.harness_begin_seconds == 0 {
+            return Err(invalid("gateway.limits.harnessBeginSeconds", "must be positive"));
+        }
         if l.max_concurrent_turns == 0 || l.max_concurrent_turns > 1_000_000 {
             return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
         }
@@ -274,8 +282,20 @@ impl Config {
         if !(c.handshake_timeout_seconds.is_finite() && (0.1..=120.0).contains(&c.handshake_timeout_seconds)) {
             return Err(invalid("gateway.limits.connections.handshakeTimeoutSeconds", "must be between 0.1 and 120"));
         }
-        if self.gateway.auth.token.as_deref().is_some_and(|t| t.trim().is_empty()) {
-            return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));
+        if let Some(t) = &self.gateway.auth.token {
+            if t.trim().is_empty() {
+                return Err(invalid("gateway.auth.token", "is blank; remove it to disable auth"));
+            }
+            // A short token is guessed, not authenticated: every call may try one.
+            if t.chars().count() < MIN_TOKEN_CHARS {
+                return Err(invalid(
+                    "gateway.auth.token",
+                    format!(
+                        "is {} characters; a token needs at least {MIN_TOKEN_CHARS} (e.g. `openssl rand -hex 24`)",
+                        t.chars().count()
+                    ),
+                ));
+            }
         }
         let m = &self.models;
         if m.context_window < 2_000 {

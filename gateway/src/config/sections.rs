@@ -108,6 +108,10 @@ pub struct LimitsSection {
     /// A harness stream that sends nothing for this long is ended (its
     /// turn aborted), so a silent client cannot hold a session.
     pub harness_idle_seconds: u64,
+    /// A harness stream whose first request (`begin`) does not come within
+    /// this long is ended: before `begin` there is no turn and no
+    /// admission, so the stream is held on nothing but this clock.
+    pub harness_begin_seconds: u64,
     /// Turns (running or waiting for their session) the gateway takes at
     /// once; one more is shed at once with RESOURCE_EXHAUSTED and a retry
     /// pushback, never queued.
@@ -227,6 +231,7 @@ impl Default for LimitsSection {
         Self {
             queued_turns_per_session: 8,
             harness_idle_seconds: 300,
+            harness_begin_seconds: 10,
             max_concurrent_turns: 1024,
             max_waiting_turns: 1024,
             max_concurrent_streams_per_connection: 256,

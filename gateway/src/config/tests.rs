@@ -131,10 +131,10 @@ fn a_client_api_other_hosts_reach_must_authenticate_its_clients() {
         assert!(open.contains(key), "{open}");
     }
     assert!(load_str("{ gateway: { listen: '[::]:7300' } }").is_err(), "IPv6 all-interfaces too");
-    assert!(load_str("{ gateway: { listen: '0.0.0.0:7300', auth: { token: 't' } } }").is_ok());
+    assert!(load_str("{ gateway: { listen: '0.0.0.0:7300', auth: { token: '0123456789abcdef' } } }").is_ok());
     assert!(load_str("{ gateway: { listen: '0.0.0.0:7300', allowUnauthenticated: true } }").is_ok());
     assert!(load_str("{ gateway: { listen: '[::1]:7300' } }").is_ok(), "loopback needs nothing");
-    let env = |k: &str| (k == "CTXGATE_AUTH_TOKEN").then(|| "t".to_owned());
+    let env = |k: &str| (k == "CTXGATE_AUTH_TOKEN").then(|| "0123456789abcdef".to_owned());
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("c.json5");
     std::fs::write(&p, "{ gateway: { listen: '0.0.0.0:7300' } }").unwrap();
@@ -142,10 +142,19 @@ fn a_client_api_other_hosts_reach_must_authenticate_its_clients() {
 }
 
 #[test]
+fn a_token_short_enough_to_guess_is_refused() {
+    for short in ["t", "s3cret", "0123456789abcde"] {
+        let e = load_str(&format!("{{ gateway: {{ auth: {{ token: '{short}' }} }} }}")).unwrap_err().to_string();
+        assert!(e.contains("gateway.auth.token") && e.contains("at least 16"), "{short}: {e}");
+    }
+    assert!(load_str("{ gateway: { auth: { token: '0123456789abcdef' } } }").is_ok());
+}
+
+#[test]
 fn the_host_listener_is_its_own() {
     let c = Config::load(None, |_| None).unwrap();
     assert_eq!(c.host_listen_addr().unwrap().to_string(), "127.0.0.1:0", "loopback, a free port");
-    let c = load_str("{ gateway: { listen: '0.0.0.0:7300', auth: { token: 't' } } }").unwrap();
+    let c = load_str("{ gateway: { listen: '0.0.0.0:7300', auth: { token: '0123456789abcdef' } } }").unwrap();
     assert_eq!(c.host_listen_addr().unwrap().to_string(), "127.0.0.1:0", "not on all interfaces unless asked");
     let e = load_str("{ gateway: { hostListen: '127.0.0.1:7300' } }").unwrap_err().to_string();
     assert!(e.contains("gateway.hostListen"), "{e}");
@@ -160,6 +169,12 @@ fn postgres_sslmode_prefer_is_refused_with_what_to_use() {
     let e = load_str("{ store: { url: 'postgres://u@db.example.com/ctx?sslmode=prefer' } }").unwrap_err().to_string();
     assert!(e.contains("store.url") && e.contains("sslmode=require") && e.contains("sslmode=disable"), "{e}");
     assert!(load_str("{ store: { url: 'postgres://u@db.example.com/ctx?sslmode=require' } }").is_ok());
+    // Percent-encoded, as the driver decodes it.
+    for url in ["postgres://u@db.example.com/ctx?sslmode=pr%65fer", "postgres://u@db.example.com/ctx?ss%6Cmode=prefer"]
+    {
+        let e = load_str(&format!("{{ store: {{ url: '{url}' }} }}")).unwrap_err().to_string();
+        assert!(e.contains("sslmode=require"), "{url}: {e}");
+    }
     assert!(load_str("{ store: { url: 'postgres://u@db.example.com/ctx' } }").is_ok(), "unset: plaintext, warned");
 }
 

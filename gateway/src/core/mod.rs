@@ -134,8 +134,20 @@ pub fn session_ref(agent_id: &str, session_key: &str) -> Result<(String, String)
     if key.len() > limits::MAX_ID_BYTES || agent_id.len() > limits::MAX_ID_BYTES {
         return Err(CoreError::too_large("session", format!("ids are limited to {} bytes", limits::MAX_ID_BYTES)));
     }
+    printable("session.session_key", key)?;
+    printable("session.agent_id", agent_id)?;
     let agent = if agent_id.trim().is_empty() { "main" } else { agent_id.trim() };
     Ok((agent.to_owned(), key.to_owned()))
+}
+
+/// An id a client names: it becomes log fields, status lines and the key
+/// engines see, so a newline or an escape in it would forge log lines and
+/// terminal output.
+pub fn printable(field: &str, id: &str) -> Result<(), CoreError> {
+    if id.chars().any(char::is_control) {
+        return Err(CoreError::invalid(field, "contains a control character"));
+    }
+    Ok(())
 }
 
 /// Why the core could not start.

@@ -35,6 +35,7 @@ impl Core {
         if child_key.len() > limits::MAX_ID_BYTES {
             return Err(CoreError::too_large("child_session_key", format!("is over {} bytes", limits::MAX_ID_BYTES)));
         }
+        crate::core::printable("child_session_key", &child_key)?;
         if child_key == parent.session_key {
             return Err(CoreError::invalid("child_session_key", "must differ from the parent's key"));
         }

@@ -178,10 +178,12 @@ fn connect_error(url: &str, e: &tokio_postgres::Error) -> OpenError {
 /// socket): plaintext there crosses no network.
 fn local_only(config: &tokio_postgres::Config) -> bool {
     use tokio_postgres::config::Host;
-    config.get_hosts().iter().all(|h| match h {
-        Host::Tcp(name) => name == "localhost" || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()),
-        Host::Unix(_) => true,
-    })
+    // `hostaddr` is where the driver connects when given, whatever `host` says.
+    config.get_hostaddrs().iter().all(std::net::IpAddr::is_loopback)
+        && config.get_hosts().iter().all(|h| match h {
+            Host::Tcp(name) => name == "localhost" || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback()),
+            Host::Unix(_) => true,
+        })
 }
 
 impl PostgresStore {
@@ -336,4 +338,20 @@ async fn exec<C: GenericClient>(c: &C, sql: &str, p: &[&(dyn ToSql + Sync)]) -> 
 
 fn millis(d: Duration) -> f64 {
     d.as_millis() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::local_only;
+
+    #[test]
+    fn a_server_is_local_only_when_every_address_the_driver_may_use_is() {
+        let local = |url: &str| local_only(&url.parse().unwrap());
+        assert!(local("postgres://u@localhost/db"));
+        assert!(local("postgres://u@127.0.0.1,[::1]/db"));
+        assert!(local("postgres://u@localhost/db?hostaddr=127.0.0.1"));
+        assert!(!local("postgres://u@db.example.com/db"));
+        // `host` names the loopback, `hostaddr` sends the connection elsewhere.
+        assert!(!local("postgres://u@localhost/db?hostaddr=203.0.113.5"));
+    }
 }
