@@ -13,6 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use ctxgate_proto::pb;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::HostCallbacks;
 
@@ -87,6 +88,8 @@ struct Live {
     scope: Scope,
     expires: Instant,
     budget: Arc<Budget>,
+    /// Fired when the grant is revoked (its call ended).
+    revoked: CancellationToken,
 }
 
 /// What is left of one grant's callbacks.
@@ -107,6 +110,9 @@ impl Budget {
 /// until dropped.
 pub struct Callback {
     pub scope: Scope,
+    /// Fired when the grant is revoked: what the callback still holds
+    /// (a transcript stream's pages) goes then.
+    pub revoked: CancellationToken,
     _slot: OwnedSemaphorePermit,
 }
 
@@ -141,7 +147,10 @@ pub struct GrantGuard {
 
 impl Drop for GrantGuard {
     fn drop(&mut self) {
-        self.grants.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
+        let live = self.grants.live.lock().unwrap_or_else(|e| e.into_inner()).remove(&self.token);
+        if let Some(live) = live {
+            live.revoked.cancel();
+        }
     }
 }
 
@@ -160,10 +169,15 @@ impl Grants {
             operations: scope.operations.iter().map(|o| o.as_str().to_owned()).collect(),
             expires_at_unix_ms: expires_at.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64),
         };
-        self.live
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(token.clone(), Live { scope, expires: Instant::now() + ttl, budget: Arc::new(self.budget()) });
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).insert(
+            token.clone(),
+            Live {
+                scope,
+                expires: Instant::now() + ttl,
+                budget: Arc::new(self.budget()),
+                revoked: CancellationToken::new(),
+            },
+        );
         GrantGuard {
             grants: self.clone(),
             token,
@@ -209,7 +223,7 @@ impl Grants {
         if !Budget::spend(&b.calls, l.per_call) {
             return Err(Limit::Calls(l.per_call).into());
         }
-        Ok(Callback { scope: g.scope.clone(), _slot: slot })
+        Ok(Callback { scope: g.scope.clone(), revoked: g.revoked.clone(), _slot: slot })
     }
 
     /// One of `engine_id`'s model-call slots, if one is free.

@@ -2,15 +2,18 @@
 //! callback needs a live grant ([`crate::grants`]) for its session and
 //! operation.
 
+use std::collections::VecDeque;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ctxgate_proto::pb::{self, host_server::Host};
 use tokio_stream::Stream;
+use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::{Request, Response, Status};
 
 use crate::core::Core;
-use crate::grants::{GrantError, HostOperation};
+use crate::grants::{Callback, GrantError, HostOperation};
 use crate::provider::ChatRequest;
 use crate::store::{PageOutcome, PageRequest};
 
@@ -40,16 +43,28 @@ const MAX_LLM_MESSAGES: usize = 1_024;
 /// Bytes of system prompt and message content one LlmComplete may carry.
 const MAX_LLM_BYTES: usize = 4 * 1024 * 1024;
 
-/// One page of entries as chunks of [`CHUNK_ENTRIES`]; each chunk's cursor
-/// resumes after it, the last one's only when `more` follows.
+/// One page of entries as chunks of [`CHUNK_ENTRIES`] and about
+/// [`CHUNK_BYTES`] at most (a larger entry alone); each chunk's cursor
+/// resumes after it, the last one's only when `more` follows. Small chunks
+/// let the connection's flow control hold back what the engine does not
+/// read, in the stream (see [`TranscriptStream`]).
 fn chunks(entries: Vec<pb::TranscriptEntry>, more: bool) -> Vec<pb::TranscriptChunk> {
-    let mut chunks: Vec<pb::TranscriptChunk> = entries
-        .chunks(CHUNK_ENTRIES)
-        .map(|c| pb::TranscriptChunk {
-            entries: c.to_vec(),
-            next_cursor: c.last().map(|e| e.id.clone()).unwrap_or_default(),
-        })
-        .collect();
+    let mut chunks: Vec<pb::TranscriptChunk> = Vec::new();
+    let mut bytes = 0;
+    for e in entries {
+        let size = prost::Message::encoded_len(&e);
+        match chunks.last_mut() {
+            Some(c) if c.entries.len() < CHUNK_ENTRIES && bytes + size <= CHUNK_BYTES => {
+                bytes += size;
+                c.next_cursor.clone_from(&e.id);
+                c.entries.push(e);
+            }
+            _ => {
+                bytes = size;
+                chunks.push(pb::TranscriptChunk { next_cursor: e.id.clone(), entries: vec![e] });
+            }
+        }
+    }
     if let Some(last) = chunks.last_mut().filter(|_| !more) {
         last.next_cursor.clear();
     }
@@ -68,7 +83,74 @@ pub struct HostService {
 
 type Chunks = Pin<Box<dyn Stream<Item = Result<pb::TranscriptChunk, Status>> + Send>>;
 
+/// How long a ReadTranscript answer may wait to be read, whatever its
+/// grant: a page of at most 4 MiB flows in far less.
+const READ_STREAM_LIFE: Duration = Duration::from_secs(30);
+
+/// A ReadTranscript answer, sent as the engine reads it. It holds its
+/// callback's in-flight slot until it ends, so one engine call keeps at
+/// most `hostCallbacks.inFlightPerCall` reads open, read or not; and its
+/// chunks go when the grant is revoked (the engine call ended) or after
+/// [`READ_STREAM_LIFE`], the stream then ending with that error: an engine
+/// that opens reads and never reads them pins no pages past its call.
+struct TranscriptStream {
+    chunks: Arc<Mutex<Pending>>,
+    _call: Callback,
+    /// Stops the watcher when the stream goes.
+    _watch: DropGuard,
+}
+
+enum Pending {
+    Chunks(VecDeque<pb::TranscriptChunk>),
+    Dropped(Status),
+    Ended,
+}
+
+impl TranscriptStream {
+    fn new(chunks: Vec<pb::TranscriptChunk>, call: Callback) -> Self {
+        let pending = Arc::new(Mutex::new(Pending::Chunks(chunks.into())));
+        let (watch, revoked) = (CancellationToken::new(), call.revoked.clone());
+        let (stopped, dropped) = (watch.clone(), pending.clone());
+        tokio::spawn(async move {
+            let why = tokio::select! {
+                () = stopped.cancelled() => return,
+                () = revoked.cancelled() => Status::permission_denied(
+                    "grant: revoked: the engine call it came with ended before its transcript was read",
+                ),
+                () = tokio::time::sleep(READ_STREAM_LIFE) => Status::deadline_exceeded(format!(
+                    "the transcript was not read within {} s",
+                    READ_STREAM_LIFE.as_secs()
+                )),
+            };
+            let mut p = dropped.lock().unwrap_or_else(|e| e.into_inner());
+            if matches!(&*p, Pending::Chunks(c) if !c.is_empty()) {
+                *p = Pending::Dropped(why);
+            }
+        });
+        Self { chunks: pending, _call: call, _watch: watch.drop_guard() }
+    }
+}
+
+impl Stream for TranscriptStream {
+    type Item = Result<pb::TranscriptChunk, Status>;
+
+    // Never pending: the page is read before the stream exists.
+    fn poll_next(self: Pin<&mut Self>, _: &mut std::task::Context<'_>) -> std::task::Poll<Option<Self::Item>> {
+        let mut p = self.chunks.lock().unwrap_or_else(|e| e.into_inner());
+        let next = match &mut *p {
+            Pending::Chunks(c) => c.pop_front().map(Ok),
+            Pending::Dropped(_) => match std::mem::replace(&mut *p, Pending::Ended) {
+                Pending::Dropped(why) => Some(Err(why)),
+                _ => None,
+            },
+            Pending::Ended => None,
+        };
+        std::task::Poll::Ready(next)
+    }
+}
+
 const CHUNK_ENTRIES: usize = 128;
+const CHUNK_BYTES: usize = 256 * 1024;
 
 #[tonic::async_trait]
 impl Host for HostService {
@@ -103,7 +185,7 @@ impl Host for HostService {
                 ));
             }
         };
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks.into_iter().map(Ok)))))
+        Ok(Response::new(Box::pin(TranscriptStream::new(chunks, call))))
     }
 
     async fn llm_complete(
