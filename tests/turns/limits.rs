@@ -334,3 +334,75 @@ async fn turn_status_owned(
     }
     Ok(events)
 }
+
+/// A client that makes the server reset stream after stream — each one
+/// opened with a malformed request (no `:path`), a stream error the server
+/// answers with RST_STREAM — loses its connection (GOAWAY,
+/// ENHANCE_YOUR_CALM) after h2's 1,024, instead of costing the gateway
+/// work for ever. Raw HTTP/2 frames over TCP: no client library sends a
+/// broken request.
+#[tokio::test]
+async fn a_connection_that_makes_the_server_reset_stream_after_stream_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let g = TestGateway::start(Config::default()).await;
+    let addr = g.endpoint.trim_start_matches("http://").to_owned();
+    let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut rx, mut tx) = tcp.into_split();
+    let frame = |kind: u8, flags: u8, stream: u32, payload: &[u8]| {
+        let mut f = (payload.len() as u32).to_be_bytes()[1..].to_vec();
+        f.extend([kind, flags]);
+        f.extend(stream.to_be_bytes());
+        f.extend(payload);
+        f
+    };
+    // HPACK: :method POST, :scheme http, :authority, content-type, te; no :path.
+    let literal = |s: &str| [&[s.len() as u8][..], s.as_bytes()].concat();
+    let headers = [
+        vec![0x83, 0x86, 0x01],
+        literal("localhost"),
+        vec![0x0f, 0x10],
+        literal("application/grpc"),
+        vec![0x00],
+        literal("te"),
+        literal("trailers"),
+    ]
+    .concat();
+    let writer = tokio::spawn(async move {
+        let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        out.extend(frame(0x4, 0, 0, &[]));
+        for i in 0..2_000u32 {
+            let stream = 1 + 2 * i;
+            out.extend(frame(0x1, 0x5, stream, &headers)); // HEADERS, END_STREAM | END_HEADERS
+            if i % 50 == 49 && tx.write_all(&std::mem::take(&mut out)).await.is_err() {
+                return i;
+            }
+        }
+        let _ = tx.write_all(&out).await;
+        2_000
+    });
+    // Read frames until GOAWAY (or the connection ends); count the resets.
+    let (mut resets, mut goaway) = (0, None);
+    let read = async {
+        let mut head = [0u8; 9];
+        while rx.read_exact(&mut head).await.is_ok() {
+            let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+            let mut payload = vec![0u8; len];
+            if rx.read_exact(&mut payload).await.is_err() {
+                break;
+            }
+            match head[3] {
+                0x3 => resets += 1,
+                0x7 if len >= 8 => {
+                    goaway = Some(u32::from_be_bytes([payload[4], payload[5], payload[6], payload[7]]));
+                    break;
+                }
+                _ => {}
+            }
+        }
+    };
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(20), read).await;
+    writer.abort();
+    assert_eq!(goaway, Some(0xb), "GOAWAY with ENHANCE_YOUR_CALM after {resets} resets");
+    assert!(resets <= 1_024, "h2's cap, 1,024: {resets} resets before the GOAWAY");
+    g.stop().await;
+}
