@@ -545,7 +545,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(
-            tonic::transport::Server::builder()
+            ctxgate_runtime::server()
                 .add_service(pb::host_server::HostServer::new(host))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );

@@ -475,12 +475,11 @@ impl<E: ContextEngine> Bound<E> {
         // Health alone, in plaintext, until this server returns (it reads
         // NOT_SERVING through the drain).
         let _health_only = self.health_listener.map(|(l, _)| {
-            let router = tonic::transport::Server::builder().add_service(health.clone());
+            let router = ctxgate_runtime::server().add_service(health.clone());
             AbortOnDrop(tokio::spawn(serve_on(router, l, None, std::future::pending())).abort_handle())
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let router =
-            tonic::transport::Server::builder().add_service(health).add_service(reflection).add_service(engine);
+        let router = ctxgate_runtime::server().add_service(health).add_service(reflection).add_service(engine);
         let stopped = async move {
             let _ = stop_rx.await;
         };

@@ -84,7 +84,7 @@ impl TestHost {
         let state = Arc::new(HostState::default());
         let svc = host_server::HostServer::new(HostSvc { state: state.clone() });
         let task = tokio::spawn(
-            tonic::transport::Server::builder()
+            ctxgate_runtime::server()
                 .add_service(svc)
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );

@@ -236,21 +236,13 @@ struct Serve<'a> {
 
 type Layered = tower::layer::util::Stack<ErrorResponses, tower::layer::util::Identity>;
 
-/// Streams a connection may make the server reset for its own errors
-/// before the connection is closed (GOAWAY, ENHANCE_YOUR_CALM).
-const MAX_LOCAL_ERROR_RESETS: usize = 1024;
-
 impl Serve<'_> {
     fn router(&self) -> tonic::transport::Server<Layered> {
         let l = self.limits;
-        tonic::transport::Server::builder()
+        ctxgate_runtime::server()
             .max_concurrent_streams(Some(l.max_concurrent_streams_per_connection))
             .http2_keepalive_interval(Some(Duration::from_secs(l.http2_keepalive_seconds)))
             .http2_keepalive_timeout(Some(Duration::from_secs(l.http2_keepalive_timeout_seconds)))
-            // tonic passes None (no cap) unless told: a client that makes
-            // the server reset stream after stream (MadeYouReset) would
-            // cost it work for ever. h2's own default, then GOAWAY.
-            .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
             .layer(self.errors.clone())
     }
 
