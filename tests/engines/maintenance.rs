@@ -15,11 +15,23 @@ async fn maintenance_rewrites_become_a_new_branch_and_the_old_one_stays() {
     engine.wait_line("event maintain", Duration::from_secs(5)).await.unwrap();
     let texts = messages(&g, "m").await;
     assert_eq!(texts.len(), 2);
-    assert_eq!(texts[0], "rewritten", "the active branch has the replacement");
+    assert_eq!(texts[1], "rewritten", "the active branch has the replacement");
     let info = g.client.clone().get_session(sref("m")).await.unwrap().into_inner();
     let stored = g.client.clone().list_sessions(api::ListSessionsRequest::default()).await.unwrap().into_inner();
     assert_eq!(info.entries, 2, "the active branch");
-    assert_eq!(stored.sessions[0].entries, 4, "the old branch is kept for audit");
+    assert_eq!(stored.sessions[0].entries, 3, "the old branch is kept for audit");
+    g.stop().await;
+}
+
+#[tokio::test]
+async fn a_maintenance_rewrite_of_a_users_words_is_refused_and_changes_nothing() {
+    let (engine, g) = fault_gateway("maintain-rewrite,rewrite-user").await;
+    assert!(completed(&run_turn(&g, "u", "my own words").await));
+    engine.wait_line("event maintain", Duration::from_secs(5)).await.unwrap();
+    let texts = messages(&g, "u").await;
+    assert_eq!(texts[0], "my own words", "the user's message stands");
+    let stored = g.client.clone().list_sessions(api::ListSessionsRequest::default()).await.unwrap().into_inner();
+    assert_eq!(stored.sessions[0].entries, 2, "no branch was written");
     g.stop().await;
 }
 
@@ -40,7 +52,7 @@ async fn a_commit_that_says_no_maintenance_is_due_skips_the_turns_maintain() {
             let upkeep = engine.wait_lines("event upkeep", 2, Duration::from_secs(2)).await;
             let upkeep = upkeep.expect("Maintain(TURN) after each turn");
             assert!(upkeep.iter().all(|l| l.contains("MAINTAIN_REASON_TURN")), "{upkeep:?}");
-            assert_eq!(texts[0], "rewritten", "{faults}");
+            assert_eq!(texts[1], "rewritten", "{faults}");
         } else {
             assert_eq!(engine.lines_starting("event upkeep"), Vec::<String>::new(), "no Maintain was asked for");
             assert_eq!((texts.len(), texts[0].as_str()), (4, "turn 0"), "nothing rewritten: {texts:?}");

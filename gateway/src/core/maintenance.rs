@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use ctxgate_proto::pb::{AgentMessage, transcript_entry::Entry};
 use ctxgate_proto::{Method, pb};
 use tokio_util::sync::CancellationToken;
 
@@ -13,7 +14,7 @@ use crate::core::claims::SessionGate;
 use crate::core::engine_lease::{EngineLease, Engines, session_target};
 use crate::core::outbox::Delivery;
 use crate::core::types::Capability;
-use crate::core::{Forgetful, Remap};
+use crate::core::{CoreError, Forgetful, Remap};
 use crate::engines::{Call, EngineCallError};
 use crate::store::{Session, Store};
 
@@ -161,7 +162,22 @@ impl Maintenance {
         };
         match lease.engine.maintain(req, call).await {
             Ok(r) if !r.replacements.is_empty() => {
-                let replacements = r.replacements.into_iter().filter_map(|x| Some((x.entry_id, x.message?))).collect();
+                let replacements: Vec<(String, AgentMessage)> =
+                    r.replacements.into_iter().filter_map(|x| Some((x.entry_id, x.message?))).collect();
+                match self.refused(&session.session_id, &replacements).await {
+                    Ok(None) => {}
+                    Ok(Some(why)) => {
+                        tracing::warn!(
+                            engine = %lease.key, session = %session.session_id, why,
+                            "context engine maintenance asked for a rewrite it may not make; the transcript is unchanged"
+                        );
+                        return Remap::new();
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the branch for maintenance rewrites failed");
+                        return Remap::new();
+                    }
+                }
                 match self.store.rewrite(&session.session_id, replacements).await {
                     Ok(o) if o.changed => {
                         tracing::info!(
@@ -170,6 +186,11 @@ impl Maintenance {
                         );
                         return o.remap;
                     }
+                    Ok(o) if o.reason.starts_with("refused") => tracing::warn!(
+                        engine = %lease.key, session = %session.session_id,
+                        reason = %crate::peer_text::capped(&o.reason, 300),
+                        "context engine maintenance asked for a rewrite it may not make; the transcript is unchanged"
+                    ),
                     Ok(o) => {
                         tracing::debug!(reason = %crate::peer_text::capped(&o.reason, 300), "maintenance rewrote nothing")
                     }
@@ -180,6 +201,27 @@ impl Maintenance {
             Err(e) => tracing::warn!(error = %e, "context engine maintain failed"),
         }
         Remap::new()
+    }
+
+    /// Why the engine may not make `replacements` (one it may not make
+    /// refuses them all), read against the session's branch.
+    async fn refused(
+        &self,
+        session_id: &str,
+        replacements: &[(String, AgentMessage)],
+    ) -> Result<Option<String>, CoreError> {
+        let branch = self.store.branch(session_id).await?;
+        for e in &branch {
+            let Some(Entry::Message(old)) = &e.entry else { continue };
+            let Some((_, new)) = replacements.iter().find(|(id, new)| *id == old.id && new.content != old.content)
+            else {
+                continue;
+            };
+            if let Err(why) = may_replace(old, new) {
+                return Ok(Some(format!("message {}: {why}", old.id)));
+            }
+        }
+        Ok(None)
     }
 
     /// After a turn: maintain(turn) in the foreground, or — for engines that
@@ -225,14 +267,63 @@ impl Maintenance {
     }
 }
 
+/// Whether an engine's Maintain may replace `old` with `new` (OpenClaw
+/// lets an engine rewrite anything; ctxgate's engines are peers): never a
+/// user's or a system message — what the user said is not the engine's to
+/// change — the role kept, and the content not grown: maintenance makes
+/// room, it does not write into the history.
+fn may_replace(old: &AgentMessage, new: &AgentMessage) -> Result<(), &'static str> {
+    use pb::Role;
+    if matches!(Role::try_from(old.role), Ok(Role::User | Role::System) | Err(_)) {
+        return Err("a user's or a system message is never rewritten");
+    }
+    if new.role != old.role {
+        return Err("a replacement keeps the message's role");
+    }
+    if ctxgate_proto::validate::content_bytes(new) > ctxgate_proto::validate::content_bytes(old) {
+        return Err("a replacement may not grow the message");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::Upkeep::{self, Due, NotDue};
+    use super::{AgentMessage, may_replace, pb};
 
     #[test]
     fn maintain_is_skipped_only_when_every_answer_said_so() {
         assert_eq!([None, Some(true), Some(false)].map(Upkeep::hinted), [Due, Due, NotDue]);
         assert_eq!(NotDue.and(NotDue), NotDue);
         assert_eq!([Due.and(NotDue), NotDue.and(Due), Due.and(Due)], [Due; 3]);
+    }
+
+    fn message(role: pb::Role, text: &str) -> AgentMessage {
+        AgentMessage {
+            id: "m".into(),
+            role: role as i32,
+            content: vec![pb::ContentPart { part: Some(pb::content_part::Part::Text(text.into())) }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn maintenance_may_shrink_an_assistant_or_tool_message_and_nothing_else() {
+        use pb::Role::*;
+        assert!(may_replace(&message(Assistant, "a long answer"), &message(Assistant, "short")).is_ok());
+        assert!(may_replace(&message(Tool, "a long result"), &message(Tool, "elided")).is_ok());
+        assert_eq!(
+            may_replace(&message(User, "my words"), &message(User, "yours")),
+            Err("a user's or a system message is never rewritten")
+        );
+        assert!(may_replace(&message(System, "rules"), &message(System, "none")).is_err());
+        assert_eq!(
+            may_replace(&message(Tool, "a long result"), &message(User, "short")),
+            Err("a replacement keeps the message's role")
+        );
+        assert_eq!(
+            may_replace(&message(Assistant, "short"), &message(Assistant, "a much longer answer")),
+            Err("a replacement may not grow the message")
+        );
     }
 }
