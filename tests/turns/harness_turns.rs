@@ -190,7 +190,7 @@ async fn a_rewrite_while_the_turn_begins_is_followed_by_its_abort() {
     g.reload(hosting(&engine.endpoint)).await;
     g.wait_attached("engine").await;
 
-    // Bootstrap, then Maintain(bootstrap) rewrites the first message: the
+    // Bootstrap, then Maintain(bootstrap) rewrites the first answer: the
     // branch (this turn's admitted message included) is copied.
     let mut d = Drive::admitted(&hc, begin("rw", "second question")).await;
     engine.wait_line("event maintain", Duration::from_secs(5)).await.expect("maintenance ran at bootstrap");
@@ -202,8 +202,8 @@ async fn a_rewrite_while_the_turn_begins_is_followed_by_its_abort() {
     assert_eq!(
         got,
         [
-            (Role::User, "rewritten".into()),
-            (Role::Assistant, "first answer".into()),
+            (Role::User, "first question".into()),
+            (Role::Assistant, "rewritten".into()),
             (Role::User, "second question".into())
         ],
         "the aborted turn's tool traffic left the rewritten branch"
