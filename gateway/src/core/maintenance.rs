@@ -186,11 +186,6 @@ impl Maintenance {
                         );
                         return o.remap;
                     }
-                    Ok(o) if o.reason.starts_with("refused") => tracing::warn!(
-                        engine = %lease.key, session = %session.session_id,
-                        reason = %crate::peer_text::capped(&o.reason, 300),
-                        "context engine maintenance asked for a rewrite it may not make; the transcript is unchanged"
-                    ),
                     Ok(o) => {
                         tracing::debug!(reason = %crate::peer_text::capped(&o.reason, 300), "maintenance rewrote nothing")
                     }
