@@ -439,6 +439,23 @@ impl Run {
         }
     }
 
+    /// `docker pause`, tried up to three times: the kernel can fail to
+    /// freeze a container caught in uninterruptible IO ("unable to
+    /// freeze"), which says nothing of ctxgate.
+    async fn pause(&mut self, id: &str) {
+        for attempt in 1..=3 {
+            self.say(&format!("docker pause {id}"));
+            match self.stack.docker(&["pause", id]).await {
+                Ok(_) => return,
+                Err(e) if attempt < 3 && e.contains("unable to freeze") => {
+                    self.say(&format!("the container could not be frozen ({e}); again in 1 s"));
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                Err(e) => return self.check(false, e),
+            }
+        }
+    }
+
     /// The container behind a replica address.
     async fn container_at(&self, ids: &[String], address: &str) -> R<String> {
         for id in ids {
@@ -604,7 +621,7 @@ impl Run {
 
         // 6. One replica paused: a hang, then a deadline; unpaused: back.
         let (busiest, paused) = self.busiest(&replicas).await?;
-        self.docker(&["pause", &paused]).await;
+        self.pause(&paused).await;
         self.until_out(&busiest, "the paused replica out of service", Duration::from_secs(40), " (a hang)").await;
         let (_, failed) = self.flow(Duration::from_secs(3)).await;
         self.check(failed == 0, format!("pause: {failed} turn(s) failed"));
