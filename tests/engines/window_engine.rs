@@ -410,6 +410,19 @@ async fn after_turn_compacts_on_its_own_once_enough_turns_pile_up() {
     assert_eq!(ids(&a.messages[1..]), ids(&h[12..]));
 }
 
+/// A gateway hosting `engine` as "window", attached, with metrics and the
+/// `fake` model as its provider.
+async fn hosted_with_model(engine: &EngineProcess, fake: &FakeOpenAi) -> TestGateway {
+    let mut config = hosting("window", &engine.endpoint, &[]);
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    config.models.provider = ProviderKind::Openai;
+    config.models.base_url = fake.base_url.clone();
+    config.models.model = "gpt-test".into();
+    let g = TestGateway::start(config).await;
+    attached(&g, "window").await;
+    g
+}
+
 #[tokio::test]
 async fn turns_run_through_the_window_engine_as_a_real_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -424,13 +437,7 @@ async fn turns_run_through_the_window_engine_as_a_real_process() {
     // through Host.LlmComplete with its grant.
     let fake = FakeOpenAi::start().await;
     fake.summary_default(Reply::Text(ctxgate_tests::fake_openai::good_summary("module_0.rs")));
-    let mut config = hosting("window", &engine.endpoint, &[]);
-    config.gateway.metrics_listen = "127.0.0.1:0".into();
-    config.models.provider = ProviderKind::Openai;
-    config.models.base_url = fake.base_url.clone();
-    config.models.model = "gpt-test".into();
-    let g = TestGateway::start(config).await;
-    attached(&g, "window").await;
+    let g = hosted_with_model(&engine, &fake).await;
     for i in 0..6 {
         let events = run_turn(&g, "w", &format!("Turn {i}: look at module_{i}.rs please")).await;
         assert!(completed(&events), "{events:?}");
@@ -484,13 +491,7 @@ async fn a_commit_carries_the_host_callbacks_its_turns_host_allowed() {
         // The engine's summary prompt is not the gateway's: the fake answers it as a turn.
         let fake = FakeOpenAi::start().await;
         fake.turn_default(Reply::Text("A summary from the model.".into()));
-        let mut config = hosting("window", &engine.endpoint, &[]);
-        config.gateway.metrics_listen = "127.0.0.1:0".into();
-        config.models.provider = ProviderKind::Openai;
-        config.models.base_url = fake.base_url.clone();
-        config.models.model = "gpt-test".into();
-        let g = TestGateway::start(config).await;
-        attached(&g, "window").await;
+        let g = hosted_with_model(&engine, &fake).await;
         let hc = harness::client(&g.endpoint);
         for i in 0..3 {
             let mut b = harness::begin("h", &format!("Turn {i}: look at module_{i}.rs please"));
