@@ -151,6 +151,9 @@ JSON
     fi
     echo "turn $1: answered in $((SECONDS - start)) s${BEFORE:+ (before the plugin)}"
   }
+  sql() { # $1: an SQLite file; $2: a query: the first column of its first row
+    node -e 'const {DatabaseSync}=require("node:sqlite");const r=new DatabaseSync(process.argv[1],{readOnly:true}).prepare(process.argv[2]).get();console.log(r?Object.values(r)[0]:"")' "$1" "$2"
+  }
   settled() { # the gateway's turns are done and its outbox empty
     local w
     for ((w = 0; w < 100; w++)); do
@@ -166,10 +169,10 @@ JSON
     sleep 0.3
   done
   db="$run/openclaw-state/agents/main/agent/openclaw-agent.sqlite"
-  first=2 imported=0 before="" note=""
-  if [ "$ENGINE" = python ]; then imported=1 before=1 note=", turn 1 before it"; fi
-  echo "== $first turns through the plugin ($ENGINE engine)$note"
-  BEFORE=$before turn 1 "Turn 1 of the plugin test: please note it. The codeword is heliotrope."
+  first=2 imported=0
+  [ "$ENGINE" = python ] && imported=1
+  echo "== $first turns through the plugin ($ENGINE engine)$([ $imported = 1 ] && echo ", turn 1 before it")"
+  BEFORE=$([ $imported = 1 ] && echo 1) turn 1 "Turn 1 of the plugin test: please note it. The codeword is heliotrope."
   for ((t = 2; t <= first; t++)); do turn $t; done
   if [ $imported = 1 ]; then
     grep -q "ctxgate: imported 1 earlier turn(s) of $SESSION (2 messages) into the gateway" "$run/turn2.log" ||
@@ -213,7 +216,7 @@ JSON
   echo "== the engine's summary from a model: its LlmComplete answered by the gateway's (models.*)"
   turn 5
   settled
-  summary=$(node -e 'const {DatabaseSync}=require("node:sqlite");const r=new DatabaseSync(process.argv[1],{readOnly:true}).prepare("SELECT summary FROM summaries").get();console.log(r?r.summary:"")' "$run/engine/window.sqlite")
+  summary=$(sql "$run/engine/window.sqlite" "SELECT summary FROM summaries")
   case "$summary" in "Summary by the fake model: "*) ;; *) fail "the engine's summary did not come from the gateway's model: ${summary:0:200}" "$run/engine.err" "$run/model.err" ;; esac
   grep -q "says Summary by the fake model" "$run/model.err" || fail "the fake model never wrote a summary" "$run/model.err"
 
@@ -232,7 +235,7 @@ JSON
 
   echo "== subagents: the plugin's prepareSubagentSpawn / onSubagentEnded / rollback at the gateway"
   node "$here/subagents.mjs" "$gateway" "$SESSION" || fail "the subagent calls did not reach the gateway as they should" "$run/gateway.err"
-  spawns=$(node -e 'const {DatabaseSync}=require("node:sqlite");console.log(new DatabaseSync(process.argv[1],{readOnly:true}).prepare("SELECT COUNT(*) AS n FROM spawns").get().n)' "$run/engine/window.sqlite")
+  spawns=$(sql "$run/engine/window.sqlite" "SELECT COUNT(*) FROM spawns")
   [ "$spawns" = 0 ] || fail "the engine still holds $spawns spawn records after both children ended" "$run/engine.err"
   echo "openclaw-plugin: ok (7 turns on the window engine, killed and re-admitted, one engine tool call, a summary from the gateway's model, the gateway down and back, subagents)"
   exit 0
