@@ -355,20 +355,64 @@ impl Metrics {
     }
 }
 
-/// Serves `GET /metrics` until `shutdown` resolves.
+/// How long one metrics connection may last in all: a scrape is one
+/// request and its answer.
+const CONNECTION_TIME: Duration = Duration::from_secs(30);
+
+/// Serves `GET /metrics` until `shutdown` resolves, each connection
+/// admitted under `limits` (pending until its first byte), its request
+/// header read within `limits.handshake_timeout`, one request per
+/// connection, [`CONNECTION_TIME`] in all.
 pub async fn serve(
     metrics: Metrics,
     listener: tokio::net::TcpListener,
+    limits: ctxgate_runtime::accept::Limits,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let m = metrics.clone();
-            async move { ([("content-type", "text/plain; version=0.0.4")], m.render()) }
-        }),
-    );
-    axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+    use tokio_stream::StreamExt;
+    let incoming = ctxgate_runtime::accept::plain_any(tonic::transport::server::TcpIncoming::from(listener), limits);
+    tokio::pin!(incoming, shutdown);
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let conn = tokio::select! {
+            c = incoming.next() => c,
+            () = &mut shutdown => break,
+        };
+        let Some(conn) = conn else { break };
+        let conn = conn?;
+        let m = metrics.clone();
+        let answer = hyper::service::service_fn(move |req| {
+            let response = respond(&m, &req);
+            async move { Ok::<_, std::convert::Infallible>(response) }
+        });
+        let http = hyper::server::conn::http1::Builder::new()
+            .timer(hyper_util::rt::TokioTimer::new())
+            .header_read_timeout(limits.handshake_timeout)
+            .keep_alive(false)
+            .serve_connection(hyper_util::rt::TokioIo::new(conn), answer);
+        connections.spawn(async move {
+            let _ = tokio::time::timeout(CONNECTION_TIME, http).await;
+        });
+        while connections.try_join_next().is_some() {}
+    }
+    connections.shutdown().await;
+    Ok(())
+}
+
+fn respond<B>(metrics: &Metrics, req: &hyper::Request<B>) -> hyper::Response<String> {
+    let (status, body) = match (req.method(), req.uri().path()) {
+        (&hyper::Method::GET, "/metrics") => (hyper::StatusCode::OK, metrics.render()),
+        (_, "/metrics") => (hyper::StatusCode::METHOD_NOT_ALLOWED, String::new()),
+        _ => (hyper::StatusCode::NOT_FOUND, String::new()),
+    };
+    let mut response = hyper::Response::new(body);
+    *response.status_mut() = status;
+    if status == hyper::StatusCode::OK {
+        response
+            .headers_mut()
+            .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; version=0.0.4"));
+    }
+    response
 }
 
 #[cfg(test)]

@@ -406,3 +406,52 @@ async fn a_connection_that_makes_the_server_reset_stream_after_stream_is_closed(
     assert!(resets <= 1_024, "h2's cap, 1,024: {resets} resets before the GOAWAY");
     g.stop().await;
 }
+
+/// A connection that sends `P` (or anything short of the HTTP/2 preface
+/// and its SETTINGS) and waits is pending, not established: with room for
+/// 64 established connections, 200 of them neither take that room nor keep
+/// a new client out, and none outlives `handshakeTimeoutSeconds`.
+#[tokio::test]
+async fn connections_that_send_a_byte_and_wait_do_not_take_a_clients_place() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut config = Config::default();
+    let c = &mut config.gateway.limits.connections;
+    (c.open_per_peer, c.open_total, c.handshake_timeout_seconds) = (64, 64, 2.0);
+    let g = TestGateway::start(config).await;
+    let addr = g.endpoint.trim_start_matches("http://").to_owned();
+    let mut waiting = Vec::new();
+    for _ in 0..200 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        s.write_all(b"P").await.unwrap();
+        waiting.push(s);
+    }
+    let turn = tokio::time::timeout(std::time::Duration::from_secs(10), turn_status(&g, request("hello".into())));
+    turn.await.expect("the client's turn did not end in 10 s").expect("the client was refused");
+    // The last of them (never evicted) is closed once it has waited its timeout.
+    let last = waiting.last_mut().unwrap();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), last.read(&mut [0u8; 1])).await;
+    assert!(matches!(read, Ok(Ok(0) | Err(_))), "a connection that sent only `P` was not closed: {read:?}");
+    g.stop().await;
+}
+
+/// The metrics listener bounds its peers too: a request header that never
+/// ends is cut after `handshakeTimeoutSeconds`, and a scrape still works.
+#[tokio::test]
+async fn a_metrics_request_whose_header_never_ends_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut config = Config::default();
+    config.gateway.metrics_listen = "127.0.0.1:0".into();
+    config.gateway.limits.connections.handshake_timeout_seconds = 1.0;
+    let g = TestGateway::start(config).await;
+    let metrics = g.metrics.expect("the metrics listener");
+    let mut slow = tokio::net::TcpStream::connect(metrics).await.unwrap();
+    slow.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.unwrap();
+    let started = std::time::Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(10), slow.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "a header that never ends kept its connection 10 s");
+    assert!(started.elapsed() >= std::time::Duration::from_millis(500), "closed before its timeout");
+    let text = ctxgate_tests::metrics_text(metrics).await;
+    assert!(text.starts_with("HTTP/1.") && text.contains("ctxgate_"), "{text}");
+    g.stop().await;
+}

@@ -2,10 +2,12 @@
 //! time, apart from the SDK an engine author uses: endpoints and the
 //! channels to them ([`endpoint`]), TLS read from PEM files and replaced on
 //! reload ([`tls`]), the accept loop that bounds what a peer's connections
-//! cost ([`accept`]), OTLP span export ([`otlp`]) and, with the `sqlite`
+//! cost ([`accept`]) and the descriptor limit they count against
+//! ([`descriptors`]), OTLP span export ([`otlp`]) and, with the `sqlite`
 //! feature, the group-commit SQLite worker ([`sqlite`]).
 
 pub mod accept;
+pub mod descriptors;
 pub mod endpoint;
 pub mod otlp;
 #[cfg(feature = "sqlite")]

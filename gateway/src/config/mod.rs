@@ -272,6 +272,7 @@ impl Config {
         let c = &l.connections;
         for (key, v) in [
             ("openPerPeer", c.open_per_peer),
+            ("openTotal", c.open_total),
             ("pendingPerPeer", c.pending_per_peer),
             ("pendingTotal", c.pending_total),
         ] {
@@ -281,6 +282,9 @@ impl Config {
         }
         if !(c.handshake_timeout_seconds.is_finite() && (0.1..=120.0).contains(&c.handshake_timeout_seconds)) {
             return Err(invalid("gateway.limits.connections.handshakeTimeoutSeconds", "must be between 0.1 and 120"));
+        }
+        if c.max_age_seconds > 0 && c.max_age_seconds < 10 {
+            return Err(invalid("gateway.limits.connections.maxAgeSeconds", "must be 0 (no limit) or at least 10"));
         }
         if let Some(t) = &self.gateway.auth.token {
             if t.trim().is_empty() {
@@ -420,13 +424,17 @@ impl Config {
             .map_err(|_| invalid("gateway.listen", format!("{:?} is not HOST:PORT", self.gateway.listen)))
     }
 
+    /// `gateway.metricsListen`: off when empty; a port alone (`9464` or
+    /// `:9464`) is on loopback — metrics name engines and load, for the
+    /// operator's scraper, not for whoever reaches the gateway's host.
     pub fn metrics_addr(&self) -> Result<Option<SocketAddr>, ConfigError> {
-        if self.gateway.metrics_listen.is_empty() {
+        let listen = self.gateway.metrics_listen.as_str();
+        if listen.is_empty() {
             return Ok(None);
         }
-        self.gateway.metrics_listen.parse().map(Some).map_err(|_| {
-            invalid("gateway.metricsListen", format!("{:?} is not HOST:PORT", self.gateway.metrics_listen))
-        })
+        let port = listen.strip_prefix(':').unwrap_or(listen).parse::<u16>().ok();
+        let addr = port.map(|p| SocketAddr::from((std::net::Ipv4Addr::LOCALHOST, p))).or_else(|| listen.parse().ok());
+        addr.map(Some).ok_or_else(|| invalid("gateway.metricsListen", format!("{listen:?} is not HOST:PORT or PORT")))
     }
 
     /// The Host listener's address: `gateway.hostListen`, or the client

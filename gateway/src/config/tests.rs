@@ -196,3 +196,28 @@ fn the_drop_audit_is_kept_at_least_a_day() {
     let e = load_str("{ store: { auditRetentionDays: 0 } }").unwrap_err().to_string();
     assert!(e.contains("store.auditRetentionDays"), "{e}");
 }
+
+#[test]
+fn metrics_on_a_port_alone_listen_on_loopback() {
+    for (listen, want) in [(":9464", "127.0.0.1:9464"), ("9464", "127.0.0.1:9464"), ("0.0.0.0:9464", "0.0.0.0:9464")] {
+        let c = load_str(&format!("{{ gateway: {{ metricsListen: {listen:?} }} }}")).unwrap();
+        assert_eq!(c.metrics_addr().unwrap().unwrap().to_string(), want, "{listen}");
+    }
+    let e = load_str("{ gateway: { metricsListen: 'nine' } }").unwrap_err().to_string();
+    assert!(e.contains("gateway.metricsListen"), "{e}");
+}
+
+#[test]
+fn connection_caps_fit_the_descriptor_limit() {
+    let c = Connections { open_total: 4096, pending_total: 1024, ..Connections::default() };
+    assert!(c.fit(1 << 20, 3).is_none(), "a high limit leaves them as configured");
+    // 1,024 descriptors (a common soft default), two listeners: each gets (1024 - 512) / 2.
+    let fitted = c.fit(1024, 2).expect("lowered");
+    assert_eq!((fitted.pending_total, fitted.open_total), (51, 256 - 51));
+    let fitted = c.fit(512 + 2 * 5000, 2).expect("lowered");
+    assert_eq!((fitted.pending_total, fitted.open_total), (1000, 4000));
+    let e = load_str("{ gateway: { limits: { connections: { openTotal: 0 } } } }").unwrap_err().to_string();
+    assert!(e.contains("gateway.limits.connections.openTotal"), "{e}");
+    let e = load_str("{ gateway: { limits: { connections: { maxAgeSeconds: 3 } } } }").unwrap_err().to_string();
+    assert!(e.contains("maxAgeSeconds"), "{e}");
+}
