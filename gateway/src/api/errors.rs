@@ -45,10 +45,27 @@ pub fn hidden(mut status: Status, what: &str, detail: &dyn std::fmt::Display) ->
 /// The layer: see the module docs. Its log lines are budgeted: a peer
 /// that sends thousands of refused calls a second costs a line a call only
 /// up to [`LINES_PER_SECOND`]; the rest are counted, and the next line
-/// says how many went unlogged.
+/// says how many went unlogged. Each listener has its own layer, and
+/// calls refused as UNAUTHENTICATED a budget of their own: a flood from
+/// whoever lacks the token, or on the other listener, does not silence
+/// the errors of the callers that have it.
 #[derive(Clone, Default)]
 pub struct ErrorResponses {
-    lines: Arc<std::sync::Mutex<LogBudget>>,
+    lines: Arc<Budgets>,
+}
+
+#[derive(Default)]
+struct Budgets {
+    unauthenticated: std::sync::Mutex<LogBudget>,
+    others: std::sync::Mutex<LogBudget>,
+}
+
+impl Budgets {
+    /// [`LogBudget::take`] from the budget a `code` answer is logged in.
+    fn take(&self, code: tonic::Code) -> Option<u64> {
+        let budget = if code == tonic::Code::Unauthenticated { &self.unauthenticated } else { &self.others };
+        budget.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
 }
 
 /// Error lines logged one by one per second, at most.
@@ -90,7 +107,7 @@ impl<S> tower::Layer<S> for ErrorResponses {
 #[derive(Clone)]
 pub struct Tagging<S> {
     inner: S,
-    lines: Arc<std::sync::Mutex<LogBudget>>,
+    lines: Arc<Budgets>,
 }
 
 type BoxFuture<T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send>>;
@@ -142,7 +159,7 @@ fn oversized_is_resource_exhausted(headers: &mut HeaderMap) {
 /// The call a response answers, for its log line.
 struct Call {
     method: Arc<str>,
-    lines: Arc<std::sync::Mutex<LogBudget>>,
+    lines: Arc<Budgets>,
 }
 
 impl Call {
@@ -160,7 +177,7 @@ impl Call {
                 id
             }
         };
-        let Some(unlogged) = self.lines.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        let Some(unlogged) = self.lines.take(code) else { return };
         let method = &*self.method;
         let status = Status::from_header_map(headers);
         let message = crate::peer_text::capped(status.as_ref().map_or("", Status::message), 300);
@@ -246,5 +263,15 @@ mod tests {
         tokio::time::advance(std::time::Duration::from_secs(1)).await;
         assert_eq!(budget.take(), Some(1_000 - u64::from(LINES_PER_SECOND)), "the next line counts the skipped");
         assert_eq!(budget.take(), Some(0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_without_the_token_leaves_the_other_errors_their_lines() {
+        let budgets = Budgets::default();
+        for _ in 0..1_000 {
+            budgets.take(tonic::Code::Unauthenticated);
+        }
+        assert_eq!(budgets.take(tonic::Code::Unauthenticated), None, "its own budget is spent");
+        assert_eq!(budgets.take(tonic::Code::InvalidArgument), Some(0), "a caller's refusal is still logged");
     }
 }
