@@ -199,3 +199,23 @@ async fn chat_shows_engine_tool_calls_and_the_cli_lists_tools_and_the_context() 
     assert_eq!(code, Some(1));
     assert!(err.contains("no session"), "{err}");
 }
+
+/// The token from a file, so it never shows in `ps`; a file that cannot
+/// be read is named.
+#[tokio::test]
+async fn the_cli_reads_its_token_from_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let config = ctxgate_tests::write_file(d, "c.json5", "{ gateway: { auth: { token: 'a-secret-of-16-chars' } } }");
+    let gw = serve(&d.join("state"), Some(&config)).await;
+    let token = ctxgate_tests::write_file(d, "token", "a-secret-of-16-chars\n");
+    let (code, _, err) = ctxgate(&["status", "--gateway", &gw.endpoint, "--token-file", token.to_str().unwrap()]).await;
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _, err) = ctxgate(&["status", "--gateway", &gw.endpoint]).await;
+    assert_eq!(code, Some(1), "no token: {err}");
+    let missing = d.join("nowhere");
+    let (code, _, err) =
+        ctxgate(&["status", "--gateway", &gw.endpoint, "--token-file", missing.to_str().unwrap()]).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--token-file") && err.contains("nowhere"), "{err}");
+}

@@ -198,6 +198,8 @@ pub enum ConnectError {
     Silent { gateway: String, secs: u64 },
     #[error("the token has characters a header cannot carry")]
     TokenNotAHeader,
+    #[error("--token-file {}: {source}", .path.display())]
+    TokenFile { path: std::path::PathBuf, source: std::io::Error },
 }
 
 #[derive(Args, Debug, Clone)]
@@ -205,9 +207,14 @@ pub struct Conn {
     /// The gateway to talk to.
     #[arg(long, env = "CTXGATE_GATEWAY", default_value = "http://127.0.0.1:7300")]
     pub gateway: String,
-    /// Bearer token, when the gateway requires one.
+    /// Bearer token, when the gateway requires one. A flag shows in `ps`
+    /// to every user of the machine: prefer CTXGATE_AUTH_TOKEN or
+    /// --token-file.
     #[arg(long, env = "CTXGATE_AUTH_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
+    /// A file holding the bearer token (surrounding whitespace ignored).
+    #[arg(long, env = "CTXGATE_AUTH_TOKEN_FILE", conflicts_with = "token")]
+    pub token_file: Option<std::path::PathBuf>,
     /// For an https:// gateway: the CA (PEM) its certificate must chain to
     /// (default: the public web roots).
     #[arg(long, env = "CTXGATE_TLS_CA")]
@@ -295,7 +302,17 @@ impl tonic::service::Interceptor for Bearer {
 
 async fn connect(conn: &Conn) -> Result<Client, ConnectError> {
     let channel = channel(conn).await?;
-    let token = match &conn.token {
+    let token = match (&conn.token, &conn.token_file) {
+        (Some(t), _) => Some(t.clone()),
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .map_err(|source| ConnectError::TokenFile { path: path.clone(), source })?
+                .trim()
+                .to_owned(),
+        ),
+        (None, None) => None,
+    };
+    let token = match token {
         Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| ConnectError::TokenNotAHeader)?),
         None => None,
     };
