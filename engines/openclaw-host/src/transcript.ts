@@ -36,13 +36,27 @@ export interface OcEntry {
   timestamp: number;
 }
 
+/** Sessions kept in memory, the least recently used evicted past it: a
+ * host serves sessions without end, and each holds its whole transcript.
+ * The files are the truth; an evicted session is read again when used. */
+export const MAX_CACHED_SESSIONS = 256;
+
 export class Transcripts {
+  /** In order of use, the least recent first. */
   private readonly sessions = new Map<string, Session>();
   readonly dir: string;
 
-  constructor(stateDir: string) {
+  constructor(
+    stateDir: string,
+    private readonly maxCached = MAX_CACHED_SESSIONS,
+  ) {
     this.dir = join(stateDir, "sessions");
     mkdirSync(this.dir, { recursive: true });
+  }
+
+  /** How many sessions are in memory. */
+  get cached(): number {
+    return this.sessions.size;
   }
 
   /** The session's transcript file (a legacy `sessionFile` locator). */
@@ -54,7 +68,11 @@ export class Transcripts {
 
   private load(sessionId: string): Session {
     let s = this.sessions.get(sessionId);
-    if (s) return s;
+    if (s) {
+      this.sessions.delete(sessionId);
+      this.sessions.set(sessionId, s);
+      return s;
+    }
     const path = this.pathOf(sessionId);
     s = { path, ids: new Set(), lastId: null, messages: [], times: new Map() };
     if (existsSync(path)) {
@@ -77,6 +95,7 @@ export class Transcripts {
       }
     }
     this.sessions.set(sessionId, s);
+    if (this.sessions.size > this.maxCached) this.sessions.delete(this.sessions.keys().next().value!);
     return s;
   }
 
@@ -165,28 +184,26 @@ export class Transcripts {
     if (fresh.length === 0) return [];
     const lines: string[] = [];
     if (!existsSync(s.path)) lines.push(this.header().trimEnd());
-    for (const m of fresh) {
-      const ts = Number(m.createdAtUnixMs ?? 0) || Date.now();
-      const oc: OcMessage[] = toOpenClaw(m, ts);
+    let lastId = s.lastId;
+    const times = fresh.map((m) => Number(m.createdAtUnixMs ?? 0) || Date.now());
+    fresh.forEach((m, i) => {
+      const oc: OcMessage[] = toOpenClaw(m, times[i]);
       oc.forEach((message, k) => {
         const id = k === 0 ? m.id! : `${m.id!}#${k}`;
         lines.push(
           JSON.stringify({
             type: "message",
             id,
-            parentId: s.lastId,
-            timestamp: new Date(ts).toISOString(),
+            parentId: lastId,
+            timestamp: new Date(times[i]).toISOString(),
             message,
             // The contract message itself, so the host can give it back exactly.
             ...(k === 0 ? { proto: m } : {}),
           }),
         );
-        s.lastId = id;
+        lastId = id;
       });
-      s.ids.add(m.id!);
-      s.messages.push(m);
-      s.times.set(m.id!, ts);
-    }
+    });
     const fd = openSync(s.path, "a");
     try {
       writeSync(fd, lines.join("\n") + "\n");
@@ -194,6 +211,14 @@ export class Transcripts {
     } finally {
       closeSync(fd);
     }
+    // Remembered only once written: a failed write leaves them unheld,
+    // so the gateway's resend writes them then.
+    s.lastId = lastId;
+    fresh.forEach((m, i) => {
+      s.ids.add(m.id!);
+      s.messages.push(m);
+      s.times.set(m.id!, times[i]);
+    });
     return fresh;
   }
 

@@ -3,7 +3,7 @@
 // provided API: tools with their audience and session, hooks, runtime.llm
 // and runtime.subagent over the gateway's Host, resolvePath, ForgetSession.
 import assert from "node:assert/strict";
-import { existsSync, readFileSync, writeFileSync } from "node:fs";
+import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
@@ -184,3 +184,36 @@ describe("a transcript in OpenClaw's units", () => {
     assert.equal(t.openClawPlace("s", "nope"), undefined);
   });
 });
+
+describe("the transcripts the host keeps", () => {
+  const say = (id: string): pb.AgentMessage => ({ id, role: "ROLE_USER", content: [{ text: id }] });
+
+  test("keep the most recently used sessions in memory and read the others again from their files", () => {
+    const dir = temp();
+    const t = new Transcripts(dir, 3);
+    for (const k of ["a", "b", "c", "d", "e"]) t.append(k, [say(`${k}1`)]);
+    assert.equal(t.cached, 3);
+    // "a" was evicted: read again from its file, whole, and still appended to once.
+    assert.deepEqual(t.messages("a").map((m) => m.id), ["a1"]);
+    assert.equal(t.append("a", [say("a1"), say("a2")]).length, 1, "a1 is held already");
+    assert.equal(t.cached, 3);
+    const again = new Transcripts(dir, 3);
+    assert.deepEqual(again.messages("a").map((m) => m.id), ["a1", "a2"]);
+    assert.deepEqual(again.entries("a").map((e) => e.parentId), [null, "a1"]);
+  });
+
+  test("hold a message only once it is written", () => {
+    const dir = temp();
+    const t = new Transcripts(dir);
+    t.append("s", [say("m1")]);
+    // The file cannot be written: the append fails and holds nothing new.
+    rmSync(t.dir, { recursive: true });
+    writeFileSync(t.dir, "not a directory");
+    assert.throws(() => t.append("s", [say("m2")]));
+    assert.equal(t.holds("s", "m2"), false, "a message never written is not held");
+    rmSync(t.dir);
+    mkdirSync(t.dir);
+    assert.equal(t.append("s", [say("m2")]).length, 1, "the resend writes it");
+  });
+});
+
