@@ -291,8 +291,13 @@ mod tests {
 
     #[tokio::test]
     async fn a_grant_spends_its_budget_and_then_is_refused_naming_the_limit() {
-        let limits =
-            HostCallbacks { in_flight_per_call: 2, per_call: 5, llm_per_call: 2, llm_concurrent_per_engine: 1 };
+        let limits = HostCallbacks {
+            in_flight_per_call: 2,
+            per_call: 5,
+            llm_per_call: 2,
+            llm_concurrent_per_engine: 1,
+            ..HostCallbacks::default()
+        };
         let grants = Arc::new(Grants::new(limits));
         let g = grants.issue("http://h", both_operations(), Duration::from_secs(60));
         let token = g.access.grant.as_ref().unwrap().token.clone();

@@ -29,6 +29,7 @@ pub mod core;
 pub mod engines;
 pub mod grants;
 pub mod metrics;
+pub mod model_spend;
 pub mod peer_text;
 pub mod provider;
 pub mod store;

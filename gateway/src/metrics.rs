@@ -40,6 +40,12 @@ pub struct EngineMethodCode {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EngineTokens {
+    pub engine: String,
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EngineOperation {
     pub engine: String,
     pub operation: String,
@@ -110,6 +116,9 @@ pub struct Metrics {
     pub engine_bytes_sent: Family<EngineMethod, Counter>,
     pub engine_bytes_received: Family<EngineMethod, Counter>,
     pub host_llm_calls: Family<EngineOperation, Counter>,
+    /// Model tokens spent for engines (Host.LlmComplete), by engine and
+    /// kind (input, output): what `llmTokensPerEnginePerHour` meters.
+    pub host_llm_tokens: Family<EngineTokens, Counter>,
     /// Engine tool calls by outcome (ok, error, timeout, failed,
     /// bad_arguments, cancelled) and their latency. The tool label is a
     /// declared tool's name (64 at most per engine).
@@ -210,6 +219,12 @@ impl Metrics {
             "Host model calls made for engines, by purpose (operation label)",
             host_llm_calls.clone(),
         );
+        let host_llm_tokens = Family::<EngineTokens, Counter>::default();
+        r.register(
+            "host_llm_tokens",
+            "Model tokens spent for engines through Host.LlmComplete, by kind (input, output)",
+            host_llm_tokens.clone(),
+        );
         let engine_tool_calls = Family::<EngineToolOutcome, Counter>::default();
         let engine_tool_seconds = Family::<EngineTool, Histogram>::new_with_constructor(seconds as fn() -> Histogram);
         r.register("engine_tool_calls", "Engine tool calls by tool and outcome", engine_tool_calls.clone());
@@ -239,6 +254,7 @@ impl Metrics {
             engine_bytes_sent,
             engine_bytes_received,
             host_llm_calls,
+            host_llm_tokens,
             engine_tool_calls,
             engine_tool_seconds,
             spans: None,
@@ -301,6 +317,13 @@ impl Metrics {
     /// Counts a host model call by purpose. The label takes only OpenClaw's
     /// purpose strings (anything else is "other"): an engine chooses the
     /// purpose, and a label must not let it grow the metric without bound.
+    /// Tokens one Host.LlmComplete spent for `engine`.
+    pub fn host_llm_tokens(&self, engine: &str, input: u64, output: u64) {
+        for (kind, n) in [("input", input), ("output", output)] {
+            self.host_llm_tokens.get_or_create(&EngineTokens { engine: engine.into(), kind }).inc_by(n);
+        }
+    }
+
     pub fn host_llm_call(&self, engine: &str, purpose: &str) {
         let known = matches!(
             purpose,

@@ -64,3 +64,28 @@ async fn an_llm_complete_over_its_caps_is_refused_and_the_gateway_keeps_serving(
     assert!(completed(&run_turn(&g, "p", "still here?").await));
     g.stop().await;
 }
+
+/// An engine's model spend is metered in tokens: past its hourly budget a
+/// call is refused (RESOURCE_EXHAUSTED) before it reaches the model, and
+/// the turn still completes; within it, the tokens are counted.
+#[tokio::test]
+async fn an_engines_model_calls_past_its_hourly_token_budget_are_refused() {
+    use ctxgate_tests::hosting::{attached, fault_engine, hosting};
+    for (budget, last) in [(1_000, "ResourceExhausted"), (10_000_000, "ok")] {
+        let engine = fault_engine("huge-purpose").await;
+        let mut config = hosting("fault", &engine.endpoint, &[("assemble", 30.0)]);
+        config.gateway.limits.host_callbacks.llm_tokens_per_engine_per_hour = budget;
+        config.gateway.metrics_listen = "127.0.0.1:0".into();
+        let g = ctxgate_tests::TestGateway::start(config).await;
+        attached(&g, "fault").await;
+        assert!(completed(&run_turn(&g, "p", "hello").await));
+        let line = engine.wait_line("event purpose", Duration::from_secs(10)).await.unwrap();
+        let codes = line.split_whitespace().nth(2).unwrap();
+        assert_eq!(codes.rsplit(',').next(), Some(last), "budget {budget}: {line}");
+        let metrics = ctxgate_tests::metrics_text(g.metrics.unwrap()).await;
+        let input =
+            ctxgate_tests::counter(&metrics, "ctxgate_host_llm_tokens_total", "engine=\"fault\",kind=\"input\"");
+        assert_eq!(input > 0, last == "ok", "budget {budget}: {input} input tokens counted");
+        g.stop().await;
+    }
+}

@@ -12,7 +12,7 @@ use tokio_stream::Stream;
 use tokio_util::sync::{CancellationToken, DropGuard};
 use tonic::{Request, Response, Status};
 
-use crate::core::Core;
+use crate::core::{Core, EngineModelError};
 use crate::grants::{Callback, GrantError, HostOperation};
 use crate::provider::ChatRequest;
 use crate::store::{PageOutcome, PageRequest};
@@ -255,11 +255,10 @@ impl Host for HostService {
         // cancels the model request with it.
         let cancel = self.core.call_token();
         let _cancel_on_drop = cancel.clone().drop_guard();
-        let reply = self
-            .core
-            .complete_for_engine(scope, &r.purpose, chat, &cancel)
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let reply = self.core.complete_for_engine(scope, &r.purpose, chat, &cancel).await.map_err(|e| match e {
+            EngineModelError::OverBudget(over) => Status::resource_exhausted(over.to_string()),
+            EngineModelError::Model(e) => Status::unavailable(e.to_string()),
+        })?;
         Ok(Response::new(pb::LlmCompleteResult {
             text: reply.text,
             provider: self.core.provider_name(),

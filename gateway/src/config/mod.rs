@@ -261,6 +261,7 @@ impl Config {
             ("perCall", (1..=100_000).contains(&h.per_call)),
             ("llmPerCall", (1..=1_000).contains(&h.llm_per_call)),
             ("llmConcurrentPerEngine", (1..=10_000).contains(&h.llm_concurrent_per_engine)),
+            ("llmTokensPerEnginePerHour", (1_000..=1_000_000_000_000).contains(&h.llm_tokens_per_engine_per_hour)),
         ] {
             if !ok {
                 return Err(invalid(

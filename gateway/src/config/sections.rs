@@ -155,11 +155,22 @@ pub struct HostCallbacks {
     pub llm_per_call: u32,
     /// LlmComplete calls one engine (all its sessions) may have running.
     pub llm_concurrent_per_engine: usize,
+    /// Model tokens (prompt and output) one engine may spend an hour
+    /// through LlmComplete (`model_spend`).
+    pub llm_tokens_per_engine_per_hour: u64,
 }
 
 impl Default for HostCallbacks {
     fn default() -> Self {
-        Self { in_flight_per_call: 2, per_call: 256, llm_per_call: 8, llm_concurrent_per_engine: 4 }
+        Self {
+            in_flight_per_call: 2,
+            per_call: 256,
+            llm_per_call: 8,
+            llm_concurrent_per_engine: 4,
+            // A summary of a 100,000-token history costs about 105,000:
+            // about a hundred an hour.
+            llm_tokens_per_engine_per_hour: 10_000_000,
+        }
     }
 }
 

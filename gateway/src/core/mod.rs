@@ -23,14 +23,15 @@ pub mod types;
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use ctxgate_proto::limits;
 use ctxgate_proto::pb::{AgentMessage, ContentPart, Role, content_part::Part};
+use ctxgate_proto::{estimate, limits};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, ProviderKind};
 use crate::engines::registry::Registry;
 use crate::grants::{Callback, GrantError, HostOperation, LlmSlot, Scope};
 use crate::metrics::Metrics;
+use crate::model_spend::{ModelSpend, OverBudget};
 use crate::provider::{ChatRequest, ChatResponse, ModelError, ModelProvider};
 use crate::store::{Session, Store};
 use crate::summarize::{Extractive, ModelSummarizer, Summarizer};
@@ -48,6 +49,15 @@ pub use preview::{Preview, PreviewMessage, is_summary};
 pub use session_locks::BusyError;
 pub use turn::{Begun, Finished, StepError, Turn, check_client_message};
 use types::{CompactionEvent, ModelSpec};
+
+/// Why a model call for an engine did not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineModelError {
+    #[error(transparent)]
+    OverBudget(#[from] OverBudget),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
 
 /// Old entry id → new, after a maintenance rewrite copied a branch.
 type Remap = std::collections::HashMap<String, String>;
@@ -72,6 +82,8 @@ pub struct Core {
     maintenance: Arc<Maintenance>,
     /// CommitTurns, ForgetSessions and DELTA cursors.
     delivery: Arc<Delivery>,
+    /// Each engine's model tokens (Host.LlmComplete).
+    model_spend: Arc<ModelSpend>,
     shutdown: CancellationToken,
 }
 
@@ -250,7 +262,22 @@ impl Core {
             gate.clone(),
             shutdown.clone(),
         ));
-        Self { config, store, provider, metrics, engines, compactor, gate, admission, maintenance, delivery, shutdown }
+        let model_spend =
+            Arc::new(ModelSpend::new(config.gateway.limits.host_callbacks.llm_tokens_per_engine_per_hour));
+        Self {
+            config,
+            store,
+            provider,
+            metrics,
+            engines,
+            compactor,
+            gate,
+            admission,
+            maintenance,
+            delivery,
+            model_spend,
+            shutdown,
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -398,18 +425,29 @@ impl Core {
         self.engines.llm_slot(engine_id)
     }
 
-    /// A model request on an engine's behalf (Host.LlmComplete).
+    /// A model request on an engine's behalf (Host.LlmComplete), within the
+    /// engine's hourly token budget: what it may cost (its prompt's
+    /// estimate and its most output) is set aside first, and what the
+    /// model reports it used is what counts.
     pub async fn complete_for_engine(
         &self,
         scope: &Scope,
         purpose: &str,
         mut chat: ChatRequest,
         cancel: &CancellationToken,
-    ) -> Result<ChatResponse, ModelError> {
+    ) -> Result<ChatResponse, EngineModelError> {
+        chat.max_tokens = chat.max_tokens.min(self.config.models.max_output_tokens);
+        let prompt =
+            chat.system.as_deref().map_or(0, estimate::text_tokens) + estimate::messages_tokens(chat.messages.iter());
+        let reserved = self.model_spend.reserve(&scope.engine_id, prompt.saturating_add(chat.max_tokens))?;
         tracing::info!(engine = %scope.engine_id, session = %scope.session_id, purpose = ?purpose, "host model call for a context engine");
         self.metrics.host_llm_call(&scope.engine_id, purpose);
-        chat.max_tokens = chat.max_tokens.min(self.config.models.max_output_tokens);
-        self.provider.complete(chat, None, cancel).await
+        let reply = self.provider.complete(chat, None, cancel).await?;
+        // A provider that reports no usage is charged the prompt estimate.
+        let (input, output) = (reply.usage.input_tokens.unwrap_or(prompt), reply.usage.output_tokens.unwrap_or(0));
+        reserved.settle(input.saturating_add(output));
+        self.metrics.host_llm_tokens(&scope.engine_id, input, output);
+        Ok(reply)
     }
 }
 
