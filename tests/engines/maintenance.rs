@@ -60,3 +60,27 @@ async fn a_commit_that_says_no_maintenance_is_due_skips_the_turns_maintain() {
         g.stop().await;
     }
 }
+
+/// Each rewrite copies the branch: a session takes
+/// `maintainRewritesPerSessionPerHour` of them, and the next is refused
+/// with the transcript unchanged.
+#[tokio::test]
+async fn maintenance_rewrites_past_the_sessions_hourly_allowance_are_refused() {
+    let engine = fault_engine("maintain-rewrite").await;
+    let mut config = hosting("fault", &engine.endpoint, &[]);
+    config.gateway.limits.maintain_rewrites_per_session_per_hour = 1;
+    let g = ctxgate_tests::TestGateway::start(config).await;
+    attached(&g, "fault").await;
+    // The third turn runs after the second's maintenance (the session's
+    // turns and its upkeep take turns), so what it reads is settled.
+    for (i, text) in ["first", "second", "third"].into_iter().enumerate() {
+        assert!(completed(&run_turn(&g, "r", text).await));
+        let asked = engine.wait_lines("event maintain", i + 1, Duration::from_secs(5)).await;
+        assert!(asked.is_some(), "turn {}: the engine asked for a rewrite", i + 1);
+    }
+    let texts = messages(&g, "r").await;
+    assert_eq!(texts.len(), 6, "{texts:?}");
+    assert_eq!(texts[1], "rewritten", "the first rewrite was applied");
+    assert_ne!(texts[3], "rewritten", "the second, over the allowance, was not: {texts:?}");
+    g.stop().await;
+}

@@ -223,6 +223,9 @@ impl Config {
         if l.harness_begin_seconds == 0 {
             return Err(invalid("gateway.limits.harnessBeginSeconds", "must be positive"));
         }
+        if l.maintain_rewrites_per_session_per_hour > 100_000 {
+            return Err(invalid("gateway.limits.maintainRewritesPerSessionPerHour", "is over 100000"));
+        }
         if l.max_concurrent_turns == 0 || l.max_concurrent_turns > 1_000_000 {
             return Err(invalid("gateway.limits.maxConcurrentTurns", "must be between 1 and 1000000"));
         }

@@ -112,6 +112,10 @@ pub struct LimitsSection {
     /// this long is ended: before `begin` there is no turn and no
     /// admission, so the stream is held on nothing but this clock.
     pub harness_begin_seconds: u64,
+    /// Maintenance rewrites applied to one session an hour at most; more
+    /// are refused (the transcript unchanged). Each copies the branch
+    /// from the first message it replaces.
+    pub maintain_rewrites_per_session_per_hour: u32,
     /// Turns (running or waiting for their session) the gateway takes at
     /// once; one more is shed at once with RESOURCE_EXHAUSTED and a retry
     /// pushback, never queued.
@@ -276,6 +280,7 @@ impl Default for LimitsSection {
             queued_turns_per_session: 8,
             harness_idle_seconds: 300,
             harness_begin_seconds: 10,
+            maintain_rewrites_per_session_per_hour: 60,
             max_concurrent_turns: 1024,
             max_waiting_turns: 1024,
             max_concurrent_streams_per_connection: 256,

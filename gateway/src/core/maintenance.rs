@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::core::claims::SessionGate;
 use crate::core::engine_lease::{EngineLease, Engines, session_target};
 use crate::core::outbox::Delivery;
+use crate::core::rewrite_rate::RewriteRate;
 use crate::core::types::Capability;
 use crate::core::{CoreError, Forgetful, Remap};
 use crate::engines::{Call, EngineCallError};
@@ -59,6 +60,8 @@ pub struct Maintenance {
     /// Background lanes: sessions with a run going, and whether a
     /// follow-up is queued.
     lanes: Mutex<HashMap<String, bool>>,
+    /// Rewrites applied per session an hour (`maintainRewritesPerSessionPerHour`).
+    rewrites: Mutex<RewriteRate>,
     shutdown: CancellationToken,
 }
 
@@ -68,6 +71,7 @@ impl Maintenance {
         engines: Arc<Engines>,
         delivery: Arc<Delivery>,
         gate: Arc<SessionGate>,
+        rewrites_per_hour: u32,
         shutdown: CancellationToken,
     ) -> Self {
         Self {
@@ -77,8 +81,13 @@ impl Maintenance {
             gate,
             bootstrapped: Mutex::new(Forgetful::new(MAX_BOOTSTRAPPED)),
             lanes: Mutex::default(),
+            rewrites: Mutex::new(RewriteRate::new(rewrites_per_hour)),
             shutdown,
         }
+    }
+
+    fn rewrites(&self) -> std::sync::MutexGuard<'_, RewriteRate> {
+        self.rewrites.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Forgets which sessions were bootstrapped (new engines: they are
@@ -178,8 +187,17 @@ impl Maintenance {
                         return Remap::new();
                     }
                 }
+                if !self.rewrites().allows(&session.session_id) {
+                    tracing::warn!(
+                        engine = %lease.key, session = %session.session_id,
+                        "context engine maintenance is over this session's rewrites for the hour \
+                         (gateway.limits.maintainRewritesPerSessionPerHour); the transcript is unchanged"
+                    );
+                    return Remap::new();
+                }
                 match self.store.rewrite(&session.session_id, replacements).await {
                     Ok(o) if o.changed => {
+                        self.rewrites().applied(&session.session_id);
                         tracing::info!(
                             session = %session.session_id, rewritten = o.rewritten_entries, bytes_freed = o.bytes_freed,
                             "context engine maintenance changed the transcript"

@@ -14,6 +14,7 @@ mod maintenance;
 mod managed;
 mod outbox;
 mod preview;
+mod rewrite_rate;
 mod session_locks;
 mod sessions;
 mod subagents;
@@ -260,6 +261,7 @@ impl Core {
             engines.clone(),
             delivery.clone(),
             gate.clone(),
+            config.gateway.limits.maintain_rewrites_per_session_per_hour,
             shutdown.clone(),
         ));
         let model_spend =
