@@ -314,9 +314,6 @@ impl Metrics {
         }
     }
 
-    /// Counts a host model call by purpose. The label takes only OpenClaw's
-    /// purpose strings (anything else is "other"): an engine chooses the
-    /// purpose, and a label must not let it grow the metric without bound.
     /// Tokens one Host.LlmComplete spent for `engine`.
     pub fn host_llm_tokens(&self, engine: &str, input: u64, output: u64) {
         for (kind, n) in [("input", input), ("output", output)] {
@@ -324,6 +321,9 @@ impl Metrics {
         }
     }
 
+    /// Counts a host model call by purpose. The label takes only OpenClaw's
+    /// purpose strings (anything else is "other"): an engine chooses the
+    /// purpose, and a label must not let it grow the metric without bound.
     pub fn host_llm_call(&self, engine: &str, purpose: &str) {
         let known = matches!(
             purpose,
@@ -425,6 +425,8 @@ pub async fn serve(
 fn respond<B>(metrics: &Metrics, req: &hyper::Request<B>) -> hyper::Response<String> {
     let (status, body) = match (req.method(), req.uri().path()) {
         (&hyper::Method::GET, "/metrics") => (hyper::StatusCode::OK, metrics.render()),
+        // hyper sends a HEAD answer's headers only.
+        (&hyper::Method::HEAD, "/metrics") => (hyper::StatusCode::OK, String::new()),
         (_, "/metrics") => (hyper::StatusCode::METHOD_NOT_ALLOWED, String::new()),
         _ => (hyper::StatusCode::NOT_FOUND, String::new()),
     };

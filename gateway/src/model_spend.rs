@@ -6,9 +6,11 @@
 //! hour (a window that starts with its first call and runs an hour). A
 //! call reserves what it may cost before it reaches the model — its
 //! prompt's estimated tokens and the most output it may get — and is
-//! settled to what the model reports it used; a call the model fails
-//! gives its reservation back. One that would pass the budget is refused
-//! (RESOURCE_EXHAUSTED) with the time until the window ends.
+//! settled to what the model reports it used; a call that fails or is
+//! cancelled once sent is charged its prompt (the model may have read it:
+//! an engine cannot spend by hanging up). One that would pass the budget
+//! is refused (RESOURCE_EXHAUSTED) with the time until the window ends;
+//! one larger than the whole budget, saying so.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -36,11 +38,7 @@ struct Window {
 }
 
 /// A call refused: its engine's budget would be passed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "engine {engine} has used {used} of its {budget} model tokens this hour and this call may need {asked} \
-     (gateway.limits.hostCallbacks.llmTokensPerEnginePerHour); retry in {retry_secs} s"
-)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OverBudget {
     pub engine: String,
     pub used: u64,
@@ -49,12 +47,36 @@ pub struct OverBudget {
     pub retry_secs: u64,
 }
 
-/// Tokens set aside for one model call until it is settled; given back
-/// when dropped unsettled (the call failed or was cancelled).
+impl std::fmt::Display for OverBudget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const KEY: &str = "gateway.limits.hostCallbacks.llmTokensPerEnginePerHour";
+        let (engine, asked, budget) = (&self.engine, self.asked, self.budget);
+        if asked > budget {
+            write!(f, "this call may need {asked} model tokens, more than engine {engine}'s {budget} an hour ({KEY})")
+        } else {
+            let (used, retry) = (self.used, self.retry_secs);
+            write!(
+                f,
+                "engine {engine} has used {used} of its {budget} model tokens this hour and this call may need {asked} ({KEY}); retry in {retry} s"
+            )
+        }
+    }
+}
+
+impl std::error::Error for OverBudget {}
+
+/// Tokens set aside for one model call until it is settled. Dropped
+/// unsettled (the call failed or was cancelled), it charges its floor: 0
+/// until [`Reserved::sent`], the prompt after.
 pub struct Reserved {
     spend: Arc<ModelSpend>,
     engine: String,
+    /// The window it was reserved in: settling in a later one leaves that
+    /// one alone (its reservation went with its window).
+    window: Instant,
     tokens: u64,
+    floor: u64,
+    settled: bool,
 }
 
 impl ModelSpend {
@@ -88,7 +110,14 @@ impl ModelSpend {
             });
         }
         w.used += tokens;
-        Ok(Reserved { spend: self.clone(), engine: engine.to_owned(), tokens })
+        Ok(Reserved {
+            spend: self.clone(),
+            engine: engine.to_owned(),
+            window: w.start,
+            tokens,
+            floor: 0,
+            settled: false,
+        })
     }
 
     /// Tokens `engine` has used in its current window.
@@ -97,26 +126,33 @@ impl ModelSpend {
         self.windows().get(engine).filter(|w| now.saturating_duration_since(w.start) < WINDOW).map_or(0, |w| w.used)
     }
 
-    fn adjust(&self, engine: &str, reserved: u64, used: u64) {
-        if let Some(w) = self.windows().get_mut(engine) {
+    /// What was set aside in `window` becomes `used`.
+    fn adjust(&self, engine: &str, window: Instant, reserved: u64, used: u64) {
+        if let Some(w) = self.windows().get_mut(engine).filter(|w| w.start == window) {
             w.used = w.used.saturating_sub(reserved).saturating_add(used);
         }
     }
 }
 
 impl Reserved {
+    /// The request is on its way with a prompt of `prompt` tokens: from
+    /// now on, the least it is charged.
+    pub fn sent(&mut self, prompt: u64) {
+        self.floor = prompt.min(self.tokens);
+    }
+
     /// The call cost `used` tokens (what the model reported), in place of
     /// what was set aside.
     pub fn settle(mut self, used: u64) {
-        self.spend.adjust(&self.engine, self.tokens, used);
-        self.tokens = 0;
+        self.spend.adjust(&self.engine, self.window, self.tokens, used);
+        self.settled = true;
     }
 }
 
 impl Drop for Reserved {
     fn drop(&mut self) {
-        if self.tokens > 0 {
-            self.spend.adjust(&self.engine, self.tokens, 0);
+        if !self.settled {
+            self.spend.adjust(&self.engine, self.window, self.tokens, self.floor);
         }
     }
 }
@@ -141,12 +177,29 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_failed_call_gives_its_reservation_back_and_one_in_flight_counts() {
+    async fn a_call_that_fails_costs_nothing_before_it_is_sent_and_its_prompt_after() {
         let spend = Arc::new(ModelSpend::new(1_000));
         let in_flight = spend.reserve("e", 800).unwrap();
         assert!(spend.reserve("e", 300).is_err(), "the call in flight holds its reservation");
         drop(in_flight);
-        assert_eq!(spend.used("e"), 0);
-        assert!(spend.reserve("e", 1_001).is_err(), "a call bigger than the budget never runs");
+        assert_eq!(spend.used("e"), 0, "never sent: given back");
+        let mut sent = spend.reserve("e", 800).unwrap();
+        sent.sent(300);
+        drop(sent);
+        assert_eq!(spend.used("e"), 300, "sent, then dropped (the engine hung up): its prompt is charged");
+        let too_big = spend.reserve("e", 1_001).err().expect("a call bigger than the budget never runs");
+        assert!(too_big.to_string().contains("more than engine e's 1000 an hour"), "{too_big}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_settled_in_the_next_window_leaves_that_window_alone() {
+        let spend = Arc::new(ModelSpend::new(1_000));
+        let old = spend.reserve("e", 500).unwrap();
+        tokio::time::advance(WINDOW).await;
+        let new = spend.reserve("e", 600).unwrap();
+        old.settle(100);
+        assert_eq!(spend.used("e"), 600, "the new window keeps its own reservation");
+        new.settle(50);
+        assert_eq!(spend.used("e"), 50);
     }
 }

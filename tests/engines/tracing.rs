@@ -74,22 +74,33 @@ fn hex(s: &str) -> Vec<u8> {
 
 /// An OTLP/gRPC collector on loopback: what it received, and its address.
 async fn collector() -> (Collector, String) {
+    collector_with(None).await
+}
+
+/// [`collector`], over TLS with `tls` when given (its address https://).
+async fn collector_with(tls: Option<ctxgate_runtime::tls::LiveServerTls>) -> (Collector, String) {
     let collector = Collector::default();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let otlp = format!("http://{}", listener.local_addr().unwrap());
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let otlp = format!("{scheme}://{}", listener.local_addr().unwrap());
     let incoming = tonic::transport::server::TcpIncoming::from(listener);
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(TraceServiceServer::new(collector.clone()))
-            .serve_with_incoming(incoming),
-    );
+    let server = tonic::transport::Server::builder().add_service(TraceServiceServer::new(collector.clone()));
+    match tls {
+        Some(tls) => {
+            let incoming = ctxgate_runtime::accept::tls(incoming, Default::default(), tls);
+            tokio::spawn(server.serve_with_incoming(incoming));
+        }
+        None => {
+            tokio::spawn(server.serve_with_incoming(incoming));
+        }
+    }
     (collector, otlp)
 }
 
 /// A gateway exporting to `otlp` with engine `id` at `endpoint`, attached.
 async fn gateway(id: &str, endpoint: &str, otlp: &str) -> TestGateway {
     let mut config = hosting(id, endpoint, &[]);
-    config.gateway.otlp = Some(OtlpSection { endpoint: otlp.to_owned(), service_name: "ctxgate".into() });
+    config.gateway.otlp = Some(OtlpSection { endpoint: otlp.to_owned(), ca: None, service_name: "ctxgate".into() });
     let g = TestGateway::start(config).await;
     attached(&g, id).await;
     g
@@ -177,7 +188,7 @@ async fn a_collector_that_is_down_costs_spans_not_turns() {
     let otlp = format!("http://{}", closed.local_addr().unwrap());
     drop(closed);
     let mut config = ctxgate::config::Config::default();
-    config.gateway.otlp = Some(OtlpSection { endpoint: otlp, service_name: "ctxgate".into() });
+    config.gateway.otlp = Some(OtlpSection { endpoint: otlp, ca: None, service_name: "ctxgate".into() });
     let g = TestGateway::start(config).await;
     for i in 0..20 {
         let events = run_turn(&g, "down", &format!("turn {i}")).await;
@@ -222,4 +233,46 @@ async fn a_clients_traceparent_is_continued_into_the_engines_calls() {
     let lines = engine.lines_starting("event trace ");
     let last = lines.last().unwrap().trim_start_matches("event trace ");
     assert!(last.starts_with("00-") && !last.contains("4bf92f35"), "a trace of its own: {last}");
+}
+
+/// Spans carry session keys: they go to an https:// collector too, its
+/// certificate checked against `gateway.otlp.ca` — and to none other.
+#[tokio::test]
+async fn spans_reach_a_collector_over_tls_whose_certificate_the_ca_signed() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let (ca, other) = (ctxgate_tests::certs::Ca::new("otlp CA"), ctxgate_tests::certs::Ca::new("another CA"));
+    let (crt, key) = ca.leaf_files(d, "collector", &["127.0.0.1", "localhost"], true, false);
+    let option = |p: std::path::PathBuf| ("test".to_owned(), p);
+    let files = ctxgate_runtime::tls::ServerFiles {
+        cert: option(crt),
+        key: option(key),
+        client_ca: None,
+        client_names: Vec::new(),
+    };
+    for (trusted, spans) in [(&ca, true), (&other, false)] {
+        let (collector, otlp) =
+            collector_with(Some(ctxgate_runtime::tls::LiveServerTls::new(files.clone()).unwrap())).await;
+        let ca_pem = ctxgate_tests::write_file(d, "trusted.pem", &trusted.pem);
+        let mut config = ctxgate::config::Config::default();
+        config.gateway.otlp = Some(OtlpSection { endpoint: otlp, ca: Some(ca_pem), service_name: "ctxgate".into() });
+        let g = TestGateway::start(config).await;
+        traced_turn(&g, "tls").await;
+        // A batch goes out every second.
+        let mut got = 0;
+        for _ in 0..30 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            got = collector.0.lock().unwrap().len();
+            if got > 0 {
+                break;
+            }
+        }
+        assert_eq!(
+            got > 0,
+            spans,
+            "{got} spans with the collector's CA {}",
+            if spans { "trusted" } else { "not trusted" }
+        );
+        g.stop().await;
+    }
 }

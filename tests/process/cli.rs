@@ -218,4 +218,16 @@ async fn the_cli_reads_its_token_from_a_file() {
         ctxgate(&["status", "--gateway", &gw.endpoint, "--token-file", missing.to_str().unwrap()]).await;
     assert_eq!(code, Some(1));
     assert!(err.contains("--token-file") && err.contains("nowhere"), "{err}");
+    let empty = ctxgate_tests::write_file(d, "empty", "\n");
+    let (code, _, err) = ctxgate(&["status", "--gateway", &gw.endpoint, "--token-file", empty.to_str().unwrap()]).await;
+    assert_eq!(code, Some(1));
+    assert!(err.contains("it is empty"), "{err}");
+    // The file wins over a token in the environment (a stale one, say).
+    let out = tokio::process::Command::new(bin("ctxgate"))
+        .args(["status", "--gateway", &gw.endpoint, "--token-file", token.to_str().unwrap()])
+        .env("CTXGATE_AUTH_TOKEN", "a-stale-token-of-16-chars")
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
 }

@@ -2,6 +2,7 @@
 //! gateway processes or an in-process gateway, find the workspace's
 //! binaries, and a local OpenAI-compatible model server.
 
+pub mod certs;
 pub mod fake_openai;
 pub mod harness;
 pub mod hosting;

@@ -64,6 +64,53 @@ impl Default for Limits {
     }
 }
 
+/// File descriptors a server keeps for what is not a client connection:
+/// its store's files, database pool, outbound channels, logs.
+pub const DESCRIPTOR_RESERVE: u64 = 512;
+
+impl Limits {
+    /// These limits for `listeners` listeners within `descriptors` file
+    /// descriptors, [`DESCRIPTOR_RESERVE`] kept: `open_total` and
+    /// `pending_total` lowered (pending ones to a fifth of a listener's
+    /// share at most) when every listener's connections would not fit, so
+    /// a connection flood is refused before the server runs out of
+    /// descriptors for its own work. `None` when they fit.
+    pub fn fit(&self, descriptors: u64, listeners: usize) -> Option<Self> {
+        let share = descriptors.saturating_sub(DESCRIPTOR_RESERVE) / listeners.max(1) as u64;
+        let share = usize::try_from(share).unwrap_or(usize::MAX);
+        (self.open_total.saturating_add(self.pending_total) > share).then(|| {
+            let pending_total = self.pending_total.min(share / 5).max(1);
+            let open_total = self.open_total.min(share.saturating_sub(pending_total)).max(1);
+            Self { open_total, pending_total, ..*self }
+        })
+    }
+
+    /// These limits fitted ([`Limits::fit`]) to the descriptor limit,
+    /// raised first as far as the system allows ([`crate::descriptors`]),
+    /// with a warning when they were lowered.
+    pub fn fitted(&self, listeners: usize) -> Self {
+        let descriptors = match crate::descriptors::raise() {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(error = %e, "the file descriptor limit could not be read; connection caps as configured");
+                return *self;
+            }
+        };
+        match self.fit(descriptors, listeners) {
+            None => *self,
+            Some(fitted) => {
+                tracing::warn!(
+                    descriptors,
+                    open_total = fitted.open_total,
+                    pending_total = fitted.pending_total,
+                    "connection caps lowered to what the file descriptor limit leaves each listener"
+                );
+                fitted
+            }
+        }
+    }
+}
+
 /// An admitted connection: its slot in the peer's count is given back
 /// when it closes. The bytes read to admit it (the HTTP/2 preface) are
 /// read again first.
@@ -552,6 +599,20 @@ mod tests {
         let _fourth = talker(addr).await;
         let got = tokio::time::timeout(Duration::from_secs(5), admitted.next()).await;
         assert!(matches!(got, Ok(Some(Ok(_)))), "a closed connection did not free its slot in the total");
+    }
+
+    #[test]
+    fn caps_fit_the_descriptor_limit_and_are_never_raised() {
+        let l = Limits { open_total: 4096, pending_total: 1024, ..Limits::default() };
+        assert!(l.fit(1 << 20, 3).is_none(), "a high limit leaves them as they are");
+        // 1,024 descriptors (a common soft default), two listeners: each gets (1024 - 512) / 2.
+        let fitted = l.fit(1024, 2).expect("lowered");
+        assert_eq!((fitted.pending_total, fitted.open_total), (51, 256 - 51));
+        let fitted = l.fit(DESCRIPTOR_RESERVE + 2 * 5000, 2).expect("lowered");
+        assert_eq!((fitted.pending_total, fitted.open_total), (1000, 4000));
+        let small = Limits { open_total: 100, ..l };
+        let fitted = small.fit(1024, 2).expect("pending lowered");
+        assert_eq!((fitted.pending_total, fitted.open_total), (51, 100), "open_total is never raised");
     }
 
     #[test]

@@ -64,15 +64,33 @@ pub struct Exporter {
 }
 
 impl Exporter {
-    /// Starts exporting to `endpoint` (`http://HOST:PORT`, OTLP/gRPC,
-    /// usually port 4317) as `service`. Must run inside a tokio runtime;
-    /// the sender stops when every clone of the exporter is dropped.
-    pub fn start(endpoint: &str, service: &str) -> Result<Self, String> {
-        let parsed: crate::Endpoint = endpoint.parse().map_err(|e| format!("{e}"))?;
+    /// Starts exporting to `endpoint` (OTLP/gRPC, usually port 4317) as
+    /// `service`: `http://HOST:PORT`, or `https://HOST:PORT` with the
+    /// collector's certificate verified against `ca` (a PEM file, named by
+    /// the option `ca.0`; none: the public web roots) — spans carry
+    /// session keys and engine names. Must run inside a tokio runtime; the
+    /// sender stops when every clone of the exporter is dropped.
+    pub fn start(endpoint: &str, service: &str, ca: Option<(&str, &std::path::Path)>) -> Result<Self, String> {
+        let (tls, address) = match endpoint.strip_prefix("https://") {
+            Some(rest) => (true, rest),
+            None => (false, endpoint),
+        };
+        let parsed: crate::Endpoint = address.parse().map_err(|e| format!("{e}"))?;
         if matches!(parsed, crate::Endpoint::Unix(_)) {
-            return Err(format!("{endpoint:?}: OTLP goes to http://HOST:PORT"));
+            return Err(format!("{endpoint:?}: OTLP goes to http://HOST:PORT or https://HOST:PORT"));
         }
-        let client = TraceServiceClient::new(crate::endpoint::channel(&parsed));
+        let channel = match (tls, ca) {
+            (true, ca) => {
+                let config = crate::tls::client(ca.map(|(option, path)| crate::tls::Pem::new(option, path)), None)
+                    .map_err(|e| e.to_string())?;
+                crate::endpoint::tls_channel(&parsed, config).map_err(|e| e.to_string())?
+            }
+            (false, Some((option, _))) => {
+                return Err(format!("{option} is for an https:// endpoint; {endpoint} is plaintext"));
+            }
+            (false, None) => crate::endpoint::channel(&parsed),
+        };
+        let client = TraceServiceClient::new(channel);
         let (tx, rx) = mpsc::channel(QUEUE);
         let resource = Resource {
             attributes: vec![kv("service.name", service.to_owned())],

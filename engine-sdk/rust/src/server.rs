@@ -261,7 +261,7 @@ impl<E: ContextEngine> Server<E> {
     pub fn options(self, args: &ServeArgs) -> Result<Self, String> {
         let spans = match &args.otlp_endpoint {
             Some(e) => Some(
-                ctxgate_runtime::otlp::Exporter::start(e, &args.otlp_service_name)
+                ctxgate_runtime::otlp::Exporter::start(e, &args.otlp_service_name, None)
                     .map_err(|m| format!("--otlp-endpoint: {m}"))?,
             ),
             None => None,
@@ -411,7 +411,7 @@ where
             // Nagle off on accepted sockets (the builder's tcp_nodelay only
             // covers sockets it binds itself).
             let incoming = tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
-            let limits = ctxgate_runtime::accept::Limits::default();
+            let limits = ctxgate_runtime::accept::Limits::default().fitted(1);
             match tls {
                 Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
                     ctxgate_runtime::accept::tls(incoming, limits, tls.clone()),

@@ -7,7 +7,18 @@
 // so a message is written once however often ctxgate delivers it, and the
 // plugin's own transcript-entry idempotency keys off the same ids.
 import { createHash, randomUUID } from "node:crypto";
-import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readFileSync, rmSync, writeSync } from "node:fs";
+import {
+  closeSync,
+  existsSync,
+  fstatSync,
+  fsyncSync,
+  ftruncateSync,
+  mkdirSync,
+  openSync,
+  readFileSync,
+  rmSync,
+  writeSync,
+} from "node:fs";
 import { join } from "node:path";
 import type { pb } from "@ctxgate/engine-sdk";
 import { type OcMessage, openClawCount, toOpenClaw } from "./convert.js";
@@ -40,6 +51,27 @@ export interface OcEntry {
  * host serves sessions without end, and each holds its whole transcript.
  * The files are the truth; an evicted session is read again when used. */
 export const MAX_CACHED_SESSIONS = 256;
+
+/** Appends `text` to `path` whole and synced, or throws with the file cut
+ * back to where it was (a later append must not follow half a line). */
+function appendDurably(path: string, text: string): void {
+  const fd = openSync(path, "a");
+  const before = fstatSync(fd).size;
+  try {
+    const bytes = Buffer.from(text);
+    for (let done = 0; done < bytes.length; ) done += writeSync(fd, bytes, done);
+    fsyncSync(fd);
+  } catch (e) {
+    try {
+      ftruncateSync(fd, before);
+    } catch {
+      // The next load skips what it cannot parse.
+    }
+    throw e;
+  } finally {
+    closeSync(fd);
+  }
+}
 
 export class Transcripts {
   /** In order of use, the least recent first. */
@@ -81,8 +113,11 @@ export class Transcripts {
         try {
           const e = JSON.parse(line) as { type?: string; id?: string; timestamp?: string; proto?: Proto };
           if (e.type === "message" && e.id) {
-            s.ids.add(e.id);
             s.lastId = e.id;
+            // A line written twice (a write that failed after it reached
+            // the file, then the gateway's resend) is one message.
+            if (s.ids.has(e.id)) continue;
+            s.ids.add(e.id);
             if (e.proto) {
               s.messages.push(e.proto);
               const ms = Date.parse(e.timestamp ?? "");
@@ -204,13 +239,7 @@ export class Transcripts {
         lastId = id;
       });
     });
-    const fd = openSync(s.path, "a");
-    try {
-      writeSync(fd, lines.join("\n") + "\n");
-      fsyncSync(fd);
-    } finally {
-      closeSync(fd);
-    }
+    appendDurably(s.path, lines.join("\n") + "\n");
     // Remembered only once written: a failed write leaves them unheld,
     // so the gateway's resend writes them then.
     s.lastId = lastId;

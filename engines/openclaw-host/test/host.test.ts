@@ -199,6 +199,11 @@ describe("the transcripts the host keeps", () => {
     assert.equal(t.cached, 3);
     const again = new Transcripts(dir, 3);
     assert.deepEqual(again.messages("a").map((m) => m.id), ["a1", "a2"]);
+    // A line the file holds twice (written, then the write failed late and
+    // the gateway resent it) is read as one message.
+    const file = again.pathOf("a");
+    writeFileSync(file, readFileSync(file, "utf8") + readFileSync(file, "utf8").split("\n").slice(-2).join("\n"));
+    assert.deepEqual(new Transcripts(dir).messages("a").map((m) => m.id), ["a1", "a2"]);
     assert.deepEqual(again.entries("a").map((e) => e.parentId), [null, "a1"]);
   });
 

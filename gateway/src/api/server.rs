@@ -183,11 +183,11 @@ pub async fn run_with_reloads(
         auth,
     );
 
-    let connections = fit_connections(&limits.connections, 2 + usize::from(listeners.metrics.is_some()));
+    let connections = limits.connections.limits().fitted(2 + usize::from(listeners.metrics.is_some()));
     let metrics_stop = tokio_util::sync::CancellationToken::new();
     let metrics_task = listeners.metrics.map(|l| {
         let stop = metrics_stop.clone();
-        tokio::spawn(crate::metrics::serve(metrics, l, connections.limits(), async move { stop.cancelled().await }))
+        tokio::spawn(crate::metrics::serve(metrics, l, connections, async move { stop.cancelled().await }))
     });
 
     let stop = tokio_util::sync::CancellationToken::new();
@@ -226,38 +226,12 @@ pub async fn run_with_reloads(
     Ok(())
 }
 
-/// `connections` for `listeners` listeners, within the descriptor limit
-/// raised as far as the system lets this process (a default of 1,024 is
-/// exhausted by as many idle connections, and the store, PostgreSQL and
-/// engine channels fail with them).
-fn fit_connections(connections: &crate::config::Connections, listeners: usize) -> crate::config::Connections {
-    let descriptors = match ctxgate_runtime::descriptors::raise() {
-        Ok(n) => n,
-        Err(e) => {
-            tracing::warn!(error = %e, "the file descriptor limit could not be read; connection caps as configured");
-            return *connections;
-        }
-    };
-    match connections.fit(descriptors, listeners) {
-        None => *connections,
-        Some(fitted) => {
-            tracing::warn!(
-                descriptors,
-                configured = connections.open_total,
-                open_total = fitted.open_total,
-                "gateway.limits.connections.openTotal lowered to what the file descriptor limit leaves each listener"
-            );
-            fitted
-        }
-    }
-}
-
 /// How each listener is served: the same HTTP/2 settings and limits, until
 /// `stop`.
 struct Serve<'a> {
     limits: &'a crate::config::LimitsSection,
     /// `gateway.limits.connections`, fitted to the descriptor limit.
-    connections: crate::config::Connections,
+    connections: ctxgate_runtime::accept::Limits,
     stop: tokio_util::sync::CancellationToken,
 }
 
@@ -268,20 +242,16 @@ impl Serve<'_> {
     /// stop answering are closed by the keepalive; idle ones that answer
     /// are bounded by the connection caps and their maximum age.
     fn router(&self) -> tonic::transport::Server<Layered> {
-        let (l, c) = (self.limits, &self.connections);
+        let l = self.limits;
         let server = ctxgate_runtime::server()
             .max_concurrent_streams(Some(l.max_concurrent_streams_per_connection))
             .http2_keepalive_interval(Some(Duration::from_secs(l.http2_keepalive_seconds)))
             .http2_keepalive_timeout(Some(Duration::from_secs(l.http2_keepalive_timeout_seconds)));
-        let server = match c.max_age_seconds {
+        // No grace: tonic 0.14 with a grace skips the GOAWAY at the age and
+        // closes the connection by force at age + grace.
+        let server = match l.connections.max_age_seconds {
             0 => server,
-            age => {
-                let server = server.max_connection_age(Duration::from_secs(age));
-                match c.max_age_grace_seconds {
-                    0 => server,
-                    grace => server.max_connection_age_grace(Duration::from_secs(grace)),
-                }
-            }
+            age => server.max_connection_age(Duration::from_secs(age)),
         };
         server.layer(ErrorResponses::default())
     }
@@ -299,7 +269,7 @@ impl Serve<'_> {
         let incoming = tonic::transport::server::TcpIncoming::from(listener)
             .with_nodelay(Some(true))
             .with_keepalive(Some(Duration::from_secs(self.limits.tcp_keepalive_seconds)));
-        let limits = self.connections.limits();
+        let limits = self.connections;
         let stop = self.stop.clone();
         let stopped = async move { stop.cancelled().await };
         match tls {

@@ -212,8 +212,9 @@ pub struct Conn {
     /// --token-file.
     #[arg(long, env = "CTXGATE_AUTH_TOKEN", hide_env_values = true)]
     pub token: Option<String>,
-    /// A file holding the bearer token (surrounding whitespace ignored).
-    #[arg(long, env = "CTXGATE_AUTH_TOKEN_FILE", conflicts_with = "token")]
+    /// A file holding the bearer token (surrounding whitespace ignored);
+    /// it wins over --token and CTXGATE_AUTH_TOKEN.
+    #[arg(long, env = "CTXGATE_AUTH_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
     /// For an https:// gateway: the CA (PEM) its certificate must chain to
     /// (default: the public web roots).
@@ -302,15 +303,21 @@ impl tonic::service::Interceptor for Bearer {
 
 async fn connect(conn: &Conn) -> Result<Client, ConnectError> {
     let channel = channel(conn).await?;
-    let token = match (&conn.token, &conn.token_file) {
-        (Some(t), _) => Some(t.clone()),
-        (None, Some(path)) => Some(
-            std::fs::read_to_string(path)
-                .map_err(|source| ConnectError::TokenFile { path: path.clone(), source })?
-                .trim()
-                .to_owned(),
-        ),
-        (None, None) => None,
+    let token = match &conn.token_file {
+        Some(path) => {
+            let read = std::fs::read_to_string(path)
+                .map_err(|source| ConnectError::TokenFile { path: path.clone(), source })?;
+            match read.trim() {
+                "" => {
+                    return Err(ConnectError::TokenFile {
+                        path: path.clone(),
+                        source: std::io::Error::other("it is empty"),
+                    });
+                }
+                t => Some(t.to_owned()),
+            }
+        }
+        None => conn.token.clone(),
     };
     let token = match token {
         Some(t) => Some(format!("Bearer {t}").parse().map_err(|_| ConnectError::TokenNotAHeader)?),

@@ -117,7 +117,11 @@ impl Config {
                 "CTXGATE_OTLP_ENDPOINT" => {
                     self.gateway.otlp = Some(v).filter(|v| !v.is_empty()).map(|endpoint| OtlpSection {
                         endpoint,
-                        service_name: self.gateway.otlp.take().map_or_else(default_service_name, |o| o.service_name),
+                        ..self.gateway.otlp.take().unwrap_or_else(|| OtlpSection {
+                            endpoint: String::new(),
+                            ca: None,
+                            service_name: default_service_name(),
+                        })
                     })
                 }
                 "CTXGATE_STATE_DIR" => self.state_dir = v.into(),
@@ -169,12 +173,19 @@ impl Config {
             tls.live()?;
         }
         if let Some(o) = &self.gateway.otlp {
+            let https = o.endpoint.strip_prefix("https://");
             let ok = matches!(
-                o.endpoint.parse::<ctxgate_runtime::Endpoint>(),
+                https.unwrap_or(&o.endpoint).parse::<ctxgate_runtime::Endpoint>(),
                 Ok(ctxgate_runtime::Endpoint::Tcp(_) | ctxgate_runtime::Endpoint::Host(..))
             );
-            if !ok || o.endpoint.starts_with("https://") {
-                return Err(invalid("gateway.otlp.endpoint", format!("{:?}: expected http://HOST:PORT", o.endpoint)));
+            if !ok {
+                return Err(invalid(
+                    "gateway.otlp.endpoint",
+                    format!("{:?}: expected http://HOST:PORT or https://HOST:PORT", o.endpoint),
+                ));
+            }
+            if o.ca.is_some() && https.is_none() {
+                return Err(invalid("gateway.otlp.ca", "is for an https:// endpoint"));
             }
             if o.service_name.trim().is_empty() {
                 return Err(invalid("gateway.otlp.serviceName", "must not be empty"));

@@ -41,8 +41,13 @@ pub struct GatewaySection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct OtlpSection {
-    /// An OTLP/gRPC collector, `http://HOST:PORT` (usually port 4317).
+    /// An OTLP/gRPC collector, `http://HOST:PORT` or `https://HOST:PORT`
+    /// (usually port 4317).
     pub endpoint: String,
+    /// For an https:// collector: the CA (PEM) its certificate must chain
+    /// to (default: the public web roots).
+    #[serde(default)]
+    pub ca: Option<PathBuf>,
     /// The spans' `service.name`.
     #[serde(default = "default_service_name")]
     pub service_name: String,
@@ -186,7 +191,8 @@ pub struct Connections {
     /// Established connections one peer may hold; more are closed.
     pub open_per_peer: usize,
     /// Established connections over all peers; more are closed. Lowered
-    /// at start to what the descriptor limit leaves ([`Connections::fit`]).
+    /// at start to what the descriptor limit leaves
+    /// (`ctxgate_runtime::accept::Limits::fit`).
     pub open_total: usize,
     /// Connections one peer may have pending (in their TLS handshake or
     /// before their HTTP/2 preface); a new one evicts the oldest.
@@ -196,10 +202,9 @@ pub struct Connections {
     /// How long a connection may stay pending (and the metrics listener
     /// wait for a request's header).
     pub handshake_timeout_seconds: f64,
-    /// A connection this old is asked to go (GOAWAY: clients reconnect)…
+    /// A connection this old is asked to go (GOAWAY: clients reconnect;
+    /// the calls on it finish first). 0: never.
     pub max_age_seconds: u64,
-    /// …and closed this long after, with any call still on it. 0: never.
-    pub max_age_grace_seconds: u64,
 }
 
 impl Default for Connections {
@@ -212,14 +217,9 @@ impl Default for Connections {
             pending_total: d.pending_total,
             handshake_timeout_seconds: d.handshake_timeout.as_secs_f64(),
             max_age_seconds: 2 * 3600,
-            max_age_grace_seconds: 3600,
         }
     }
 }
-
-/// File descriptors kept for what is not a client connection: the store's
-/// files and its PostgreSQL pool, engine channels, logs.
-pub const DESCRIPTOR_RESERVE: u64 = 512;
 
 impl Connections {
     pub fn limits(&self) -> ctxgate_runtime::accept::Limits {
@@ -230,22 +230,6 @@ impl Connections {
             pending_total: self.pending_total,
             handshake_timeout: std::time::Duration::from_secs_f64(self.handshake_timeout_seconds),
         }
-    }
-
-    /// These limits for `listeners` listeners within `descriptors` file
-    /// descriptors, [`DESCRIPTOR_RESERVE`] kept: `openTotal` and
-    /// `pendingTotal` lowered when every listener's connections would not
-    /// fit (pending ones to a fifth of a listener's share at most), so a
-    /// connection flood refuses connections instead of starving the store
-    /// and the engine channels of descriptors. `None` when they fit.
-    pub fn fit(&self, descriptors: u64, listeners: usize) -> Option<Self> {
-        let share = descriptors.saturating_sub(DESCRIPTOR_RESERVE) / listeners.max(1) as u64;
-        let share = usize::try_from(share).unwrap_or(usize::MAX);
-        (self.open_total.saturating_add(self.pending_total) > share).then(|| {
-            let pending_total = self.pending_total.min(share / 5).max(1);
-            let open_total = share.saturating_sub(pending_total).max(1);
-            Self { open_total, pending_total, ..*self }
-        })
     }
 }
 

@@ -187,7 +187,11 @@ impl Core {
         let provider = crate::provider::from_config(&config.models).map_err(StartError::Provider)?;
         let spans = match &config.gateway.otlp {
             Some(o) => {
-                Some(ctxgate_runtime::otlp::Exporter::start(&o.endpoint, &o.service_name).map_err(StartError::Otlp)?)
+                let ca = o.ca.as_deref().map(|path| ("gateway.otlp.ca", path));
+                Some(
+                    ctxgate_runtime::otlp::Exporter::start(&o.endpoint, &o.service_name, ca)
+                        .map_err(StartError::Otlp)?,
+                )
             }
             None => None,
         };
@@ -441,9 +445,10 @@ impl Core {
         chat.max_tokens = chat.max_tokens.min(self.config.models.max_output_tokens);
         let prompt =
             chat.system.as_deref().map_or(0, estimate::text_tokens) + estimate::messages_tokens(chat.messages.iter());
-        let reserved = self.model_spend.reserve(&scope.engine_id, prompt.saturating_add(chat.max_tokens))?;
+        let mut reserved = self.model_spend.reserve(&scope.engine_id, prompt.saturating_add(chat.max_tokens))?;
         tracing::info!(engine = %scope.engine_id, session = %scope.session_id, purpose = ?purpose, "host model call for a context engine");
         self.metrics.host_llm_call(&scope.engine_id, purpose);
+        reserved.sent(prompt);
         let reply = self.provider.complete(chat, None, cancel).await?;
         // A provider that reports no usage is charged the prompt estimate.
         let (input, output) = (reply.usage.input_tokens.unwrap_or(prompt), reply.usage.output_tokens.unwrap_or(0));
