@@ -516,22 +516,30 @@ mod tests {
         assert!(matches!(got, Ok(Some(Ok(_)))), "the talking peer was not admitted behind 200 idle connects");
     }
 
+    /// Per peer and in total alike: a third connection over a cap of two
+    /// is closed, and one closed frees its slot.
     #[tokio::test]
-    async fn a_peer_over_its_open_connections_is_closed_and_a_closed_one_frees_its_slot() {
-        let limits = Limits { open_per_peer: 2, ..Limits::default() };
-        let (addr, mut admitted) = listen(limits).await;
-        let mut held = Vec::new();
-        for _ in 0..2 {
-            let _c = talker(addr).await;
-            held.push((_c, admitted.next().await.unwrap().unwrap()));
+    async fn a_connection_over_a_cap_is_closed_and_a_closed_one_frees_its_slot() {
+        let caps = [
+            ("per peer", Limits { open_per_peer: 2, ..Limits::default() }),
+            ("in total", Limits { open_total: 2, ..Limits::default() }),
+        ];
+        for (cap, limits) in caps {
+            let (addr, mut admitted) = listen(limits).await;
+            let mut held = Vec::new();
+            for _ in 0..2 {
+                let c = talker(addr).await;
+                held.push((c, admitted.next().await.unwrap().unwrap()));
+            }
+            let mut third = talker(addr).await;
+            let refused = tokio::time::timeout(Duration::from_millis(300), admitted.next()).await;
+            assert!(refused.is_err(), "a third connection over a cap of 2 {cap} was admitted");
+            assert!(closed(&mut third).await, "a third connection over a cap of 2 {cap} was not closed");
+            drop(held.pop());
+            let _fourth = talker(addr).await;
+            let got = tokio::time::timeout(Duration::from_secs(5), admitted.next()).await;
+            assert!(matches!(got, Ok(Some(Ok(_)))), "a closed connection did not free its slot {cap}");
         }
-        let _third = talker(addr).await;
-        let refused = tokio::time::timeout(Duration::from_millis(300), admitted.next()).await;
-        assert!(refused.is_err(), "a third connection from the same peer was admitted");
-        drop(held.pop());
-        let _fourth = talker(addr).await;
-        let got = tokio::time::timeout(Duration::from_secs(5), admitted.next()).await;
-        assert!(matches!(got, Ok(Some(Ok(_)))), "a closed connection did not free its slot");
     }
 
     #[tokio::test]
@@ -582,23 +590,6 @@ mod tests {
         let mut got = vec![0u8; hello().len() + 8];
         conn.read_exact(&mut got).await.unwrap();
         assert_eq!(got, [hello(), b"and more".to_vec()].concat());
-    }
-
-    #[tokio::test]
-    async fn connections_over_the_total_are_closed() {
-        let limits = Limits { open_total: 2, ..Limits::default() };
-        let (addr, mut admitted) = listen(limits).await;
-        let mut held = Vec::new();
-        for _ in 0..2 {
-            let c = talker(addr).await;
-            held.push((c, admitted.next().await.unwrap().unwrap()));
-        }
-        let mut third = talker(addr).await;
-        assert!(closed(&mut third).await, "a third connection over a total of 2 was not closed");
-        drop(held.pop());
-        let _fourth = talker(addr).await;
-        let got = tokio::time::timeout(Duration::from_secs(5), admitted.next()).await;
-        assert!(matches!(got, Ok(Some(Ok(_)))), "a closed connection did not free its slot in the total");
     }
 
     #[test]
