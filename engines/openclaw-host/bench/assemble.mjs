@@ -26,7 +26,7 @@ const budget = Number(opt("--budget", "8000"));
 const plugins = opt(
   "--plugins",
   "@martian-engineering/lossless-claw@0.15.3,@martian-engineering/lossless-claw@1.0.0-beta.4",
-).split(",");
+).split(",").filter(Boolean);
 if (!windowBin || !hostRun) {
   console.error(
     "usage: assemble.mjs --window PATH --host engines/openclaw-host/run.sh [--sizes 1000,10000] [--budget 8000] [--plugins SPEC,SPEC]",

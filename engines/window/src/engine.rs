@@ -301,18 +301,22 @@ impl ContextEngine for WindowEngine {
     }
 
     async fn assemble(&self, _ctx: &CallContext, req: pb::AssembleRequest) -> Result<pb::AssembleResult, EngineError> {
-        let (sid, cursor) = (req.session_id.clone(), req.cursor.clone());
-        // DELTA (a cursor): the summary + what it holds unsummarised + the
-        // request's new messages, so the work is bounded by the window, not
-        // the session's age. FULL: the request's history minus what the
-        // summary covers.
-        let (summary, own, covered) = self
+        let (sid, cursor, budget, messages) =
+            (req.session_id.clone(), req.cursor.clone(), req.token_budget, req.messages);
+        // DELTA (a cursor): the summary + the newest turns it holds
+        // unsummarised + the request's new messages; with a budget, only
+        // the turns that can fit it are read, so the work is bounded by the
+        // budget, not the session's age. FULL: the request's history minus
+        // what the summary covers.
+        let (head, own, new) = self
             .store
             .read(move |c| {
                 let s = store::summary(c, &sid)?;
+                let head = (!s.text.is_empty()).then(|| summary_message(&sid, &s));
                 let Some(k) = cursor else {
                     let covered = store::covered_ids(c, &sid, s.covered_seq)?;
-                    return Ok(Ok((s, Vec::new(), covered)));
+                    let new = messages.into_iter().filter(|m| !covered.contains(&m.id)).collect();
+                    return Ok(Ok((head, Vec::new(), new)));
                 };
                 let (count, last) = store::held(c, &sid)?;
                 if !k.message_id.is_empty() && (count < k.message_count || !store::has_message(c, &sid, &k.message_id)?)
@@ -325,17 +329,28 @@ impl ContextEngine for WindowEngine {
                     });
                     return Ok(Err(EngineError::HistoryGap { held }));
                 }
-                let own: Vec<AgentMessage> =
-                    store::messages_after(c, &sid, s.covered_seq)?.into_iter().map(|m| m.message).collect();
-                Ok(Ok((s, own, Default::default())))
+                // A message sent again that the engine already holds (or
+                // has summarised) is not counted twice.
+                let mut new = Vec::with_capacity(messages.len());
+                for m in messages {
+                    if !store::has_message(c, &sid, &m.id)? {
+                        new.push(m);
+                    }
+                }
+                let own = match budget {
+                    Some(budget) => {
+                        let room = budget
+                            .saturating_sub(head.as_ref().map_or(0, estimate::message_tokens))
+                            .saturating_sub(estimate::messages_tokens(&new));
+                        store::newest_turns_after(c, &sid, s.covered_seq, room)?
+                    }
+                    None => store::messages_after(c, &sid, s.covered_seq)?,
+                };
+                Ok(Ok((head, own.into_iter().map(|m| m.message).collect(), new)))
             })
             .await??;
-        let held: std::collections::HashSet<&str> = own.iter().map(|m| m.id.as_str()).collect();
-        let new: Vec<AgentMessage> =
-            req.messages.into_iter().filter(|m| !covered.contains(&m.id) && !held.contains(m.id.as_str())).collect();
         let tail = turns::drop_orphan_results(own.into_iter().chain(new).collect());
-        let head = (!summary.text.is_empty()).then(|| summary_message(&req.session_id, &summary));
-        let tail = match req.token_budget {
+        let tail = match budget {
             Some(budget) => {
                 let room = budget.saturating_sub(head.as_ref().map_or(0, estimate::message_tokens));
                 turns::fit_turns(tail, room)

@@ -364,6 +364,35 @@ pub fn messages_after(c: &Connection, session_id: &str, after_seq: i64) -> rusql
     rows.collect()
 }
 
+const NEWEST_FIRST: &str = "SELECT seq, body FROM messages WHERE session_id = ?1 AND seq > ?2 ORDER BY seq DESC";
+
+/// The newest messages after `after_seq`, oldest first: read back from the
+/// newest until they hold more than `room` tokens and start with a turn's
+/// first message (a user message), or down to `after_seq`. A turn that
+/// starts before them cannot fit `room`, so an Assemble reads what its
+/// budget can keep and one turn more, however long the session.
+pub fn newest_turns_after(
+    c: &Connection,
+    session_id: &str,
+    after_seq: i64,
+    room: u64,
+) -> rusqlite::Result<Vec<Stored>> {
+    let mut stmt = c.prepare_cached(NEWEST_FIRST)?;
+    let mut rows = stmt.query(params![session_id, after_seq])?;
+    let (mut newest, mut tokens) = (Vec::new(), 0u64);
+    while let Some(row) = rows.next()? {
+        let stored = read_stored(row)?;
+        tokens = tokens.saturating_add(estimate::message_tokens(&stored.message));
+        let starts_turn = stored.message.role == Role::User as i32;
+        newest.push(stored);
+        if tokens > room && starts_turn {
+            break;
+        }
+    }
+    newest.reverse();
+    Ok(newest)
+}
+
 /// How many user messages come after `after_seq`: each starts a turn, so
 /// the turns after it number at most one more. A row without its role
 /// (role 0, which no valid message has: written by an engine from before
@@ -629,5 +658,82 @@ mod tests {
             crowded_steps <= alone_steps * 2,
             "{crowded_steps} steps among 3,000 others' matches, {alone_steps} alone"
         );
+    }
+}
+
+#[cfg(test)]
+mod newest_turns {
+    use ctxgate_engine_sdk::testkit::msg;
+
+    use super::*;
+    use crate::turns::{drop_orphan_results, fit_turns};
+
+    /// Turns of a user message, a tool call and its result, and an answer.
+    fn history(turns: usize) -> Vec<AgentMessage> {
+        (0..turns)
+            .flat_map(|i| {
+                let said = format!("turn {i}: {}", "words ".repeat(i % 7 * 5));
+                [
+                    msg::user(&format!("u{i}"), &said),
+                    msg::tool_call(&format!("c{i}"), &format!("k{i}"), "read"),
+                    msg::tool_result(&format!("r{i}"), &format!("k{i}"), &"x".repeat(i % 5 * 40)),
+                    msg::assistant(&format!("a{i}"), "done"),
+                ]
+            })
+            .collect()
+    }
+
+    async fn stored(turns: usize) -> (tempfile::TempDir, Store) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let h = history(turns);
+        store.write(move |c| insert_messages(c, "s", &h).map(drop)).await.unwrap();
+        (dir, store)
+    }
+
+    fn ids(messages: Vec<AgentMessage>) -> Vec<String> {
+        messages.into_iter().map(|m| m.id).collect()
+    }
+
+    /// What the budget keeps is what it kept when everything was read.
+    #[tokio::test]
+    async fn the_turns_read_keep_what_reading_everything_kept() {
+        let (_dir, store) = stored(300).await;
+        for (after, room) in [(0, 0), (0, 1), (0, 60), (0, 700), (0, 5_000), (0, u64::MAX), (900, 400), (1_199, 50)] {
+            let (newest, all) = store
+                .read(move |c| Ok((newest_turns_after(c, "s", after, room)?, messages_after(c, "s", after)?)))
+                .await
+                .unwrap();
+            let messages = |v: Vec<Stored>| v.into_iter().map(|s| s.message).collect::<Vec<_>>();
+            let (newest, all) = (messages(newest), messages(all));
+            assert!(newest.len() <= all.len());
+            assert_eq!(
+                ids(fit_turns(drop_orphan_results(newest), room)),
+                ids(fit_turns(drop_orphan_results(all), room)),
+                "after seq {after}, room {room}"
+            );
+        }
+    }
+
+    /// The rows read are as many in a session ten times as long.
+    #[tokio::test]
+    async fn the_rows_read_do_not_grow_with_the_session() {
+        let steps = |store: Store| async move {
+            store
+                .read(|c| {
+                    let read = newest_turns_after(c, "s", 0, 2_000)?.len();
+                    // The cached statement the walk used: its steps so far.
+                    let stmt = c.prepare_cached(NEWEST_FIRST)?;
+                    Ok((read, stmt.get_status(rusqlite::StatementStatus::VmStep)))
+                })
+                .await
+                .unwrap()
+        };
+        // 245 and 2,450 turns end alike (turn sizes repeat every 35 turns).
+        let ((_a, short), (_b, long)) = (stored(245).await, stored(2_450).await);
+        let ((read_short, steps_short), (read_long, steps_long)) = (steps(short).await, steps(long).await);
+        assert!(read_short < 245 * 4, "the short session is longer than the room");
+        assert_eq!(read_short, read_long);
+        assert!(steps_long <= steps_short * 2, "{steps_long} steps in 9,800 messages, {steps_short} in 980");
     }
 }
