@@ -3,8 +3,9 @@
 //   engines/openclaw-host/bench/run.sh --window target/release/ctxgate-engine-window
 // Each engine gets one session per size, its history delivered with
 // IngestBatch (1000 messages a request), then Assemble is timed as the
-// gateway sends it: the window engine is DELTA (a cursor plus the new user
-// message), lossless-claw FULL (the whole history plus the new message).
+// gateway sends it: DELTA (a cursor plus the new user message) — and, for
+// the host, FULL too (the whole history plus the new message), on the same
+// session. The floor: the plugin called in-process (floor.mjs).
 import { spawn } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -12,6 +13,7 @@ import { join } from "node:path";
 import { createInterface } from "node:readline";
 import * as grpc from "@grpc/grpc-js";
 import { engineService, messagesTokens } from "@ctxgate/engine-sdk";
+import { history, nextTurn, timed } from "./history.mjs";
 
 const args = process.argv.slice(2);
 const opt = (name, fallback) => {
@@ -22,6 +24,9 @@ const windowBin = opt("--window");
 const hostRun = opt("--host");
 const sizes = opt("--sizes", "1000,10000").split(",").map(Number);
 const budget = Number(opt("--budget", "8000"));
+// Timed calls a measurement (default 300 at 1k, 60 at 10k).
+const calls = opt("--calls");
+const rounds = (n) => (calls ? Number(calls) : n >= 10_000 ? 60 : 300);
 // The lossless-claw versions the host serves, each in a host of its own.
 const plugins = opt(
   "--plugins",
@@ -29,7 +34,7 @@ const plugins = opt(
 ).split(",").filter(Boolean);
 if (!windowBin || !hostRun) {
   console.error(
-    "usage: assemble.mjs --window PATH --host engines/openclaw-host/run.sh [--sizes 1000,10000] [--budget 8000] [--plugins SPEC,SPEC]",
+    "usage: assemble.mjs --window PATH --host engines/openclaw-host/run.sh [--sizes 1000,10000] [--budget 8000] [--calls N] [--plugins SPEC,SPEC]",
   );
   process.exit(2);
 }
@@ -51,42 +56,33 @@ function call(client, method, request, deadlineMs = 600_000) {
   );
 }
 
-const words = "the build failed on the integration step and we traced it to a stale cache entry in the runner".split(" ");
-function history(n) {
-  const t0 = Date.now() - n * 1000;
-  return Array.from({ length: n }, (_, i) => ({
-    id: `m${i}`,
-    role: i % 2 === 0 ? "ROLE_USER" : "ROLE_ASSISTANT",
-    createdAtUnixMs: t0 + i * 1000,
-    content: [{ text: `#${i}: ${Array.from({ length: 28 }, (_, k) => words[(i * 7 + k) % words.length]).join(" ")}` }],
-  }));
-}
-
-function percentile(sorted, p) {
-  return sorted[Math.min(sorted.length - 1, Math.floor((p / 100) * sorted.length))];
-}
-
-async function measure(name, client, n, delta) {
-  const session = `bench-${name}-${n}`;
-  const h = history(n);
-  for (let i = 0; i < n; i += 1000) {
+/** One session of `n` messages, delivered with IngestBatch. */
+async function ingest(client, session, h) {
+  for (let i = 0; i < h.length; i += 1000) {
     await call(client, "IngestBatch", { sessionId: session, sessionKey: session, messages: h.slice(i, i + 1000) });
   }
-  const next = { id: `q${n}`, role: "ROLE_USER", createdAtUnixMs: Date.now(), content: [{ text: "what did we find about the cache?" }] };
+}
+
+/** Assemble timed as the gateway sends it: DELTA (a cursor and the new
+ * message) or FULL (the whole history and the new message). */
+async function measure(name, client, session, h, delta) {
+  const n = h.length;
+  const next = nextTurn(n);
   const request = delta
     ? { sessionId: session, sessionKey: session, messages: [next], tokenBudget: budget, cursor: { messageId: `m${n - 1}`, seq: n, messageCount: n, tokens: messagesTokens(h) } }
     : { sessionId: session, sessionKey: session, messages: [...h, next], tokenBudget: budget };
-  const rounds = n >= 10_000 ? 60 : 300;
-  let out;
-  for (let i = 0; i < 5; i++) out = await call(client, "Assemble", request);
-  const took = [];
-  for (let i = 0; i < rounds; i++) {
-    const t = process.hrtime.bigint();
-    out = await call(client, "Assemble", request);
-    took.push(Number(process.hrtime.bigint() - t) / 1e6);
-  }
-  took.sort((a, b) => a - b);
-  return { name, n, rounds, p50: percentile(took, 50), p99: percentile(took, 99), kept: out.messages.length, tokens: out.estimatedTokens };
+  const r = await timed(rounds(n), () => call(client, "Assemble", request));
+  return { name, n, rounds: r.rounds, p50: r.p50, p99: r.p99, kept: r.out.messages.length, tokens: r.out.estimatedTokens };
+}
+
+/** The plugin in-process, as OpenClaw calls it (floor.mjs, a process of its own). */
+function floor(plugin, stateDir, config) {
+  const script = new URL("./floor.mjs", import.meta.url).pathname;
+  const args = [script, "--plugin", plugin, "--plugin-config", config, "--state-dir", stateDir, "--sizes", sizes.join(","), "--budget", String(budget), ...(calls ? ["--calls", calls] : [])];
+  const child = spawn(process.execPath, args, { stdio: ["ignore", "pipe", "inherit"] });
+  const rows = [];
+  createInterface({ input: child.stdout }).on("line", (l) => rows.push({ name: `${plugin.split("/").pop()} (in-process)`, ...JSON.parse(l) }));
+  return new Promise((resolve, reject) => child.on("exit", (c) => (c === 0 ? resolve(rows) : reject(new Error(`floor.mjs exited ${c}`)))));
 }
 
 const dir = mkdtempSync(join(tmpdir(), "assemble-bench-"));
@@ -103,10 +99,18 @@ const client = (address) => new grpc.Client(address, grpc.credentials.createInse
 const clients = { window: client(windowEngine.address) };
 for (const h of hosts) clients[h.name] = client(h.address);
 const rows = [];
+for (const [i, plugin] of plugins.entries()) rows.push(...(await floor(plugin, join(dir, `floor-${i}`), join(dir, "plugin.json"))));
 try {
   for (const n of sizes) {
-    rows.push(await measure("window", clients.window, n, true));
-    for (const h of hosts) rows.push(await measure(h.name, clients[h.name], n, false));
+    const h = history(n);
+    await ingest(clients.window, `bench-window-${n}`, h);
+    rows.push(await measure("window", clients.window, `bench-window-${n}`, h, true));
+    for (const host of hosts) {
+      const session = `bench-host-${n}`;
+      await ingest(clients[host.name], session, h);
+      rows.push(await measure(`${host.name}, DELTA`, clients[host.name], session, h, true));
+      rows.push(await measure(`${host.name}, FULL`, clients[host.name], session, h, false));
+    }
   }
 } finally {
   for (const c of Object.values(clients)) c.close();
@@ -116,6 +120,7 @@ try {
 console.log(`Assemble, budget ${budget} tokens, ${new Date().toISOString()}`);
 console.log("| engine | messages | calls | p50 | p99 | kept | est. tokens |");
 console.log("|---|---:|---:|---:|---:|---:|---:|");
+rows.sort((a, b) => a.n - b.n);
 for (const r of rows) console.log(`| ${r.name} | ${r.n} | ${r.rounds} | ${r.p50.toFixed(2)} ms | ${r.p99.toFixed(2)} ms | ${r.kept} | ${r.tokens} |`);
 rmSync(dir, { recursive: true, force: true });
 process.exit(0);
