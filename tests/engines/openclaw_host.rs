@@ -20,7 +20,7 @@ use ctxgate_proto::pb::{Role, content_part::Part, transcript_entry::Entry};
 use ctxgate_tests::fake_openai::{FakeOpenAi, Reply};
 use ctxgate_tests::harness::{Drive, begin, client, text, tool_call};
 use ctxgate_tests::hosting::{attached, compaction_stream, engine_status, hosting, selected, session, transcript};
-use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, repo_root, within};
+use ctxgate_tests::{EngineProcess, PATIENCE, TestGateway, counter, metrics_text, repo_root, within};
 use tokio_stream::StreamExt;
 
 use crate::sdk_typescript::kit_closing_line;
@@ -87,7 +87,13 @@ fn gateway_config(fake: &FakeOpenAi, endpoint: &str, window: u64) -> Config {
     c.models.context_window = window;
     c.models.max_output_tokens = 256;
     c.agents.defaults.compaction.reserve_tokens = Some(500);
+    c.gateway.metrics_listen = "127.0.0.1:0".into();
     c
+}
+
+/// A gateway metric of the "lossless" engine's `method`.
+async fn lossless_counter(g: &TestGateway, name: &str, method: &str) -> u64 {
+    counter(&metrics_text(g.metrics.unwrap()).await, name, &format!("engine=\"lossless\",method=\"{method}\""))
 }
 
 async fn run_turn(g: &TestGateway, key: &str, text: &str) -> Vec<Event> {
@@ -132,9 +138,10 @@ async fn the_host_passes_its_tests_and_lossless_claw_under_it_passes_the_kit() {
     let (passed, failed, skipped) = kit_closing_line(&out);
     assert_eq!(failed, 0, "{out}");
     assert_eq!(passed + skipped, ctxgate_engine_sdk::conformance::CASES.len());
-    // What does not apply to lossless-claw's declared methods: CommitTurn
-    // (an after-turn engine) and the three DELTA cases (FULL delivery).
-    assert_eq!(skipped, 4, "{out}");
+    // What does not apply to lossless-claw 0.15.3's declared methods:
+    // CommitTurn (an after-turn engine). The host is DELTA, so the three
+    // DELTA cases run.
+    assert_eq!(skipped, 1, "{out}");
 }
 
 #[tokio::test]
@@ -315,11 +322,20 @@ async fn killed_host_keeps_every_turn_once(plugin: &str) {
         assert!(Instant::now() < deadline, "the restarted host was never re-admitted");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let mut assemble_bytes = 0;
     for _ in 0..5 {
+        let before = lossless_counter(&g, "ctxgate_engine_sent_bytes_total", "Assemble").await;
         let events = run_turn(&g, "k", &turn_text(turn)).await;
         assert_eq!(selected(&events).engine_id, "lossless", "{events:?}");
+        assemble_bytes = lossless_counter(&g, "ctxgate_engine_sent_bytes_total", "Assemble").await - before;
         turn += 1;
     }
+    // The host is DELTA: the restarted host held none of the history it
+    // had acknowledged, said so (a gap, no quarantine), and was resent it;
+    // a turn's Assemble then carries its new messages, not the history.
+    assert!(lossless_counter(&g, "ctxgate_engine_history_gaps_total", "Assemble").await >= 1);
+    let history = turn_text(0).len() * turn;
+    assert!(assemble_bytes < history as u64 / 2, "{assemble_bytes} bytes sent, a history of {history}");
     // Every accepted turn — those the host served, those legacy served
     // while it was down — is held exactly once: nothing lost, nothing twice.
     let held = lcm_messages(state.path());

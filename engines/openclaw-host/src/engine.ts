@@ -21,6 +21,7 @@ import {
 } from "@ctxgate/engine-sdk";
 import { type Registry, hooksOf } from "./api.js";
 import { type OcMessage, fromOpenClaw, matchBack } from "./convert.js";
+import { History } from "./history.js";
 import type {
   ContextEngine,
   ContextEngineMethod,
@@ -139,6 +140,11 @@ export class OpenClawEngine implements Engine {
   private readonly toolbox: Tools;
   private readonly transcripts: Transcripts;
   private readonly started: OpenClawPluginServiceContext[] = [];
+  /** The gateway's history of each session, for DELTA requests (history.ts). */
+  private readonly history = new History();
+  /** Each held message in OpenClaw's form, converted once (a DELTA
+   * Assemble hands the plugin the whole history every call). */
+  private readonly converted = new WeakMap<Proto, OcMessage[]>();
 
   constructor(private readonly o: EngineOptions) {
     this.plugin = o.plugin;
@@ -200,7 +206,9 @@ export class OpenClawEngine implements Engine {
           ? "TURN_MAINTENANCE_MODE_BACKGROUND"
           : "TURN_MAINTENANCE_MODE_FOREGROUND",
       implementedMethods: methods,
-      historyDelivery: "HISTORY_DELIVERY_FULL",
+      // The gateway sends what follows a cursor; the host rebuilds the
+      // whole history the plugin is given from its own copy (history.ts).
+      historyDelivery: "HISTORY_DELIVERY_DELTA",
       // The plugin keeps session state in its own store.
       replicaAffinity: "REPLICA_AFFINITY_SESSION",
       tools: this.toolbox.definitions,
@@ -258,9 +266,33 @@ export class OpenClawEngine implements Engine {
     return { sessionId, sessionKey: sessionKey || sessionId };
   }
 
-  /** The contract messages in OpenClaw's form, timed as the transcript has them. */
-  private openclaw(sessionId: string, messages: readonly (pb.AgentMessage__Output | pb.AgentMessage)[]): OcMessage[] {
-    return messages.flatMap((m) => this.transcripts.openclaw(sessionId, m));
+  /** The contract messages in OpenClaw's form, timed as the transcript
+   * has them (a message it holds is converted once: its time is settled). */
+  private openclaw(sessionId: string, messages: readonly Proto[]): OcMessage[] {
+    return messages.flatMap((m) => {
+      let oc = this.converted.get(m);
+      if (!oc) {
+        oc = this.transcripts.openclaw(sessionId, m);
+        if (m.id && this.transcripts.holds(sessionId, m.id)) this.converted.set(m, oc);
+      }
+      return oc;
+    });
+  }
+
+  /**
+   * The whole history a request stands for: its messages, or for a DELTA
+   * request (a cursor) what the host holds up to the cursor followed by
+   * them. A gap when the host does not hold what the cursor says: the
+   * session is forgotten here and the gateway resends it whole.
+   */
+  private whole(sessionId: string, cursor: pb.HistoryCursor__Output | null | undefined, messages: Proto[]): Proto[] {
+    if (!cursor) return messages;
+    const held = this.history.through(sessionId, cursor);
+    if (held === undefined) {
+      this.history.forget(sessionId);
+      throw EngineError.historyGap();
+    }
+    return held.concat(messages);
   }
 
   /**
@@ -294,12 +326,15 @@ export class OpenClawEngine implements Engine {
    * context by it). The whole visible snapshot when nothing was assembled
    * here (legacy answered, or the host restarted).
    */
-  private snapshot(req: pb.AfterTurnRequest__Output): { messages: OcMessage[]; prePromptMessageCount: number } {
-    const pre = Number(req.prePromptMessageCount);
-    const turn = this.openclaw(req.sessionId, req.messages.slice(pre));
-    const assembled = this.assembled.get(req.sessionId);
-    this.assembled.delete(req.sessionId);
-    const before = assembled ?? this.openclaw(req.sessionId, req.messages.slice(0, pre));
+  private snapshot(
+    sessionId: string,
+    all: Proto[],
+    pre: number,
+  ): { messages: OcMessage[]; prePromptMessageCount: number } {
+    const turn = this.openclaw(sessionId, all.slice(pre));
+    const assembled = this.assembled.get(sessionId);
+    this.assembled.delete(sessionId);
+    const before = assembled ?? this.openclaw(sessionId, all.slice(0, pre));
     return { messages: [...before, ...turn], prePromptMessageCount: before.length };
   }
 
@@ -309,6 +344,10 @@ export class OpenClawEngine implements Engine {
       const entries = await ctx.host.readTranscript(ctx, true);
       const messages = entries.map((e) => e.message).filter((m): m is pb.AgentMessage__Output => !!m);
       this.transcripts.append(req.sessionId, messages);
+      // What the gateway may adopt as held (a cursor over the visible
+      // history); if it differs, the first DELTA call finds the gap.
+      this.history.forget(req.sessionId);
+      this.history.acknowledge(req.sessionId, messages);
     }
     const r = await this.invoke(ctx, "bootstrap", {
       sessionId: req.sessionId,
@@ -328,7 +367,10 @@ export class OpenClawEngine implements Engine {
 
   async ingest(req: pb.IngestRequest__Output, ctx: CallContext): Promise<pb.IngestResult> {
     // Idempotent by message id, whatever the plugin does with repeats.
-    if (this.transcripts.append(req.sessionId, [req.message!]).length === 0) return { ingested: false };
+    if (this.transcripts.append(req.sessionId, [req.message!]).length === 0) {
+      this.history.acknowledge(req.sessionId, [req.message!]);
+      return { ingested: false };
+    }
     let ingested = false;
     for (const message of this.openclaw(req.sessionId, [req.message!])) {
       const r = await this.invoke(ctx, "ingest", {
@@ -339,34 +381,44 @@ export class OpenClawEngine implements Engine {
       });
       ingested ||= r?.ingested !== false;
     }
+    this.history.acknowledge(req.sessionId, [req.message!]);
     return { ingested };
   }
 
   async ingestBatch(req: pb.IngestBatchRequest__Output, ctx: CallContext): Promise<pb.IngestBatchResult> {
+    const ingestedCount = await this.tellPlugin(req, ctx);
+    // Held once the plugin took them (a resync resends what it holds).
+    this.history.acknowledge(req.sessionId, req.messages);
+    return { ingestedCount };
+  }
+
+  /** The batch's messages the transcript did not hold, told the plugin. */
+  private async tellPlugin(req: pb.IngestBatchRequest__Output, ctx: CallContext): Promise<number> {
     const fresh = this.transcripts.append(req.sessionId, req.messages);
-    if (fresh.length === 0) return { ingestedCount: 0 };
+    if (fresh.length === 0) return 0;
     const messages = this.openclaw(req.sessionId, fresh);
     const base = { sessionId: req.sessionId, sessionKey: req.sessionKey, isHeartbeat: req.isHeartbeat };
     if (this.has("ingestBatch")) {
       const r = await this.invoke(ctx, "ingestBatch", { ...base, messages });
-      return { ingestedCount: Number(r?.ingestedCount ?? fresh.length) };
+      return Number(r?.ingestedCount ?? fresh.length);
     }
     let n = 0;
     for (const message of messages) {
       const r = await this.invoke(ctx, "ingest", { ...base, message });
       if (r?.ingested !== false) n++;
     }
-    return { ingestedCount: n };
+    return n;
   }
 
   async assemble(req: pb.AssembleRequest__Output, ctx: CallContext): Promise<pb.AssembleResult> {
     const session = this.session(req.sessionId, req.sessionKey);
+    const all = this.whole(req.sessionId, req.cursor, req.messages);
     // As in OpenClaw, the plugin assembles the history before the turn,
     // within what the turn leaves of the budget, and the turn follows what
     // it returns: no plugin can drop the request it is answering.
-    const from = pendingTurnStart(req.messages, (id) => this.transcripts.holds(req.sessionId, id));
-    const pending = req.messages.slice(from);
-    const messages = this.openclaw(req.sessionId, req.messages.slice(0, from));
+    const from = pendingTurnStart(all, (id) => this.transcripts.holds(req.sessionId, id));
+    const pending = all.slice(from);
+    const messages = this.openclaw(req.sessionId, all.slice(0, from));
     // before_prompt_build → the system prompt addition. The gateway counts
     // the addition within the budget (OpenClaw keeps its system prompt
     // apart), so the plugin assembles within what the addition leaves.
@@ -394,10 +446,16 @@ export class OpenClawEngine implements Engine {
     });
     const assembled = Array.isArray(r?.messages) ? r.messages : [];
     this.remember(req.sessionId, assembled);
-    // What the plugin may give back: the session's transcript (whose
-    // fingerprints are computed once) and what this request adds to it.
-    const held = this.transcripts.messages(req.sessionId);
-    const known = [...held, ...req.messages.filter((m) => !this.transcripts.holds(req.sessionId, m.id))];
+    // What the plugin may give back: the history the request stands for —
+    // for a FULL request the session's transcript (whose fingerprints are
+    // computed once) and what the request adds to it; a DELTA request's is
+    // held already.
+    const known = req.cursor
+      ? all
+      : [
+          ...this.transcripts.messages(req.sessionId),
+          ...req.messages.filter((m) => !this.transcripts.holds(req.sessionId, m.id)),
+        ];
     const turn = new Set(pending.map((m) => m.id));
     const out = [...matchBack(assembled, known).filter((m) => !turn.has(m.id ?? "")), ...pending];
     const additions = [...before, ...(r?.systemPromptAddition ? [r.systemPromptAddition] : []), ...after];
@@ -472,10 +530,12 @@ export class OpenClawEngine implements Engine {
   }
 
   async afterTurn(req: pb.AfterTurnRequest__Output, ctx: CallContext): Promise<pb.AfterTurnResult> {
+    const all = this.whole(req.sessionId, req.cursor, req.messages);
+    const pre = all.length - req.messages.length + Number(req.prePromptMessageCount);
     // The turn is in the transcript before the plugin hears of it (as in
     // OpenClaw, where the session file has the turn by then).
     this.transcripts.append(req.sessionId, req.messages);
-    const { messages, prePromptMessageCount } = this.snapshot(req);
+    const { messages, prePromptMessageCount } = this.snapshot(req.sessionId, all, pre);
     await this.invoke(ctx, "afterTurn", {
       sessionId: req.sessionId,
       sessionKey: req.sessionKey,
@@ -489,6 +549,13 @@ export class OpenClawEngine implements Engine {
       runtimeSettings: runtimeSettings(req.runtimeSettings),
       runtimeContext: this.runtimeContext(req.runtimeContext, ctx, "context-engine.afterTurn"),
     });
+    // The gateway moves the cursor over the request's messages now; a
+    // FULL request's are the whole visible history.
+    if (req.cursor) this.history.advance(req.sessionId, req.cursor, req.messages);
+    else {
+      this.history.forget(req.sessionId);
+      this.history.acknowledge(req.sessionId, req.messages);
+    }
     return {};
   }
 
@@ -519,8 +586,11 @@ export class OpenClawEngine implements Engine {
       isHeartbeat: req.isHeartbeat,
       runtimeContext: commitTurnRuntimeContext(req.runtimeContext),
     });
-    if (r?.status === "committed") return { status: "COMMIT_STATUS_COMMITTED" };
-    if (r?.status === "duplicate") return { status: "COMMIT_STATUS_DUPLICATE" };
+    if (r?.status === "committed" || r?.status === "duplicate") {
+      // The gateway's cursor moves over the committed turn.
+      this.history.acknowledge(req.sessionId, req.messages);
+      return { status: r.status === "committed" ? "COMMIT_STATUS_COMMITTED" : "COMMIT_STATUS_DUPLICATE" };
+    }
     throw EngineError.failedPrecondition(`the plugin's commitTurn answered status ${JSON.stringify(r?.status)}`);
   }
 
@@ -664,6 +734,7 @@ export class OpenClawEngine implements Engine {
     const hookCtx = { ...session, ...(req.agentId ? { agentId: req.agentId } : {}) };
     await within(ctx, () => this.hooks("session_end", { ...session, reason: "deleted" }, hookCtx));
     this.transcripts.forget(req.sessionId);
+    this.history.forget(req.sessionId);
     return {};
   }
 

@@ -7,8 +7,9 @@ import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from "node
 import { join } from "node:path";
 import { describe, test } from "node:test";
 import * as grpc from "@grpc/grpc-js";
-import type { pb } from "@ctxgate/engine-sdk";
+import { gapOf, type pb } from "@ctxgate/engine-sdk";
 import { pendingTurnStart } from "../src/engine.js";
+import { History } from "../src/history.js";
 import { Transcripts } from "../src/transcript.js";
 import { FIXTURES, call, compact, fakeHost, grant, runToEnd, start, temp } from "./support.js";
 
@@ -222,3 +223,97 @@ describe("the transcripts the host keeps", () => {
   });
 });
 
+
+describe("the history the host holds for DELTA requests", () => {
+  const said = (id: string, text = id) => ({ id, role: "ROLE_USER" as const, content: [{ text }] });
+  const cursor = (messageId: string, messageCount: number) =>
+    ({ messageId, messageCount, seq: 0, tokens: 0 }) as unknown as pb.HistoryCursor__Output;
+  const ids = (list: { id?: string }[] | undefined) => list?.map((m) => m.id);
+
+  test("stands for what the cursor names, or is a gap", () => {
+    const h = new History();
+    h.acknowledge("s", [said("a"), said("b"), said("c")]);
+    assert.deepEqual(ids(h.through("s", cursor("b", 2))), ["a", "b"]);
+    assert.deepEqual(ids(h.through("s", cursor("", 0))), []);
+    assert.equal(h.through("s", cursor("b", 3)), undefined, "a count that differs (the gateway restructured it)");
+    assert.equal(h.through("s", cursor("x", 1)), undefined, "an unknown message");
+    assert.equal(h.through("other", cursor("a", 1)), undefined);
+    // A message resent under its id replaces the one held (a rewrite, resynced).
+    h.acknowledge("s", [said("b", "rewritten")]);
+    assert.equal(h.through("s", cursor("c", 3))![1]!.content![0]!.text, "rewritten");
+    // An after-turn keeps only what its cursor covers, then takes its messages.
+    assert.ok(h.advance("s", cursor("b", 2), [said("d")]));
+    assert.deepEqual(ids(h.through("s", cursor("d", 3))), ["a", "b", "d"]);
+    assert.equal(h.through("s", cursor("c", 3)), undefined, "c left the branch");
+    assert.equal(h.advance("s", cursor("c", 3), [said("e")]), false);
+    assert.equal(h.through("s", cursor("d", 3)), undefined, "a gap forgets the session");
+  });
+
+  test("keeps the most recently used sessions", () => {
+    const h = new History(2);
+    for (const s of ["s1", "s2"]) h.acknowledge(s, [said("a")]);
+    h.through("s1", cursor("a", 1));
+    h.acknowledge("s3", [said("a")]);
+    assert.equal(h.size, 2);
+    assert.equal(h.through("s2", cursor("a", 1)), undefined, "the least recently used went");
+    assert.ok(h.through("s1", cursor("a", 1)));
+  });
+
+  test("is served: a DELTA Assemble gives the plugin the whole history, a gap is reported and resynced", async () => {
+    const e = await start(["--plugin", join(FIXTURES, "echo-plugin"), "--listen", "127.0.0.1:0", "--state-dir", temp()]);
+    const client = new grpc.Client(e.address, grpc.credentials.createInsecure());
+    const assemble = (messages: unknown[], c?: unknown) =>
+      call<pb.AssembleResult__Output>(client, "Assemble", { sessionId: "d1", messages, ...(c ? { cursor: c } : {}) });
+    const history = [said("u1"), said("u2"), said("u3")];
+    try {
+      const info = (await call<pb.EngineInfo__Output>(client, "GetInfo", {})).value!;
+      assert.equal(info.historyDelivery, "HISTORY_DELIVERY_DELTA");
+      await call(client, "IngestBatch", { sessionId: "d1", messages: history });
+      // The echo plugin returns what it is given: the held history, then the turn.
+      const delta = (await assemble([said("u4")], cursor("u3", 3))).value!;
+      assert.deepEqual(ids(delta.messages), ["u1", "u2", "u3", "u4"]);
+      const full = (await assemble([...history, said("u4")])).value!;
+      assert.deepEqual(ids(full.messages), ids(delta.messages), "a FULL request is still answered");
+      // A cursor the host does not hold: FAILED_PRECONDITION with the gap.
+      const gap = await assemble([said("u4")], cursor("u3", 4));
+      assert.equal(gap.err?.code, grpc.status.FAILED_PRECONDITION);
+      assert.ok(gapOf(gap.err!), gap.err?.message);
+      // The session is forgotten until the gateway resends it (with a rewrite in).
+      assert.ok((await assemble([said("u4")], cursor("u3", 3))).err);
+      await call(client, "IngestBatch", { sessionId: "d1", messages: [said("u1"), said("u2", "again"), said("u3")] });
+      const resynced = (await assemble([said("u4")], cursor("u3", 3))).value!;
+      assert.deepEqual(
+        resynced.messages.map((m) => [m.id, m.content[0]?.text]),
+        [
+          ["u1", "u1"],
+          ["u2", "again"],
+          ["u3", "u3"],
+          ["u4", "u4"],
+        ],
+      );
+      // AfterTurn: its messages follow the cursor, and are held after it.
+      const turn = [said("u4"), { id: "a4", role: "ROLE_ASSISTANT", content: [{ text: "ok" }] }];
+      const after = await call(client, "AfterTurn", {
+        sessionId: "d1",
+        messages: turn,
+        prePromptMessageCount: 0,
+        cursor: cursor("u3", 3),
+      });
+      assert.equal(after.err, undefined);
+      assert.deepEqual(ids((await assemble([said("u5")], cursor("a4", 5))).value?.messages), [
+        "u1",
+        "u2",
+        "u3",
+        "u4",
+        "a4",
+        "u5",
+      ]);
+      const lost = await call(client, "AfterTurn", { sessionId: "d1", messages: turn, cursor: cursor("a9", 9) });
+      assert.ok(gapOf(lost.err!));
+    } finally {
+      client.close();
+      e.child.kill("SIGTERM");
+      assert.equal(await e.exited, 0);
+    }
+  });
+});

@@ -1,0 +1,94 @@
+// The gateway's history of each session as this host acknowledged it, so
+// the host can be a DELTA engine: the gateway sends a cursor and what
+// follows it, and the host rebuilds the whole array a plugin expects (as
+// OpenClaw passes it) from what it holds. Unlike the plugin's transcript
+// file (transcript.ts, append-only, what OpenClaw's session file would
+// be), this is the gateway's *visible* history: a message resent under its
+// id (a rewrite, resynced) replaces the one held, and a history the gateway
+// restructured (a compaction summary first) no longer matches the cursor's
+// count, so the host reports a gap, forgets the session and the gateway
+// resends it whole (IngestBatch). In memory only: after a restart, or once
+// evicted, a session costs one such resync.
+import type { pb } from "@ctxgate/engine-sdk";
+
+type Proto = pb.AgentMessage__Output | pb.AgentMessage;
+
+interface Held {
+  messages: Proto[];
+  /** Message id → its index in `messages`. */
+  at: Map<string, number>;
+}
+
+/** Sessions held at once; the least recently used is forgotten first. */
+export const MAX_HELD_SESSIONS = 1024;
+
+export class History {
+  /** In order of use, the least recent first. */
+  private readonly sessions = new Map<string, Held>();
+
+  constructor(private readonly maxSessions = MAX_HELD_SESSIONS) {}
+
+  private use(sessionId: string): Held {
+    let held = this.sessions.get(sessionId);
+    if (held) this.sessions.delete(sessionId);
+    else held = { messages: [], at: new Map() };
+    this.sessions.set(sessionId, held);
+    if (this.sessions.size > this.maxSessions) this.sessions.delete(this.sessions.keys().next().value!);
+    return held;
+  }
+
+  /** How many sessions are held. */
+  get size(): number {
+    return this.sessions.size;
+  }
+
+  /** Acknowledged messages, in the gateway's order: a new id is appended,
+   * one held is replaced in place (its content may have been rewritten). */
+  acknowledge(sessionId: string, messages: readonly Proto[]): void {
+    const held = this.use(sessionId);
+    for (const m of messages) {
+      const id = m.id ?? "";
+      const i = held.at.get(id);
+      if (i === undefined) {
+        held.at.set(id, held.messages.length);
+        held.messages.push(m);
+      } else {
+        held.messages[i] = m;
+      }
+    }
+  }
+
+  /** The session held, when it holds exactly what the cursor says: the
+   * messages up to and including `cursor.messageId`, `cursor.messageCount`
+   * of them (an empty cursor: none), perhaps more after them. */
+  private covering(sessionId: string, cursor: pb.HistoryCursor__Output): Held | undefined {
+    const count = Number(cursor.messageCount);
+    if (!cursor.messageId) return count === 0 ? this.use(sessionId) : undefined;
+    const i = this.sessions.get(sessionId)?.at.get(cursor.messageId);
+    return i !== undefined && i + 1 === count ? this.use(sessionId) : undefined;
+  }
+
+  /** The whole history a DELTA request's cursor stands for (the request's
+   * messages follow it); undefined on a gap. */
+  through(sessionId: string, cursor: pb.HistoryCursor__Output): Proto[] | undefined {
+    return this.covering(sessionId, cursor)?.messages.slice(0, Number(cursor.messageCount));
+  }
+
+  /** Keeps only what the cursor covers (messages acknowledged after it are
+   * not on the gateway's branch: an after-turn that failed, a turn
+   * aborted), then acknowledges `after`. False, holding nothing, on a gap. */
+  advance(sessionId: string, cursor: pb.HistoryCursor__Output, after: readonly Proto[]): boolean {
+    const held = this.covering(sessionId, cursor);
+    if (!held) {
+      this.forget(sessionId);
+      return false;
+    }
+    for (const dropped of held.messages.splice(Number(cursor.messageCount))) held.at.delete(dropped.id ?? "");
+    this.acknowledge(sessionId, after);
+    return true;
+  }
+
+  forget(sessionId: string): void {
+    this.sessions.delete(sessionId);
+  }
+}
