@@ -1,11 +1,15 @@
 // The floor of an Assemble under the host: the plugin called in-process,
 // as OpenClaw calls it, on the same sessions as assemble.mjs (its history
-// ingested with the plugin's ingestBatch, then assemble given the history
-// before the turn in OpenClaw's form, converted once, outside the timing).
+// ingested with the plugin's ingestBatch; then, timed, what OpenClaw runs
+// of the plugin to build a turn's context — its before_prompt_build hooks
+// and assemble, given the history before the turn in OpenClaw's form
+// (converted once, outside the timing) and the budget the hooks' system
+// context leaves, as the host gives it).
 //   node bench/floor.mjs --plugin SPEC --plugin-config FILE --state-dir DIR --sizes 1000,10000 --budget 8000 [--calls N]
 // Prints one JSON row a size on stdout.
 import { toOpenClaw } from "@ctxgate/engine-sdk/openclaw";
-import { messagesTokens } from "@ctxgate/engine-sdk";
+import { messagesTokens, textTokens } from "@ctxgate/engine-sdk";
+import { hooksOf } from "../dist/src/api.js";
 import { startHost } from "../dist/src/host.js";
 import { history, nextTurn, timed } from "./history.mjs";
 
@@ -18,7 +22,7 @@ const sizes = (opt("--sizes") ?? "1000,10000").split(",").map(Number);
 const budget = Number(opt("--budget") ?? "8000");
 // Logs go to stderr, rows to stdout.
 console.info = console.log = (...a) => process.stderr.write(a.join(" ") + "\n");
-const { plugin } = await startHost(opt("--state-dir"), { plugin: opt("--plugin"), "plugin-config": opt("--plugin-config") });
+const { plugin, registry } = await startHost(opt("--state-dir"), { plugin: opt("--plugin"), "plugin-config": opt("--plugin-config") });
 for (const n of sizes) {
   const sessionId = `floor-${n}`;
   const openclaw = (list) => list.flatMap((m) => toOpenClaw(m, m.createdAtUnixMs));
@@ -30,16 +34,16 @@ for (const n of sizes) {
   }
   const next = nextTurn(n);
   const messages = openclaw(h);
-  const params = {
-    sessionId,
-    sessionKey: sessionId,
-    messages,
-    tokenBudget: budget - messagesTokens([next]),
-    availableTools: new Set(),
-    prompt: "what did we find about the cache?",
+  const session = { sessionId, sessionKey: sessionId };
+  const turn = async () => {
+    const built = [];
+    for (const hook of hooksOf(registry, "before_prompt_build")) built.push(await hook({ prompt: "", messages }, session));
+    const system = built.flatMap((b) => [b?.prependSystemContext, b?.appendSystemContext]).filter(Boolean);
+    const tokenBudget = Math.max(1, budget - textTokens(system.join("\n\n")) - messagesTokens([next]));
+    return plugin.assemble({ ...session, messages, tokenBudget, availableTools: new Set() });
   };
   const calls = opt("--calls");
-  const r = await timed(calls ? Number(calls) : n >= 10_000 ? 60 : 300, () => plugin.assemble(params));
+  const r = await timed(calls ? Number(calls) : n >= 10_000 ? 60 : 300, turn);
   const kept = Array.isArray(r.out?.messages) ? r.out.messages.length + 1 : 0;
   process.stdout.write(JSON.stringify({ n, rounds: r.rounds, p50: r.p50, p99: r.p99, kept, tokens: r.out?.estimatedTokens }) + "\n");
 }

@@ -28,6 +28,7 @@ import type {
   ContextEngineRuntimeContext,
   OpenClawConfig,
   OpenClawPluginServiceContext,
+  PluginHooks,
   SubagentEndReason,
   TranscriptRewriteRequest,
   TranscriptRewriteResult,
@@ -255,9 +256,18 @@ export class OpenClawEngine implements Engine {
     return out;
   }
 
-  private async hooks(name: string, event: Record<string, unknown>, ctx: Record<string, unknown>): Promise<unknown[]> {
-    const out: unknown[] = [];
-    for (const h of hooksOf(this.registry, name)) out.push(await h(event, ctx));
+  /** Runs the plugin's handlers of hook `name` in order; their answers
+   * (a handler is the plugin's: whatever it answers is checked by use). */
+  private async hooks<K extends keyof PluginHooks>(
+    name: K,
+    event: PluginHooks[K][0],
+    ctx: PluginHooks[K][1],
+  ): Promise<(Partial<PluginHooks[K][2]> | undefined)[]> {
+    const out: (Partial<PluginHooks[K][2]> | undefined)[] = [];
+    for (const h of hooksOf(this.registry, name)) {
+      const answer = await h({ ...event }, { ...ctx });
+      out.push(answer && typeof answer === "object" ? (answer as Partial<PluginHooks[K][2]>) : undefined);
+    }
     return out;
   }
 
@@ -422,11 +432,12 @@ export class OpenClawEngine implements Engine {
     // before_prompt_build → the system prompt addition. The gateway counts
     // the addition within the budget (OpenClaw keeps its system prompt
     // apart), so the plugin assembles within what the addition leaves.
-    const built = (await within(ctx, () =>
+    const built = await within(ctx, () =>
       this.hooks("before_prompt_build", { prompt: req.prompt ?? "", messages }, session),
-    )) as { prependSystemContext?: string; appendSystemContext?: string }[];
-    const before = built.map((b) => b?.prependSystemContext).filter((t): t is string => !!t);
-    const after = built.map((b) => b?.appendSystemContext).filter((t): t is string => !!t);
+    );
+    const text = (t: unknown): t is string => typeof t === "string" && t !== "";
+    const before = built.map((b) => b?.prependSystemContext).filter(text);
+    const after = built.map((b) => b?.appendSystemContext).filter(text);
     const reserved = textTokens([...before, ...after].join("\n\n")) + messagesTokens(pending);
     const budget =
       req.tokenBudget === undefined || req.tokenBudget === null
@@ -732,7 +743,11 @@ export class OpenClawEngine implements Engine {
   async forgetSession(req: pb.ForgetSessionRequest__Output, ctx: CallContext): Promise<pb.ForgetSessionResult> {
     const session = this.session(req.sessionId, req.sessionKey);
     const hookCtx = { ...session, ...(req.agentId ? { agentId: req.agentId } : {}) };
-    await within(ctx, () => this.hooks("session_end", { ...session, reason: "deleted" }, hookCtx));
+    const messageCount = this.transcripts.entries(req.sessionId).length;
+    const sessionFile = this.transcripts.pathOf(req.sessionId);
+    await within(ctx, () =>
+      this.hooks("session_end", { ...session, messageCount, reason: "deleted", sessionFile }, hookCtx),
+    );
     this.transcripts.forget(req.sessionId);
     this.history.forget(req.sessionId);
     return {};

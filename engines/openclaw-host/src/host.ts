@@ -6,7 +6,7 @@
 // host does not provide fails here, at start, with one sentence naming it.
 import { mkdirSync, readFileSync } from "node:fs";
 import { join, resolve } from "node:path";
-import { DEFAULT_OPENCLAW_VERSION, UnsupportedApi, createPluginApi, rootConfigFor } from "./api.js";
+import { DEFAULT_OPENCLAW_VERSION, type Registry, UnsupportedApi, createPluginApi, rootConfigFor } from "./api.js";
 import { OpenClawEngine } from "./engine.js";
 import { HOST_ROOT, SDK_ROOT, loadPlugin } from "./loader.js";
 import type { ContextEngine, PluginLogger } from "./openclaw-types.js";
@@ -81,28 +81,40 @@ function contractError(engineId: string, plugin: unknown): string | undefined {
   return `Context engine "${engineId}" factory returned an invalid ContextEngine: ${issues.join(", ")}.`;
 }
 
-/** The plugin's context engine, and the ctxgate engine serving it. */
+/** The plugin's context engine and what it registered, and the ctxgate
+ * engine serving them. */
 export interface Hosted {
   engine: OpenClawEngine;
   plugin: ContextEngine;
+  registry: Registry;
 }
 
-/** Loads the plugin `rest.plugin` (the command line's flags, parsed) and
- * starts the engine that serves it. */
-export async function startHost(stateDir: string | undefined, rest: Record<string, unknown>): Promise<Hosted> {
-  const spec = rest["plugin"] as string | undefined;
+/** The host's own command-line flags (main.ts), parsed. */
+export interface HostFlags {
+  plugin?: string;
+  "plugin-config"?: string;
+  "openclaw-version"?: string;
+  "agent-dir"?: string;
+  "workspace-dir"?: string;
+  "subagent-tool"?: string[];
+  "optional-tool"?: string[];
+}
+
+/** Loads the plugin `flags.plugin` and starts the engine that serves it. */
+export async function startHost(stateDir: string | undefined, flags: HostFlags): Promise<Hosted> {
+  const spec = flags.plugin;
   if (!spec) throw new StartError("--plugin SPEC is required (an npm package spec or a local path)");
   if (!stateDir) throw new StartError("--state-dir DIR is required (the plugin's files live there)");
   const dir = resolve(stateDir);
-  const version = openclawVersion(rest["openclaw-version"] as string | undefined);
+  const version = openclawVersion(flags["openclaw-version"]);
   // OpenClaw's state directory: plugins keep their databases under it.
   process.env["OPENCLAW_STATE_DIR"] ??= dir;
   // Where OpenClaw would put the main agent's files and workspace.
-  const agentDir = resolve((rest["agent-dir"] as string | undefined) ?? join(dir, "agents", "main", "agent"));
-  const workspaceDir = resolve((rest["workspace-dir"] as string | undefined) ?? join(dir, "workspace"));
+  const agentDir = resolve(flags["agent-dir"] ?? join(dir, "agents", "main", "agent"));
+  const workspaceDir = resolve(flags["workspace-dir"] ?? join(dir, "workspace"));
   mkdirSync(agentDir, { recursive: true });
   mkdirSync(workspaceDir, { recursive: true });
-  const pluginConfig = readPluginConfig(rest["plugin-config"] as string | undefined);
+  const pluginConfig = readPluginConfig(flags["plugin-config"]);
   const loaded = await loadPlugin(spec, join(HOST_ROOT, ".plugins"));
   const def = loaded.definition;
   const exportedId = typeof def === "object" ? def.id : undefined;
@@ -116,13 +128,13 @@ export async function startHost(stateDir: string | undefined, rest: Record<strin
   const log = logger(id);
   const subagentOnly = new Set([
     ...(KNOWN_SUBAGENT_TOOLS[id] ?? []),
-    ...((rest["subagent-tool"] as string[] | undefined) ?? []),
+    ...(flags["subagent-tool"] ?? []),
   ]);
   const transcripts = new Transcripts(dir);
   const rootConfig = rootConfigFor(id, pluginConfig, workspaceDir);
   const tools = new Tools({
     subagentOnly,
-    allowOptional: new Set((rest["optional-tool"] as string[] | undefined) ?? []),
+    allowOptional: new Set(flags["optional-tool"] ?? []),
     declaredNames: loaded.manifest ? (loaded.manifest.contracts?.tools ?? []) : undefined,
     baseContext: () => ({
       config: rootConfig,
@@ -207,5 +219,5 @@ export async function startHost(stateDir: string | undefined, rest: Record<strin
       `tools: ${tools.definitions.map((t) => t.name).join(", ") || "none"}; ` +
       `not served: ${registry.notServed.join(", ") || "nothing"}`,
   );
-  return { engine, plugin };
+  return { engine, plugin, registry };
 }

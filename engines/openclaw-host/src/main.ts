@@ -9,7 +9,7 @@
 import { join } from "node:path";
 import { serveMain } from "@ctxgate/engine-sdk";
 import type { OpenClawEngine } from "./engine.js";
-import { startHost } from "./host.js";
+import { type HostFlags, startHost } from "./host.js";
 import { HOST_ROOT, loadPlugin } from "./loader.js";
 
 let engine: OpenClawEngine | undefined;
@@ -38,7 +38,8 @@ if (only >= 0) {
 
 await serveMain(
   async (args, rest) => {
-    engine = (await startHost(args.stateDir, rest)).engine;
+    // The flags below, as parseArgs typed them.
+    engine = (await startHost(args.stateDir, rest as HostFlags)).engine;
     return engine;
   },
   {

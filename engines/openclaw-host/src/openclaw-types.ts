@@ -372,6 +372,65 @@ export interface OpenClawPluginCommandDefinition {
   handler?: unknown;
 }
 
+/** before_prompt_build (OpenClaw's PluginHookBeforePromptBuildEvent). */
+export interface PluginHookBeforePromptBuildEvent {
+  prompt: string;
+  currentUserMessage?: string;
+  currentUserMessageId?: string;
+  /** Session messages prepared for this run. */
+  messages: unknown[];
+}
+
+/** What a before_prompt_build handler may answer; the host uses the two
+ * system-context fields (the contract's system prompt addition). */
+export interface PluginHookBeforePromptBuildResult {
+  systemPrompt?: string;
+  prependContext?: string;
+  appendContext?: string;
+  toolsAllow?: string[];
+  prependSystemContext?: string;
+  appendSystemContext?: string;
+}
+
+export type PluginHookSessionEndReason =
+  | "new"
+  | "reset"
+  | "idle"
+  | "daily"
+  | "compaction"
+  | "deleted"
+  | "shutdown"
+  | "restart"
+  | "unknown";
+
+export interface PluginHookSessionEndEvent {
+  sessionId: string;
+  sessionKey?: string;
+  messageCount: number;
+  durationMs?: number;
+  reason?: PluginHookSessionEndReason;
+  sessionFile?: string;
+  transcriptArchived?: boolean;
+  nextSessionId?: string;
+  nextSessionKey?: string;
+}
+
+export interface PluginHookSessionContext {
+  agentId?: string;
+  sessionId: string;
+  sessionKey?: string;
+}
+
+/** The hooks the host fires: event, context and answer of each, as
+ * OpenClaw types them — but gateway_start, whose OpenClaw event names the
+ * gateway's port: a host serving one engine has no gateway port to give. */
+export interface PluginHooks {
+  before_prompt_build: [PluginHookBeforePromptBuildEvent, PluginHookSessionContext, PluginHookBeforePromptBuildResult];
+  session_end: [PluginHookSessionEndEvent, PluginHookSessionContext, void];
+  gateway_start: [Record<string, never>, Record<string, never>, void];
+  gateway_stop: [{ reason?: string }, Record<string, never>, void];
+}
+
 export interface PluginHookRegistrationOptions {
   priority?: number;
   timeoutMs?: number;

@@ -133,10 +133,11 @@ describe("the OpenClaw host", () => {
         (await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested,
         false,
       );
-      // ForgetSession: session_end with reason "deleted", the host's transcript dropped.
+      // ForgetSession: session_end with reason "deleted" and the messages held (OpenClaw's
+      // event), the host's transcript dropped.
       assert.ok(existsSync(join(state, "sessions")));
       await call(client, "ForgetSession", { sessionId: "s2" });
-      assert.match((await tool('{"say":"events"}')).value!.content[0]!.text!, /session_end s2 deleted/);
+      assert.match((await tool('{"say":"events"}')).value!.content[0]!.text!, /session_end s2 deleted 1$/);
       assert.equal(
         (await call<pb.IngestResult__Output>(client, "Ingest", { sessionId: "s2", message: m })).value?.ingested,
         true,
