@@ -313,7 +313,8 @@ struct Stack {
     gateway: Option<EngineProcess>,
     /// How the first gateway was started (program, arguments).
     first_gateway: (std::path::PathBuf, Vec<String>),
-    _more: Vec<EngineProcess>,
+    /// The other gateways (`--gateways N`).
+    more: Vec<EngineProcess>,
     _engine: Option<EngineProcess>,
     postgres: Option<ctxgate_tests::postgres::Postgres>,
     _dir: tempfile::TempDir,
@@ -396,7 +397,7 @@ impl Stack {
             channels,
             gateway: Some(gateway),
             first_gateway,
-            _more: gateways,
+            more: gateways,
             _engine: engine_process,
             postgres,
             _dir: dir,
@@ -447,6 +448,12 @@ impl Stack {
 
     fn gateway(&self) -> &EngineProcess {
         self.gateway.as_ref().expect("the first gateway runs (it is missing only inside restart)")
+    }
+
+    /// CPU time every gateway has used: with several, a turn's cost is
+    /// theirs together.
+    fn gateways_cpu(&self) -> Duration {
+        self.gateway.iter().chain(&self.more).map(|g| cpu_time(g.pid())).sum()
     }
 
     /// Stops the first gateway (SIGTERM: a clean shutdown) and starts it
@@ -721,12 +728,13 @@ async fn run(args: Args) -> Result<bool, String> {
             for round in 1..=rounds {
                 let before = stack.store_work().await;
                 let calls_before = stack.statement_calls(args.statements).await;
-                let cpu = cpu_time(stack.gateway().pid());
+                let cpu = stack.gateways_cpu();
                 let (t, e) = closed_until(&stack, sessions, limit).await;
                 t.report(&format!("closed loop, {engine}, {sessions} sessions, round {round}"), e);
-                let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
+                let used = stack.gateways_cpu().saturating_sub(cpu);
                 println!(
-                    "  gateway CPU: {:.0} µs per turn ({:.0} % of a core)",
+                    "  gateway CPU{}: {:.0} µs per turn ({:.0} % of a core)",
+                    if stack.more.is_empty() { "" } else { " (all gateways)" },
                     used.as_secs_f64() * 1e6 / t.latencies.len().max(1) as f64,
                     100.0 * used.as_secs_f64() / e.as_secs_f64()
                 );
@@ -750,9 +758,9 @@ async fn run(args: Args) -> Result<bool, String> {
             stack.warm_up(sessions).await?;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
-            let cpu = cpu_time(stack.gateway().pid());
+            let cpu = stack.gateways_cpu();
             let (t, e) = open(&stack, rate, seconds, sessions, false).await;
-            let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
+            let used = stack.gateways_cpu().saturating_sub(cpu);
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered"), e);
             print_call_cpu(used, &t, e);
             println!("gateway RSS: idle {:.1} MiB, peak {:.1} MiB", mib(idle), mib(watch.peak()));
@@ -770,9 +778,9 @@ async fn run(args: Args) -> Result<bool, String> {
             let rate = saturation * factor;
             let idle = stack.rss_kib();
             let watch = RssWatch::start(stack.gateway().pid());
-            let cpu = cpu_time(stack.gateway().pid());
+            let cpu = stack.gateways_cpu();
             let (t, e) = open(&stack, rate, seconds / 2.0, open_sessions, true).await;
-            let used = cpu_time(stack.gateway().pid()).saturating_sub(cpu);
+            let used = stack.gateways_cpu().saturating_sub(cpu);
             t.report(&format!("open loop, {engine}, {rate:.0}/s offered ({factor}× saturation)"), e);
             print_call_cpu(used, &t, e);
             t.report_timeline(Duration::from_millis(500));
