@@ -155,8 +155,8 @@ impl SessionGate {
                     return Ok(Held { claim: Some(held), _local: local });
                 }
                 Claimed::Busy { owner } => {
+                    tracing::debug!(session = session_id, owner, ?pause, "session held by another gateway");
                     if policy == BusyPolicy::Reject {
-                        tracing::debug!(session = session_id, owner, "session held by another gateway");
                         return Err(CoreError::Busy(BusyError::Busy));
                     }
                     tokio::select! {
