@@ -144,7 +144,9 @@ export class OpenClawEngine implements Engine {
   /** The gateway's history of each session, for DELTA requests (history.ts). */
   private readonly history = new History();
   /** Each held message in OpenClaw's form, converted once (a DELTA
-   * Assemble hands the plugin the whole history every call). */
+   * Assemble hands the plugin the whole history every call). The plugin is
+   * given the same objects each call, as OpenClaw gives it its session's
+   * messages: one that edits them in place edits later turns' input too. */
   private readonly converted = new WeakMap<Proto, OcMessage[]>();
 
   constructor(private readonly o: EngineOptions) {
@@ -625,6 +627,10 @@ export class OpenClawEngine implements Engine {
       },
       abortSignal: ctx.signal,
     });
+    // The gateway applies the rewrite under the same message ids and keeps
+    // the cursor: the held copy would keep the old content. Forgotten, the
+    // next DELTA call finds a gap and the gateway resends the history.
+    if (replacements.length > 0) this.history.forget(req.sessionId);
     return {
       replacements,
       ...(allowed.size > 0 ? { allowedRewriteSuffixEntryIds: [...allowed] } : {}),

@@ -42,19 +42,37 @@ export class History {
     return this.sessions.size;
   }
 
-  /** Acknowledged messages, in the gateway's order: a new id is appended,
-   * one held is replaced in place (its content may have been rewritten). */
+  /**
+   * Acknowledged messages, in the gateway's order: a new id is appended, a
+   * held one replaced in place (its content may have been rewritten). A
+   * batch that does not follow the copy's order (a held id that is not the
+   * next one, a new id after a held one that was not the last) shows the
+   * copy is stale: it is started again from that message, so the next
+   * cursor finds a gap and the gateway resends the history whole.
+   */
   acknowledge(sessionId: string, messages: readonly Proto[]): void {
-    const held = this.use(sessionId);
+    let held = this.use(sessionId);
+    /** Where the batch's previous message sits in the copy. */
+    let previous: number | undefined;
     for (const m of messages) {
       const id = m.id ?? "";
       const i = held.at.get(id);
-      if (i === undefined) {
-        held.at.set(id, held.messages.length);
-        held.messages.push(m);
-      } else {
+      const next = previous === undefined ? undefined : previous + 1;
+      if (i !== undefined && (next === undefined || i === next)) {
         held.messages[i] = m;
+        previous = i;
+        continue;
       }
+      if (i === undefined && (next === undefined || next === held.messages.length)) {
+        previous = held.messages.push(m) - 1;
+        held.at.set(id, previous);
+        continue;
+      }
+      this.forget(sessionId);
+      held = this.use(sessionId);
+      held.at.set(id, 0);
+      held.messages.push(m);
+      previous = 0;
     }
   }
 
@@ -64,8 +82,13 @@ export class History {
   private covering(sessionId: string, cursor: pb.HistoryCursor__Output): Held | undefined {
     const count = Number(cursor.messageCount);
     if (!cursor.messageId) return count === 0 ? this.use(sessionId) : undefined;
-    const i = this.sessions.get(sessionId)?.at.get(cursor.messageId);
-    return i !== undefined && i + 1 === count ? this.use(sessionId) : undefined;
+    const held = this.sessions.get(sessionId);
+    const i = held?.at.get(cursor.messageId);
+    // The cursor names the last message in branch order, which for a
+    // compaction's summary (shown first, stored after what it keeps) is
+    // the first of the `count` held.
+    const summary = i === 0 && count > 1 && held!.messages.length >= count;
+    return i !== undefined && (i + 1 === count || summary) ? this.use(sessionId) : undefined;
   }
 
   /** The whole history a DELTA request's cursor stands for (the request's

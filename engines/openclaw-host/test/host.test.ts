@@ -250,6 +250,26 @@ describe("the history the host holds for DELTA requests", () => {
     assert.equal(h.through("s", cursor("d", 3)), undefined, "a gap forgets the session");
   });
 
+  test("starts again from a batch that does not follow its order, and finds a summary's cursor", () => {
+    const h = new History();
+    h.acknowledge("s", [said("a"), said("b"), said("c")]);
+    // A resync in order (the same ids, a rewrite in) keeps the copy.
+    h.acknowledge("s", [said("a"), said("b", "new"), said("c"), said("d")]);
+    assert.deepEqual(ids(h.through("s", cursor("d", 4))), ["a", "b", "c", "d"]);
+    // b is held but not next after d: stale, started again from b.
+    h.acknowledge("s", [said("d"), said("b"), said("e")]);
+    assert.equal(h.through("s", cursor("e", 5)), undefined, "a gap, not a wrong order");
+    assert.deepEqual(ids(h.through("s", cursor("e", 2))), ["b", "e"]);
+    // A new id after a held one that is not the last: stale too.
+    h.acknowledge("t", [said("a"), said("b"), said("c")]);
+    h.acknowledge("t", [said("a"), said("x")]);
+    assert.equal(h.through("t", cursor("x", 4)), undefined);
+    // A compaction's cursor names its summary, held first.
+    h.acknowledge("u", [said("summary"), said("k1"), said("k2")]);
+    assert.deepEqual(ids(h.through("u", cursor("summary", 3))), ["summary", "k1", "k2"]);
+    assert.equal(h.through("u", cursor("summary", 4)), undefined);
+  });
+
   test("keeps the most recently used sessions", () => {
     const h = new History(2);
     for (const s of ["s1", "s2"]) h.acknowledge(s, [said("a")]);
