@@ -80,7 +80,7 @@ async fn one_turn(c: &mut GatewayClient<tonic::transport::Channel>, key: &str) {
 
 /// One harness turn: begin (→ admitted, engine, context), append the
 /// reply, end accepted.
-async fn one_harness_turn(c: &mut HarnessClient<tonic::transport::Channel>, key: &str) {
+async fn one_harness_turn(c: &mut HarnessClient<tonic::transport::Channel>, key: &str, end_with: bool) {
     let msg = |role: Role, t: &str| AgentMessage {
         role: role as i32,
         content: vec![ContentPart { part: Some(Part::Text(t.into())) }],
@@ -103,7 +103,7 @@ async fn one_harness_turn(c: &mut HarnessClient<tonic::transport::Channel>, key:
         ..Default::default()
     };
     loop {
-        match harness_attempt(c, begin.clone(), msg(Role::Assistant, "All green, 412 tests passed.")).await {
+        match harness_attempt(c, begin.clone(), msg(Role::Assistant, "All green, 412 tests passed."), end_with).await {
             Ok(()) => return,
             Err(s) if shed(&s).await => continue,
             Err(s) => panic!("{s:?}"),
@@ -115,6 +115,7 @@ async fn harness_attempt(
     c: &mut HarnessClient<tonic::transport::Channel>,
     begin: api::Begin,
     reply: AgentMessage,
+    end_with: bool,
 ) -> Result<(), tonic::Status> {
     use api::harness_event::Event as H;
     use api::harness_request::Request as R;
@@ -131,9 +132,15 @@ async fn harness_attempt(
         }
     };
     next_until(|e| matches!(e, H::Context(_))).await?;
-    send(R::Append(api::Append { messages: vec![reply] }));
-    next_until(|e| matches!(e, H::Appended(_))).await?;
-    send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() }));
+    let accepted = api::TurnOutcome::Accepted as i32;
+    if end_with {
+        // The answer stored with the end: one round trip and one write fewer.
+        send(R::End(api::End { outcome: accepted, messages: vec![reply], ..Default::default() }));
+    } else {
+        send(R::Append(api::Append { messages: vec![reply] }));
+        next_until(|e| matches!(e, H::Appended(_))).await?;
+        send(R::End(api::End { outcome: accepted, ..Default::default() }));
+    }
     next_until(|e| matches!(e, H::Ended(_))).await?;
     drop(tx);
     while events.next().await.is_some() {}
@@ -174,12 +181,15 @@ impl Gateway {
 enum Driver {
     Managed,
     Harness,
+    /// The answer carried by `end` instead of an `append`.
+    HarnessEndWith,
 }
 
 async fn turn(driver: Driver, channel: &tonic::transport::Channel, key: &str) {
     match driver {
         Driver::Managed => one_turn(&mut GatewayClient::new(channel.clone()), key).await,
-        Driver::Harness => one_harness_turn(&mut HarnessClient::new(channel.clone()), key).await,
+        Driver::Harness => one_harness_turn(&mut HarnessClient::new(channel.clone()), key, false).await,
+        Driver::HarnessEndWith => one_harness_turn(&mut HarnessClient::new(channel.clone()), key, true).await,
     }
 }
 
@@ -436,7 +446,7 @@ async fn call_tool_round_trip(rounds: usize) -> (Duration, Duration) {
         next_until(|e| matches!(e, H::ToolResult(_))).await;
         took.push(started.elapsed());
     }
-    send(R::End(api::End { outcome: api::TurnOutcome::Aborted as i32, reason: String::new() }));
+    send(R::End(api::End { outcome: api::TurnOutcome::Aborted as i32, ..Default::default() }));
     next_until(|e| matches!(e, H::Ended(_))).await;
     drop(tx);
     gateway.stop().await;
@@ -452,11 +462,12 @@ async fn main() {
     let (per_session_1, per_session_64, idle) = if quick() { (50, 2, 500) } else { (2_000, 40, 10_000) };
     println!("ctxgate gateway benchmark ({} run)", if quick() { "quick" } else { "full" });
     for (concurrency, per) in [(1, per_session_1), (64, per_session_64)] {
-        for driver in [Driver::Managed, Driver::Harness] {
+        for driver in [Driver::Managed, Driver::Harness, Driver::HarnessEndWith] {
             let rate = turns_per_second(driver, concurrency, per).await;
             let what = match driver {
                 Driver::Managed => "managed turns (RunTurn, offline model)      ",
                 Driver::Harness => "harness turns (begin, context, append, end)",
+                Driver::HarnessEndWith => "harness turns (begin, context, end + answer)",
             };
             let sheds = SHEDS.swap(0, std::sync::atomic::Ordering::Relaxed);
             println!(

@@ -197,7 +197,16 @@ impl Drive {
 
     /// Sends `end`, reads `ended`, closes its side and waits for the close.
     pub async fn end(&mut self, outcome: api::TurnOutcome) -> Result<api::Ended, tonic::Status> {
-        self.send(R::End(api::End { outcome: outcome as i32, reason: String::new() })).await;
+        self.end_with(outcome, Vec::new()).await
+    }
+
+    /// [`Drive::end`] carrying the turn's last `messages`.
+    pub async fn end_with(
+        &mut self,
+        outcome: api::TurnOutcome,
+        messages: Vec<pb::AgentMessage>,
+    ) -> Result<api::Ended, tonic::Status> {
+        self.send(R::End(api::End { outcome: outcome as i32, reason: String::new(), messages })).await;
         let ended = self.until(|e| if let H::Ended(x) = e { Some(*x) } else { None }).await?;
         self.close();
         while self.next().await?.is_some() {}

@@ -968,7 +968,7 @@ async fn store_reply(d: &mut Drive, reply: &str) -> Result<(), String> {
 }
 
 async fn send_end(d: &mut Drive) {
-    d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
+    d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, ..Default::default() })).await;
 }
 
 async fn await_ended(d: &mut Drive) -> Result<api::Ended, String> {

@@ -150,6 +150,46 @@ async fn a_tool_loop_through_the_window_engine_assembles_before_every_call_and_c
 }
 
 #[tokio::test]
+async fn an_accepted_end_stores_its_messages_with_the_turn_and_bad_ones_abort_it() {
+    let w = WindowSetup::start().await;
+    let g = &w.g;
+    let hc = client(&g.endpoint);
+    // The tool loop's result and the final answer come with `end`.
+    let mut drive = Drive::open(&hc, begin("last", "question")).await.unwrap();
+    drive.context().await.unwrap();
+    drive.append(vec![tool_call("call-1", "calculator", "{\"expression\":\"6*7\"}")]).await.unwrap();
+    let last = vec![tool_result("call-1", "calculator", "42"), text(Role::Assistant, "the answer: 42")];
+    let ended = drive.end_with(api::TurnOutcome::Accepted, last).await.unwrap();
+    assert!(ended.engine_committed, "the window engine took the turn");
+    let roles = |got: Vec<(Role, String)>| got.into_iter().map(|(r, _)| r).collect::<Vec<_>>();
+    assert_eq!(roles(shape(g, "last").await), [Role::User, Role::Assistant, Role::Tool, Role::Assistant]);
+    assert_eq!(w.engine_rows("messages"), 4, "the engine was committed the end's messages too");
+
+    // What `append` refuses, `end` refuses, and the turn is aborted.
+    let refused = [
+        (vec![text(Role::User, "not mine")], "end.messages[0].role"),
+        (vec![tool_result("call-9", "calculator", "1")], "end.messages[0].content[0].tool_result.tool_call_id"),
+    ];
+    for (messages, field) in refused {
+        let mut drive = Drive::open(&hc, begin("last", "again")).await.unwrap();
+        drive.context().await.unwrap();
+        let status = status_of(drive.end_with(api::TurnOutcome::Accepted, messages).await);
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains(field), "{status:?}");
+    }
+    let mut drive = Drive::open(&hc, begin("last", "and again")).await.unwrap();
+    drive.context().await.unwrap();
+    let status = status_of(drive.end_with(api::TurnOutcome::Aborted, vec![text(Role::Assistant, "x")]).await);
+    assert_eq!((status.code(), status.message().contains("only an accepted turn")), (Code::InvalidArgument, true));
+    // The refused turns left the branch; their user messages stay (as an abort leaves them).
+    let got = shape(g, "last").await;
+    assert_eq!(got.len(), 7, "{got:?}");
+    assert!(got[4..].iter().all(|(r, _)| *r == Role::User), "{got:?}");
+    assert_eq!(w.engine_rows("commits"), 1);
+    w.g.stop().await;
+}
+
+#[tokio::test]
 async fn dropping_the_stream_mid_tool_loop_aborts_the_turn_and_blames_nobody() {
     let (engine, g) = fault_gateway("hang-on-tools").await;
     let hc = client(&g.endpoint);
@@ -485,7 +525,7 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     // history it refuses.
     let mut d = Drive::admitted(&hc, begin("bad", "dangling")).await;
     d.append(vec![tool_call("open", "calculator", "{}")]).await.unwrap();
-    d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
+    d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, ..Default::default() })).await;
     let s = d.status().await;
     assert_eq!(s.code(), Code::FailedPrecondition);
     assert!(s.message().contains("tool call \"open\" has no result"), "{s:?}");
@@ -500,11 +540,11 @@ async fn bad_harness_input_is_refused_with_the_field_and_stores_nothing() {
     // After end: append and a second end are refused; nothing changes.
     for late in [
         R::Append(api::Append { messages: vec![text(Role::Assistant, "late")] }),
-        R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() }),
+        R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, ..Default::default() }),
     ] {
         let mut d = Drive::admitted(&hc, begin("late", "hi")).await;
         d.append(vec![text(Role::Assistant, "answer")]).await.unwrap();
-        d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, reason: String::new() })).await;
+        d.send(R::End(api::End { outcome: api::TurnOutcome::Accepted as i32, ..Default::default() })).await;
         d.send(late).await;
         d.until(|e| matches!(e, H::Ended(_)).then_some(())).await.unwrap();
         let s = d.status().await;

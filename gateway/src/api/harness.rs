@@ -187,7 +187,10 @@ impl Drive {
         };
         match self.steps(&mut turn, assembles).await {
             Ok(end) => {
-                let finished = turn.finish(outcome(&end)?, Vec::new()).await?;
+                let outcome = outcome(&end)?;
+                // Refused: the turn is dropped, which aborts it.
+                let last = turn.ending_with(end.messages, &outcome, "end.messages")?;
+                let finished = turn.finish(outcome, last).await?;
                 let ended = api::Ended { outcome: end.outcome, engine_committed: finished.engine_committed };
                 self.out.answer(H::Ended(ended)).await?;
                 self.after_end().await

@@ -575,6 +575,37 @@ impl Turn {
         Ok(stored.into_iter().map(|e| e.id).collect())
     }
 
+    /// The messages a harness ends its turn with (`field`), checked as an
+    /// append of them is, for [`Turn::finish`] to store with the turn's end.
+    /// Only an accepted turn ends with messages.
+    pub fn ending_with(
+        &mut self,
+        messages: Vec<AgentMessage>,
+        outcome: &Outcome,
+        field: &str,
+    ) -> Result<Vec<AgentMessage>, CoreError> {
+        if messages.is_empty() {
+            return Ok(messages);
+        }
+        if !matches!(outcome, Outcome::Accepted) {
+            return Err(CoreError::invalid(field, "only an accepted turn ends with messages"));
+        }
+        let additions = self.ledger.check_append(&messages, field)?;
+        // Recorded now so that the close sees their tool calls answered;
+        // their entry ids come with the close.
+        self.ledger.record(additions, &[]);
+        let now = now_unix_ms();
+        Ok(messages
+            .into_iter()
+            .map(|mut m| {
+                if m.created_at_unix_ms == 0 {
+                    m.created_at_unix_ms = now;
+                }
+                m
+            })
+            .collect())
+    }
+
     /// Compaction inside the turn (force, target=budget) after `trigger`
     /// said the prompt is too large: a failure is a warning and the turn
     /// goes on; only an abort ends it.
