@@ -560,15 +560,8 @@ impl Turn {
     /// Returns the entry ids, in order.
     pub async fn append(&mut self, messages: Vec<AgentMessage>, field: &str) -> Result<Vec<String>, StepError> {
         let additions = self.ledger.check_append(&messages, field)?;
-        let entries = messages
-            .into_iter()
-            .map(|mut m| {
-                if m.created_at_unix_ms == 0 {
-                    m.created_at_unix_ms = now_unix_ms();
-                }
-                NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }
-            })
-            .collect();
+        let entries =
+            stamped(messages).map(|m| NewEntry { turn_id: self.turn_id.clone(), entry: Entry::Message(m) }).collect();
         let stored = self.services.store.append(&self.session.session_id, entries).await?;
         self.ledger.record(additions, &stored);
         self.view.remember(&stored);
@@ -594,16 +587,7 @@ impl Turn {
         // Recorded now so that the close sees their tool calls answered;
         // their entry ids come with the close.
         self.ledger.record(additions, &[]);
-        let now = now_unix_ms();
-        Ok(messages
-            .into_iter()
-            .map(|mut m| {
-                if m.created_at_unix_ms == 0 {
-                    m.created_at_unix_ms = now;
-                }
-                m
-            })
-            .collect())
+        Ok(stamped(messages).collect())
     }
 
     /// Compaction inside the turn (force, target=budget) after `trigger`
@@ -682,4 +666,14 @@ struct Assembled {
     addition: Option<String>,
     may_overflow: bool,
     projection: Option<pb::ContextProjection>,
+}
+
+/// A client's messages, those without a creation time given now's.
+fn stamped(messages: Vec<AgentMessage>) -> impl Iterator<Item = AgentMessage> {
+    messages.into_iter().map(|mut m| {
+        if m.created_at_unix_ms == 0 {
+            m.created_at_unix_ms = now_unix_ms();
+        }
+        m
+    })
 }
