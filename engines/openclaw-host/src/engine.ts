@@ -21,6 +21,7 @@ import {
 } from "@ctxgate/engine-sdk";
 import { type Registry, hooksOf } from "./api.js";
 import { type OcMessage, fromOpenClaw, matchBack } from "./convert.js";
+import { BoundedMap } from "./bounded.js";
 import { History } from "./history.js";
 import type {
   ContextEngine,
@@ -132,10 +133,10 @@ export interface EngineOptions {
 }
 
 export class OpenClawEngine implements Engine {
-  private readonly rollbacks = new Map<string, () => void | Promise<void>>();
+  private readonly rollbacks = new BoundedMap<string, () => void | Promise<void>>(MAX_ROLLBACKS);
   /** Per session, what the plugin last assembled (OpenClaw's agent
    * messages before the prompt): afterTurn's snapshot starts with it. */
-  private readonly assembled = new Map<string, OcMessage[]>();
+  private readonly assembled = new BoundedMap<string, OcMessage[]>(MAX_ASSEMBLED);
   private readonly plugin: ContextEngine;
   private readonly registry: Registry;
   private readonly toolbox: Tools;
@@ -326,9 +327,7 @@ export class OpenClawEngine implements Engine {
   }
 
   private remember(sessionId: string, assembled: OcMessage[]): void {
-    this.assembled.delete(sessionId);
     this.assembled.set(sessionId, assembled);
-    if (this.assembled.size > MAX_ASSEMBLED) this.assembled.delete(this.assembled.keys().next().value!);
   }
 
   /**
@@ -718,7 +717,6 @@ export class OpenClawEngine implements Engine {
       ttlMs: optionalNumber(req.ttlMs),
     });
     if (!r || typeof r.rollback !== "function") return { prepared: !!r };
-    if (this.rollbacks.size >= MAX_ROLLBACKS) this.rollbacks.delete(this.rollbacks.keys().next().value!);
     const token = randomUUID();
     this.rollbacks.set(token, r.rollback);
     return { prepared: true, rollbackToken: token };

@@ -10,6 +10,7 @@
 // resends it whole (IngestBatch). In memory only: after a restart, or once
 // evicted, a session costs one such resync.
 import type { pb } from "@ctxgate/engine-sdk";
+import { BoundedMap } from "./bounded.js";
 
 type Proto = pb.AgentMessage__Output | pb.AgentMessage;
 
@@ -23,18 +24,19 @@ interface Held {
 export const MAX_HELD_SESSIONS = 1024;
 
 export class History {
-  /** In order of use, the least recent first. */
-  private readonly sessions = new Map<string, Held>();
+  private readonly sessions: BoundedMap<string, Held>;
 
-  constructor(private readonly maxSessions = MAX_HELD_SESSIONS) {}
+  constructor(maxSessions = MAX_HELD_SESSIONS) {
+    this.sessions = new BoundedMap(maxSessions);
+  }
 
+  /** The session's copy (an empty one if none), marked most recently used. */
   private use(sessionId: string): Held {
-    let held = this.sessions.get(sessionId);
-    if (held) this.sessions.delete(sessionId);
-    else held = { messages: [], at: new Map() };
-    this.sessions.set(sessionId, held);
-    if (this.sessions.size > this.maxSessions) this.sessions.delete(this.sessions.keys().next().value!);
-    return held;
+    const held = this.sessions.use(sessionId);
+    if (held) return held;
+    const made = { messages: [], at: new Map() };
+    this.sessions.set(sessionId, made);
+    return made;
   }
 
   /** How many sessions are held. */

@@ -5,6 +5,7 @@
 // protocol, since LlmComplete carries text only.
 import { randomUUID } from "node:crypto";
 import type { CallContext } from "@ctxgate/engine-sdk";
+import { BoundedMap } from "./bounded.js";
 import type { OcMessage } from "./convert.js";
 import type { LlmCompleteMessage } from "./openclaw-types.js";
 import { current, llmCompleteFor, within } from "./runtime.js";
@@ -47,7 +48,7 @@ export function parseToolCall(text: string): { name: string; arguments: Record<s
 
 export class Subagents {
   private readonly runs = new Map<string, Run>();
-  private readonly sessions = new Map<string, OcMessage[]>();
+  private readonly sessions = new BoundedMap<string, OcMessage[]>(MAX_SESSIONS);
 
   constructor(
     private readonly tools: Tools,
@@ -88,7 +89,6 @@ export class Subagents {
     const ctx = current.getStore();
     const sessionKey = String(p.sessionKey ?? "");
     const runId = `run-${randomUUID()}`;
-    if (this.sessions.size >= MAX_SESSIONS) this.sessions.delete(this.sessions.keys().next().value!);
     const messages: OcMessage[] = [
       { role: "user", content: [{ type: "text", text: String(p.message ?? "") }], timestamp: Date.now() },
     ];

@@ -21,6 +21,7 @@ import {
 } from "node:fs";
 import { join } from "node:path";
 import type { pb } from "@ctxgate/engine-sdk";
+import { BoundedMap } from "./bounded.js";
 import { type OcMessage, openClawCount, toOpenClaw } from "./convert.js";
 
 type Proto = pb.AgentMessage__Output | pb.AgentMessage;
@@ -74,14 +75,11 @@ function appendDurably(path: string, text: string): void {
 }
 
 export class Transcripts {
-  /** In order of use, the least recent first. */
-  private readonly sessions = new Map<string, Session>();
+  private readonly sessions: BoundedMap<string, Session>;
   readonly dir: string;
 
-  constructor(
-    stateDir: string,
-    private readonly maxCached = MAX_CACHED_SESSIONS,
-  ) {
+  constructor(stateDir: string, maxCached = MAX_CACHED_SESSIONS) {
+    this.sessions = new BoundedMap(maxCached);
     this.dir = join(stateDir, "sessions");
     mkdirSync(this.dir, { recursive: true });
   }
@@ -99,12 +97,8 @@ export class Transcripts {
   }
 
   private load(sessionId: string): Session {
-    let s = this.sessions.get(sessionId);
-    if (s) {
-      this.sessions.delete(sessionId);
-      this.sessions.set(sessionId, s);
-      return s;
-    }
+    let s = this.sessions.use(sessionId);
+    if (s) return s;
     const path = this.pathOf(sessionId);
     s = { path, ids: new Set(), lastId: null, messages: [], times: new Map() };
     if (existsSync(path)) {
@@ -130,7 +124,6 @@ export class Transcripts {
       }
     }
     this.sessions.set(sessionId, s);
-    if (this.sessions.size > this.maxCached) this.sessions.delete(this.sessions.keys().next().value!);
     return s;
   }
 
